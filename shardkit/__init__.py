@@ -1,0 +1,74 @@
+"""shardkit: fully sharded data parallelism on DTensor, and checkpoints that
+reshard, convert and migrate anywhere fsspec reaches.
+
+The public surface is re-exported here::
+
+    from shardkit import fully_shard, MixedPrecisionPolicy      # the sharding core
+    from shardkit import FullyShardedDataParallel, ShardingStrategy  # FSDP1 surface
+    from shardkit.wrap import transformer_auto_wrap_policy       # FSDP1 wrap policies
+    import shardkit.checkpoint as skc                             # save / load / convert
+
+Names resolve lazily so that ``import shardkit`` stays cheap and the
+checkpoint half never pulls in the runtime (DESIGN: data flows one way).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_RUNTIME = "shardkit.runtime"
+_FSDP1 = "shardkit.fsdp1"
+
+_EXPORTS: dict[str, str] = {
+    # the sharding core (FSDP2 contract)
+    "fully_shard": _RUNTIME,
+    "FSDPModule": _RUNTIME,
+    "UnshardHandle": _RUNTIME,
+    "register_fsdp_forward_method": _RUNTIME,
+    "MixedPrecisionPolicy": _RUNTIME,
+    "OffloadPolicy": _RUNTIME,
+    "CPUOffloadPolicy": _RUNTIME,
+    # the FSDP1 surface mapped onto the core
+    "FullyShardedDataParallel": _FSDP1,
+    "ShardingStrategy": _FSDP1,
+    "MixedPrecision": _FSDP1,
+    "CPUOffload": _FSDP1,
+    "BackwardPrefetch": _FSDP1,
+    "StateDictType": _FSDP1,
+    "StateDictConfig": _FSDP1,
+    "FullStateDictConfig": _FSDP1,
+    "ShardedStateDictConfig": _FSDP1,
+    "LocalStateDictConfig": _FSDP1,
+    "OptimStateDictConfig": _FSDP1,
+    "FullOptimStateDictConfig": _FSDP1,
+    "ShardedOptimStateDictConfig": _FSDP1,
+    "LocalOptimStateDictConfig": _FSDP1,
+    "OptimStateKeyType": _FSDP1,
+    "StateDictSettings": _FSDP1,
+}
+
+_SUBMODULES = {"checkpoint", "errors", "runtime", "fsdp1", "wrap", "cli"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"shardkit.{name}")
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from shardkit.fsdp1 import *  # noqa: F401,F403
+    from shardkit.runtime import *  # noqa: F401,F403

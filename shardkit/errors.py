@@ -1,0 +1,126 @@
+"""Every user-facing failure in shardkit, in one place.
+
+A user who catches ``ShardkitError`` catches everything shardkit raises on
+purpose; anything else escaping is a bug.  Messages name the key, file, URL or
+argument at fault and say what to do next, because the person reading them is
+often looking at a log from a job that died hours ago.
+
+The families mirror the two halves of the project:
+
+* ``ShardingError`` and its children: misuse of ``fully_shard`` and the FSDP1
+  surface (a bad mesh, a module sharded twice, a parameter that cannot be
+  sharded, a call in the wrong training state).
+* ``CheckpointError`` and its children: anything about saving, loading,
+  converting or verifying a checkpoint.
+
+Several classes also derive from the built-in exception a Python user would
+reach for (``ValueError``, ``FileNotFoundError``, ``FileExistsError``), so
+code written against the standard library keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardkitError",
+    "ConfigurationError",
+    "ShardingError",
+    "AlreadyShardedError",
+    "UnsupportedMeshError",
+    "UnshardableParameterError",
+    "TrainingStateError",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "CheckpointExists",
+    "CorruptCheckpoint",
+    "ChecksumMismatch",
+    "InvalidManifest",
+    "UnsafeCheckpoint",
+    "UnsupportedVersion",
+    "UnsupportedFormat",
+    "IncompatibleStateDict",
+    "StorageError",
+]
+
+
+class ShardkitError(Exception):
+    """Base of every error shardkit raises on purpose."""
+
+
+class ConfigurationError(ShardkitError, ValueError):
+    """An argument, option or policy value that cannot be honoured."""
+
+
+# --------------------------------------------------------------------------
+# The sharding core
+
+
+class ShardingError(ShardkitError):
+    """``fully_shard`` or the FSDP1 surface was used in a way that cannot work."""
+
+
+class AlreadyShardedError(ShardingError, ValueError):
+    """``fully_shard`` was applied twice to the same module."""
+
+
+class UnsupportedMeshError(ShardingError, ValueError):
+    """The device mesh has a shape or device that sharding cannot use (e.g. 3-D)."""
+
+
+class UnshardableParameterError(ShardingError, ValueError):
+    """A parameter cannot be sharded as asked: a scalar, a non-contiguous
+    tensor, a shard dim that does not divide evenly, or a parameter owned by two
+    groups."""
+
+
+class TrainingStateError(ShardingError, RuntimeError):
+    """A call arrived in a training state where it has no meaning (for example,
+    ``summon_full_params`` during forward)."""
+
+
+# --------------------------------------------------------------------------
+# The checkpoint subsystem
+
+
+class CheckpointError(ShardkitError):
+    """Anything about saving, loading, converting or verifying a checkpoint."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (no manifest) at the URL, or a file it names is missing."""
+
+
+class CheckpointExists(CheckpointError, FileExistsError):
+    """The destination already holds a committed checkpoint and overwriting was not asked for."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Stored data does not match what the manifest promises (truncated, damaged, holes)."""
+
+
+class ChecksumMismatch(CorruptCheckpoint):
+    """A chunk's bytes do not match the checksum recorded when it was written."""
+
+
+class InvalidManifest(CorruptCheckpoint):
+    """The manifest (or a container header) is malformed, inconsistent or out of bounds."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """The checkpoint asks for something shardkit refuses on principle: a path
+    outside the checkpoint, or a pickled object outside the allowlist."""
+
+
+class UnsupportedVersion(CheckpointError):
+    """The checkpoint was written by a newer format version than this shardkit reads."""
+
+
+class UnsupportedFormat(CheckpointError, ValueError):
+    """The source is not a format shardkit recognises, or the conversion is not possible."""
+
+
+class IncompatibleStateDict(CheckpointError, ValueError):
+    """Checkpoint and target disagree: missing or unexpected keys, shapes or dtypes."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed after bounded retries (timeout, full disk, permission)."""

@@ -1,0 +1,71 @@
+"""The multi-rank harness itself: torchrun-like ranks, fast failures, no orphans."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import PG_TIMEOUT_S, RankFailure, run_on_ranks
+
+
+def _identity_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")},
+        "sum": t.item(),
+        "pid": os.getpid(),
+    }
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one says no")
+    dist.barrier()
+
+
+def _mismatched_collective():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.zeros(3))
+    else:
+        dist.barrier()
+        dist.barrier()
+
+
+def _pid():
+    return os.getpid()
+
+
+def test_ranks_see_torchrun_environment_and_a_gloo_group():
+    out = run_on_ranks(3, _identity_and_sum)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["world"] == 3 and o["backend"] == "gloo" and o["sum"] == 6.0 for o in out)
+    assert [o["env"]["RANK"] for o in out] == ["0", "1", "2"]
+    assert all(o["env"]["MASTER_ADDR"] == "127.0.0.1" for o in out)
+
+
+def test_an_exception_on_one_rank_fails_with_its_traceback_and_kills_the_pool():
+    pids = run_on_ranks(2, _pid)
+    with pytest.raises(RankFailure, match="rank one says no") as info:
+        run_on_ranks(2, _raise_on_rank_one)
+    assert "--- rank 1 ---" in str(info.value)
+    time.sleep(0.5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # the next call gets a fresh, working group
+    assert run_on_ranks(2, _identity_and_sum)[1]["sum"] == 3.0
+
+
+def test_a_mismatched_collective_fails_in_seconds_not_minutes():
+    start = time.monotonic()
+    with pytest.raises(RankFailure):
+        run_on_ranks(2, _mismatched_collective, timeout=PG_TIMEOUT_S + 30)
+    assert time.monotonic() - start < PG_TIMEOUT_S + 15
