@@ -1,0 +1,122 @@
+"""Small models shared by the test suite.
+
+``Transformer`` is the parity workhorse: an embedding, a few pre-norm blocks,
+a final norm and an output projection, with dims chosen so that dim 0 of most
+parameters does *not* divide 2, 3 or 4 ranks (vocab 37, dim 26, ffn 51) while a
+few do.  That exercises padding and uneven shards on every world size we test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 37
+    dim: int = 26
+    n_heads: int = 2
+    n_layers: int = 3
+    ffn_dim: int = 51
+    max_seq_len: int = 16
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.n_heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, h, d // h).transpose(1, 2)
+
+        q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(args.dim)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.LayerNorm(args.dim)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs = ModelArgs()) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every submodule in place (used after meta-device construction)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+
+def make_batch(args: ModelArgs, batch: int, seed: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic (tokens, targets) for next-token prediction."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = seq_len or args.max_seq_len
+    data = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class MLPStack(nn.Module):
+    """Three linears whose dim-0 sizes (3, 7, 1) leave some ranks with zero rows."""
+
+    def __init__(self, dim: int = 5) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(dim, 3)
+        self.l1 = nn.Linear(3, 7)
+        self.l2 = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
