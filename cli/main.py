@@ -1,22 +1,95 @@
-"""Entry point of the ``shardkit`` command."""
+"""Entry point of the ``shardkit`` command: the group, global options, and error handling.
+
+The command only parses, calls :mod:`shardkit.checkpoint`, and renders.
+Messages and progress go to stderr, data to stdout.  A
+:class:`~shardkit.errors.ShardkitError` becomes one line ``error: ...`` and a
+non-zero exit; ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
+
+import sys
+import traceback
 
 import click
 
 from shardkit import __version__
 
+EXIT_FAILED = 1        # the command ran and found a problem (verify damage, diff difference) or a ShardkitError
+EXIT_USAGE = 2         # click's own usage errors
+EXIT_INTERNAL = 3      # an unexpected exception: a bug
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class Settings:
+    """Global options, handed to every command through click's context object."""
+
+    def __init__(self, debug: bool = False, quiet: bool = False) -> None:
+        self.debug = debug
+        self.quiet = quiet
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="shardkit")
-def cli() -> None:
-    """Inspect, verify, compare, reshard and convert checkpoints.
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr (errors still print).")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool, quiet: bool) -> None:
+    """Inspect, verify, compare, reshard and convert checkpoints, on any storage.
+
+    SRC and DST are paths or fsspec URLs (file://, memory://, s3://, gs://, ...).
+    Formats: shardkit (native), dcp (torch.distributed.checkpoint), hf
+    (safetensors file or folder), torch (torch.save file).
 
     \b
     Example:
       shardkit inspect ./ckpt/step-100
+      shardkit reshard ./ckpt/step-100 s3://bucket/step-100-ws8 --world-size 8
     """
+    ctx.obj = Settings(debug=debug, quiet=quiet)
 
 
-def main() -> None:
-    cli()
+def _register() -> None:
+    from shardkit.cli import commands
+
+    for command in commands.COMMANDS:
+        cli.add_command(command)
+
+
+_register_done = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (``shardkit``), also ``python -m shardkit``."""
+    global _register_done
+    if not _register_done:
+        _register()
+        _register_done = True
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args
+    try:
+        code = cli.main(args=args, prog_name="shardkit", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns errors into exit codes
+        from shardkit.errors import ShardkitError
+
+        if debug:
+            traceback.print_exc()
+        if isinstance(exc, ShardkitError):
+            click.echo(f"error: {_one_line(str(exc))}", err=True)
+            sys.exit(EXIT_FAILED)
+        click.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
+                   "traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(no message)"

@@ -1,0 +1,281 @@
+"""The ``shardkit`` subcommands: reshard, convert, inspect, verify, diff.
+
+Each one parses its options, calls the library function of the same name in
+:mod:`shardkit.checkpoint.convert`, and renders the result.  Exit code 0 means
+success; 1 means the command found a problem (verify: damage, diff: a
+difference) or failed with a one-line error.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from shardkit.cli.render import echo_json, human_bytes, storage_options, table
+
+COMMON_STORAGE = [
+    click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
+                 help="fsspec option for SRC (and DST unless --dst-storage-option); repeatable."),
+]
+
+
+def _storage(fn):
+    for deco in reversed(COMMON_STORAGE):
+        fn = deco(fn)
+    return fn
+
+
+def _io_options(fn):
+    opts = [
+        click.option("--dst-storage-option", "dst_opts", multiple=True, metavar="KEY=VALUE",
+                     help="fsspec option for DST only; repeatable."),
+        click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST."),
+        click.option("--max-memory", default="256MiB", show_default=True,
+                     help="Memory budget for data in flight (e.g. 512MiB, 2GB)."),
+        click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 256),
+                     help="Parallel ranged reads / uploads."),
+        click.option("--only", multiple=True, metavar="GLOB", help="Keep only keys matching GLOB; repeatable."),
+        click.option("--exclude", multiple=True, metavar="GLOB", help="Drop keys matching GLOB; repeatable."),
+        click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename keys (re.sub); repeatable."),
+        click.option("--model-only", is_flag=True, help="Keep model weights only (drop optimizer state)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
+    ]
+    for deco in reversed(opts):
+        fn = deco(fn)
+    return _storage(fn)
+
+
+def _progress(ctx: click.Context):
+    if ctx.obj.quiet:
+        return None
+    from shardkit.checkpoint.offline_progress import Progress
+
+    return Progress(stream=sys.stderr)
+
+
+def _mesh(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        dims = tuple(int(x) for x in value.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: write e.g. 2x4", param_hint="--mesh") from None
+    if not 1 <= len(dims) <= 2 or min(dims) < 1:
+        raise click.BadParameter(f"{value!r}: one or two positive sizes, e.g. 8 or 2x4", param_hint="--mesh")
+    return dims
+
+
+def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
+    if as_json:
+        echo_json(result.__dict__)
+        return
+    if not ctx.obj.quiet:
+        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {result.tensors} tensors, "
+                   f"{human_bytes(result.bytes)}" + (f" ({human_bytes(result.skipped_bytes)} already there, kept)"
+                                                     if result.skipped_bytes else ""), err=True)
+        if result.dropped:
+            click.echo(f"left out {len(result.dropped)} keys (filters/format), e.g. {result.dropped[0]}", err=True)
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--world-size", type=click.IntRange(1, 1 << 20), help="Number of ranks the output is laid out for.")
+@click.option("--mesh", help="2-D layout RxS (replicas x shards), e.g. 2x4; replicated data is written once.")
+@click.option("--dtype", help="Cast model weights to bf16/fp16/fp32 on the way.")
+@click.option("--dtype-optim", is_flag=True, help="With --dtype, cast floating optimizer state too.")
+@click.option("--compression", metavar="zstd[:LEVEL]", help="Compress each chunk with zstd (default level 1).")
+@_io_options
+@click.pass_context
+def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, dtype: str | None,
+            dtype_optim: bool, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
+            overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
+            rename: tuple[str, ...], model_only: bool, as_json: bool) -> int:
+    """Write SRC as a shardkit checkpoint laid out for N ranks, each rank's shards in its own file(s).
+
+    SRC may be any format shardkit reads; optimizer state is resharded with the
+    weights.  Streams chunk by chunk in bounded memory; rerunning after an
+    interruption resumes (data files already written and verified are kept).
+    Under torchrun the work is split across the ranks.
+
+    \b
+    Example:
+      shardkit reshard ./ckpt/step-100 ./ckpt/step-100-ws8 --world-size 8
+      shardkit reshard s3://a/ckpt s3://b/ckpt --mesh 2x4 --compression zstd:3 \\
+          --storage-option client_kwargs.endpoint_url=http://127.0.0.1:9000
+    """
+    from shardkit.checkpoint.offline_scaleout import run_reshard
+
+    so = storage_options(storage_opts)
+    result = run_reshard(src, dst, world_size=world_size, mesh=_mesh(mesh), dtype=dtype, dtype_optim=dtype_optim,
+                         compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
+                         overwrite=overwrite, storage_options=so,
+                         dst_storage_options=storage_options(dst_opts) if dst_opts else so, max_memory=max_memory,
+                         workers=workers, progress=_progress(ctx))
+    if result is not None:
+        _report_written(ctx, result, as_json)
+    return 0
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", required=True, type=click.Choice(["shardkit", "hf", "torch", "dcp"]),
+              help="Output format.")
+@click.option("--from", "src_format", type=click.Choice(["shardkit", "hf", "torch", "dcp"]),
+              help="Source format (detected when omitted).")
+@click.option("--dtype", help="Cast model weights to bf16/fp16/fp32 on the way.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="HF output: cap per shard file.")
+@click.option("--compression", metavar="zstd[:LEVEL]", help="shardkit output: compress each chunk with zstd.")
+@_io_options
+@click.pass_context
+def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | None, dtype: str | None,
+            max_shard_size: str, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
+            overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
+            rename: tuple[str, ...], model_only: bool, as_json: bool) -> int:
+    """Convert SRC (format detected) to another format at DST.
+
+    HF output has size-capped shards, an index and the source's side files
+    (config.json, tokenizer files); DCP output is readable by torch's
+    dcp.load; torch output is one torch.save file.  Keys use shardkit's
+    flattened names (model.<param>, optim.state.<param>.<name>).
+
+    \b
+    Example:
+      shardkit convert ./llama-hf ./llama-sk --to shardkit
+      shardkit convert ./ckpt/step-100 ./export --to hf --max-shard-size 2GB --dtype bf16
+      shardkit convert ./dcp-ckpt model.pt --to torch --model-only --exclude '*.rotary*'
+    """
+    from shardkit.checkpoint.convert import convert as do_convert
+
+    so = storage_options(storage_opts)
+    result = do_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
+                        dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
+                        storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
+                        max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx))
+    _report_written(ctx, result, as_json)
+    return 0
+
+
+@click.command()
+@click.argument("src")
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
+@click.option("--limit", default=0, type=int, help="Show at most this many tensors in the table (0: all).")
+@_storage
+@click.pass_context
+def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opts: tuple[str, ...]) -> int:
+    """Show a checkpoint's format, layout, metadata, tensors and totals.
+
+    \b
+    Example:
+      shardkit inspect ./ckpt/step-100
+      shardkit inspect s3://bucket/ckpt --json | jq .totals
+    """
+    from shardkit.checkpoint.convert import inspect as do_inspect
+
+    info = do_inspect(src, storage_options=storage_options(storage_opts))
+    if as_json:
+        echo_json(info)
+        return 0
+    layout = info["layout"] or {}
+    click.echo(f"{info['url']}: {info['format']} checkpoint")
+    if layout:
+        click.echo("layout: " + ", ".join(f"{k} {v}" for k, v in layout.items()))
+    if info["meta"]:
+        click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
+    if info["values"]:
+        click.echo("values: " + ", ".join(info["values"]))
+    shown = info["tensors"][:limit] if limit else info["tensors"]
+    click.echo(table(([t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", human_bytes(t["bytes"]),
+                       t["chunks"]] for t in shown), ["name", "dtype", "shape", "size", "chunks"], "lllrr"))
+    if len(shown) < len(info["tensors"]):
+        click.echo(f"... {len(info['tensors']) - len(shown)} more")
+    tot = info["totals"]
+    click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
+               f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")
+    return 0
+
+
+@click.command()
+@click.argument("src")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 256), help="Parallel reads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@_storage
+@click.pass_context
+def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_opts: tuple[str, ...]) -> int:
+    """Check every checksum and the coverage of every tensor; exit 1 naming any damage.
+
+    \b
+    Example:
+      shardkit verify ./ckpt/step-100
+      shardkit verify s3://bucket/ckpt --workers 16
+    """
+    from shardkit.checkpoint.convert import verify as do_verify
+
+    report = do_verify(src, storage_options=storage_options(storage_opts), workers=workers, progress=_progress(ctx))
+    if as_json:
+        echo_json(report.to_json())
+    elif report.ok:
+        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors, "
+                   f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f} s "
+                   f"({human_bytes(report.rate)}/s)")
+    else:
+        for problem in report.problems:
+            click.echo(f"damaged: {' '.join(problem.split())}", err=True)
+    if not report.ok:
+        if not as_json:
+            click.echo(f"error: {src} is damaged ({len(report.problems)} problem(s)): "
+                       f"{' '.join(report.problems[0].split())}", err=True)
+        return 1
+    return 0
+
+
+@click.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance.")
+@click.option("--max-memory", default="256MiB", show_default=True, help="Memory budget for blocks being compared.")
+@click.option("--b-storage-option", "b_opts", multiple=True, metavar="KEY=VALUE", help="fsspec option for B only.")
+@click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@_storage
+@click.pass_context
+def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memory: str, b_opts: tuple[str, ...],
+         show_all: bool, as_json: bool, storage_opts: tuple[str, ...]) -> int:
+    """Per-tensor max abs/rel difference of two checkpoints in any formats and layouts.
+
+    Exit 0 only when every tensor and value is equal (bitwise), or within
+    --atol/--rtol when given.
+
+    \b
+    Example:
+      shardkit diff ./ckpt/step-100 ./export-hf
+      shardkit diff ./a ./b --atol 1e-3 --rtol 1e-2
+    """
+    from shardkit.checkpoint.convert import diff as do_diff
+
+    so = storage_options(storage_opts)
+    report = do_diff(a, b, atol=atol, rtol=rtol, storage_options=so,
+                     b_storage_options=storage_options(b_opts) if b_opts else so, max_memory=max_memory,
+                     progress=_progress(ctx))
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        rows = [[t.name, t.status, f"{t.max_abs:.3g}", f"{t.max_rel:.3g}", t.detail] for t in report.tensors
+                if show_all or t.status != "equal"]
+        if rows:
+            click.echo(table(rows, ["name", "status", "max_abs", "max_rel", "detail"], "llrrl"))
+        for name in report.values:
+            click.echo(f"value {name}: differs")
+        n_eq = sum(t.status == "equal" for t in report.tensors)
+        verdict = "equal" if report.equal else "DIFFERENT"
+        click.echo(f"{verdict}: {n_eq}/{len(report.tensors)} tensors bitwise equal, "
+                   f"max abs diff {max([t.max_abs for t in report.tensors], default=0.0):.3g}, "
+                   f"{len(report.values)} values differ")
+    return 0 if report.equal else 1
+
+
+COMMANDS = [reshard, convert, inspect, verify, diff]

@@ -1,0 +1,58 @@
+"""Rendering for the ``shardkit`` command: tables, sizes, JSON, and option parsing helpers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence
+
+import click
+
+from shardkit.checkpoint.offline_progress import human_bytes
+
+__all__ = ["table", "echo_json", "storage_options", "human_bytes"]
+
+
+def table(rows: Iterable[Sequence[Any]], header: Sequence[str], align: str = "") -> str:
+    """A plain aligned text table; ``align`` holds 'l'/'r' per column (default left)."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [len(h) for h in header]
+    for r in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, r)]
+    align = align or "l" * len(header)
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(r, widths, align)).rstrip()
+
+    return "\n".join([fmt(list(header)), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
+    """``KEY=VALUE`` pairs → fsspec storage options.
+
+    VALUE is parsed as JSON when it is valid JSON (numbers, true/false, objects)
+    and kept as a string otherwise; dotted keys nest, so
+    ``client_kwargs.endpoint_url=http://127.0.0.1:9000`` works.
+    """
+    if not pairs:
+        return None
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise click.BadParameter(f"{pair!r}: write KEY=VALUE", param_hint="--storage-option")
+        key, raw = pair.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise click.BadParameter(f"{pair!r}: {part} is not an object", param_hint="--storage-option")
+        node[parts[-1]] = value
+    return out

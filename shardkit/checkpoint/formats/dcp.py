@@ -1,0 +1,304 @@
+"""torch.distributed.checkpoint (DCP) directories: read safely, write for ``dcp.load``.
+
+A DCP checkpoint is a directory of ``__<rank>_<n>.distcp`` payload files plus
+one pickled ``.metadata``.  The metadata maps every flattened key to its saved
+chunks (``TensorStorageMetadata``) and every chunk to a byte range in a payload
+file (``storage_data``).  Each tensor chunk is, by default, a ``torch.save`` blob
+of that chunk.
+
+Reading: ``.metadata`` is raw pickle, which executes whatever it names, so we
+read it with an unpickler that only constructs DCP's own metadata dataclasses,
+``torch.Size``, dtypes/layouts and a few harmless builtins; any other global
+raises :class:`~shardkit.errors.UnsafeCheckpoint`.  Payload blobs are decoded
+with ``torch.load(weights_only=True)``.  This module is the only place in
+shardkit that imports :mod:`pickle`, and only for that restricted reader.
+
+Writing: payloads are ``torch.save`` blobs (bounded: a tensor larger than the
+block size is written as several dim-0 chunks, which DCP supports natively),
+and the ``.metadata`` object is built from torch's public DCP classes and
+handed to torch's own ``FsspecWriter.finish`` to be serialized and committed.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle  # restricted metadata reader only; see _MetadataUnpickler
+import re
+from typing import Any, Callable
+
+import torch
+
+from shardkit.checkpoint.offline_io import Location
+from shardkit.checkpoint.offline_source import (SavedChunk, TensorEntry, iter_row_blocks, object_path,
+                                                rows_per_block)
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+
+__all__ = ["DcpSource", "is_dcp", "read_dcp_metadata", "write_dcp"]
+
+METADATA_NAME = ".metadata"
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[str, set[str]] = {
+    _DCP_META: {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    # older torch kept TensorProperties next to ShardedTensor
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+_TRANSFORM_ZSTD = re.compile(r"^stream\.zstd/1$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Constructs only DCP metadata classes and torch sizes/dtypes; refuses everything else."""
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            if module.startswith("torch.distributed._shard"):
+                module = _DCP_META
+                name = name.lstrip("_") if name != "MEM_FORMAT_ENCODING" else "_MEM_FORMAT_ENCODING"
+            return getattr(__import__(module, fromlist=[name]), name)
+        raise UnsafeCheckpoint(
+            f"DCP metadata asks to construct {module}.{name}, which is not a DCP metadata class; "
+            "refusing to unpickle it (the file may be malicious or from an unsupported torch)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpoint("DCP metadata contains a persistent id; refusing to unpickle it")
+
+
+def read_dcp_metadata(data: bytes, where: str = METADATA_NAME) -> Any:
+    """Decode a DCP ``.metadata`` blob with the restricted unpickler."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # any malformed pickle stream
+        raise InvalidManifest(f"{where}: not a readable DCP metadata file ({type(exc).__name__}: {exc})") from exc
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise InvalidManifest(f"{where}: DCP metadata holds {type(metadata).__name__}, not Metadata")
+    return metadata
+
+
+def is_dcp(loc: Location) -> bool:
+    return loc.isdir() and loc.exists(METADATA_NAME)
+
+
+def _json_safe(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v, where) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v, where) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise UnsupportedFormat(f"{where}: non-tensor value of type {type(value).__name__} cannot be carried as JSON")
+
+
+def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
+    """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        m = re.match(r"^(.*param_groups)\.(\d+)\.([^.]+)$", key)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+        else:
+            out[key] = value
+    for prefix, by_index in groups.items():
+        out[prefix] = [by_index[i] for i in sorted(by_index)]
+    return out
+
+
+class DcpSource:
+    """A DCP directory as a :class:`~shardkit.checkpoint.offline_source.Source`."""
+
+    format = "dcp"
+
+    def __init__(self, loc: Location) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        self.url = loc.url
+        self._loc = loc
+        self._md = read_dcp_metadata(loc.read(METADATA_NAME), loc.child_url(METADATA_NAME))
+        storage = self._md.storage_data or {}
+        self._where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        for index, info in storage.items():
+            offset = None if index.offset is None else tuple(int(o) for o in index.offset)
+            self._where[(index.fqn, offset)] = info
+        self._tensors: dict[str, TensorEntry] = {}
+        self._value_keys: list[str] = []
+        for fqn, md in self._md.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(int(s) for s in md.size)
+                chunks = []
+                for c in md.chunks:
+                    offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)
+                    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+                        raise InvalidManifest(f"{self.url}: chunk {offsets}+{sizes} of {fqn!r} lies outside {shape}")
+                    info = self._where.get((fqn, offsets))
+                    if info is None:
+                        raise InvalidManifest(f"{self.url}: no storage entry for chunk {offsets} of {fqn!r}")
+                    chunks.append(SavedChunk(offsets, sizes, info))
+                self._tensors[fqn] = TensorEntry(fqn, md.properties.dtype, shape, tuple(chunks))
+            elif isinstance(md, BytesStorageMetadata):
+                self._value_keys.append(fqn)
+            else:
+                raise InvalidManifest(f"{self.url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
+        self._values: dict[str, Any] | None = None
+        self._cache: tuple[Any, torch.Tensor] | None = None
+
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self._tensors
+
+    def meta(self) -> dict[str, Any]:
+        return {"dcp_version": self._md.version}
+
+    def _blob(self, info: Any) -> io.BytesIO:
+        path = str(info.relative_path)
+        data = self._loc.read(path, int(info.offset), int(info.offset) + int(info.length))
+        for desc in reversed(list(getattr(info, "transform_descriptors", None) or ())):
+            if not _TRANSFORM_ZSTD.match(desc):
+                raise UnsupportedFormat(f"{self._loc.child_url(path)}: DCP stream transform {desc!r} is not supported")
+            import zstandard
+
+            data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+        return io.BytesIO(data)
+
+    def _decode(self, info: Any, where: str) -> Any:
+        try:
+            return torch.load(self._blob(info), map_location="cpu", weights_only=True)
+        except UnsafeCheckpoint:
+            raise
+        except Exception as exc:
+            if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({exc})".splitlines()[0]) from exc
+            raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({exc})".splitlines()[0]) from exc
+
+    def values(self) -> dict[str, Any]:
+        if self._values is None:
+            raw = {}
+            for key in self._value_keys:
+                info = self._where.get((key, None))
+                if info is None:
+                    raise InvalidManifest(f"{self.url}: no storage entry for value {key!r}")
+                raw[key] = _json_safe(self._decode(info, f"{self.url} [{key}]"), f"{self.url} [{key}]")
+            self._values = _nest_param_groups(raw)
+        return self._values
+
+    def read_rows(self, entry: TensorEntry, chunk: SavedChunk, start: int, stop: int) -> torch.Tensor:
+        # A DCP chunk is one torch.save blob; decode it once and serve row blocks from it.
+        if self._cache is None or self._cache[0] is not chunk.ref:
+            self._cache = None
+            tensor = self._decode(chunk.ref, f"{self.url} [{entry.fqn} @ {chunk.offsets}]")
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
+                raise InvalidManifest(f"{self.url}: chunk {chunk.offsets} of {entry.fqn!r} decodes to "
+                                      f"{getattr(tensor, 'shape', type(tensor))}, expected {chunk.shape}")
+            if tensor.dtype != entry.dtype:
+                raise InvalidManifest(f"{self.url}: chunk of {entry.fqn!r} is {tensor.dtype}, expected {entry.dtype}")
+            self._cache = (chunk.ref, tensor)
+        tensor = self._cache[1]
+        return tensor if not chunk.shape else tensor[start:stop]
+
+    def close(self) -> None:
+        self._cache = None
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Flatten list-of-dict values the way DCP's ``flatten_state_dict`` does (``a.0.lr``)."""
+    out: dict[str, Any] = {}
+
+    def visit(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{key}.{k}", v)
+        elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+            for i, v in enumerate(value):
+                visit(f"{key}.{i}", v)
+        else:
+            out[key] = value
+
+    for key, value in values.items():
+        visit(key, value)
+    return out
+
+
+def write_dcp(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: dict[str, Any],
+              fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], *, block_bytes: int,
+              on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
+
+    ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
+    written in dim-0 blocks of at most ``block_bytes`` (one DCP chunk each).
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from shardkit.checkpoint.offline_io import with_retries
+
+    data_name = "__0_0.distcp"
+    state_md: dict[str, Any] = {}
+    results: list[Any] = []
+    planner_data: dict[str, tuple[Any, ...]] = {}
+    with with_retries(dst.child_url(data_name), lambda: dst.fs.open(dst.child(data_name), "wb")) as out:
+        pos = 0
+
+        def put(blob: bytes, payload: int = 0) -> tuple[int, int]:
+            nonlocal pos
+            with_retries(dst.child_url(data_name), lambda: out.write(blob))
+            start, pos = pos, pos + len(blob)
+            on_bytes(payload)
+            return start, len(blob)
+
+        for key, value in _flatten_values(values).items():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            start, length = put(buf.getvalue())
+            state_md[key] = BytesStorageMetadata()
+            index = MetadataIndex(key)
+            results.append(WriteResult(index=index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(data_name, start, length)))
+            planner_data[key] = object_path(key)
+        for fqn, dtype, shape in tensors:
+            chunks = []
+            blocks = [(0, 0)] if not shape else list(iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)))
+            if shape and shape[0] == 0:
+                blocks = [(0, 0)]
+            for r0, r1 in blocks:
+                offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
+                box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
+                tensor = fetch(fqn, offsets, box).contiguous()
+                buf = io.BytesIO()
+                torch.save(tensor, buf)
+                payload = tensor.numel() * tensor.element_size()
+                del tensor
+                start, length = put(buf.getvalue(), payload)
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box)))
+                results.append(WriteResult(index=MetadataIndex(fqn, torch.Size(offsets)), size_in_bytes=length,
+                                           storage_data=_StorageInfo(data_name, start, length)))
+            state_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
+                                                  chunks=chunks)
+            planner_data[fqn] = object_path(fqn)
+    metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
+    writer = FsspecWriter(dst.url, sync_files=False, **_writer_options(dst))
+    with_retries(dst.child_url(METADATA_NAME), lambda: writer.finish(metadata, [results]))
+
+
+def _writer_options(dst: Location) -> dict[str, Any]:
+    storage_options = getattr(dst.fs, "storage_options", None) or {}
+    return dict(storage_options)

@@ -1,0 +1,141 @@
+"""Compare two checkpoints tensor by tensor, across any formats and layouts.
+
+Both sides are read through the same box fetcher the converters use, a block
+of rows at a time, so two checkpoints larger than memory compare in bounded
+memory whatever their sharding.  With ``atol = rtol = 0`` equality is bitwise
+(NaNs with the same bits are equal, ``-0.0`` differs from ``0.0``); otherwise a
+tensor is within tolerance when ``|a - b| <= atol + rtol * |b|`` everywhere,
+as in ``torch.allclose``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardkit.checkpoint.offline_detect import open_source
+from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline_source import iter_row_blocks, rows_per_block
+
+__all__ = ["DiffReport", "TensorDiff", "diff"]
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    status: str                 # "equal", "close", "different", "only-a", "only-b", "shape", "dtype+close"...
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[str] = field(default_factory=list)   # names of non-tensor values that differ
+
+    @property
+    def equal(self) -> bool:
+        """True when every tensor is equal (or within tolerance) and every value equal."""
+        return not self.values and all(t.status in ("equal", "close") for t in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
+                "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_options: dict[str, Any] | None = None,
+         b_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
+         progress: Progress | None = None) -> DiffReport:
+    """Per-tensor max abs / rel difference of ``a`` and ``b`` (any formats, any layouts)."""
+    from shardkit.checkpoint.convert import parse_memory
+
+    budget = parse_memory(max_memory)
+    sa = open_source(a, storage_options)
+    sb = open_source(b, storage_options if b_storage_options is None else b_storage_options)
+    report = DiffReport(a, b, atol, rtol)
+    try:
+        ea, eb = sa.tensors(), sb.tensors()
+        fa, fb = Fetcher(sa), Fetcher(sb)
+        if progress:
+            progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb) * 2)
+        for name in sorted(set(ea) | set(eb)):
+            if name not in eb:
+                report.tensors.append(TensorDiff(name, "only-a"))
+                continue
+            if name not in ea:
+                report.tensors.append(TensorDiff(name, "only-b"))
+                continue
+            ta, tb = ea[name], eb[name]
+            if ta.shape != tb.shape:
+                report.tensors.append(TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}"))
+                continue
+            report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 6, progress))
+        va, vb = sa.values(), sb.values()
+        report.values = sorted(k for k in set(va) | set(vb) if va.get(k, _MISSING) != vb.get(k, _MISSING))
+    finally:
+        sa.close()
+        sb.close()
+    if progress:
+        progress.finish()
+    return report
+
+
+_MISSING = object()
+
+
+def _compare(name: str, ta: Any, tb: Any, fa: Fetcher, fb: Fetcher, atol: float, rtol: float, block: int,
+             progress: Progress | None) -> TensorDiff:
+    same_dtype = ta.dtype == tb.dtype
+    bitwise = same_dtype
+    max_abs = max_rel = 0.0
+    within = True
+    shape = ta.shape
+    blocks = [(0, 1)] if not shape else list(iter_row_blocks(shape[0], rows_per_block(ta.dtype, shape, block)))
+    for r0, r1 in blocks:
+        off = (r0,) + (0,) * (len(shape) - 1) if shape else ()
+        box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
+        x, y = fa.fetch(name, off, box), fb.fetch(name, off, box)
+        if progress:
+            progress.update(x.numel() * x.element_size() + y.numel() * y.element_size())
+        if bitwise and not torch.equal(_bits(x), _bits(y)):
+            bitwise = False
+        if x.numel() == 0:
+            continue
+        if x.dtype.is_floating_point or x.dtype.is_complex or y.dtype.is_floating_point:
+            xd, yd = x.to(torch.float64), y.to(torch.float64)
+        else:
+            xd, yd = x.to(torch.int64).to(torch.float64), y.to(torch.int64).to(torch.float64)
+        d = (xd - yd).abs()
+        nan_mismatch = torch.isnan(xd) != torch.isnan(yd)
+        d = torch.where(torch.isnan(xd) & torch.isnan(yd), torch.zeros_like(d), d)
+        if bool(nan_mismatch.any()):
+            max_abs = float("inf")
+            within = False
+            continue
+        max_abs = max(max_abs, float(d.max()))
+        rel = d / yd.abs().clamp_min(torch.finfo(torch.float64).tiny)
+        rel = torch.where(d == 0, torch.zeros_like(rel), rel)
+        max_rel = max(max_rel, float(rel.max()))
+        if not bool((d <= atol + rtol * yd.abs()).all()):
+            within = False
+    if bitwise:
+        status = "equal"
+    elif within and (atol > 0 or rtol > 0):
+        status = "close"
+    else:
+        status = "different"
+    detail = "" if same_dtype else f"dtype {ta.dtype} vs {tb.dtype}".replace("torch.", "")
+    return TensorDiff(name, status, max_abs, max_rel, detail)
