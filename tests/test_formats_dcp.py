@@ -1,0 +1,169 @@
+"""DCP directories: real dcp.save output from torch's fully_shard reads bitwise; our DCP output is
+read by torch's own dcp.load; the metadata unpickler refuses anything but DCP's classes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from shardkit.checkpoint.formats.dcp import DcpSource, read_dcp_metadata
+from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_io import open_location
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint
+from tests.dist import run_on_ranks
+from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+
+
+def _flat_full_state(model, optim):
+    """Flattened full (unsharded) model + optimizer state, keyed like shardkit's names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {f"model.{k}": v.clone() for k, v in msd.items()}
+    if "state" not in osd:  # cpu_offload keeps the full state on rank 0 only
+        return flat, []
+    for param, state in osd["state"].items():
+        for name, value in state.items():
+            flat[f"optim.state.{param}.{name}"] = value.clone()
+    return flat, osd["param_groups"]
+
+
+def _save_with_torch_fully_shard(path: str):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    args = ModelArgs()
+    model = Transformer(args)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = make_batch(args, 2, seed=1)
+    lm_loss(model(tokens), targets).backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    flat, groups = _flat_full_state(model, optim)
+    return (flat, groups) if dist.get_rank() == 0 else None
+
+
+def _read_all(source) -> dict[str, torch.Tensor]:
+    fetch = Fetcher(source)
+    return {k: fetch(k, (0,) * len(e.shape), e.shape) for k, e in source.tensors().items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_dcp(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dcp") / "fsdp2")
+    flat, groups = run_on_ranks(2, _save_with_torch_fully_shard, path)[0]
+    return path, flat, groups
+
+
+def test_dcp_saved_by_torch_fully_shard_reads_bitwise(fsdp_dcp):
+    path, flat, groups = fsdp_dcp
+    source = DcpSource(open_location(path))
+    got = _read_all(source)
+    assert sorted(got) == sorted(flat)
+    for key, tensor in flat.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    # sharded params have one chunk per rank; values (param_groups) come back as JSON
+    assert len(source.tensors()["model.tok_embeddings.weight"].chunks) == 2
+    params = source.values()["optim.param_groups"][0]["params"]
+    assert params == groups[0]["params"]
+    assert source.values()["optim.param_groups"][0]["lr"] == pytest.approx(1e-2)
+
+
+def test_convert_writes_dcp_that_torch_dcp_load_reads(tmp_path, fsdp_dcp):
+    import torch.distributed.checkpoint as dcp
+
+    from shardkit.checkpoint.convert import convert
+
+    path, flat, groups = fsdp_dcp
+    out = str(tmp_path / "out")
+    convert(path, out, to="dcp", max_memory="16MiB")
+    target = {"model": {k[len("model."):]: torch.zeros_like(v) for k, v in flat.items() if k.startswith("model.")}}
+    dcp.load(target, checkpoint_id=out, no_dist=True)
+    for key, tensor in target["model"].items():
+        assert torch.equal(tensor, flat[f"model.{key}"]), key
+
+
+def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from shardkit.checkpoint.formats.dcp import write_dcp
+
+    big = torch.randn(1000, 64)
+    out = tmp_path / "d"
+    out.mkdir()
+    write_dcp(open_location(str(out)), [("model.w", big.dtype, tuple(big.shape))], {"step": 3},
+              lambda f, o, s: big[o[0]:o[0] + s[0]], block_bytes=64 * 4 * 100)
+    entry = DcpSource(open_location(str(out))).tensors()["model.w"]
+    assert len(entry.chunks) == 10
+    target = {"model": {"w": torch.zeros_like(big)}, "step": 0}
+    dcp.load(target, checkpoint_id=str(out), no_dist=True)
+    assert torch.equal(target["model"]["w"], big) and target["step"] == 3
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_dcp_metadata_with_foreign_global_is_refused():
+    blob = pickle.dumps({"x": _Evil()})
+    with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system|system"):
+        read_dcp_metadata(blob)
+
+
+def test_dcp_metadata_garbage_is_invalid():
+    with pytest.raises(InvalidManifest):
+        read_dcp_metadata(b"\x80\x04not a pickle")
+    with pytest.raises(InvalidManifest, match="not Metadata"):
+        read_dcp_metadata(pickle.dumps({"a": 1}))
+
+
+def test_cli_convert_of_malicious_dcp_fails_in_one_line_and_writes_nothing(tmp_path):
+    from tests.offline_cli import run_cli
+
+    src = tmp_path / "evil"
+    src.mkdir()
+    (src / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    dst = tmp_path / "dst"
+    result = run_cli("convert", str(src), str(dst), "--to", "shardkit")
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and "refusing" in result.stderr
+    assert not (dst / "manifest.json").exists()
+
+
+def test_dcp_truncated_payload_is_reported(tmp_path, fsdp_dcp):
+    import shutil
+
+    from shardkit.checkpoint.convert import verify
+
+    path, _, _ = fsdp_dcp
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    data = copy / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    report = verify(str(copy))
+    assert not report.ok and any("__1_0.distcp" in p for p in report.problems)
+
+
+def test_dcp_zstd_transform_is_decoded(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    sd = {"model": {"w": torch.randn(33, 7)}}
+    writer = dcp.FileSystemWriter(str(tmp_path / "z"), _extensions=[ZStandard()])
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    got = _read_all(DcpSource(open_location(str(tmp_path / "z"))))
+    assert torch.equal(got["model.w"], sd["model"]["w"])
+
