@@ -1,0 +1,62 @@
+"""shardkit.checkpoint: save, load and reshard training state anywhere fsspec reaches.
+
+In a training job::
+
+    import shardkit.checkpoint as skc
+
+    sd = skc.get_state_dict(model, optimizer)      # FQN-keyed, DTensor values for sharded params
+    skc.save(sd, "s3://bucket/run/step-100")        # collective; each rank writes its own shards
+    ...
+    sd = skc.get_state_dict(model, optimizer)      # the new job's layout (any world size / mesh)
+    skc.load(sd, "s3://bucket/run/step-100")        # in place; each rank reads only its byte ranges
+    skc.set_state_dict(model, optimizer, sd)
+
+    manager = skc.CheckpointManager("s3://bucket/run", keep_last=3)
+    manager.save(step, model, optimizer, extra={"data_pos": 1234})
+    resumed = manager.load_latest(model, optimizer)   # (step, extra) or None
+
+Offline (no process group): ``reshard``, ``convert``, ``inspect``, ``verify`` and
+``diff`` live in ``shardkit.checkpoint.convert`` and are re-exported here.
+
+Names resolve lazily so ``import shardkit.checkpoint`` stays cheap, and this
+package never imports the sharding runtime (data flows one way).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "get_state_dict": "shardkit.checkpoint.state_dict",
+    "set_state_dict": "shardkit.checkpoint.state_dict",
+    "get_full_state_dict": "shardkit.checkpoint.state_dict",
+    "set_full_state_dict": "shardkit.checkpoint.state_dict",
+    "save": "shardkit.checkpoint.api",
+    "async_save": "shardkit.checkpoint.api",
+    "load": "shardkit.checkpoint.api",
+    "CheckpointManager": "shardkit.checkpoint.manager",
+    "Compression": "shardkit.checkpoint.codec",
+    "open_reader": "shardkit.checkpoint.formats",
+    # offline tools (issue 4)
+    "reshard": "shardkit.checkpoint.convert",
+    "convert": "shardkit.checkpoint.convert",
+    "inspect": "shardkit.checkpoint.convert",
+    "verify": "shardkit.checkpoint.convert",
+    "diff": "shardkit.checkpoint.convert",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))

@@ -1,0 +1,236 @@
+"""The read and write interfaces every checkpoint format implements.
+
+One engine serves three uses -- the online ``load`` (each rank plans its own
+byte-range reads), the offline ``reshard`` and ``convert`` (no process group,
+bounded memory) and ``inspect``/``verify``/``diff``.  They all see a checkpoint
+through :class:`CheckpointReader`:
+
+* :meth:`CheckpointReader.tensors` -- fqn -> :class:`TensorEntry` (dtype, global
+  shape and the stored chunks, each a box with global offsets and a
+  format-private ``locator``);
+* :meth:`CheckpointReader.values` -- non-tensor state as JSON values;
+* :attr:`CheckpointReader.info` -- format, writer world size/mesh, user meta (step);
+* :meth:`CheckpointReader.read` -- fill :class:`ReadRequest` s, each "this sub-box
+  of this stored chunk into this tensor view".  Formats with ranged reads fetch
+  only the bytes (and checksum blocks) a request covers; others read the chunk.
+  ``read`` validates everything it can *before* writing into any ``out``.
+
+Callers rarely build requests by hand: :func:`plan_reads` turns "fill this box
+of this tensor into this view" into requests (and proves the stored chunks
+cover it), and :func:`read_box` returns a fresh tensor for one box.
+
+The write side is format-specific (see ``formats/native.py``'s
+``NativeWriter`` and ``codec.SafetensorsStreamWriter``); what they share is the
+:class:`WriteChunk` a planner hands them.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.layout import Box
+from shardkit.checkpoint.plan import ChunkIndex, plan_box
+from shardkit.errors import IncompatibleStateDict
+
+__all__ = ["StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",
+           "WriteChunk", "plan_reads", "read_box"]
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A box of a tensor as stored; ``locator`` is private to the format that made it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    locator: Any = None
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.shape
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[StoredChunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @cached_property
+    def index(self) -> ChunkIndex:
+        return ChunkIndex([c.box for c in self.chunks])
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint says about itself."""
+
+    format: str                          # "shardkit", "hf", "torch", "dcp"
+    url: str
+    version: int | None = None           # format version, when the format has one
+    world_size: int | None = None        # writer world size, when known
+    mesh: Mapping[str, Any] | None = None  # {"shape", "dim_names", "placements"} of the writer, when known
+    meta: Mapping[str, Any] = field(default_factory=dict)  # user metadata (e.g. "step")
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Copy the sub-box ``box`` (global coordinates) of stored chunk ``chunk`` of ``fqn`` into ``out``.
+
+    ``out`` has shape ``box[1]`` and the entry's dtype; it may be a strided view
+    into a bigger tensor (e.g. a rank's local shard).
+    """
+
+    fqn: str
+    chunk: int
+    box: Box
+    out: torch.Tensor
+
+
+class ReadStats:
+    """Bytes fetched from storage vs bytes the requests needed (thread-safe counters)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_needed = 0
+        self.requests = 0
+
+    def add(self, read: int = 0, needed: int = 0, requests: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_needed += needed
+            self.requests += requests
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+class CheckpointReader(abc.ABC):
+    """A checkpoint opened for reading.  Use as a context manager or call :meth:`close`."""
+
+    info: CheckpointInfo
+
+    def __init__(self) -> None:
+        self.stats = ReadStats()
+
+    @abc.abstractmethod
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        """Every stored tensor by flattened fqn."""
+
+    @abc.abstractmethod
+    def values(self) -> Mapping[str, Any]:
+        """Every non-tensor value (JSON types) by flattened fqn."""
+
+    @abc.abstractmethod
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        """Fill every request's ``out``.  Validate all requests before writing any."""
+
+    def read_rows(self, entry: TensorEntry, chunk: StoredChunk, start: int, stop: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` (chunk-local, dim 0) of a stored chunk, shaped like the chunk.
+
+        The streaming primitive of bounded-memory tools: a chunk bigger than the
+        memory budget is read a block of rows at a time.
+        """
+        offsets = (chunk.offsets[0] + start,) + tuple(chunk.offsets[1:]) if chunk.shape else ()
+        shape = (stop - start,) + tuple(chunk.shape[1:]) if chunk.shape else ()
+        if out is None:
+            out = torch.empty(shape, dtype=entry.dtype)
+        index = entry.chunks.index(chunk)
+        self.read([ReadRequest(entry.fqn, index, (offsets, shape), out)])
+        return out
+
+    def close(self) -> None:  # noqa: B027 - optional for formats without resources
+        pass
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class WriteChunk:
+    """One chunk a writer should store: box ``offsets``/``shape`` of ``fqn`` and its data.
+
+    ``data`` is a contiguous tensor of ``shape`` in ``dtype`` or a zero-argument
+    callable producing one when the writer gets to it (so a writer holds one
+    chunk at a time, and an offline reshard reads each chunk just in time).
+    """
+
+    fqn: str
+    dtype: torch.dtype
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    data: torch.Tensor | Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        data = self.data() if callable(self.data) else self.data
+        if tuple(data.shape) != tuple(self.shape) or data.dtype != self.dtype:
+            raise ValueError(f"chunk of {self.fqn!r} at {list(self.offsets)}: data has shape {tuple(data.shape)} "
+                             f"{data.dtype}, planned {self.shape} {self.dtype}")
+        return data if data.is_contiguous() else data.contiguous()
+
+
+def plan_reads(reader: CheckpointReader, wanted: Iterable[tuple[str, Box, torch.Tensor]]) -> list[ReadRequest]:
+    """Requests that fill each ``(fqn, box, out)``: ``out`` has the box's shape (any strides).
+
+    Raises :class:`~shardkit.errors.IncompatibleStateDict` for an unknown fqn,
+    a dtype mismatch, or a box outside the tensor, and
+    :class:`~shardkit.errors.CorruptCheckpoint` when stored chunks do not cover the box.
+    """
+    entries = reader.tensors()
+    requests: list[ReadRequest] = []
+    for fqn, box, out in wanted:
+        entry = entries.get(fqn)
+        if entry is None:
+            raise IncompatibleStateDict(f"{fqn!r} is not a tensor in {reader.info.url}")
+        if out.dtype != entry.dtype:
+            raise IncompatibleStateDict(f"{fqn!r}: checkpoint holds {entry.dtype}, the target is {out.dtype}")
+        offsets, shape = box
+        if (len(offsets) != len(entry.shape)
+                or any(o < 0 or o + s > n for o, s, n in zip(offsets, shape, entry.shape))):
+            raise IncompatibleStateDict(f"{fqn!r}: box at {list(offsets)} of shape {list(shape)} lies outside the "
+                                        f"stored shape {list(entry.shape)}")
+        if tuple(out.shape) != tuple(shape):
+            raise IncompatibleStateDict(f"{fqn!r}: destination has shape {tuple(out.shape)}, box has {tuple(shape)}")
+        for piece in plan_box(entry.index, box, f"{fqn!r} in {reader.info.url}"):
+            index = tuple(slice(po - bo, po - bo + ps) for po, bo, ps in zip(piece.box[0], offsets, piece.box[1]))
+            requests.append(ReadRequest(fqn, piece.chunk, piece.box, out[index]))
+    return requests
+
+
+def read_box(reader: CheckpointReader, fqn: str, box: Box | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one box (default: the whole tensor) of ``fqn`` into ``out`` or a new tensor."""
+    entry = reader.tensors().get(fqn)
+    if entry is None:
+        raise IncompatibleStateDict(f"{fqn!r} is not a tensor in {reader.info.url}")
+    if box is None:
+        box = ((0,) * len(entry.shape), entry.shape)
+    if out is None:
+        out = torch.empty(box[1], dtype=entry.dtype)
+    reader.read(plan_reads(reader, [(fqn, box, out)]))
+    return out

@@ -1,0 +1,355 @@
+"""The native format: ``manifest.json`` + safetensors data files, read by byte ranges.
+
+Reading (:class:`NativeReader`): the manifest is parsed and validated once;
+before any destination tensor is touched, every data file a batch of requests
+needs is checked to exist with the size the manifest records.  Each request is
+then served with the fewest bytes that still verify:
+
+* *direct*: the piece is one contiguous run of the stored chunk and the
+  destination is contiguous -- the run is read with one ``preadv`` straight into
+  the destination's memory, plus the partial checksum blocks at its two ends
+  into a small scratch buffer; every covered block is verified.
+* *staged*: otherwise (e.g. a column slice of a row-stored chunk) the covering
+  block span is read into a per-thread scratch buffer, verified, then copied
+  with one strided ``copy_``.
+* *zstd*: the frame is read whole, verified, and decompressed straight into the
+  destination when the piece is the whole chunk, else into scratch.
+
+Writing (:class:`NativeWriter`): :meth:`NativeWriter.write_file` streams the
+chunks it is given into one safetensors file (header first, then bytes; crc32c
+per block computed on the way) and returns their manifest records;
+:meth:`NativeWriter.commit` writes ``manifest.json`` atomically, last.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.codec import (BlockCrc, Compression, as_bytes, code_to_dtype, dtype_to_code,
+                                       zstd_compress, zstd_decompress_into)
+from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk,
+                                              TensorEntry, WriteChunk)
+from shardkit.checkpoint.manifest import (MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, TensorRecord,
+                                          dump_manifest, parse_manifest)
+from shardkit.checkpoint.plan import byte_runs
+from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
+from shardkit.errors import (ChecksumMismatch, CheckpointNotFound, CorruptCheckpoint, IncompatibleStateDict,
+                             InvalidManifest)
+
+__all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeReader", "NativeWriter", "WrittenFile",
+           "read_manifest", "is_committed", "data_file_name", "new_token", "chunk_key", "unreferenced_files",
+           "detect", "open_reader"]
+
+DATA_DIR = "data"
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_BLOCK_BYTES = 256 << 10
+_FILE_METADATA = {"format": "shardkit-data", "version": "1"}
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def data_file_name(token: str, writer: int, part: int) -> str:
+    return f"{DATA_DIR}/{token}-{writer}-{part}.safetensors"
+
+
+def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """Read and validate ``manifest.json``; a directory without one is not a checkpoint."""
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except CheckpointNotFound:
+        raise CheckpointNotFound(f"{storage.url} holds no {MANIFEST_NAME}: not a committed shardkit checkpoint "
+                                 f"(the save may have been interrupted, or the URL is wrong)") from None
+    return parse_manifest(data, storage.where(MANIFEST_NAME))
+
+
+def is_committed(storage: Storage) -> bool:
+    return storage.exists(MANIFEST_NAME)
+
+
+def detect(storage: Storage) -> bool:
+    return is_committed(storage)
+
+
+def open_reader(storage: Storage) -> "NativeReader":
+    return NativeReader(storage)
+
+
+def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
+    """Data files under ``data/`` the manifest does not name (left by older or interrupted saves)."""
+    return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
+            if f"{DATA_DIR}/{n}" not in manifest.files]
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+class NativeReader(CheckpointReader):
+    """A committed native checkpoint, opened for ranged, verified reads."""
+
+    def __init__(self, storage: Storage | str, storage_options: Mapping[str, Any] | None = None, *,
+                 io_threads: int = DEFAULT_IO_THREADS, manifest: Manifest | None = None) -> None:
+        super().__init__()
+        self.storage = storage if isinstance(storage, Storage) else Storage(storage, storage_options)
+        self.manifest = manifest if manifest is not None else read_manifest(self.storage)
+        writer = self.manifest.writer
+        self.info = CheckpointInfo("shardkit", self.storage.url, self.manifest.version,
+                                   writer.get("world_size") if isinstance(writer.get("world_size"), int) else None,
+                                   writer.get("mesh") if isinstance(writer.get("mesh"), dict) else None,
+                                   self.manifest.meta)
+        self.io_threads = io_threads
+        self._entries = {
+            fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
+                             tuple(StoredChunk(c.offsets, c.shape, c) for c in t.chunks))
+            for fqn, t in self.manifest.tensors.items()}
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        return self._entries
+
+    def values(self) -> Mapping[str, Any]:
+        return self.manifest.values
+
+    def close(self) -> None:
+        self._local = threading.local()
+
+    # -- validation before any write -----------------------------------
+    def check_files(self, names: Sequence[str]) -> None:
+        """Every named data file exists with exactly the size the manifest records."""
+        todo = sorted(set(names) - self._checked)
+
+        def check(name: str) -> None:
+            want = self.manifest.files[name].size
+            try:
+                got = self.storage.size(name)
+            except CheckpointNotFound:
+                raise CorruptCheckpoint(f"{self.storage.where(name)} is missing; the checkpoint is incomplete "
+                                        f"-- restore the file or load another checkpoint") from None
+            if got != want:
+                raise CorruptCheckpoint(f"{self.storage.where(name)} has {got} bytes, the manifest records {want}: "
+                                        f"the file is truncated or was replaced")
+
+        parallel_map(check, todo, 1 if self.storage.is_local else self.io_threads)
+        with self._lock:
+            self._checked.update(todo)
+
+    def _validate(self, r: ReadRequest) -> ChunkRecord:
+        entry = self._entries.get(r.fqn)
+        if entry is None:
+            raise IncompatibleStateDict(f"{r.fqn!r} is not a tensor in {self.storage.url}")
+        if not 0 <= r.chunk < len(entry.chunks):
+            raise IncompatibleStateDict(f"{r.fqn!r} has no stored chunk {r.chunk}")
+        rec: ChunkRecord = entry.chunks[r.chunk].locator
+        if r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
+            raise IncompatibleStateDict(f"{r.fqn!r}: destination {tuple(r.out.shape)} {r.out.dtype} does not match "
+                                        f"the requested box {tuple(r.box[1])} {entry.dtype}")
+        if not all(co <= o and o + s <= co + cs for co, cs, o, s in zip(rec.offsets, rec.shape, *r.box)):
+            raise IncompatibleStateDict(f"{r.fqn!r}: requested box lies outside stored chunk {r.chunk}")
+        if rec.codec == "raw" and rec.block % r.out.element_size():
+            raise InvalidManifest(f"{r.fqn!r} chunk {r.chunk}: checksum block {rec.block} is not a multiple of "
+                                  f"the item size")
+        return rec
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        requests = [r for r in requests if r.out.numel()]
+        records = [self._validate(r) for r in requests]
+        self.check_files([rec.file for rec in records])
+        order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
+        parallel_map(lambda i: self._read_one(requests[i], records[i]), order, self.io_threads)
+
+    # -- serving one request ---------------------------------------------
+    def _scratch(self, slot: int, n: int) -> torch.Tensor:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[slot]
+        if buf is None or buf.numel() < n:
+            buf = bufs[slot] = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+        return buf[:n]
+
+    def _verify(self, segments: Sequence[torch.Tensor], first_block: int, rec: ChunkRecord, where: str) -> None:
+        acc = BlockCrc(rec.block)
+        for seg in segments:
+            acc.update(seg)
+        got = acc.finish()
+        want = rec.crc32c[first_block:first_block + len(got)]
+        if tuple(got) != tuple(want):
+            bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
+            raise ChecksumMismatch(f"{where}: checksum block {first_block + bad} does not match the manifest; "
+                                   f"the data file is damaged -- restore it or load an older checkpoint")
+
+    def _read_one(self, r: ReadRequest, rec: ChunkRecord) -> None:
+        item = r.out.element_size()
+        where = f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
+        needed = math.prod(r.box[1]) * item
+        if rec.codec == "zstd":
+            self._read_zstd(r, rec, where)
+            self.stats.add(read=rec.nbytes, needed=needed, requests=1)
+            return
+        runs = byte_runs(rec.box, r.box, item)
+        a, b = int(runs[0, 0]), int(runs[-1, 1])
+        lo = a // rec.block * rec.block
+        hi = min(-(-b // rec.block) * rec.block, rec.nbytes)
+        if len(runs) == 1 and r.out.is_contiguous():
+            head = self._scratch(0, (a - lo) + (hi - b))
+            parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
+            self.storage.read_parts(rec.file, rec.start + lo, parts)
+            self._verify(parts, lo // rec.block, rec, where)
+        else:
+            buf = self._scratch(0, hi - lo)
+            self.storage.read_parts(rec.file, rec.start + lo, [buf])
+            self._verify([buf], lo // rec.block, rec, where)
+            strides = _strides(rec.shape)
+            first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
+            typed = buf.view(r.out.dtype)
+            src = typed.as_strided(r.box[1], strides, first - lo // item)
+            r.out.copy_(src)
+        self.stats.add(read=hi - lo, needed=needed, requests=1)
+
+    def _read_zstd(self, r: ReadRequest, rec: ChunkRecord, where: str) -> None:
+        frame = self._scratch(0, rec.nbytes)
+        self.storage.read_parts(rec.file, rec.start, [frame])
+        self._verify([frame], 0, rec, where)
+        if tuple(r.box[0]) == tuple(rec.offsets) and tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
+            zstd_decompress_into(frame.numpy(), as_bytes(r.out), where)
+            return
+        raw = self._scratch(1, math.prod(rec.shape) * r.out.element_size())
+        zstd_decompress_into(frame.numpy(), raw, where)
+        strides = _strides(rec.shape)
+        first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
+        r.out.copy_(raw.view(r.out.dtype).as_strided(r.box[1], strides, first))
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A data file on storage and the manifest records of the chunks it holds."""
+
+    name: str
+    size: int
+    writer: int
+    chunks: tuple[tuple[str, ChunkRecord], ...]  # (fqn, record)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "writer": self.writer,
+                "chunks": [[fqn, rec.to_json()] for fqn, rec in self.chunks]}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "WrittenFile":
+        """Inverse of :meth:`to_json` (for records sent between ranks; validated again at commit)."""
+        from shardkit.checkpoint.codec import unpack_crcs
+
+        chunks = []
+        for fqn, c in doc["chunks"]:
+            count = max(1, -(-c["nbytes"] // c["block"]))
+            chunks.append((fqn, ChunkRecord(tuple(c["offsets"]), tuple(c["shape"]), c["file"], c["key"], c["start"],
+                                            c["nbytes"], c["codec"], c["block"],
+                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])))))
+        return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks))
+
+
+class NativeWriter:
+    """Streams chunks into native data files and commits the manifest.
+
+    ``compression`` (a :class:`~shardkit.checkpoint.codec.Compression`) stores
+    every chunk as one zstd frame (safetensors dtype ``U8``); the frames of one
+    file are built before its header, so with compression a file should hold a
+    bounded amount of data (the save path uses one chunk cap per file).
+    ``fsync`` makes each data file durable before :meth:`commit` can reference it.
+    """
+
+    def __init__(self, storage: Storage, *, compression: Compression | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True) -> None:
+        if block_bytes <= 0 or block_bytes % 8:
+            raise ValueError("block_bytes must be a positive multiple of 8")
+        self.storage = storage
+        self.compression = compression
+        self.block_bytes = block_bytes
+        self.fsync = fsync
+
+    def write_file(self, name: str, chunks: Sequence[WriteChunk], writer: int = 0) -> WrittenFile:
+        """Write ``chunks`` (in order) into data file ``name``; return their records."""
+        from shardkit.checkpoint.codec import SafetensorsStreamWriter
+
+        keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
+        frames: list[bytes] | None = None
+        if self.compression is not None:
+            level = self.compression.level
+            frames = [zstd_compress(as_bytes(c.materialize()), level) for c in chunks]
+            entries = [(k, "U8", (len(f),), len(f)) for k, f in zip(keys, frames)]
+        else:
+            entries = [(k, dtype_to_code(c.dtype), c.shape, c.nbytes) for k, c in zip(keys, chunks)]
+
+        def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
+            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for)
+            for i, (key, chunk) in enumerate(zip(keys, chunks)):
+                if frames is not None:
+                    stream.write(key, torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8)
+                                 if frames[i] else torch.empty(0, dtype=torch.uint8))
+                else:
+                    stream.write(key, as_bytes(chunk.materialize()))
+            return stream, stream.finish()
+
+        stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync)
+        records = []
+        for placed, chunk in zip(stream.entries, chunks):
+            nbytes = placed.end - placed.start
+            block = self.block_bytes if frames is None else max(nbytes, 1)
+            records.append((chunk.fqn, ChunkRecord(tuple(chunk.offsets), tuple(chunk.shape), name, placed.key,
+                                                   placed.start, nbytes, "raw" if frames is None else "zstd",
+                                                   block, tuple(crcs[placed.key]))))
+        return WrittenFile(name, stream.size, writer, tuple(records))
+
+    @property
+    def _block_for(self) -> int:
+        # compressed entries are checked as one block: the frame is always read whole
+        return self.block_bytes if self.compression is None else 1 << 62
+
+    def build_manifest(self, tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]], files: Sequence[WrittenFile],
+                       *, values: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+                       writer_info: Mapping[str, Any] | None = None) -> Manifest:
+        """The manifest for ``tensors`` (fqn -> dtype, global shape) stored in ``files``."""
+        chunks: dict[str, list[ChunkRecord]] = {fqn: [] for fqn in tensors}
+        for wf in files:
+            for fqn, rec in wf.chunks:
+                if fqn not in chunks:
+                    raise ValueError(f"file {wf.name} holds chunks of {fqn!r}, which is not a planned tensor")
+                chunks[fqn].append(rec)
+        records = {fqn: TensorRecord(dtype_to_code(dtype), tuple(int(s) for s in shape),
+                                     tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
+                   for fqn, (dtype, shape) in tensors.items()}
+        return Manifest(tensors=records, values=dict(values or {}),
+                        files={wf.name: FileRecord(wf.size, wf.writer) for wf in files},
+                        meta=dict(meta or {}), writer=dict(writer_info or {}))
+
+    def commit(self, manifest: Manifest) -> bytes:
+        """Validate ``manifest`` as a reader would, then publish it atomically (the commit)."""
+        data = dump_manifest(manifest)
+        parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
+        self.storage.sync_dir(DATA_DIR)
+        self.storage.put_atomic(MANIFEST_NAME, data)
+        return data

@@ -1,0 +1,374 @@
+"""One checkpoint directory at any fsspec URL: ranged reads, streamed writes, atomic commit.
+
+Every byte shardkit moves goes through :class:`Storage`, so the rules live in
+one place:
+
+* **Names stay inside the checkpoint.**  Every name handed in (from our own
+  writers or from a manifest read off disk) is checked by :func:`check_name`:
+  relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no
+  backslash or NUL.  A violation raises :class:`~shardkit.errors.UnsafeCheckpoint`.
+* **Commit is one atomic step.**  :meth:`Storage.put_atomic` writes a small
+  object so that readers see either the old or the new one: temporary file +
+  fsync + ``os.replace`` + directory fsync on local disks, a single PUT on
+  object stores (never a rename, which S3/GCS implement as copy + delete).
+* **No stale listings.**  s3fs/gcsfs cache directory listings; every listing and
+  existence check here invalidates the cache first, so a committed step is
+  never invisible and a deleted one never visible.
+* **Bounded retries.**  Transient failures are retried a few times with jittered
+  backoff; then :class:`~shardkit.errors.StorageError` names the URL.  Missing
+  files, permissions and a full disk are not retried.
+* **Local disk is special-cased** for speed: ``pread`` straight into the target
+  tensor's memory, buffered writes of tensor memory with no copy, optional
+  fsync.  Other filesystems use fsspec's ranged ``cat_file`` and streamed
+  ``open(..., "wb")`` (multipart uploads on S3).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from shardkit.errors import (CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError,
+                             StorageError, UnsafeCheckpoint)
+
+__all__ = ["Storage", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_IO_THREADS = max(2, min(8, os.cpu_count() or 2))
+_RETRIES = 3
+_BACKOFF_S = 0.2
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
+_NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                  ValueError, TypeError, ShardkitError, MemoryError)
+
+
+def check_name(name: Any, where: str = "") -> str:
+    """Validate a relative name inside a checkpoint; return it unchanged."""
+    ok = (isinstance(name, str) and 0 < len(name) <= 1024 and _NAME_RE.match(name) is not None
+          and not any(part in (".", "..") for part in name.split("/")))
+    if not ok:
+        raise UnsafeCheckpoint(f"file name {name!r}{' in ' + where if where else ''} points outside the "
+                               f"checkpoint or is not a plain relative path; refusing to touch it")
+    return name
+
+
+def join_url(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], workers: int = DEFAULT_IO_THREADS) -> list[R]:
+    """``[fn(x) for x in items]`` on a thread pool; the first exception cancels the rest and is raised."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="shardkit-io") as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in futures:
+            if fut.done() and fut.exception() is not None:
+                for other in futures:
+                    other.cancel()
+                raise fut.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+
+def _default_options(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if protocol in ("s3", "s3a"):
+        # per-request timeouts so a stalled upload fails in bounded time instead of hanging a job
+        cfg = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("connect_timeout", 20)
+        cfg.setdefault("read_timeout", 120)
+        opts["config_kwargs"] = cfg
+    return opts
+
+
+class Storage:
+    """A checkpoint directory (``url``) on an fsspec filesystem."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        import fsspec
+
+        if not isinstance(url, (str, os.PathLike)):
+            raise ConfigurationError(f"checkpoint URL must be a string or path, got {type(url).__name__}")
+        url = os.fspath(url)
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **_default_options(protocol, storage_options or {}))
+        except (ValueError, ImportError) as exc:
+            raise ConfigurationError(f"cannot open checkpoint URL {url!r}: {exc}") from None
+        self.url = url.rstrip("/") or url
+        self.fs = fs
+        self.root = path.rstrip("/") or path
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.is_local = "file" in protocols or "local" in protocols
+        self.is_object_store = not self.is_local and "memory" not in protocols
+        self.storage_options = dict(storage_options or {})
+
+    # -- names ---------------------------------------------------------
+    def path(self, name: str) -> str:
+        return self.root + "/" + check_name(name)
+
+    def where(self, name: str) -> str:
+        return join_url(self.url, name)
+
+    def child(self, name: str) -> "Storage":
+        """The storage of a sub-directory (e.g. one step under a manager root)."""
+        other = object.__new__(Storage)
+        other.__dict__.update(self.__dict__)
+        other.url = join_url(self.url, check_name(name))
+        other.root = self.path(name)
+        return other
+
+    # -- retries -------------------------------------------------------
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        for attempt in range(_RETRIES + 1):
+            try:
+                return fn()
+            except ShardkitError:
+                raise
+            except FileNotFoundError:
+                raise CheckpointNotFound(f"{what}: not found") from None
+            except PermissionError as exc:
+                raise StorageError(f"{what}: permission denied ({exc}); check credentials") from None
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or attempt == _RETRIES:
+                    raise StorageError(f"{what} failed: {exc}") from exc
+            except _NOT_TRANSIENT:
+                raise
+            except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp) vary
+                if attempt == _RETRIES:
+                    raise StorageError(f"{what} failed after {_RETRIES + 1} attempts: {exc!r}") from exc
+            time.sleep(_BACKOFF_S * (2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- metadata ------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # noqa: BLE001 - not every filesystem caches
+            pass
+
+    def exists(self, name: str) -> bool:
+        path = self.path(name)
+        if self.is_local:
+            return os.path.exists(path)
+        self._fresh(path)
+        return self._retry(f"checking {self.where(name)}", lambda: bool(self.fs.exists(path)))
+
+    def size(self, name: str) -> int:
+        path = self.path(name)
+        if self.is_local:
+            try:
+                return os.stat(path).st_size
+            except FileNotFoundError:
+                raise CheckpointNotFound(f"{self.where(name)} is missing; the checkpoint is incomplete") from None
+        self._fresh(path)
+        return int(self._retry(f"size of {self.where(name)}", lambda: self.fs.size(path)))
+
+    def listdir(self, name: str = "") -> list[str]:
+        """Entry names (not paths) directly under ``name``; empty when it does not exist."""
+        path = self.path(name) if name else self.root
+        if self.is_local:
+            try:
+                return sorted(os.listdir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        self._fresh(path)
+
+        def ls() -> list[str]:
+            try:
+                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+            except FileNotFoundError:
+                return []
+
+        return sorted(set(self._retry(f"listing {self.where(name) if name else self.url}", ls)))
+
+    # -- reads ---------------------------------------------------------
+    def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        path = self.path(name)
+        what = f"reading {self.where(name)}"
+        if self.is_local:
+            def local() -> bytes:
+                with open(path, "rb") as f:
+                    if start:
+                        f.seek(start)
+                    return f.read() if end is None else f.read(end - (start or 0))
+            return self._retry(what, local)
+        return self._retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill the flat uint8 tensor ``out`` with bytes ``[start, start + len(out))`` of ``name``."""
+        self.read_parts(name, start, [out])
+
+    def read_parts(self, name: str, start: int, parts: Sequence[torch.Tensor]) -> None:
+        """Fill flat uint8 tensors ``parts`` with consecutive bytes of ``name`` from ``start``.
+
+        Local files use one ``preadv`` straight into the parts' memory (the
+        target tensor's, when a reader loads in place); other filesystems fetch
+        the range with one ranged request and copy it into the parts.
+        """
+        parts = [p for p in parts if p.numel()]
+        n = sum(p.numel() for p in parts)
+        if n == 0:
+            return
+        path = self.path(name)
+        what = f"reading {n} bytes at {start} of {self.where(name)}"
+        truncated = f"{self.where(name)} ends before byte {start + n}; the file is truncated"
+        if self.is_local:
+            views = [memoryview(p.numpy()).cast("B") for p in parts]
+
+            def local() -> None:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    pos, i, off = start, 0, 0
+                    while i < len(views):
+                        bufs = [views[i][off:]] + views[i + 1:]
+                        got = os.preadv(fd, bufs, pos)
+                        if got == 0:
+                            raise CorruptCheckpoint(truncated)
+                        pos += got
+                        while got and i < len(views):
+                            left = len(views[i]) - off
+                            if got >= left:
+                                got -= left
+                                i, off = i + 1, 0
+                            else:
+                                off += got
+                                got = 0
+                finally:
+                    os.close(fd)
+            self._retry(what, local)
+            return
+        data = self._retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
+        if len(data) != n:
+            raise CorruptCheckpoint(truncated)
+        flat = np.frombuffer(data, dtype=np.uint8)
+        pos = 0
+        for p in parts:
+            p.numpy()[:] = flat[pos:pos + p.numel()]
+            pos += p.numel()
+
+    # -- writes --------------------------------------------------------
+    def write_stream(self, name: str, produce: Callable[[BinaryIO], T], *, fsync: bool = True) -> T:
+        """Create ``name`` and let ``produce(fileobj)`` stream into it; retried from scratch on failure.
+
+        On local disks the file is fsynced when ``fsync`` is true (durability of
+        the data before the manifest commits it).  On object stores closing the
+        file completes the (multipart) upload.
+        """
+        path = self.path(name)
+        what = f"writing {self.where(name)}"
+        if self.is_local:
+            def local() -> T:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    result = produce(f)
+                    f.flush()
+                    if fsync:
+                        os.fsync(f.fileno())
+                return result
+            return self._retry(what, local)
+
+        def remote() -> T:
+            with self.fs.open(path, "wb") as f:
+                return produce(f)
+        return self._retry(what, remote)
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        """Publish ``data`` under ``name`` in one atomic step (the commit of a checkpoint)."""
+        path = self.path(name)
+        what = f"committing {self.where(name)}"
+        if self.is_local:
+            def local() -> None:
+                directory = os.path.dirname(path)
+                os.makedirs(directory, exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                _fsync_dir(directory)
+            self._retry(what, local)
+            return
+        self._retry(what, lambda: self.fs.pipe_file(path, data))
+        self._fresh(path)
+
+    def makedirs(self, name: str = "") -> None:
+        path = self.path(name) if name else self.root
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        elif not self.is_object_store:
+            self._retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
+
+    def sync_dir(self, name: str = "") -> None:
+        """fsync a local directory so that new entries in it survive a power loss."""
+        if self.is_local:
+            _fsync_dir(self.path(name) if name else self.root)
+
+    # -- deletes -------------------------------------------------------
+    def delete(self, names: Iterable[str]) -> None:
+        paths = [self.path(n) for n in names]
+        if not paths:
+            return
+        if self.is_local:
+            for p in paths:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            return
+
+        def rm() -> None:
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:
+                pass
+        self._retry(f"deleting {len(paths)} files under {self.url}", rm)
+        for p in paths:
+            self._fresh(p)
+
+    def delete_tree(self, name: str = "") -> None:
+        """Remove a directory and everything under it (missing is fine)."""
+        path = self.path(name) if name else self.root
+        if self.is_local:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+
+        def rm() -> None:
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+        self._retry(f"deleting {path}", rm)
+        self._fresh(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

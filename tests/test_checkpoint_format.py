@@ -1,0 +1,174 @@
+"""The native format's building blocks: layout, planning, the container, the reader and writer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import Shard
+
+from shardkit.checkpoint.codec import Compression, block_crcs, crc32c, parse_safetensors_header
+from shardkit.checkpoint.formats.base import StoredChunk, WriteChunk, plan_reads, read_box
+from shardkit.checkpoint.formats.native import NativeReader, NativeWriter, data_file_name, new_token
+from shardkit.checkpoint.layout import check_cover, shard_box, split_box
+from shardkit.checkpoint.plan import ChunkIndex, block_spans, byte_runs, plan_box
+from shardkit.checkpoint.storage import Storage
+from shardkit.errors import CorruptCheckpoint, IncompatibleStateDict, UnsafeCheckpoint
+
+
+def _write_rowwise(url, tensors, row_splits, *, compression=None, block=64, cap=96):
+    """Store each tensor split by rows over writers, sub-chunked at ``cap`` bytes."""
+    storage = Storage(url)
+    writer = NativeWriter(storage, compression=compression, block_bytes=block)
+    files = []
+    for rank in range(row_splits):
+        chunks = []
+        for fqn, t in tensors.items():
+            n = t.shape[0] if t.dim() else 1
+            if t.dim() == 0:
+                if rank == 0:
+                    chunks.append(WriteChunk(fqn, t.dtype, (), (), t))
+                continue
+            box = shard_box(t.shape, (row_splits,), (rank,), [Shard(0)])
+            for off, shape in split_box(box, t.element_size(), cap):
+                if 0 in shape or n == 0:
+                    continue
+                index = tuple(slice(o, o + s) for o, s in zip(off, shape))
+                chunks.append(WriteChunk(fqn, t.dtype, off, shape, t[index].contiguous()))
+        files.append(writer.write_file(data_file_name(new_token(), rank, 0), chunks, rank))
+    manifest = writer.build_manifest({k: (v.dtype, v.shape) for k, v in tensors.items()}, files,
+                                     values={"lr": 0.5}, meta={"step": 7}, writer_info={"world_size": row_splits})
+    writer.commit(manifest)
+    return manifest
+
+
+def _tensors():
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(11, 7, generator=gen),
+        "b16": torch.randn(5, 3, 2, generator=gen).to(torch.bfloat16),
+        "i": torch.arange(13, dtype=torch.int64),
+        "step": torch.tensor(4.0),
+        "empty": torch.empty(0, 3),
+    }
+
+
+@pytest.mark.parametrize("compression", [None, Compression("zstd", 3)], ids=["raw", "zstd"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_any_sub_box_reads_back_bitwise_from_row_split_chunks(tmp_path, where, compression):
+    url = str(tmp_path / "ck") if where == "local" else f"memory://fmt-{new_token()}"
+    tensors = _tensors()
+    _write_rowwise(url, tensors, 3, compression=compression)
+    rng = random.Random(1)
+    with NativeReader(url) as reader:
+        assert reader.info.meta == {"step": 7} and reader.values() == {"lr": 0.5} and reader.info.world_size == 3
+        for fqn, t in tensors.items():
+            assert torch.equal(read_box(reader, fqn), t), fqn
+        w = tensors["w"]
+        for _ in range(40):
+            o0, o1 = rng.randrange(11), rng.randrange(7)
+            s0, s1 = rng.randrange(1, 12 - o0), rng.randrange(1, 8 - o1)
+            out = read_box(reader, "w", ((o0, o1), (s0, s1)))
+            assert torch.equal(out, w[o0:o0 + s0, o1:o1 + s1])
+        wide = torch.zeros(11, 14)
+        read_box(reader, "w", None, wide[:, ::2])  # a strided destination
+        assert torch.equal(wide[:, ::2], w) and not wide[:, 1::2].any()
+
+
+def test_row_range_reads_fetch_only_the_checksum_blocks_they_cover(tmp_path):
+    t = torch.arange(4096, dtype=torch.float32).reshape(256, 16)  # 64 bytes per row
+    _write_rowwise(str(tmp_path / "ck"), {"t": t}, 1, block=256, cap=1 << 20)
+    with NativeReader(str(tmp_path / "ck")) as reader:
+        out = read_box(reader, "t", ((100, 0), (50, 16)))
+        assert torch.equal(out, t[100:150])
+        # 3200 bytes needed; widened to whole 256-byte blocks: at most one extra block per end
+        assert reader.stats.bytes_needed == 3200
+        assert 3200 <= reader.stats.bytes_read <= 3200 + 2 * 256
+
+
+def test_data_files_are_plain_safetensors_with_recorded_checksums(tmp_path):
+    tensors = _tensors()
+    manifest = _write_rowwise(str(tmp_path / "ck"), tensors, 2)
+    for name in manifest.files:
+        path = tmp_path / "ck" / name
+        raw = path.read_bytes()
+        header = parse_safetensors_header(raw[:4096], len(raw), name)
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                entry = header.entries[key]
+                data = f.get_tensor(key)
+                assert data.numel() * data.element_size() == entry.end - entry.start
+    rec = manifest.tensors["w"].chunks[0]
+    raw = (tmp_path / "ck" / rec.file).read_bytes()[rec.start:rec.start + rec.nbytes]
+    assert list(rec.crc32c) == block_crcs(torch.frombuffer(bytearray(raw), dtype=torch.uint8), rec.block)
+    doc = json.loads((tmp_path / "ck" / "manifest.json").read_bytes())
+    assert doc["format"] == "shardkit" and doc["version"] == 1 and doc["meta"] == {"step": 7}
+
+
+def test_crc32c_matches_the_reference_implementation():
+    import google_crc32c
+
+    data = bytes(range(256)) * 513
+    assert crc32c(data) == google_crc32c.value(data)
+    assert crc32c(data[1000:], crc32c(data[:1000])) == google_crc32c.value(data)
+
+
+def test_split_box_pieces_tile_the_box_and_respect_the_cap():
+    for shape, cap in [((10, 7), 96), ((3, 5, 9), 40), ((1, 1000), 64), ((4,), 4), ((6, 2), 1 << 20)]:
+        box = ((2,) * len(shape), shape)
+        pieces = split_box(box, 4, cap)
+        assert all(torch.Size(p[1]).numel() * 4 <= max(cap, 4) for p in pieces)
+        shifted = [(tuple(o - 2 for o in p[0]), p[1]) for p in pieces]
+        assert check_cover(shape, shifted) is None
+        # row-major order: byte offsets increase piece after piece
+        starts = [byte_runs(((0,) * len(shape), shape), p, 4)[0, 0] for p in shifted]
+        assert starts == sorted(starts)
+
+
+def test_cover_check_names_holes_and_overlaps():
+    assert check_cover((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
+    assert "overlap" in check_cover((4, 4), [((0, 0), (3, 4)), ((2, 0), (1, 4))])
+    assert "elements" in check_cover((4, 4), [((0, 0), (3, 4))])
+    assert "outside" in check_cover((4, 4), [((0, 0), (5, 4))])
+
+
+def test_plan_box_finds_exactly_the_overlapping_chunks_and_refuses_holes():
+    boxes = [((r, 0), (3, 8)) for r in range(0, 30, 3)]
+    index = ChunkIndex(boxes)
+    pieces = plan_box(index, ((4, 2), (10, 3)), "t")
+    assert [p.chunk for p in pieces] == [1, 2, 3, 4]
+    assert sum(p.box[1][0] for p in pieces) == 10
+    with pytest.raises(CorruptCheckpoint, match="cover"):
+        plan_box(ChunkIndex(boxes[:5]), ((10, 0), (10, 8)), "t")
+
+
+def test_block_spans_widen_to_blocks_and_merge():
+    runs = byte_runs(((0, 0), (8, 16)), ((2, 4), (3, 4)), 4)  # three 16-byte runs, 64 bytes apart
+    assert runs.tolist() == [[144, 160], [208, 224], [272, 288]]
+    assert block_spans(runs, 64, 512).tolist() == [[128, 320]]
+    assert block_spans(runs, 16, 512).tolist() == [[144, 160], [208, 224], [272, 288]]
+
+
+def test_reads_refuse_wrong_dtype_and_boxes_outside_the_tensor(tmp_path):
+    _write_rowwise(str(tmp_path / "ck"), {"w": torch.zeros(4, 4)}, 1)
+    with NativeReader(str(tmp_path / "ck")) as reader:
+        with pytest.raises(IncompatibleStateDict, match="float64"):
+            plan_reads(reader, [("w", ((0, 0), (4, 4)), torch.zeros(4, 4, dtype=torch.float64))])
+        with pytest.raises(IncompatibleStateDict, match="outside"):
+            plan_reads(reader, [("w", ((2, 0), (4, 4)), torch.zeros(4, 4))])
+        rows = reader.read_rows(reader.tensors()["w"], reader.tensors()["w"].chunks[0], 1, 3)
+        assert rows.shape == (2, 4)
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "s3://b/k", "data/../../x", "a\\b", "", "data//x"])
+def test_storage_refuses_names_outside_the_checkpoint(tmp_path, name):
+    with pytest.raises(UnsafeCheckpoint):
+        Storage(str(tmp_path)).path(name)
+
+
+def test_stored_chunk_locators_do_not_affect_planning():
+    chunk = StoredChunk((0,), (3,), locator={"file": "x"})
+    assert chunk.box == ((0,), (3,))
