@@ -1,0 +1,40 @@
+"""shardkit's sharding core: fully sharded data parallelism on DTensor.
+
+``fully_shard(module)`` shards each parameter on dim 0 across a device mesh
+(a ``DTensor`` per parameter), all-gathers a module's parameters just before
+its forward and backward, frees them after, and reduce-scatters gradients.
+Modules map onto files as follows:
+
+==================  ============================================================
+``fully_shard``     the entry point, the ``FSDPModule`` methods, ``UnshardHandle``
+``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``
+``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
+``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
+``param_group``     one all-gather/reduce-scatter unit and its state machine
+``module_state``    forward/backward hooks, root detection, end-of-backward callback
+``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
+``device_sync``     CUDA streams and events, or the inline CPU path
+==================  ============================================================
+"""
+
+from shardkit.runtime.fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    param_groups_of,
+    register_fsdp_forward_method,
+    sharded_params_of,
+)
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "param_groups_of",
+    "sharded_params_of",
+]

@@ -1,0 +1,433 @@
+"""``fully_shard``: shard a module's parameters across a mesh, in place.
+
+The module keeps its identity, its FQNs and its state-dict keys; its class
+becomes ``FSDP<Name>(FSDPModule, Name)``, so it is still an instance of the
+original class and gains the :class:`FSDPModule` methods.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from shardkit.errors import AlreadyShardedError, ConfigurationError, TrainingStateError
+from shardkit.runtime.mesh_info import (default_mesh, device_from_mesh, mesh_info_for,
+                                        normalize_reshard_after_forward, post_forward_group)
+from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
+from shardkit.runtime.param_group import ParamGroup
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "param_groups_of", "sharded_params_of"]
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters (those not already owned by a sharded
+    submodule) into one group: one all-gather before its compute, one
+    reduce-scatter of its gradients.
+
+    Apply bottom-up (each block, then the root): each call is one unit of
+    memory and communication, so finer groups lower peak memory at the cost
+    of more, smaller collectives.  See ``docs/api.md`` for every argument's
+    memory/communication trade-off.
+
+    Args:
+        module: the module, or a list of modules to shard as one group (e.g.
+            modules sharing a tied weight).
+        mesh: 1-D (FSDP, placements ``(Shard(0),)``) or 2-D ``(replicate,
+            shard)`` (HSDP, ``(Replicate(), Shard(0))``).  Default: a 1-D
+            mesh over the whole default process group.  The device comes from
+            the mesh.
+        reshard_after_forward: ``True`` frees the unsharded parameters after
+            forward and all-gathers again in backward (least memory);
+            ``False`` keeps them until backward (no backward all-gather);
+            an ``int`` k keeps a 1/k slice and all-gathers over k ranks in
+            backward; ``None`` is ``True`` except for the root, which keeps them.
+        shard_placement_fn: ``param -> Shard(k) | None`` to shard a parameter
+            on another dim (which must divide evenly); ``None`` means ``Shard(0)``.
+        mp_policy: compute/reduce/output dtypes (:class:`MixedPrecisionPolicy`).
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards, grads and the
+            optimizer step on the CPU.
+        ignored_params: parameters left alone: not sharded, not moved, not reduced.
+
+    Returns:
+        the same module (or list), now also an :class:`FSDPModule`.
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    _check_modules(modules)
+    _check_policies(mp_policy, offload_policy)
+    mesh = mesh if mesh is not None else default_mesh()
+    mesh_info = mesh_info_for(mesh)
+    device = device_from_mesh(mesh)
+    reshard = normalize_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+    ignored = set(ignored_params or ())
+
+    managed = _managed_modules(modules)
+    params = _managed_params(managed, ignored)
+    _move_buffers(managed, device)
+    infos = _module_infos(managed, params)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = offload and offload_policy.pin_memory
+    sharded = [ShardedParam(p, infos[id(p)], mesh_info, device, _shard_dim(shard_placement_fn, p), offload, pin)
+               for p in params]
+
+    state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
+    if sharded:
+        group = ParamGroup(sharded, modules, mesh_info, device, mp_policy)
+        _apply_reshard_after_forward(group, True if reshard is None else reshard)
+        state.groups.append(group)
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        _swap_class(m)
+    return module
+
+
+# --------------------------------------------------------------------- checks
+
+
+def _check_modules(modules: tuple[nn.Module, ...]) -> None:
+    if not modules:
+        raise ConfigurationError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ConfigurationError(f"fully_shard takes nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ConfigurationError(
+                f"fully_shard cannot shard a {type(m).__name__} on its own: it has no forward, so its "
+                "hooks would never run; shard each of its modules, or the module that calls them"
+            )
+        if state_of(m) is not None or isinstance(m, FSDPModule):
+            raise AlreadyShardedError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(bottom-up: each block, then the root) and change settings with the FSDPModule "
+                "set_* methods instead"
+            )
+        if _torch_composable_state(m) is not None:
+            raise AlreadyShardedError(
+                f"this {type(m).__name__} is already managed by torch.distributed's own composable API "
+                "(fully_shard or replicate); use one sharding library per model"
+            )
+
+
+def _torch_composable_state(module: nn.Module) -> Any:
+    try:
+        from torch.distributed._composable_state import _get_module_state
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return _get_module_state(module)
+
+
+def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ConfigurationError(f"mp_policy must be a shardkit MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ConfigurationError(
+            f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {type(offload_policy).__name__}"
+        )
+
+
+def _shard_dim(fn: Callable | None, param: nn.Parameter) -> int:
+    if fn is None:
+        return 0
+    placement = fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ConfigurationError(
+            f"shard_placement_fn must return a torch.distributed.tensor.Shard or None, got {placement!r}"
+        )
+    return placement.dim
+
+
+def _apply_reshard_after_forward(group: ParamGroup, value: bool | int) -> None:
+    if isinstance(value, bool):
+        group.reshard_after_forward, group.post_forward_mesh = value, None
+    else:
+        group.reshard_after_forward = True
+        group.post_forward_mesh = post_forward_group(group.mesh_info, value)
+
+
+# ------------------------------------------------------------- managed states
+
+
+def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Modules under ``roots``, not descending into modules sharded earlier."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if m not in roots and state_of(m) is not None:
+            return
+        out.append(m)
+        for child in m.children():
+            visit(child)
+
+    for root in roots:
+        visit(root)
+    return out
+
+
+def _managed_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+    params, seen = [], set()
+    for m in modules:
+        for p in m._parameters.values():
+            if p is None or id(p) in seen or p in ignored:
+                continue
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def _module_infos(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, ParamModuleInfo]:
+    wanted = {id(p) for p in params}
+    infos: dict[int, ParamModuleInfo] = {}
+    for m in modules:
+        for name, p in m._parameters.items():
+            if p is None or id(p) not in wanted:
+                continue
+            if id(p) in infos:
+                infos[id(p)].shared.append((m, name))
+            else:
+                infos[id(p)] = ParamModuleInfo(m, name)
+    return infos
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                m._buffers[name] = buf.to(device)
+
+
+# ------------------------------------------------------------------ the class
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    fsdp_cls = _fsdp_classes.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy,
+                                                                   "__module__": cls.__module__})
+        _fsdp_classes[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+
+
+def _no_deepcopy(self: Any, memo: Any) -> Any:
+    raise TrainingStateError(
+        "a sharded module cannot be deep-copied (its parameters alias communication buffers); "
+        "copy the model before fully_shard, or rebuild it and load a state dict"
+    )
+
+
+class UnshardHandle:
+    """Returned by :meth:`FSDPModule.unshard`; ``wait()`` makes the unsharded
+    parameters usable (a no-op once done, and for a synchronous unshard)."""
+
+    def __init__(self, groups: list[ParamGroup] | None) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        if self._groups:
+            for group in self._groups:
+                group.wait_for_unshard()
+        self._groups = None
+
+
+def _states_of(root: nn.Module, recurse: bool) -> list[ShardState]:
+    modules = root.modules() if recurse else [root]
+    out, seen = [], set()
+    for m in modules:
+        state = state_of(m)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            out.append(state)
+    return out
+
+
+class FSDPModule:
+    """Methods every sharded module gains (``type(m)`` is ``FSDP<Name>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers (e.g. nn.Sequential slicing) build new instances of
+        # ``type(self)``; those are not sharded, so build the original class.
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _shard_state(self) -> ShardState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:  # pragma: no cover - class swapped by hand
+            raise TrainingStateError(f"{type(self).__name__} has no sharding state")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle:
+        """All-gather this module's parameters (not its sharded submodules').
+
+        With ``async_op=True`` the returned handle's ``wait()`` (or the
+        module's own forward) completes it, so it can overlap other work."""
+        groups = self._shard_state().groups
+        for group in groups:
+            group.unshard(async_op=async_op, immediate=not async_op)
+        handle = UnshardHandle(list(groups))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded DTensors (not recursive)."""
+        for group in self._shard_state().groups:
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception mid forward/backward, call on the root to start clean
+        (the failed iteration's gradient reductions are dropped)."""
+        self._shard_state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step (finalizes; clears prefetch order)."""
+        self._shard_state().ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unsharded gradients locally without communication
+        (FSDP1's ``no_sync``); the next backward with ``True`` reduces the sum.
+        For HSDP this covers both the reduce-scatter and the all-reduce."""
+        for state in _states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reduce_grads = requires_gradient_sync
+                group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: ``False`` reduce-scatters but defers the replicate all-reduce."""
+        for state in _states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Change the post-forward policy (``True``/``False``/int k) of this module (and below)."""
+        for state in _states_of(self, recurse):  # type: ignore[arg-type]
+            state.auto_reshard_after_forward = False
+            for group in state.groups:
+                value = normalize_reshard_after_forward(reshard_after_forward, group.mesh_info.shard_size)
+                _apply_reshard_after_forward(group, value)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters unsharded after backward (saves the next
+        forward's all-gather during gradient accumulation, costs memory)."""
+        for state in _states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` right after this module's own all-gather in forward."""
+        self._shard_state().forward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` at this module's pre-backward (replaces the
+        default: the module that ran forward just before this one)."""
+        self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        if factor <= 0:
+            raise ConfigurationError(f"gradient divide factor must be positive, got {factor}")
+        for state in _states_of(self, True):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+        """Reduce zeros for trainable params that got no gradient, so ranks that
+        used a parameter and ranks that did not still run the same collective."""
+        for state in _states_of(self, True):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` for modules whose parameters backward never reads (skips an all-gather)."""
+        for group in self._shard_state().groups:
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """On an accelerator, let the next forward's all-gathers wait on this
+        event (recorded after ``optimizer.step()``) instead of the whole stream."""
+        self._shard_state().ctx.post_optim_event = event
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``module.to(...)``/``to_empty``: act on the sharded DTensors, then re-pad
+        # their local tensors and re-derive dtypes at the next use.
+        state = self._shard_state()
+        for group in state.groups:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        with torch.no_grad():
+            for group in state.groups:
+                for p in group.params:
+                    p.reset_sharded_param()
+                group.invalidate()
+        return result
+
+
+def _require_fsdp(module: Any) -> FSDPModule:
+    if not isinstance(module, FSDPModule):
+        raise ConfigurationError(f"expected a module sharded with fully_shard, got {type(module).__name__}")
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)``
+    (e.g. ``generate``).  A no-op for modules that are not sharded."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ConfigurationError(f"{type(module).__name__} has no method {method_name!r}")
+    original = getattr(module, method_name)
+    state = module._shard_state()
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._module_pre_forward(module, args, kwargs)  # type: ignore[arg-type]
+        out = original(*args, **kwargs)
+        return state._module_post_forward(module, args, out)  # type: ignore[arg-type]
+
+    setattr(module, method_name, wrapped)
+
+
+# ------------------------------------------------------- for layers built on top
+
+
+def param_groups_of(module: nn.Module) -> list[ParamGroup]:
+    """The communication groups created by ``fully_shard(module)`` (empty if none)."""
+    state = state_of(module)
+    return list(state.groups) if state is not None else []
+
+
+def sharded_params_of(module: nn.Module, recurse: bool = True) -> list[ShardedParam]:
+    """Every :class:`ShardedParam` under ``module`` (its own groups, and its
+    sharded submodules' when ``recurse``)."""
+    return [p for state in _states_of(module, recurse) for g in state.groups for p in g.params]
+
+
+def _iter_groups(module: nn.Module) -> Iterable[ParamGroup]:
+    for state in _states_of(module, True):
+        yield from state.groups

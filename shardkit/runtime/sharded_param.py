@@ -1,0 +1,373 @@
+"""One parameter under ``fully_shard``: its shard, its padding, and its
+unsharded twin.
+
+Note [the tensors of one parameter]
+    ``padded``      this rank's rows, zero-padded to ``ceil(S0 / W)`` rows so
+                    that every rank sends the same number of elements to the
+                    all-gather.  Flattened, it *is* the all-gather input: no
+                    copy is needed to pad before each collective.
+    ``sharded``     an ``nn.Parameter(DTensor)`` whose local tensor is
+                    ``padded.narrow(0, 0, real_rows)``: the optimizer, the
+                    state dict and ``clip_grad_norm_`` see the true global
+                    shape and never the padding.
+    ``buffer``      1-D, ``W * padded.numel()`` elements in the compute dtype:
+                    the padded full tensor, contiguous along the shard dim.
+                    Its storage is freed (``resize_(0)``) when resharded and
+                    re-allocated when unsharded; views of it stay valid.
+    ``unsharded``   an ``nn.Parameter`` viewing ``buffer`` with the original
+                    shape, built once and reused every iteration.  Autograd
+                    saves references to it, which survive the storage being
+                    freed and refilled (see ``ParamGroup`` for the version
+                    counter).
+
+Only ``sharded`` is registered on the module at rest; ``unsharded`` is
+registered, straight into ``module._parameters``, while the group computes.
+Ranks whose chunk is empty (``S0 < W``) still hold a padded buffer of
+``ceil(S0 / W)`` rows, and their local tensor has zero rows.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from shardkit.errors import UnshardableParameterError
+from shardkit.runtime.mesh_info import MeshInfo
+from shardkit.runtime.policies import MixedPrecisionPolicy
+
+__all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"                            # only the shard exists
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # a 1/k slice kept for backward
+    UNSHARDED = "unsharded"                        # the full parameter is registered
+
+
+@dataclass
+class ParamModuleInfo:
+    """Where a parameter is registered: its owning module and name, plus every
+    other module that shares the same Parameter object (tied weights)."""
+
+    module: nn.Module
+    name: str
+    shared: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    def register(self, param: nn.Parameter) -> None:
+        # Straight into ``_parameters``: nn.Module.__setattr__ costs several
+        # microseconds per call and checks nothing we need here.
+        for module, name in [(self.module, self.name), *self.shared]:
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.itemsize
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _pin_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class ShardedParam:
+    """The shard, padding and unsharded view of one parameter of a group."""
+
+    def __init__(self, param: nn.Parameter, info: ParamModuleInfo, mesh_info: MeshInfo,
+                 device: torch.device, shard_dim: int, offload: bool, pin_memory: bool) -> None:
+        self.info = info
+        self.mesh_info = mesh_info
+        self.device = device
+        self.offload = offload
+        self.pin_memory = pin_memory and offload and _pin_available()
+        self.fqn = f"{type(info.module).__name__}.{info.name}"  # refined at lazy init
+        self.param_dtype: torch.dtype | None = None   # None: compute in orig dtype
+        self.reduce_dtype: torch.dtype | None = None  # None: reduce in grad dtype
+        self.buffer: torch.Tensor | None = None
+        self.unsharded_param: nn.Parameter | None = None
+        self.accumulated_grad: torch.Tensor | None = None
+        self.post_forward_data: torch.Tensor | None = None
+        self.state = ShardedState.SHARDED
+        self.orig_id = id(param)  # detects one Parameter claimed by two groups
+        self._init_sharded(param, shard_dim)
+
+    # ------------------------------------------------------------------ init
+
+    @torch.no_grad()
+    def _init_sharded(self, param: nn.Parameter, shard_dim: int) -> None:
+        name = self.fqn
+        if isinstance(param, DTensor):
+            raise UnshardableParameterError(
+                f"parameter {name} is already a DTensor (placements {param.placements}); "
+                "fully_shard shards plain parameters; pass it in ignored_params or shard "
+                "the module before applying tensor parallelism"
+            )
+        if param.dim() == 0:
+            raise UnshardableParameterError(
+                f"parameter {name} is a scalar (0-dim) and has no dim to shard; make it a "
+                "1-D tensor of one element (e.g. nn.Parameter(torch.tensor([x]))) or pass it "
+                "in ignored_params"
+            )
+        if not param.is_contiguous():
+            raise UnshardableParameterError(
+                f"parameter {name} of shape {tuple(param.shape)} is not contiguous "
+                f"(stride {param.stride()}); make it contiguous before fully_shard"
+            )
+        if shard_dim < 0:
+            shard_dim += param.dim()
+        if not 0 <= shard_dim < param.dim():
+            raise UnshardableParameterError(
+                f"shard_placement_fn returned Shard({shard_dim}) for parameter {name} of "
+                f"shape {tuple(param.shape)}, which has no such dim"
+            )
+        world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
+        size = param.shape
+        if shard_dim != 0 and size[shard_dim] % world != 0:
+            raise UnshardableParameterError(
+                f"parameter {name} of shape {tuple(size)} cannot be sharded on dim {shard_dim} "
+                f"over {world} ranks: {size[shard_dim]} is not divisible by {world}. Only dim 0 "
+                "may be uneven; return Shard(0) (or None) from shard_placement_fn for it"
+            )
+        self.shard_dim = shard_dim
+        self.orig_size = size
+        self.numel = param.numel()
+        rows = math.ceil(size[shard_dim] / world)
+        padded_size = list(size)
+        padded_size[shard_dim] = rows
+        self.padded_size = torch.Size(padded_size)
+        self.padded_numel = self.padded_size.numel()
+        self.real_rows = max(0, min(rows, size[shard_dim] - rank * rows))
+        sharded_size = list(size)
+        sharded_size[shard_dim] = self.real_rows
+        self.sharded_size = torch.Size(sharded_size)
+        self.requires_grad = param.requires_grad
+
+        padded = self._new_padded(param.detach(), self.device)
+        if self.real_rows > 0:
+            chunk = param.detach().narrow(shard_dim, rank * rows, self.real_rows)
+            padded.narrow(shard_dim, 0, self.real_rows).copy_(chunk)
+        self.padded = padded.view(-1)
+        local = padded.narrow(shard_dim, 0, self.real_rows)
+        dtensor = DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements_for(shard_dim),
+                                     run_check=False, shape=size, stride=_contiguous_stride(size))
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self.sharded_param._local_tensor = local  # the view into ``padded``, not a copy
+        self.spec = self.sharded_param._spec
+        self.info.register(self.sharded_param)
+
+    def _new_padded(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if like.is_meta:
+            device = like.device
+        elif self.offload:
+            device = torch.device("cpu")
+        padded = torch.zeros(self.padded_size, dtype=like.dtype, device=device)
+        if self.pin_memory and not padded.is_meta:
+            padded = padded.pin_memory()
+        return padded
+
+    def init_dtypes(self, policy: MixedPrecisionPolicy) -> None:
+        """Clamp the policy to this parameter: ``None`` means "no cast"."""
+        orig = self.sharded_param.dtype
+        param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+        if param_dtype == orig or not orig.is_floating_point:
+            param_dtype = None
+        if reduce_dtype == (param_dtype or orig):
+            reduce_dtype = None
+        if param_dtype != self.param_dtype and self.buffer is not None:
+            self._drop_unsharded()
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.sharded_param.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.sharded_param.dtype
+
+    # ------------------------------------------------------------ re-padding
+
+    @torch.no_grad()
+    def reset_sharded_param(self) -> None:
+        """Re-pad after anything replaced the shard's storage: ``module.to(...)``,
+        ``to_empty`` after meta init, or ``load_state_dict(assign=True)``.
+
+        The registered parameter is authoritative; if its local tensor is no
+        longer a view into ``padded``, a new padded buffer is made from it."""
+        current = getattr(self.info.module, self.info.name)
+        if current is not self.sharded_param:
+            if not isinstance(current, DTensor):
+                raise UnshardableParameterError(
+                    f"parameter {self.fqn} was replaced by a {type(current).__name__}; a sharded "
+                    "module takes DTensor values (load a sharded state dict, or distribute_tensor "
+                    "each full tensor with the parameter's device_mesh and placements)"
+                )
+            self.sharded_param = current
+            self.info.register(current)
+        local = self.sharded_param._local_tensor
+        self.spec = self.sharded_param._spec
+        if local.is_meta:
+            return
+        same = (not self.padded.is_meta and self.padded.dtype == local.dtype
+                and self.padded.device == local.device and self.padded.numel() > 0
+                and self.padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr())
+        if same:
+            return
+        dtype_changed = self.padded.dtype != local.dtype or self.padded.device != local.device
+        padded = self._new_padded(local, local.device)
+        if self.real_rows > 0:
+            padded.narrow(self.shard_dim, 0, self.real_rows).copy_(local)
+        self.padded = padded.view(-1)
+        self.sharded_param._local_tensor = padded.narrow(self.shard_dim, 0, self.real_rows)
+        if dtype_changed:
+            self._drop_unsharded()
+
+    def _drop_unsharded(self) -> None:
+        self.buffer = None
+        self.unsharded_param = None
+        self.accumulated_grad = None
+
+    # ---------------------------------------------------------- unsharding
+
+    def all_gather_input(self) -> torch.Tensor:
+        """The flat tensor this rank contributes (its dtype may still need a cast)."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            return self.post_forward_data
+        if self.offload and self.device.type != "cpu":
+            return self.padded.to(self.device, non_blocking=True)
+        return self.padded
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Allocate (or re-allocate) the padded full buffer; returns it."""
+        if self.buffer is None:
+            world = self.mesh_info.shard_size
+            self.buffer = torch.empty(world * self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            if self.shard_dim == 0:
+                view = self.buffer.narrow(0, 0, self.numel).view(self.orig_size)
+            else:
+                view = self.buffer.view(self.orig_size)
+            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+        else:
+            alloc_storage(self.buffer)
+        return self.buffer
+
+    def copy_out_view(self, world: int) -> torch.Tensor:
+        """A ``(world, ...)`` view of ``buffer`` into which row ``r`` of the
+        rank-major all-gather output is copied."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD or self.shard_dim == 0:
+            return self.buffer.view(world, -1)
+        d, size = self.shard_dim, list(self.orig_size)
+        split = size[:d] + [world, size[d] // world] + size[d + 1:]
+        return self.buffer.view(split).movedim(d, 0)
+
+    @property
+    def shard_dim_copy(self) -> bool:
+        """Whether copy-out needs the strided (non dim-0) path."""
+        return self.shard_dim != 0 and self.state is not ShardedState.SHARDED_POST_FORWARD
+
+    def to_unsharded(self) -> None:
+        param = self.unsharded_param
+        if param.requires_grad != self.sharded_param.requires_grad:
+            param.requires_grad_(self.sharded_param.requires_grad)
+        self.info.register(param)
+        self.post_forward_data = None
+        self.state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        self.info.register(self.sharded_param)
+        if self.buffer is not None:
+            free_storage(self.buffer)
+        self.post_forward_data = None
+        self.state = ShardedState.SHARDED
+
+    def to_sharded_post_forward(self, size: int, rank: int) -> None:
+        """Keep a ``1/size`` slice of the full buffer for the backward all-gather."""
+        part = self.buffer.numel() // size
+        self.post_forward_data = self.buffer.narrow(0, part * rank, part).clone()
+        self.info.register(self.sharded_param)
+        free_storage(self.buffer)
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
+    def is_unsharded_allocated(self) -> bool:
+        return self.buffer is not None and self.buffer.untyped_storage().size() > 0
+
+    # --------------------------------------------------------------- grads
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient to reduce (accumulated in ``reduce_dtype`` if it was
+        kept across unsynced micro-batches); clears it from the unsharded param."""
+        param = self.unsharded_param
+        if param is None:
+            return None
+        if self.accumulated_grad is not None:
+            grad, self.accumulated_grad = self.accumulated_grad, None
+            if param.grad is not None:
+                grad += param.grad
+                param.grad = None
+            return grad
+        grad = param.grad
+        param.grad = None
+        return grad
+
+    def fold_grad_for_no_sync(self) -> None:
+        """Without sync, keep the grad for the next micro-batch, upcast to the
+        reduce dtype so the accumulation is as exact as the reduction."""
+        param = self.unsharded_param
+        if param is None or param.grad is None:
+            return
+        if self.accumulated_grad is not None:
+            self.accumulated_grad += param.grad
+            param.grad = None
+        elif self.reduce_dtype is not None and param.grad.dtype != self.reduce_dtype:
+            self.accumulated_grad = param.grad.to(self.reduce_dtype)
+            param.grad = None
+
+    def has_pending_grad(self) -> bool:
+        param = self.unsharded_param
+        return self.accumulated_grad is not None or (param is not None and param.grad is not None)
+
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        return torch.zeros(self.orig_size, dtype=self.compute_dtype, device=self.device)
+
+    @torch.no_grad()
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Set or add the reduced shard (a view of the reduce-scatter output)."""
+        if self.offload and local_grad.device.type != "cpu":
+            local_grad = local_grad.to("cpu", non_blocking=self.pin_memory)
+        if local_grad.dtype != self.orig_dtype:
+            local_grad = local_grad.to(self.orig_dtype)
+        param = self.sharded_param
+        if param.grad is None:
+            param.grad = DTensor(local_grad, self.spec, requires_grad=False)
+        else:
+            param.grad._local_tensor.add_(local_grad)
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            for hook in hooks.values():
+                hook(param)
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.fqn}, size={tuple(self.orig_size)}, state={self.state.name})"
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for dim in reversed(size):
+        stride.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(stride))
