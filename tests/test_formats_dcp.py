@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from shardkit.checkpoint.formats.dcp import DcpSource, read_dcp_metadata
-from shardkit.checkpoint.offline_fetch import Fetcher
-from shardkit.checkpoint.offline_io import open_location
+from shardkit.checkpoint.formats.base import read_box
+from shardkit.checkpoint.formats.dcp import DcpReader, read_dcp_metadata
+from shardkit.checkpoint.storage import Storage
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 from tests.dist import run_on_ranks
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch
@@ -55,9 +55,8 @@ def _save_with_torch_fully_shard(path: str):
     return (flat, groups) if dist.get_rank() == 0 else None
 
 
-def _read_all(source) -> dict[str, torch.Tensor]:
-    fetch = Fetcher(source)
-    return {k: fetch(k, (0,) * len(e.shape), e.shape) for k, e in source.tensors().items()}
+def _read_all(reader) -> dict[str, torch.Tensor]:
+    return {k: read_box(reader, k) for k in reader.tensors()}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def fsdp_dcp(tmp_path_factory):
 
 def test_dcp_saved_by_torch_fully_shard_reads_bitwise(fsdp_dcp):
     path, flat, groups = fsdp_dcp
-    source = DcpSource(open_location(path))
+    source = DcpReader(Storage(path))
     got = _read_all(source)
     assert sorted(got) == sorted(flat)
     for key, tensor in flat.items():
@@ -103,9 +102,9 @@ def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
     big = torch.randn(1000, 64)
     out = tmp_path / "d"
     out.mkdir()
-    write_dcp(open_location(str(out)), [("model.w", big.dtype, tuple(big.shape))], {"step": 3},
+    write_dcp(Storage(str(out)), [("model.w", big.dtype, tuple(big.shape))], {"step": 3},
               lambda f, o, s: big[o[0]:o[0] + s[0]], block_bytes=64 * 4 * 100)
-    entry = DcpSource(open_location(str(out))).tensors()["model.w"]
+    entry = DcpReader(Storage(str(out))).tensors()["model.w"]
     assert len(entry.chunks) == 10
     target = {"model": {"w": torch.zeros_like(big)}, "step": 0}
     dcp.load(target, checkpoint_id=str(out), no_dist=True)
@@ -164,6 +163,6 @@ def test_dcp_zstd_transform_is_decoded(tmp_path):
     sd = {"model": {"w": torch.randn(33, 7)}}
     writer = dcp.FileSystemWriter(str(tmp_path / "z"), _extensions=[ZStandard()])
     dcp.save(sd, storage_writer=writer, no_dist=True)
-    got = _read_all(DcpSource(open_location(str(tmp_path / "z"))))
+    got = _read_all(DcpReader(Storage(str(tmp_path / "z"))))
     assert torch.equal(got["model.w"], sd["model"]["w"])
 

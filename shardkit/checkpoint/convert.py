@@ -20,15 +20,16 @@ reader will take it for a checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.offline_detect import detect_format, normalize_format, open_source
+from shardkit.checkpoint.offline_blocks import is_dir, split_file
+from shardkit.checkpoint.offline_detect import detect, exists, normalize_format, open_source
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
-from shardkit.checkpoint.offline_io import Location, open_location, with_retries
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_select import select
 from shardkit.checkpoint.offline_verify import VerifyReport, verify
+from shardkit.checkpoint.storage import Storage
 from shardkit.errors import CheckpointExists, ConfigurationError
 
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
@@ -36,7 +37,7 @@ __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "
 
 DEFAULT_MAX_MEMORY = 256 * 2 ** 20
 DEFAULT_WORKERS = 4
-_COMMIT_MARKERS = {"shardkit": ["manifest.json"], "dcp": [".metadata"], "hf": ["model.safetensors.index.json"]}
+COMMIT_MARKERS = ("manifest.json", ".metadata", "model.safetensors.index.json", "model.safetensors")
 
 
 def parse_memory(value: int | str | None) -> int:
@@ -64,38 +65,34 @@ class ConvertResult:
     skipped_bytes: int = 0
 
 
-def _existing_checkpoint(loc: Location) -> str | None:
-    try:
-        if not loc.exists():
-            return None
-        if not loc.isdir():
-            return loc.url
-        for names in _COMMIT_MARKERS.values():
-            for name in names:
-                if loc.exists(name):
-                    return loc.child_url(name)
-    except Exception:
+def _existing_checkpoint(storage: Storage) -> str | None:
+    """The URL of whatever makes ``storage`` a checkpoint (a commit marker, or the file itself)."""
+    if not exists(storage):
         return None
+    if not is_dir(storage):
+        return storage.url
+    for name in COMMIT_MARKERS:
+        if storage.exists(name):
+            return storage.where(name)
     return None
 
 
-def prepare_dst(dst: str, fmt: str, storage_options: dict[str, Any] | None, overwrite: bool) -> Location:
-    """Refuse a DST holding a checkpoint (unless ``overwrite``); remove its commit marker first."""
-    loc = open_location(dst, storage_options)
-    found = _existing_checkpoint(loc)
+def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Storage:
+    """Refuse a DST holding a checkpoint (unless ``overwrite``); then remove its commit marker first,
+    so DST is no checkpoint at all until the new one commits."""
+    storage = Storage(dst, storage_options)
+    found = _existing_checkpoint(storage)
     if found is not None:
         if not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({found}); pass --overwrite to replace it")
-        if loc.isdir():
-            for names in _COMMIT_MARKERS.values():
-                for name in names:
-                    if loc.exists(name):
-                        with_retries(loc.child_url(name), lambda n=name: loc.fs.rm_file(loc.child(n)))
+        if is_dir(storage):
+            storage.delete([n for n in COMMIT_MARKERS if storage.exists(n)])
         else:
-            with_retries(loc.url, lambda: loc.fs.rm_file(loc.path))
+            parent, name = split_file(storage)
+            parent.delete([name])
     if fmt != "torch":
-        with_retries(dst, lambda: loc.fs.makedirs(loc.path, exist_ok=True))
-    return loc
+        storage.makedirs()
+    return storage
 
 
 def _block_bytes(max_memory: int, workers: int = 1) -> int:
@@ -127,14 +124,14 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         if to == "shardkit":
             from shardkit.checkpoint.offline_native import write_native
 
-            loc = prepare_dst(dst, to, dst_storage_options, overwrite)
-            return write_native(source, sel, loc, dst_storage_options, world_size=world_size or 1, mesh=mesh,
+            storage = prepare_dst(dst, to, dst_storage_options, overwrite)
+            return write_native(source, sel, storage, world_size=world_size or 1, mesh=mesh,
                                 compression=compression, budget=budget, workers=workers, progress=progress)
         if world_size not in (None, 1) or mesh:
             raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
         if compression:
             raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-        loc = prepare_dst(dst, to, dst_storage_options, overwrite)
+        storage = prepare_dst(dst, to, dst_storage_options, overwrite)
         fetch = Fetcher(source, sel.dtype_for, sel.rename_back)
         block = _block_bytes(budget)
         on_bytes = progress.update if progress else (lambda n: None)
@@ -143,38 +140,58 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         if to == "hf":
             from shardkit.checkpoint.formats.hf import parse_size, write_hf
 
-            files = write_hf(loc, sel.triples, fetch, block_bytes=block, max_shard_size=parse_size(max_shard_size),
-                             on_bytes=on_bytes, before_index=lambda: _copy_side_files(source, loc))
+            files = write_hf(storage, sel.triples, fetch, block_bytes=block,
+                             max_shard_size=parse_size(max_shard_size), on_bytes=on_bytes,
+                             before_index=lambda: copy_side_files(source, storage))
         elif to == "dcp":
             from shardkit.checkpoint.formats.dcp import write_dcp
 
-            write_dcp(loc, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+            write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
             files = ["__0_0.distcp", ".metadata"]
         else:
             from shardkit.checkpoint.formats.torchsave import write_torch_save
 
-            write_torch_save(loc, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
-            files = [loc.url]
+            parent, name = split_file(storage)
+            write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+            files = [storage.url]
         if progress:
             progress.finish()
-        return ConvertResult(source.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+        return ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
     finally:
         source.close()
 
 
-def side_files_of(source: Any) -> tuple[Location | None, list[str]]:
-    """Files that travel with the weights (config.json, tokenizer files): HF folders and native ``extra/``."""
+EXTRA_DIR = "extra"
+
+
+def side_files_of(source: Any) -> tuple[Storage | None, list[str]]:
+    """Files that travel with the weights (config.json, tokenizer files).
+
+    An HF folder has them beside the shards; a shardkit checkpoint made from
+    one keeps them under ``extra/``.
+    """
     names = getattr(source, "side_files", None)
     if names:
         return source.folder, list(names)
+    storage = getattr(source, "storage", None)
+    if getattr(source, "info", None) is not None and source.info.format == "shardkit" and storage is not None:
+        names = storage.listdir(EXTRA_DIR)
+        if names:
+            return storage, [f"{EXTRA_DIR}/{n}" for n in names]
     return None, []
 
 
-def _copy_side_files(source: Any, dst: Location) -> None:
+def copy_side_files(source: Any, dst: Storage, into: str = "") -> list[str]:
+    """Copy the source's side files to ``dst`` (under ``into``, e.g. ``extra/``); small files only."""
     folder, names = side_files_of(source)
+    written = []
     for name in names:
-        data = folder.read(name)
-        with_retries(dst.child_url(name), lambda: dst.fs.pipe_file(dst.child(name), data))
+        base = name.rsplit("/", 1)[-1]
+        target = f"{into}{base}"
+        data = folder.read_bytes(name)
+        dst.write_stream(target, lambda f, data=data: f.write(data), fsync=False)
+        written.append(target)
+    return written
 
 
 def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
@@ -213,9 +230,9 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
-        loc = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
-        return write_native(source, sel, loc, dst_storage_options, world_size=ws, mesh=mesh_t,
-                            compression=compression, budget=budget, workers=workers, progress=progress)
+        storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        return write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
+                            budget=budget, workers=workers, progress=progress)
     finally:
         source.close()
 
@@ -227,29 +244,24 @@ def _prod(t: tuple[int, ...] | None) -> int:
     return n
 
 
-def inspect(src: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
 
     Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).
     """
-    fmt = detect_format(open_location(src, storage_options))
-    source = open_source(src, storage_options, fmt)
+    source = open_source(src, storage_options)
     try:
         tensors = []
-        total = 0
-        chunks = 0
         for name, e in sorted(source.tensors().items()):
             tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
                             "bytes": e.nbytes, "chunks": len(e.chunks)})
-            total += e.nbytes
-            chunks += len(e.chunks)
-        meta = source.meta()
-        layout = getattr(source, "layout", lambda: {})()
-        return {"url": src, "format": fmt, "layout": layout, "meta": meta, "values": sorted(source.values()),
-                "tensors": tensors,
-                "totals": {"tensors": len(tensors), "bytes": total, "chunks": chunks,
+        info = source.info
+        layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
+        return {"url": src, "format": info.format, "version": info.version, "layout": layout,
+                "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
+                "totals": {"tensors": len(tensors), "bytes": sum(t["bytes"] for t in tensors),
+                           "chunks": sum(t["chunks"] for t in tensors),
                            "model_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("model.")),
                            "optim_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("optim."))}}
     finally:
         source.close()
-

@@ -1,27 +1,30 @@
-"""Which format is at a URL, and a reader for it.
+"""Which format is at a URL, and a reader for it, with messages a user can act on.
 
-Detection looks only at names and a few header bytes, cheapest first:
-``manifest.json`` (native), ``.metadata`` (DCP), ``model.safetensors[.index.json]``
-or a ``.safetensors`` file (Hugging Face), a zip archive (torch.save).  A path
-that is none of these raises :class:`~shardkit.errors.UnsupportedFormat` saying
-what was found, and a path that does not exist raises
-:class:`~shardkit.errors.CheckpointNotFound`.
+Detection itself is the engine's (:func:`shardkit.checkpoint.formats.detect_format`:
+native first, then HF, torch.save, DCP).  This module adds what a command-line
+user needs around it: a missing path is :class:`~shardkit.errors.CheckpointNotFound`;
+a path that exists but is no checkpoint is :class:`~shardkit.errors.UnsupportedFormat`
+saying what was found there (e.g. data files without a manifest: an
+interrupted write).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Mapping
 
-from shardkit.checkpoint.offline_io import Location, open_location
-from shardkit.checkpoint.offline_source import Source
+from shardkit.checkpoint.formats import format_module
+from shardkit.checkpoint.formats import detect_format as engine_detect
+from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.offline_blocks import is_dir
+from shardkit.checkpoint.storage import Storage
 from shardkit.errors import CheckpointNotFound, UnsupportedFormat
 
-__all__ = ["FORMATS", "detect_format", "open_source", "normalize_format"]
+__all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists"]
 
 FORMATS = ("shardkit", "hf", "torch", "dcp")
 _ALIASES = {"native": "shardkit", "shardkit": "shardkit", "hf": "hf", "huggingface": "hf", "safetensors": "hf",
             "torch": "torch", "pt": "torch", "torch.save": "torch", "dcp": "dcp"}
-MANIFEST_NAME = "manifest.json"
 
 
 def normalize_format(name: str) -> str:
@@ -31,49 +34,39 @@ def normalize_format(name: str) -> str:
         raise UnsupportedFormat(f"format {name!r} is unknown; use one of {', '.join(FORMATS)}") from None
 
 
-def detect_format(loc: Location) -> str:
-    from shardkit.checkpoint.formats import dcp, hf, torchsave
-
-    if not loc.exists():
-        raise CheckpointNotFound(f"{loc.url}: no such file or directory")
-    if loc.isdir():
-        if loc.exists(MANIFEST_NAME):
-            return "shardkit"
-        if dcp.is_dcp(loc):
-            return "dcp"
-        if hf.is_hf(loc):
-            return "hf"
-        names = loc.listdir()
-        if names and all(n.startswith("data") or n.endswith(".safetensors") for n in names):
-            raise UnsupportedFormat(f"{loc.url}: holds data files but no manifest.json: an uncommitted (partial) "
-                                    "checkpoint; re-run the command that wrote it")
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") if names else "nothing"
-        raise UnsupportedFormat(f"{loc.url}: not a checkpoint shardkit reads (found {shown}); expected a shardkit "
-                                "checkpoint, a DCP directory, an HF safetensors folder or a torch.save file")
-    if hf.is_hf(loc):
-        return "hf"
-    if torchsave.is_torch_save(loc):
-        return "torch"
-    raise UnsupportedFormat(f"{loc.url}: unknown file format (not safetensors, not a torch.save zip); "
-                            "expected a checkpoint directory or file")
+def exists(storage: Storage) -> bool:
+    if storage.is_local:
+        return os.path.exists(storage.root)
+    try:
+        storage.fs.invalidate_cache(storage.root)
+    except Exception:  # noqa: BLE001
+        pass
+    return bool(storage._retry(f"checking {storage.url}", lambda: storage.fs.exists(storage.root)))
 
 
-def open_source(url: str, storage_options: dict[str, Any] | None = None, fmt: str | None = None) -> Source:
-    """Open ``url`` as a :class:`Source`, detecting the format unless ``fmt`` is given."""
-    loc = open_location(url, storage_options)
-    fmt = normalize_format(fmt) if fmt else detect_format(loc)
-    if fmt == "shardkit":
-        from shardkit.checkpoint.offline_native import NativeSource
+def detect(storage: Storage) -> str:
+    """The format at ``storage``; raises with a useful message when there is none."""
+    if not exists(storage):
+        raise CheckpointNotFound(f"{storage.url}: no such file or directory")
+    try:
+        return engine_detect(storage)
+    except CheckpointNotFound:
+        pass
+    if is_dir(storage):
+        names = storage.listdir()
+        if "data" in names or any(n.endswith(".safetensors") or n.endswith(".distcp") for n in names):
+            raise UnsupportedFormat(f"{storage.url}: holds data files but no manifest/index/metadata: an "
+                                    "uncommitted (interrupted) checkpoint; rerun the command that wrote it") from None
+        shown = (", ".join(names[:5]) + (", ..." if len(names) > 5 else "")) if names else "an empty directory"
+        raise UnsupportedFormat(f"{storage.url}: not a checkpoint shardkit reads (found {shown}); expected a "
+                                "shardkit checkpoint, a DCP directory, an HF safetensors folder or a torch.save "
+                                "file") from None
+    raise UnsupportedFormat(f"{storage.url}: unknown file format (neither safetensors nor a torch.save zip)") from None
 
-        return NativeSource(loc, storage_options)
-    if fmt == "dcp":
-        from shardkit.checkpoint.formats.dcp import DcpSource
 
-        return DcpSource(loc)
-    if fmt == "hf":
-        from shardkit.checkpoint.formats.hf import HfSource
-
-        return HfSource(loc)
-    from shardkit.checkpoint.formats.torchsave import TorchSaveSource
-
-    return TorchSaveSource(loc)
+def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
+                fmt: str | None = None) -> CheckpointReader:
+    """Open ``url`` as a :class:`CheckpointReader`, detecting the format unless ``fmt`` is given."""
+    storage = Storage(url, storage_options)
+    fmt = normalize_format(fmt) if fmt else detect(storage)
+    return format_module(fmt).open_reader(storage)

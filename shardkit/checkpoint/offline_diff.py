@@ -11,14 +11,14 @@ as in ``torch.allclose``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from shardkit.checkpoint.offline_detect import open_source
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
-from shardkit.checkpoint.offline_source import iter_row_blocks, rows_per_block
+from shardkit.checkpoint.offline_blocks import iter_row_blocks, rows_per_block
 
 __all__ = ["DiffReport", "TensorDiff", "diff"]
 
@@ -56,8 +56,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
 
 
-def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_options: dict[str, Any] | None = None,
-         b_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
+def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_options: Mapping[str, Any] | None = None,
+         b_storage_options: Mapping[str, Any] | None = None, max_memory: int | str | None = None,
          progress: Progress | None = None) -> DiffReport:
     """Per-tensor max abs / rel difference of ``a`` and ``b`` (any formats, any layouts)."""
     from shardkit.checkpoint.convert import parse_memory

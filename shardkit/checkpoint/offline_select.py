@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shardkit.checkpoint.offline_source import TensorEntry
+from shardkit.checkpoint.formats.base import TensorEntry
 from shardkit.errors import ConfigurationError
 
 __all__ = ["Selection", "OutputTensor", "select", "parse_dtype", "parse_rename"]

@@ -24,16 +24,18 @@ from __future__ import annotations
 import io
 import pickle  # restricted metadata reader only; see _MetadataUnpickler
 import re
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.offline_io import Location
-from shardkit.checkpoint.offline_source import (SavedChunk, TensorEntry, iter_row_blocks, object_path,
+from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
-from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.checkpoint.storage import Storage
+from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
 
-__all__ = ["DcpSource", "is_dcp", "read_dcp_metadata", "write_dcp"]
+__all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp"]
 
 METADATA_NAME = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -86,8 +88,12 @@ def read_dcp_metadata(data: bytes, where: str = METADATA_NAME) -> Any:
     return metadata
 
 
-def is_dcp(loc: Location) -> bool:
-    return loc.isdir() and loc.exists(METADATA_NAME)
+def detect(storage: Storage) -> bool:
+    return is_dir(storage) and storage.exists(METADATA_NAME)
+
+
+def open_reader(storage: Storage) -> "DcpReader":
+    return DcpReader(storage)
 
 
 def _json_safe(value: Any, where: str) -> Any:
@@ -117,23 +123,22 @@ def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class DcpSource:
-    """A DCP directory as a :class:`~shardkit.checkpoint.offline_source.Source`."""
+class DcpReader(CheckpointReader):
+    """A DCP directory; each chunk's torch.save blob is fetched with one ranged read and decoded."""
 
-    format = "dcp"
-
-    def __init__(self, loc: Location) -> None:
+    def __init__(self, storage: Storage) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        self.url = loc.url
-        self._loc = loc
-        self._md = read_dcp_metadata(loc.read(METADATA_NAME), loc.child_url(METADATA_NAME))
-        storage = self._md.storage_data or {}
-        self._where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-        for index, info in storage.items():
+        super().__init__()
+        self.storage = storage
+        url = storage.url
+        self._md = read_dcp_metadata(storage.read_bytes(METADATA_NAME), storage.where(METADATA_NAME))
+        where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        for index, info in (self._md.storage_data or {}).items():
             offset = None if index.offset is None else tuple(int(o) for o in index.offset)
-            self._where[(index.fqn, offset)] = info
-        self._tensors: dict[str, TensorEntry] = {}
+            where[(index.fqn, offset)] = info
+        self._where = where
+        self._entries: dict[str, TensorEntry] = {}
         self._value_keys: list[str] = []
         for fqn, md in self._md.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -142,32 +147,34 @@ class DcpSource:
                 for c in md.chunks:
                     offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)
                     if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
-                        raise InvalidManifest(f"{self.url}: chunk {offsets}+{sizes} of {fqn!r} lies outside {shape}")
-                    info = self._where.get((fqn, offsets))
+                            o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                        raise InvalidManifest(f"{url}: chunk {offsets}+{sizes} of {fqn!r} lies outside {shape}")
+                    info = where.get((fqn, offsets))
                     if info is None:
-                        raise InvalidManifest(f"{self.url}: no storage entry for chunk {offsets} of {fqn!r}")
-                    chunks.append(SavedChunk(offsets, sizes, info))
-                self._tensors[fqn] = TensorEntry(fqn, md.properties.dtype, shape, tuple(chunks))
+                        raise InvalidManifest(f"{url}: no storage entry for chunk {offsets} of {fqn!r}")
+                    chunks.append(StoredChunk(offsets, sizes, info))
+                self._entries[fqn] = TensorEntry(fqn, md.properties.dtype, shape, tuple(chunks))
             elif isinstance(md, BytesStorageMetadata):
                 self._value_keys.append(fqn)
             else:
-                raise InvalidManifest(f"{self.url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
+                raise InvalidManifest(f"{url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
         self._values: dict[str, Any] | None = None
-        self._cache: tuple[Any, torch.Tensor] | None = None
+        self._local = threading.local()  # per-thread cache of the last decoded chunk
+        self.info = CheckpointInfo("dcp", url, meta={"dcp_version": self._md.version} if self._md.version else {})
 
-    def tensors(self) -> dict[str, TensorEntry]:
-        return self._tensors
-
-    def meta(self) -> dict[str, Any]:
-        return {"dcp_version": self._md.version}
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        return self._entries
 
     def _blob(self, info: Any) -> io.BytesIO:
         path = str(info.relative_path)
-        data = self._loc.read(path, int(info.offset), int(info.offset) + int(info.length))
+        start, length = int(info.offset), int(info.length)
+        data = self.storage.read_bytes(path, start, start + length)
+        if len(data) != length:
+            raise InvalidManifest(f"{self.storage.where(path)}: {length} bytes expected at offset {start}, the file "
+                                  f"holds {len(data)} (truncated)")
         for desc in reversed(list(getattr(info, "transform_descriptors", None) or ())):
             if not _TRANSFORM_ZSTD.match(desc):
-                raise UnsupportedFormat(f"{self._loc.child_url(path)}: DCP stream transform {desc!r} is not supported")
+                raise UnsupportedFormat(f"{self.storage.where(path)}: DCP stream transform {desc!r} is not supported")
             import zstandard
 
             data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
@@ -176,40 +183,59 @@ class DcpSource:
     def _decode(self, info: Any, where: str) -> Any:
         try:
             return torch.load(self._blob(info), map_location="cpu", weights_only=True)
-        except UnsafeCheckpoint:
+        except (UnsafeCheckpoint, InvalidManifest, UnsupportedFormat):
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for bad bytes
+            msg = (str(exc).splitlines() or [type(exc).__name__])[0]
             if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({exc})".splitlines()[0]) from exc
-            raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({exc})".splitlines()[0]) from exc
+                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({msg})") from None
+            raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({msg})") from None
 
-    def values(self) -> dict[str, Any]:
+    def values(self) -> Mapping[str, Any]:
         if self._values is None:
             raw = {}
             for key in self._value_keys:
                 info = self._where.get((key, None))
                 if info is None:
-                    raise InvalidManifest(f"{self.url}: no storage entry for value {key!r}")
-                raw[key] = _json_safe(self._decode(info, f"{self.url} [{key}]"), f"{self.url} [{key}]")
+                    raise InvalidManifest(f"{self.info.url}: no storage entry for value {key!r}")
+                where = f"{self.info.url} [{key}]"
+                raw[key] = _json_safe(self._decode(info, where), where)
             self._values = _nest_param_groups(raw)
         return self._values
 
-    def read_rows(self, entry: TensorEntry, chunk: SavedChunk, start: int, stop: int) -> torch.Tensor:
-        # A DCP chunk is one torch.save blob; decode it once and serve row blocks from it.
-        if self._cache is None or self._cache[0] is not chunk.ref:
-            self._cache = None
-            tensor = self._decode(chunk.ref, f"{self.url} [{entry.fqn} @ {chunk.offsets}]")
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
-                raise InvalidManifest(f"{self.url}: chunk {chunk.offsets} of {entry.fqn!r} decodes to "
-                                      f"{getattr(tensor, 'shape', type(tensor))}, expected {chunk.shape}")
-            if tensor.dtype != entry.dtype:
-                raise InvalidManifest(f"{self.url}: chunk of {entry.fqn!r} is {tensor.dtype}, expected {entry.dtype}")
-            self._cache = (chunk.ref, tensor)
-        tensor = self._cache[1]
-        return tensor if not chunk.shape else tensor[start:stop]
+    def chunk_tensor(self, entry: TensorEntry, index: int) -> torch.Tensor:
+        """Decode stored chunk ``index`` of ``entry`` (cached: the last one stays for the next request)."""
+        chunk = entry.chunks[index]
+        cache = getattr(self._local, "cache", None)
+        if cache is not None and cache[0] is chunk.locator:
+            return cache[1]
+        self._local.cache = None
+        where = f"{self.info.url} [{entry.fqn} @ {list(chunk.offsets)}]"
+        tensor = self._decode(chunk.locator, where)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
+            raise InvalidManifest(f"{where}: decodes to {getattr(tensor, 'shape', type(tensor))}, expected "
+                                  f"{chunk.shape}")
+        if tensor.dtype != entry.dtype:
+            raise InvalidManifest(f"{where}: chunk is {tensor.dtype}, expected {entry.dtype}")
+        self._local.cache = (chunk.locator, tensor)
+        return tensor
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        for r in requests:
+            entry = self._entries.get(r.fqn)
+            if (entry is None or not 0 <= r.chunk < len(entry.chunks) or r.out.dtype != entry.dtype
+                    or tuple(r.out.shape) != tuple(r.box[1])):
+                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
+        for r in requests:
+            entry = self._entries[r.fqn]
+            tensor = self.chunk_tensor(entry, r.chunk)
+            offsets = entry.chunks[r.chunk].offsets
+            r0, r1 = row_range(offsets, r.box)
+            copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
+            self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def close(self) -> None:
-        self._cache = None
+        self._local = threading.local()
 
 
 # --------------------------------------------------------------------------
@@ -235,13 +261,15 @@ def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_dcp(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: dict[str, Any],
+def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],
               fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], *, block_bytes: int,
               on_bytes: Callable[[int], None] = lambda n: None) -> None:
     """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
 
     ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
-    written in dim-0 blocks of at most ``block_bytes`` (one DCP chunk each).
+    written in dim-0 blocks of at most ``block_bytes`` (one DCP chunk each) into
+    ``__0_0.distcp``.  ``.metadata`` (the commit) is written last, by torch's
+    own ``FsspecWriter.finish``.
     """
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -249,20 +277,18 @@ def write_dcp(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ..
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from shardkit.checkpoint.offline_io import with_retries
-
     data_name = "__0_0.distcp"
-    state_md: dict[str, Any] = {}
-    results: list[Any] = []
-    planner_data: dict[str, tuple[Any, ...]] = {}
-    with with_retries(dst.child_url(data_name), lambda: dst.fs.open(dst.child(data_name), "wb")) as out:
+
+    def produce(out: Any) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
+        state_md: dict[str, Any] = {}
+        results: list[Any] = []
+        planner_data: dict[str, tuple[Any, ...]] = {}
         pos = 0
 
-        def put(blob: bytes, payload: int = 0) -> tuple[int, int]:
+        def put(blob: bytes) -> tuple[int, int]:
             nonlocal pos
-            with_retries(dst.child_url(data_name), lambda: out.write(blob))
+            out.write(blob)
             start, pos = pos, pos + len(blob)
-            on_bytes(payload)
             return start, len(blob)
 
         for key, value in _flatten_values(values).items():
@@ -270,15 +296,15 @@ def write_dcp(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ..
             torch.save(value, buf)
             start, length = put(buf.getvalue())
             state_md[key] = BytesStorageMetadata()
-            index = MetadataIndex(key)
-            results.append(WriteResult(index=index, size_in_bytes=length,
+            results.append(WriteResult(index=MetadataIndex(key), size_in_bytes=length,
                                        storage_data=_StorageInfo(data_name, start, length)))
             planner_data[key] = object_path(key)
         for fqn, dtype, shape in tensors:
             chunks = []
-            blocks = [(0, 0)] if not shape else list(iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)))
-            if shape and shape[0] == 0:
-                blocks = [(0, 0)]
+            if not shape or shape[0] == 0:
+                blocks = [(0, shape[0] if shape else 0)]
+            else:
+                blocks = list(iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)))
             for r0, r1 in blocks:
                 offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
                 box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
@@ -287,18 +313,17 @@ def write_dcp(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ..
                 torch.save(tensor, buf)
                 payload = tensor.numel() * tensor.element_size()
                 del tensor
-                start, length = put(buf.getvalue(), payload)
+                start, length = put(buf.getvalue())
+                on_bytes(payload)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box)))
                 results.append(WriteResult(index=MetadataIndex(fqn, torch.Size(offsets)), size_in_bytes=length,
                                            storage_data=_StorageInfo(data_name, start, length)))
             state_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
                                                   chunks=chunks)
             planner_data[fqn] = object_path(fqn)
+        return state_md, results, planner_data
+
+    state_md, results, planner_data = dst.write_stream(data_name, produce, fsync=False)
     metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
-    writer = FsspecWriter(dst.url, sync_files=False, **_writer_options(dst))
-    with_retries(dst.child_url(METADATA_NAME), lambda: writer.finish(metadata, [results]))
-
-
-def _writer_options(dst: Location) -> dict[str, Any]:
-    storage_options = getattr(dst.fs, "storage_options", None) or {}
-    return dict(storage_options)
+    writer = FsspecWriter(dst.url, sync_files=False, **dst.storage_options)
+    dst._retry(f"committing {dst.where(METADATA_NAME)}", lambda: writer.finish(metadata, [results]))

@@ -20,27 +20,23 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.offline_io import Location, with_retries
-from shardkit.checkpoint.offline_source import SavedChunk, TensorEntry, iter_row_blocks, nbytes_of, rows_per_block
-from shardkit.errors import InvalidManifest, UnsupportedFormat
+from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_to_dtype,
+                                       dtype_to_code, parse_safetensors_header)
+from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, nbytes_of, row_range,
+                                                rows_per_block, split_file)
+from shardkit.checkpoint.storage import Storage
+from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsupportedFormat
 
-__all__ = ["HfSource", "is_hf", "write_hf", "plan_shards", "parse_size", "SAFETENSORS_DTYPES", "INDEX_NAME"]
+__all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "parse_size", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MAX_HEADER = 100_000_000
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
-}
-DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_HEAD_GUESS = 1 << 16
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 
@@ -60,134 +56,101 @@ def parse_size(text: str | int) -> int:
         raise UnsupportedFormat(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 64MiB") from exc
 
 
-def parse_header(loc: Location, name: str | None) -> tuple[dict[str, Any], dict[str, str], int]:
-    """Read and validate one safetensors header: (entries, __metadata__, data start)."""
-    where = loc.url if name is None else loc.child_url(name)
-    size = loc.size(name)
-    if size < 8:
-        raise InvalidManifest(f"{where}: {size} bytes is too short for a safetensors file")
-    (n,) = struct.unpack("<Q", loc.read(name, 0, 8))
-    if n > MAX_HEADER or n + 8 > size:
-        raise InvalidManifest(f"{where}: safetensors header length {n} is impossible for a {size}-byte file")
-    try:
-        header = json.loads(loc.read(name, 8, 8 + n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidManifest(f"{where}: safetensors header is not valid JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise InvalidManifest(f"{where}: safetensors header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise InvalidManifest(f"{where}: __metadata__ must map strings to strings")
-    data_start, data_len = 8 + n, size - 8 - n
-    spans = []
-    for key, e in header.items():
-        if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"}:
-            raise InvalidManifest(f"{where}: entry {key!r} is malformed")
-        dtype = SAFETENSORS_DTYPES.get(e.get("dtype"))
-        shape, offs = e.get("shape"), e.get("data_offsets")
-        if dtype is None:
-            raise InvalidManifest(f"{where}: entry {key!r} has unknown dtype {e.get('dtype')!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise InvalidManifest(f"{where}: entry {key!r} has an invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
-                and 0 <= offs[0] <= offs[1] <= data_len):
-            raise InvalidManifest(f"{where}: entry {key!r} has data_offsets {offs!r} outside the file")
-        if offs[1] - offs[0] != nbytes_of(dtype, tuple(shape)):
-            raise InvalidManifest(f"{where}: entry {key!r} spans {offs[1] - offs[0]} bytes, its shape needs "
-                                  f"{nbytes_of(dtype, tuple(shape))}")
-        spans.append((offs[0], offs[1], key))
-    spans.sort()
-    end = 0
-    for b, e, key in spans:
-        if b < end:
-            raise InvalidManifest(f"{where}: entry {key!r} overlaps the previous tensor")
-        end = e
-    if end != data_len:
-        raise InvalidManifest(f"{where}: data section is {data_len} bytes but tensors cover {end} (truncated or padded)")
-    return header, meta, data_start
+def read_header(storage: Storage, name: str) -> Any:
+    """Parse and strictly validate one safetensors header with ranged reads (codec's parser)."""
+    size = storage.size(name)
+    prefix = storage.read_bytes(name, 0, min(size, _HEAD_GUESS))
+    return parse_safetensors_header(prefix, size, storage.where(name),
+                                    lambda n: storage.read_bytes(name, 0, n))
 
 
-def is_hf(loc: Location) -> bool:
-    if loc.isdir():
-        return loc.exists(INDEX_NAME) or loc.exists(SINGLE_NAME)
-    if not loc.path.endswith(".safetensors"):
+def detect(storage: Storage) -> bool:
+    if is_dir(storage):
+        return storage.exists(INDEX_NAME) or storage.exists(SINGLE_NAME)
+    if not storage.url.endswith(".safetensors"):
         return False
-    head = loc.read(None, 0, 9) if loc.size() >= 9 else b""
+    parent, name = split_file(storage)
+    try:
+        head = parent.read_bytes(name, 0, 9)
+    except Exception:  # noqa: BLE001 - unreadable means "not this format"
+        return False
     return len(head) == 9 and head[8:9] == b"{"
 
 
-class HfSource:
-    """A safetensors file, or an HF folder (single file or shards + index)."""
+def open_reader(storage: Storage) -> "HfReader":
+    return HfReader(storage)
 
-    format = "hf"
 
-    def __init__(self, loc: Location) -> None:
-        self.url = loc.url
-        self._meta: dict[str, Any] = {}
-        if loc.isdir():
-            self._dir = loc
-            if loc.exists(INDEX_NAME):
+class HfReader(CheckpointReader):
+    """A safetensors file, or an HF folder (single file or shards + index), read by byte ranges."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
+        meta: dict[str, Any] = {}
+        if is_dir(storage):
+            self.folder = storage
+            if storage.exists(INDEX_NAME):
                 try:
-                    index = json.loads(loc.read(INDEX_NAME))
+                    index = json.loads(storage.read_bytes(INDEX_NAME))
                     weight_map = index["weight_map"]
-                    assert isinstance(weight_map, dict)
-                except Exception as exc:
-                    raise InvalidManifest(f"{loc.child_url(INDEX_NAME)}: not a valid index ({exc!r})") from exc
-                files = sorted(set(weight_map.values()))
+                    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                        raise TypeError("weight_map must map names to file names")
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise InvalidManifest(f"{storage.where(INDEX_NAME)}: not a valid index ({exc})") from None
+                names = sorted(set(weight_map.values()))
             else:
-                weight_map, files = None, [SINGLE_NAME]
-            names: list[str | None] = list(files)
-            self.side_files = [n for n in loc.listdir() if not n.endswith(".safetensors") and n != INDEX_NAME
-                               and not n.startswith(".")]
+                weight_map, names = None, [SINGLE_NAME]
+            self.side_files = [n for n in storage.listdir() if not n.endswith(".safetensors") and n != INDEX_NAME
+                               and not n.startswith(".") and not is_dir(storage.child(n))]
         else:
-            parent = loc.path.rsplit("/", 1)[0] if "/" in loc.path else ""
-            self._dir = Location(loc.url.rsplit("/", 1)[0] if "/" in loc.url else ".", loc.fs, parent)
-            names, weight_map = [loc.path.rsplit("/", 1)[-1]], None
+            self.folder, name = split_file(storage)
+            weight_map, names = None, [name]
             self.side_files = []
         self._entries: dict[str, TensorEntry] = {}
         for name in names:
-            header, meta, start = parse_header(self._dir, name)
-            self._meta.update(meta)
-            for key, e in header.items():
+            header = read_header(self.folder, name)
+            meta.update(header.metadata)
+            for key, e in header.entries.items():
                 if weight_map is not None and weight_map.get(key) != name:
                     continue
-                shape = tuple(e["shape"])
-                ref = (name, start + e["data_offsets"][0])
                 fqn = f"model.{key}"
-                self._entries[fqn] = TensorEntry(fqn, SAFETENSORS_DTYPES[e["dtype"]], shape,
-                                                 (SavedChunk((0,) * len(shape), shape, ref),))
+                self._entries[fqn] = TensorEntry(fqn, code_to_dtype(e.dtype), e.shape,
+                                                 (StoredChunk((0,) * len(e.shape), e.shape, (name, e.start)),))
         if weight_map is not None:
             missing = [k for k in weight_map if f"model.{k}" not in self._entries]
             if missing:
-                raise InvalidManifest(f"{self.url}: index names {missing[0]!r} but its shard does not hold it")
+                raise InvalidManifest(f"{storage.where(INDEX_NAME)} names {missing[0]!r} but its shard does not "
+                                      "hold it")
+        self.info = CheckpointInfo("hf", storage.url, meta=meta)
 
-    def tensors(self) -> dict[str, TensorEntry]:
+    def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
 
-    def values(self) -> dict[str, Any]:
+    def values(self) -> Mapping[str, Any]:
         return {}
 
-    def meta(self) -> dict[str, Any]:
-        return dict(self._meta)
-
-    @property
-    def folder(self) -> Location:
-        return self._dir
-
-    def read_rows(self, entry: TensorEntry, chunk: SavedChunk, start: int, stop: int) -> torch.Tensor:
-        name, base = chunk.ref
-        if not entry.shape:
-            start, stop = 0, 1
-        row = math.prod(entry.shape[1:]) * torch.empty((), dtype=entry.dtype).element_size()
-        n = (stop - start) * row
-        shape = (stop - start,) + tuple(entry.shape[1:]) if entry.shape else ()
-        if n == 0:
-            return torch.empty(shape, dtype=entry.dtype)
-        data = self._dir.read(name, base + start * row, base + start * row + n)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(entry.dtype).reshape(shape)
-
-    def close(self) -> None:
-        pass
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        checked = []
+        for r in requests:
+            entry = self._entries.get(r.fqn)
+            if entry is None or r.chunk != 0 or r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
+                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
+            checked.append(entry)
+        for r, entry in zip(requests, checked):
+            if r.out.numel() == 0:
+                continue
+            name, start = entry.chunks[0].locator
+            r0, r1 = row_range(entry.chunks[0].offsets, r.box)
+            row = math.prod(entry.shape[1:]) * r.out.element_size()
+            full_width = tuple(r.box[1][1:]) == tuple(entry.shape[1:])
+            if full_width and r.out.is_contiguous():
+                self.folder.read_into(name, start + r0 * row, as_bytes(r.out))
+                self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+                continue
+            rows = torch.empty(((r1 - r0),) + tuple(entry.shape[1:]), dtype=entry.dtype)
+            self.folder.read_into(name, start + r0 * row, as_bytes(rows))
+            self.stats.add(read=rows.numel() * rows.element_size(), requests=1)
+            copy_rows_into(rows, entry.chunks[0].offsets, r.box, r.out)
 
 
 # --------------------------------------------------------------------------
@@ -211,58 +174,44 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_sha
     return shards
 
 
-def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...]]], meta: dict[str, str]) -> bytes:
-    """The 8-byte length + JSON header (space-padded to 8 bytes) for tensors laid out in order."""
-    header: dict[str, Any] = {"__metadata__": meta} if meta else {}
-    pos = 0
-    for key, dtype, shape in items:
-        if dtype not in DTYPE_NAMES:
-            raise UnsupportedFormat(f"{key}: dtype {dtype} has no safetensors name")
-        n = nbytes_of(dtype, shape)
-        header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def write_hf(dst: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
              fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], *, block_bytes: int,
              max_shard_size: int, on_bytes: Callable[[int], None] = lambda n: None,
              before_index: Callable[[], None] = lambda: None) -> list[str]:
     """Write HF shards + index for model tensors (``model.<key>`` → ``<key>``); return file names.
 
-    The index is written last (after ``before_index``, which copies side files):
-    it is what makes the folder a checkpoint, so a failure leaves none.
+    ``fetch(fqn, offsets, shape)`` returns a box of rows; each shard is streamed
+    (header first) a block of at most ``block_bytes`` at a time.  The index is
+    written last (after ``before_index``, which copies side files): it is what
+    makes the folder a checkpoint, so a failure leaves none.
     """
     items = [(fqn[len("model."):], dtype, shape) for fqn, dtype, shape in tensors]
     shards = plan_shards(items, max_shard_size)
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map: dict[str, str] = {}
     for name, idx in zip(names, shards):
-        shard_items = [items[i] for i in idx]
-        with with_retries(dst.child_url(name), lambda: dst.fs.open(dst.child(name), "wb")) as out:
-            out.write(safetensors_header(shard_items, {"format": "pt"}))
+        entries = [(items[i][0], dtype_to_code(items[i][1]), items[i][2], nbytes_of(items[i][1], items[i][2]))
+                   for i in idx]
+
+        def produce(out: Any, idx: list[int] = idx, entries: list = entries) -> None:
+            stream = SafetensorsStreamWriter(out, entries, {"format": "pt"}, block_size=1 << 30)
             for i in idx:
                 fqn, dtype, shape = tensors[i]
-                weight_map[items[i][0]] = name
+                key = items[i][0]
                 if not shape:
-                    out.write(_raw(fetch(fqn, (), ())))
+                    stream.write(key, as_bytes(fetch(fqn, (), ()).contiguous()))
                     continue
                 for r0, r1 in iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)):
-                    data = _raw(fetch(fqn, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])))
-                    with_retries(dst.child_url(name), lambda: out.write(data))
-                    on_bytes(len(data))
+                    block = fetch(fqn, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])).contiguous()
+                    stream.write(key, as_bytes(block) if block.numel() else torch.empty(0, dtype=torch.uint8))
+                    on_bytes(block.numel() * block.element_size())
+            stream.finish()
+
+        dst.write_stream(name, produce, fsync=False)
+        for i in idx:
+            weight_map[items[i][0]] = name
     total = sum(nbytes_of(d, s) for _, d, s in items)
     before_index()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with_retries(dst.child_url(INDEX_NAME), lambda: dst.fs.pipe_file(dst.child(INDEX_NAME),
-                                                                     json.dumps(index, indent=2).encode()))
+    dst.put_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
     return names + [INDEX_NAME]
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

@@ -21,16 +21,17 @@ import os
 import struct
 import tempfile
 import zipfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.offline_io import Location, with_retries
-from shardkit.checkpoint.offline_source import (SavedChunk, TensorEntry, iter_row_blocks, object_path,
-                                                rows_per_block)
-from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
+                                                rows_per_block, split_file)
+from shardkit.checkpoint.storage import Storage
+from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
 
-__all__ = ["TorchSaveSource", "is_torch_save", "write_torch_save", "flatten_state"]
+__all__ = ["TorchSaveReader", "detect", "open_reader", "write_torch_save", "flatten_state"]
 
 _STORAGE_TYPES = {
     torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
@@ -42,14 +43,19 @@ _ALIGN = 64
 _ARCHIVE = "archive"
 
 
-def is_torch_save(loc: Location) -> bool:
-    """A torch.save zip archive holds a ``<prefix>/data.pkl`` record; check the zip magic first."""
-    try:
-        if loc.isdir():
-            return False
-        return loc.read(None, 0, 4) == b"PK\x03\x04"
-    except Exception:
+def detect(storage: Storage) -> bool:
+    """A torch.save file is a zip archive (``PK\\x03\\x04``); directories never are."""
+    if is_dir(storage):
         return False
+    try:
+        parent, name = split_file(storage)
+        return parent.read_bytes(name, 0, 4) == b"PK\x03\x04"
+    except Exception:  # noqa: BLE001 - unreadable means "not this format"
+        return False
+
+
+def open_reader(storage: Storage) -> "TorchSaveReader":
+    return TorchSaveReader(storage)
 
 
 def flatten_state(obj: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -100,43 +106,48 @@ def _json_value(v: Any, where: str) -> Any:
     raise UnsupportedFormat(f"{where}: a {type(v).__name__} cannot be carried as a JSON value")
 
 
-class TorchSaveSource:
-    """A torch.save file as a :class:`~shardkit.checkpoint.offline_source.Source`."""
+class TorchSaveReader(CheckpointReader):
+    """A torch.save file, memory-mapped; tensors are served a request at a time."""
 
-    format = "torch"
-
-    def __init__(self, loc: Location) -> None:
-        self.url = loc.url
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
         self._tmp: str | None = None
-        path = loc.local_path()
+        parent, name = split_file(storage)
+        path = parent.path(name) if parent.is_local else None
         if path is None:  # remote: spool to local disk so the file can be memory-mapped
             fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
             os.close(fd)
-            with_retries(loc.url, lambda: loc.fs.get_file(loc.path, self._tmp))
+            parent._retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), self._tmp))
             path = self._tmp
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+            msg = (str(exc).splitlines() or [type(exc).__name__])[0]
+            self.close()
             if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{self.url}: needs unsafe unpickling to load ({msg}); refusing") from exc
-            raise InvalidManifest(f"{self.url}: not a readable torch.save file ({msg})") from exc
-        self._tensors, self._values = flatten_state(obj, self.url)
-        self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (SavedChunk((0,) * t.dim(), tuple(t.shape), k),))
+                raise UnsafeCheckpoint(f"{storage.url}: needs unsafe unpickling to load ({msg}); refusing") from None
+            raise InvalidManifest(f"{storage.url}: not a readable torch.save file ({msg})") from None
+        self._tensors, self._values = flatten_state(obj, storage.url)
+        self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (StoredChunk((0,) * t.dim(), tuple(t.shape), k),))
                          for k, t in self._tensors.items()}
+        self.info = CheckpointInfo("torch", storage.url)
 
-    def tensors(self) -> dict[str, TensorEntry]:
+    def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
 
-    def values(self) -> dict[str, Any]:
+    def values(self) -> Mapping[str, Any]:
         return self._values
 
-    def meta(self) -> dict[str, Any]:
-        return {}
-
-    def read_rows(self, entry: TensorEntry, chunk: SavedChunk, start: int, stop: int) -> torch.Tensor:
-        t = self._tensors[entry.fqn]
-        return t if t.dim() == 0 else t[start:stop]
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        for r in requests:
+            entry = self._entries.get(r.fqn)
+            if entry is None or r.chunk != 0 or r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
+                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
+        for r in requests:
+            t = self._tensors[r.fqn]
+            r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
+            copy_rows_into(t if t.dim() == 0 else t[r0:r1], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
+            self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def close(self) -> None:
         self._tensors = {}
@@ -254,21 +265,19 @@ def _zip_info(name: str, at: int) -> zipfile.ZipInfo:
     return info
 
 
-def write_torch_save(dst_file: Location, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                      values: dict[str, Any], fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor],
                      *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-    """Write one torch.save file readable by ``torch.load(weights_only=True)``, in bounded memory."""
+    """Write file ``name`` in ``dst``, readable by ``torch.load(weights_only=True)``, in bounded memory."""
     refs = {fqn: _TensorRef(str(i), dtype, shape) for i, (fqn, dtype, shape) in enumerate(tensors)}
     ops = _Ops()
     ops.value(_nest({**values, **refs}))
     ops.out += b"."
-    where = dst_file.url
-    raw = with_retries(where, lambda: dst_file.fs.open(dst_file.path, "wb"))
-    try:
+
+    def produce(raw: Any) -> None:
         with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            def record(name: str, data: bytes) -> None:
-                at = raw.tell()
-                with zf.open(_zip_info(f"{_ARCHIVE}/{name}", at), "w", force_zip64=True) as f:
+            def record(rec: str, data: bytes) -> None:
+                with zf.open(_zip_info(f"{_ARCHIVE}/{rec}", raw.tell()), "w", force_zip64=True) as f:
                     f.write(data)
 
             record("data.pkl", bytes(ops.out))
@@ -276,20 +285,17 @@ def write_torch_save(dst_file: Location, tensors: list[tuple[str, torch.dtype, t
             record(".storage_alignment", str(_ALIGN).encode())
             record("byteorder", b"little")
             for fqn, dtype, shape in tensors:
-                at = raw.tell()
-                with zf.open(_zip_info(f"{_ARCHIVE}/data/{refs[fqn].key}", at), "w", force_zip64=True) as f:
+                with zf.open(_zip_info(f"{_ARCHIVE}/data/{refs[fqn].key}", raw.tell()), "w", force_zip64=True) as f:
                     if not shape:
                         f.write(_as_bytes(fetch(fqn, (), ())))
                         continue
-                    block = rows_per_block(dtype, shape, block_bytes)
-                    for r0, r1 in iter_row_blocks(shape[0], block):
+                    for r0, r1 in iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)):
                         t = fetch(fqn, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]))
-                        data = _as_bytes(t)
-                        with_retries(where, lambda: f.write(data))
-                        on_bytes(len(data))
+                        f.write(_as_bytes(t))
+                        on_bytes(t.numel() * t.element_size())
             record("version", b"3")
-    finally:
-        raw.close()
+
+    dst.write_stream(name, produce, fsync=False)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:

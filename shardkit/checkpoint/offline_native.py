@@ -1,0 +1,263 @@
+"""Offline writing of a native checkpoint laid out for N ranks: plan, stream, resume, commit.
+
+The plan is pure arithmetic: every output tensor is split along dim 0 the way
+``Shard(0)`` splits it over the shard dim of the target mesh (``ceil(n/S)``
+rows per rank, later ranks short or empty -- the same rule as
+:func:`shardkit.checkpoint.layout.shard_box`), each rank's box is cut into
+chunks of at most ``chunk_cap`` bytes (:func:`~shardkit.checkpoint.layout.split_box`),
+and each rank's chunks are packed into data files ("work units") of at most
+``file_cap`` bytes.  Rank ``s`` of the replica-0 row writes file(s)
+``data/<token>-<s>-<part>.safetensors``, so a job at the target size reads
+exactly its own files; replicas of a 2-D mesh are written once.  Scalars go
+to rank 0.
+
+Each work unit is written by the engine's :class:`NativeWriter` (streaming
+safetensors, crc32c per block, optional zstd), pulling each chunk from the
+source through a :class:`~shardkit.checkpoint.offline_fetch.Fetcher` just in
+time, so memory is one chunk per worker.  Units run on ``workers`` threads.
+
+Resume: the token is a hash of the plan, so a rerun of the same command plans
+the same file names.  After each unit, its manifest records are journaled under
+``.shardkit-resume/``; a rerun re-verifies every journaled file (size and every
+checksum block) and skips it.  The manifest is committed last; the journal and
+any data files of older plans are removed after the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardkit.checkpoint.codec import crc32c, parse_compression
+from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
+from shardkit.checkpoint.formats.native import (DATA_DIR, DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile,
+                                                data_file_name, unreferenced_files)
+from shardkit.checkpoint.layout import split_box
+from shardkit.checkpoint.offline_blocks import itemsize
+from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline_select import Selection
+from shardkit.checkpoint.storage import Storage, parallel_map
+from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
+
+__all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR", "assign_units"]
+
+RESUME_DIR = ".shardkit-resume"
+FILE_CAP = 1 << 30
+
+
+def parse_mesh(value: Any) -> tuple[int, ...]:
+    """``"2x4"``, ``(2, 4)`` or ``8`` → a mesh shape of one or two positive sizes."""
+    try:
+        if isinstance(value, str):
+            dims = tuple(int(x) for x in value.lower().split("x"))
+        elif isinstance(value, int):
+            dims = (value,)
+        else:
+            dims = tuple(int(x) for x in value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"mesh {value!r}: write e.g. 8 or 2x4 (replicas x shards)") from None
+    if not 1 <= len(dims) <= 2 or min(dims) < 1:
+        raise ConfigurationError(f"mesh {value!r}: one or two positive sizes, e.g. 8 or 2x4")
+    return dims
+
+
+@dataclass(frozen=True)
+class FileUnit:
+    """One output data file: who writes it (the target rank) and the chunks it holds, in order."""
+
+    name: str
+    writer: int
+    chunks: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (output name, offsets, shape)
+    nbytes: int
+
+
+def _shard_rows(n: int, shards: int, s: int) -> tuple[int, int]:
+    per = -(-n // shards) if n else 0
+    lo = min(s * per, n)
+    return lo, min(lo + per, n)
+
+
+def plan_files(sel: Selection, shards: int, chunk_cap: int, file_cap: int, salt: str) -> list[FileUnit]:
+    """Work units for ``shards`` ranks; names carry a token derived from the whole plan."""
+    per_rank: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]] = [[] for _ in range(shards)]
+    for t in sel.tensors:
+        size = itemsize(t.dtype)
+        if not t.shape:
+            per_rank[0].append((t.name, (), (), size))
+            continue
+        for s in range(shards):
+            lo, hi = _shard_rows(t.shape[0], shards, s)
+            if hi == lo and not (s == 0 and t.shape[0] == 0):
+                continue
+            box = ((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
+            for offsets, shape in split_box(box, size, chunk_cap):
+                n = size
+                for d in shape:
+                    n *= d
+                per_rank[s].append((t.name, tuple(offsets), tuple(shape), n))
+    digest = hashlib.sha256(json.dumps([salt, per_rank, file_cap]).encode()).hexdigest()[:10]
+    units: list[FileUnit] = []
+    for s, chunks in enumerate(per_rank):
+        part: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        nbytes = 0
+        for name, offsets, shape, n in chunks:
+            if part and nbytes + n > file_cap:
+                units.append(FileUnit(data_file_name(digest, s, len([u for u in units if u.writer == s])), s,
+                                      tuple(part), nbytes))
+                part, nbytes = [], 0
+            part.append((name, offsets, shape))
+            nbytes += n
+        if part:
+            units.append(FileUnit(data_file_name(digest, s, len([u for u in units if u.writer == s])), s,
+                                  tuple(part), nbytes))
+    return units
+
+
+def assign_units(units: Sequence[FileUnit], nprocs: int) -> list[list[int]]:
+    """Split work units over ``nprocs`` processes, balanced by bytes (largest first, to the least loaded)."""
+    loads = [0] * nprocs
+    out: list[list[int]] = [[] for _ in range(nprocs)]
+    for i in sorted(range(len(units)), key=lambda i: -units[i].nbytes):
+        k = min(range(nprocs), key=lambda p: (loads[p], p))
+        out[k].append(i)
+        loads[k] += units[i].nbytes
+    return [sorted(x) for x in out]
+
+
+def _journal_name(unit: FileUnit) -> str:
+    return f"{RESUME_DIR}/{unit.name.rsplit('/', 1)[-1]}.json"
+
+
+def _verified_record(storage: Storage, unit: FileUnit, check_data: bool = True) -> WrittenFile | None:
+    """The journaled record of ``unit`` if its file is complete (and, with ``check_data``, every
+    checksum block matches)."""
+    journal = _journal_name(unit)
+    if not storage.exists(journal):
+        return None
+    try:
+        wf = WrittenFile.from_json(json.loads(storage.read_bytes(journal)))
+        if wf.name != unit.name or storage.size(unit.name) != wf.size:
+            return None
+        for _, rec in (wf.chunks if check_data else ()):
+            for b, want in enumerate(rec.crc32c):
+                lo = rec.start + b * rec.block
+                hi = min(lo + rec.block, rec.start + rec.nbytes)
+                if hi > lo and crc32c(storage.read_bytes(unit.name, lo, hi)) != want:
+                    return None
+        return wf
+    except (ShardkitError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, units: Sequence[FileUnit], *,
+                compression: str | None, workers: int, progress: Progress | None) -> list[WrittenFile]:
+    """Write (or, when journaled and intact, keep) each unit; journal each one as it lands."""
+    fetch = Fetcher(reader, sel.dtype_for, sel.rename_back)
+    dtypes = sel.dtype_for
+    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
+    update: Callable[[int], None] = progress.update if progress else (lambda n: None)
+
+    def one(unit: FileUnit) -> WrittenFile:
+        kept = _verified_record(storage, unit)
+        if kept is not None:
+            if progress:
+                progress.skip(unit.nbytes)
+            return kept
+
+        def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+            def load() -> torch.Tensor:
+                data = fetch(name, offsets, shape)
+                update(data.numel() * data.element_size())
+                return data
+            return load
+
+        chunks = [WriteChunk(name, dtypes[name], offsets, shape, loader(name, offsets, shape))
+                  for name, offsets, shape in unit.chunks]
+        wf = writer.write_file(unit.name, chunks, writer=unit.writer)
+        storage.put_atomic(_journal_name(unit), json.dumps(wf.to_json()).encode())
+        return wf
+
+    return parallel_map(one, list(units), workers)
+
+
+def _plan(reader: CheckpointReader, sel: Selection, world_size: int, mesh: tuple[int, ...] | None,
+          compression: str | None, budget: int, workers: int) -> tuple[list[FileUnit], dict[str, Any]]:
+    mesh = mesh if mesh else (world_size,)
+    shards = mesh[-1]
+    chunk_cap = max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // (3 * max(1, workers))))
+    # with zstd a file's frames are built before its header: keep each file within the per-worker budget
+    file_cap = chunk_cap if compression else FILE_CAP
+    salt = json.dumps([reader.info.url, reader.info.format, sorted(reader.info.meta.items(), key=str)
+                       if reader.info.format == "shardkit" else [], compression, list(mesh),
+                       [[t.name, t.source, str(t.dtype), list(t.shape)] for t in sel.tensors]], default=str)
+    units = plan_files(sel, shards, chunk_cap, file_cap, salt)
+    placements = ["Shard(dim=0)"] if len(mesh) == 1 else ["Replicate()", "Shard(dim=0)"]
+    writer_info = {"world_size": world_size, "mesh": {"shape": list(mesh), "dim_names": [],
+                                                      "placements": placements}, "tool": "shardkit reshard"}
+    return units, writer_info
+
+
+def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, files: Sequence[WrittenFile],
+                  writer_info: dict[str, Any], compression: str | None) -> None:
+    """Side files, then the manifest (the commit), then cleanup of the journal and stale files."""
+    from shardkit.checkpoint.convert import EXTRA_DIR, copy_side_files
+
+    copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
+    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
+    meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
+    manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.tensors}, files,
+                                     values=sel.values, meta=meta, writer_info=writer_info)
+    writer.commit(manifest)
+    try:
+        storage.delete_tree(RESUME_DIR)
+        storage.delete(unreferenced_files(storage, manifest))
+    except ShardkitError:  # cleanup is best effort: the checkpoint is committed and complete
+        pass
+
+
+def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, world_size: int,
+                 mesh: tuple[int, ...] | None, compression: str | None, budget: int, workers: int,
+                 progress: Progress | None, rank: int = 0, nprocs: int = 1,
+                 barrier: Callable[[], None] | None = None) -> Any:
+    """Write ``sel`` from ``reader`` as a native checkpoint for ``world_size`` ranks at ``storage``.
+
+    With ``nprocs > 1`` (scale-out) this process writes its share of the units,
+    waits at ``barrier``, and process 0 commits from the journaled records.
+    """
+    from shardkit.checkpoint.convert import ConvertResult
+
+    if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
+        raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
+    units, writer_info = _plan(reader, sel, world_size, mesh, compression, budget, workers)
+    mine = assign_units(units, nprocs)[rank] if nprocs > 1 else list(range(len(units)))
+    if progress:
+        progress.start(f"reshard → {world_size} ranks" if nprocs == 1 else f"reshard [{rank}/{nprocs}]",
+                       sum(units[i].nbytes for i in mine))
+    written = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
+                          workers=workers, progress=progress)
+    if nprocs > 1:
+        assert barrier is not None
+        barrier()
+        if rank != 0:
+            barrier()
+            return None
+        written = []
+        for unit in units:
+            record = _verified_record(storage, unit, check_data=False)  # just written by a peer
+            if record is None:
+                raise CheckpointError(f"{storage.where(unit.name)}: another rank did not finish it; rerun to resume")
+            written.append(record)
+    if progress:
+        progress.finish()
+    skipped = progress.skipped if progress else 0
+    commit_native(reader, sel, storage, written, writer_info, compression)
+    if nprocs > 1 and barrier is not None:
+        barrier()
+    return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors), sel.nbytes,
+                         [u.name for u in units] + ["manifest.json"], sel.dropped, skipped)
+
