@@ -239,12 +239,15 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance.")
 @click.option("--max-memory", default="256MiB", show_default=True, help="Memory budget for blocks being compared.")
 @click.option("--b-storage-option", "b_opts", multiple=True, metavar="KEY=VALUE", help="fsspec option for B only.")
+@click.option("--only", multiple=True, metavar="GLOB", help="Compare only keys matching GLOB; repeatable.")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip keys matching GLOB; repeatable.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @_storage
 @click.pass_context
 def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memory: str, b_opts: tuple[str, ...],
-         show_all: bool, as_json: bool, storage_opts: tuple[str, ...]) -> int:
+         only: tuple[str, ...], exclude: tuple[str, ...], show_all: bool, as_json: bool,
+         storage_opts: tuple[str, ...]) -> int:
     """Per-tensor max abs/rel difference of two checkpoints in any formats and layouts.
 
     Exit 0 only when every tensor and value is equal (bitwise), or within
@@ -253,14 +256,14 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
     \b
     Example:
       shardkit diff ./ckpt/step-100 ./export-hf
-      shardkit diff ./a ./b --atol 1e-3 --rtol 1e-2
+      shardkit diff ./a ./b --atol 1e-3 --rtol 1e-2 --only 'model.*'
     """
     from shardkit.checkpoint.convert import diff as do_diff
 
     so = storage_options(storage_opts)
     report = do_diff(a, b, atol=atol, rtol=rtol, storage_options=so,
                      b_storage_options=storage_options(b_opts) if b_opts else so, max_memory=max_memory,
-                     progress=_progress(ctx))
+                     only=only, exclude=exclude, progress=_progress(ctx))
     if as_json:
         echo_json(report.to_json())
     else:

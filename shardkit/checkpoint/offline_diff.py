@@ -11,7 +11,8 @@ as in ``torch.allclose``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+import fnmatch
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -58,8 +59,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_options: Mapping[str, Any] | None = None,
          b_storage_options: Mapping[str, Any] | None = None, max_memory: int | str | None = None,
+         only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
          progress: Progress | None = None) -> DiffReport:
-    """Per-tensor max abs / rel difference of ``a`` and ``b`` (any formats, any layouts)."""
+    """Per-tensor max abs / rel difference of ``a`` and ``b`` (any formats, any layouts).
+
+    ``only``/``exclude`` are key globs limiting what is compared (e.g. ``model.*``).
+    """
     from shardkit.checkpoint.convert import parse_memory
 
     budget = parse_memory(max_memory)
@@ -71,7 +76,11 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
         fa, fb = Fetcher(sa), Fetcher(sb)
         if progress:
             progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb) * 2)
-        for name in sorted(set(ea) | set(eb)):
+        def wanted(name: str) -> bool:
+            return ((not only or any(fnmatch.fnmatchcase(name, g) for g in only))
+                    and not (exclude and any(fnmatch.fnmatchcase(name, g) for g in exclude)))
+
+        for name in sorted(n for n in set(ea) | set(eb) if wanted(n)):
             if name not in eb:
                 report.tensors.append(TensorDiff(name, "only-a"))
                 continue
@@ -84,7 +93,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                 continue
             report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 6, progress))
         va, vb = sa.values(), sb.values()
-        report.values = sorted(k for k in set(va) | set(vb) if va.get(k, _MISSING) != vb.get(k, _MISSING))
+        report.values = sorted(k for k in set(va) | set(vb)
+                               if wanted(k) and va.get(k, _MISSING) != vb.get(k, _MISSING))
     finally:
         sa.close()
         sb.close()
