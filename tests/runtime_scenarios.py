@@ -1,0 +1,271 @@
+"""Training scenarios run three ways: shardkit, torch's own ``fully_shard``
+(same mesh, same micro-batches) and one process on the global batch.
+
+A scenario says how to build the model, how to shard it (written once
+against an ``api`` namespace so the same code drives shardkit and torch),
+and how to train it.  ``run_scenario`` runs on the ranks; the test process
+computes the single-process reference with the same semantics.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from tests.models import Transformer
+from tests.runtime_common import (ARGS, seeded_transformer, train_reference, train_sharded)
+
+STEPS = 10
+
+
+def shardkit_api():
+    import shardkit
+
+    return types.SimpleNamespace(name="shardkit", fully_shard=shardkit.fully_shard,
+                                 MixedPrecisionPolicy=shardkit.MixedPrecisionPolicy,
+                                 CPUOffloadPolicy=shardkit.CPUOffloadPolicy, pin_memory=True)
+
+
+def torch_api():
+    from torch.distributed import fsdp
+
+    # torch pins offloaded shards unconditionally, which needs an accelerator
+    return types.SimpleNamespace(name="torch", fully_shard=fsdp.fully_shard,
+                                 MixedPrecisionPolicy=fsdp.MixedPrecisionPolicy,
+                                 CPUOffloadPolicy=fsdp.CPUOffloadPolicy, pin_memory=False)
+
+
+# ----------------------------------------------------------------- model variants
+
+
+class TwiceTransformer(Transformer):
+    """Runs ``layers[0]`` twice per forward: one group, two uses."""
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        h = self.layers[0](h)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class CheckpointOutsideTransformer(Transformer):
+    """Activation checkpointing *around* each sharded block: the recompute
+    re-enters the block's forward hooks during backward."""
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False)
+        return self.output(self.norm(h))
+
+
+class CheckpointedBlock(nn.Module):
+    """Activation checkpointing *inside* the sharded unit (torchtitan's layout)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def with_checkpoint_inside(model: nn.Module) -> nn.Module:
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = CheckpointedBlock(layer)
+    return model
+
+
+def with_unused_param(model: nn.Module) -> nn.Module:
+    torch.manual_seed(7)
+    model.layers[1].unused = nn.Linear(ARGS.dim, 5)  # never called in forward
+    return model
+
+
+def with_frozen_params(model: nn.Module) -> nn.Module:
+    model.tok_embeddings.weight.requires_grad_(False)
+    for layer in model.layers:
+        layer.attention_norm.weight.requires_grad_(False)  # frozen and trainable in one group
+        layer.attention.wq.weight.requires_grad_(False)
+    return model
+
+
+# ------------------------------------------------------------------- scenarios
+
+
+def per_block(model, api, mesh, **kwargs):
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _reshard(value, root_value=None):
+    def shard(model, api, mesh):
+        for layer in model.layers:
+            api.fully_shard(layer, mesh=mesh, reshard_after_forward=value)
+        api.fully_shard(model, mesh=mesh, reshard_after_forward=root_value)
+        return model
+    return shard
+
+
+def _mixed_precision(model, api, mesh):
+    policy = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return per_block(model, api, mesh, mp_policy=policy)
+
+
+def _offload(model, api, mesh):
+    return per_block(model, api, mesh, offload_policy=api.CPUOffloadPolicy(pin_memory=api.pin_memory))
+
+
+def _explicit_prefetch(model, api, mesh):
+    per_block(model, api, mesh)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 3])
+        layer.set_modules_to_backward_prefetch(list(reversed(layers[max(0, i - 2):i])))
+    return model
+
+
+def _unshard_then_forward(model, tokens):
+    model.unshard()  # issue the root's all-gather before forward (tutorial pattern)
+    return model(tokens)
+
+
+def _async_unshard(model, api, mesh):
+    per_block(model, api, mesh)
+    if api.name == "shardkit":
+        from shardkit.runtime import param_groups_of
+
+        for module in [*model.layers, model]:
+            for group in param_groups_of(module):
+                group.unshard_async_op = True
+    else:
+        for module in [*model.layers, model]:
+            module._set_unshard_async_op(True)
+    return model
+
+
+def _async_handle_forward(model, tokens):
+    handle = model.layers[0].unshard(async_op=True)
+    out = model(tokens)
+    if handle is not None:
+        handle.wait()  # already completed by the block's pre-forward: a no-op
+    return out
+
+
+def _meta_init(model_cls=Transformer):
+    def build():
+        with torch.device("meta"):
+            return model_cls(ARGS)
+    return build
+
+
+def _materialize_and_load(model, api, mesh):
+    """fully_shard on meta, to_empty, reset_parameters, then load the seeded
+    weights as DTensors (the tutorial's flow)."""
+    per_block(model, api, mesh)
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    full = seeded_transformer().state_dict()
+    sharded = model.state_dict()
+    model.load_state_dict({k: distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
+                           for k, v in full.items()})
+    return model
+
+
+def _hsdp_reduce_scatter_only(model, step, micro):
+    model.set_requires_gradient_sync(True)
+    model.set_requires_all_reduce(micro == 1)  # first micro-batch: reduce-scatter only
+
+
+@dataclass
+class Scenario:
+    shape: tuple[int, ...] = (2,)
+    build: Callable[[], nn.Module] = seeded_transformer
+    shard: Callable = per_block
+    micro_steps: int = 1
+    set_to_none: Callable[[int], bool] = lambda step: True
+    forward: Callable | None = None
+    before_backward: Callable | None = None
+    reference_build: Callable[[], nn.Module] | None = None
+    mesh_names: tuple[str, ...] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "reshard_after_forward_true_everywhere": Scenario(shard=_reshard(True, True)),
+    "reshard_after_forward_false": Scenario(shard=_reshard(False, False)),
+    "reshard_after_forward_2": Scenario(shape=(4,), shard=_reshard(2)),
+    "gradient_accumulation_without_sync": Scenario(micro_steps=2),
+    "zero_grad_set_to_none_false": Scenario(set_to_none=lambda step: step % 2 == 0),
+    "module_called_twice": Scenario(build=lambda: seeded_transformer(cls=TwiceTransformer)),
+    "unused_parameter": Scenario(build=lambda: with_unused_param(seeded_transformer())),
+    "frozen_params": Scenario(build=lambda: with_frozen_params(seeded_transformer())),
+    "checkpoint_around_sharded_blocks": Scenario(build=lambda: seeded_transformer(cls=CheckpointOutsideTransformer)),
+    "checkpoint_inside_sharded_blocks": Scenario(build=lambda: with_checkpoint_inside(seeded_transformer())),
+    "meta_device_init": Scenario(build=_meta_init(), shard=_materialize_and_load,
+                                 reference_build=seeded_transformer),
+    "cpu_offload": Scenario(shard=_offload),
+    "explicit_prefetch": Scenario(shard=_explicit_prefetch, forward=_unshard_then_forward),
+    "async_unshard": Scenario(shard=_async_unshard, forward=_async_handle_forward),
+    "hsdp_reduce_scatter_only_accumulation": Scenario(shape=(2, 2), micro_steps=2,
+                                                      before_backward=_hsdp_reduce_scatter_only),
+    "no_shard_mesh": Scenario(shape=(2, 1)),
+    "bf16_mixed_precision": Scenario(shard=_mixed_precision),
+}
+
+
+def make_mesh(shape):
+    if len(shape) == 1:
+        return init_device_mesh("cpu", shape)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _train(scenario: Scenario, api) -> tuple[nn.Module, list[float]]:
+    mesh = make_mesh(scenario.shape)
+    model = scenario.shard(scenario.build(), api, mesh)
+    losses = train_sharded(model, STEPS, micro_steps=scenario.micro_steps, set_to_none=scenario.set_to_none,
+                           forward=scenario.forward, before_backward=scenario.before_backward)
+    return model, losses
+
+
+def run_scenario(name: str) -> dict:
+    """On each rank: train with shardkit and with torch's fully_shard."""
+    scenario = SCENARIOS[name]
+    ours, our_losses = _train(scenario, shardkit_api())
+    theirs, their_losses = _train(scenario, torch_api())
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    return {
+        "rank": dist.get_rank(),
+        "losses": our_losses,
+        "torch_losses": their_losses,
+        "bitwise_equal_to_torch": {k: torch.equal(v.to_local(), theirs_sd[k].to_local()) for k, v in ours_sd.items()},
+        "requires_grad": {k: p.requires_grad for k, p in ours.named_parameters()},
+    }
+
+
+def reference_losses(name: str) -> list[float]:
+    scenario = SCENARIOS[name]
+    model = (scenario.reference_build or scenario.build)()
+    losses, _ = train_reference(model, scenario.world, STEPS, micro_steps=scenario.micro_steps,
+                                set_to_none=scenario.set_to_none)
+    return losses
