@@ -26,7 +26,10 @@ from shardkit.fsdp1.api import (
     StateDictType,
 )
 
+from shardkit.fsdp1.wrapper import FullyShardedDataParallel
+
 __all__ = [
+    "FullyShardedDataParallel",
     "BackwardPrefetch",
     "CPUOffload",
     "FullOptimStateDictConfig",

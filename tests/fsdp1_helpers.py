@@ -1,0 +1,93 @@
+"""Shared pieces of the FSDP1 tests: a single-process reference run and the
+same loop on ranks, with each rank taking its slice of one global batch."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+
+ARGS = ModelArgs()
+PER_RANK = 2
+
+
+def build_transformer(seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(args)
+
+
+def global_batch(step: int, world: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(args, PER_RANK * world, seed=100 + step)
+
+
+def local_batch(step: int, rank: int, world: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = global_batch(step, world, args)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return tokens[rows], targets[rows]
+
+
+def train_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range, world: int,
+                clip: Callable[[nn.Module], object] | None = None, rank: int | None = None,
+                data_world: int | None = None) -> list[float]:
+    """Train on this rank's slice; return the global (mean over ranks) loss per step."""
+    rank = dist.get_rank() if rank is None else rank
+    data_world = data_world or world
+    losses = []
+    for step in steps:
+        tokens, targets = local_batch(step, rank, data_world)
+        optim.zero_grad(set_to_none=step % 2 == 0)
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        if clip is not None:
+            clip(model)
+        optim.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def reference_losses(model: nn.Module, steps: range, world: int, lr: float = 1e-2,
+                     max_norm: float | None = None) -> list[float]:
+    """The same steps in one process on the whole global batch (model is copied)."""
+    model = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in steps:
+        tokens, targets = global_batch(step, world)
+        optim.zero_grad(set_to_none=step % 2 == 0)
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optim.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_close_losses(ours: list[float], ref: list[float], rel: float = 1e-6) -> None:
+    assert len(ours) == len(ref)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert abs(a - b) <= rel * abs(b), f"step {step}: {a!r} vs reference {b!r}"
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives by op name (``allreduce_``, ``_allgather_base_``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
