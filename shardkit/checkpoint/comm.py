@@ -1,0 +1,139 @@
+"""The few collectives a checkpoint needs, carrying JSON instead of pickle.
+
+``torch.distributed``'s ``*_object`` collectives pickle their payload; shardkit
+never unpickles anything, so metadata travels as UTF-8 JSON in ``uint8``
+tensors.  Every helper works without a process group too (then it is the
+identity), so ``save``/``load`` run unchanged in a single process.
+
+All helpers take an explicit ``group``.  The background writer of
+``async_save`` passes its own gloo group: gloo aborts when two threads issue
+collectives on one group concurrently, so the training thread keeps the
+default group to itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+__all__ = ["Dist", "current_dist"]
+
+
+class Dist:
+    """Rank, world size and a process group (``None`` when running without one)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.group = group
+        if self.enabled:
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            self.group_rank = dist.get_rank(group) if group is not None else self.rank
+            self.group_size = dist.get_world_size(group) if group is not None else self.world_size
+        else:
+            self.rank, self.world_size, self.group_rank, self.group_size = 0, 1, 0, 1
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.group_size > 1
+
+    def _device(self) -> torch.device:
+        import torch.distributed as dist
+
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable), in group-rank order."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        dev = self._device()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)]
+        dist.all_gather(bufs, buf, group=self.group)
+        return [json.loads(bytes(b[:int(s.item())].cpu().numpy()).decode("utf-8")) for b, s in zip(bufs, sizes)]
+
+    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of group rank ``src`` on every rank."""
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+
+        dev = self._device()
+        src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.group_rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        dist.broadcast(size, src_global, group=self.group)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+        if self.group_rank == src and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if buf.numel():
+            dist.broadcast(buf, src_global, group=self.group)
+        return json.loads(bytes(buf.cpu().numpy()).decode("utf-8"))
+
+    def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        dev = self._device()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
+            if self.group_rank == dst else None
+        dist.gather(buf, bufs, dst=dst_global, group=self.group)
+        if bufs is None:
+            return None
+        return [json.loads(bytes(b[:int(s.item())].cpu().numpy()).decode("utf-8")) for b, s in zip(bufs, sizes)]
+
+    def first_error(self, message: str | None) -> tuple[int, str] | None:
+        """``(rank, message)`` of the lowest rank that reported an error, on every rank; else ``None``."""
+        if not self.active:
+            return (self.rank, message) if message is not None else None
+        if not self.any_failed(message is not None):
+            return None
+        for rank, msg in enumerate(self.all_gather_json(message)):
+            if msg is not None:
+                return rank, msg
+        return None  # pragma: no cover
+
+    def any_failed(self, failed: bool) -> bool:
+        """True on every rank when ``failed`` is true on any rank."""
+        if not self.active:
+            return failed
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+
+def current_dist(group: Any = None) -> Dist:
+    return Dist(group)
