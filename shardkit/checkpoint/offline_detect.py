@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.formats import detect_format as engine_detect
 from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.offline_blocks import is_dir
+from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.storage import Storage
 from shardkit.errors import CheckpointNotFound, UnsupportedFormat
 
@@ -61,6 +61,8 @@ def detect(storage: Storage) -> str:
         raise UnsupportedFormat(f"{storage.url}: not a checkpoint shardkit reads (found {shown}); expected a "
                                 "shardkit checkpoint, a DCP directory, an HF safetensors folder or a torch.save "
                                 "file") from None
+    parent, name = split_file(storage)
+    parent.read_bytes(name, 0, 8)  # an unreadable file says so (permission denied) instead of "unknown format"
     raise UnsupportedFormat(f"{storage.url}: unknown file format (neither safetensors nor a torch.save zip)") from None
 
 

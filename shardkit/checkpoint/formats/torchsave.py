@@ -295,7 +295,19 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
                         on_bytes(t.numel() * t.element_size())
             record("version", b"3")
 
-    dst.write_stream(name, produce, fsync=False)
+    # The file is its own commit marker: locally write a temporary name and rename it into place;
+    # on object stores (no atomic rename) write in place and delete the object on failure.
+    target = f".{name}.partial-{os.getpid()}" if dst.is_local else name
+    try:
+        dst.write_stream(target, produce, fsync=dst.is_local)
+        if dst.is_local:
+            os.replace(dst.path(target), dst.path(name))
+    except BaseException:
+        try:
+            dst.delete([target])
+        except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
+            pass
+        raise
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:

@@ -1,0 +1,216 @@
+"""Bad input gives one line ``error: ...``, a non-zero exit, and a DST without a manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkit.checkpoint import reshard
+from tests.offline_cli import run_cli
+from tests.offline_helpers import trained_state, write_torch_state
+
+COMMANDS = ["reshard", "convert", "inspect", "verify", "diff"]
+
+
+def _one_line_error(result, *needles: str) -> None:
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), result.stderr
+    assert len([ln for ln in lines if ln.startswith("error: ")]) == 1
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    flat, groups = trained_state()
+    src = write_torch_state(root / "src.pt", flat, groups)
+    out = root / "native"
+    reshard(str(src), str(out), world_size=2)
+    return src, out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_help_shows_an_example(command):
+    result = run_cli(command, "--help")
+    assert result.exit_code == 0
+    assert "Example:" in result.stdout and f"shardkit {command} " in result.stdout
+
+
+def test_top_level_help_shows_an_example_and_lists_commands():
+    result = run_cli("--help")
+    assert result.exit_code == 0 and "Example:" in result.stdout
+    assert all(c in result.stdout for c in COMMANDS)
+
+
+def test_missing_src_is_one_line_error(tmp_path):
+    result = run_cli("-q", "convert", str(tmp_path / "nope"), str(tmp_path / "dst"), "--to", "hf")
+    _one_line_error(result, "nope", "no such file")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_unknown_format_is_one_line_error(tmp_path):
+    src = tmp_path / "junk"
+    src.mkdir()
+    (src / "notes.txt").write_text("hello")
+    result = run_cli("-q", "reshard", str(src), str(tmp_path / "dst"), "--world-size", "2")
+    _one_line_error(result, "not a checkpoint", "notes.txt")
+    (tmp_path / "blob.bin").write_bytes(b"\x00" * 64)
+    _one_line_error(run_cli("-q", "inspect", str(tmp_path / "blob.bin")), "unknown file format")
+
+
+def test_uncommitted_checkpoint_is_named_as_such(tmp_path, native):
+    _, out = native
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    (partial / "manifest.json").unlink()
+    _one_line_error(run_cli("-q", "verify", str(partial)), "uncommitted")
+
+
+def test_dst_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, native):
+    src, out = native
+    dst = tmp_path / "dst"
+    shutil.copytree(out, dst)
+    before = (dst / "manifest.json").read_bytes()
+    _one_line_error(run_cli("-q", "reshard", str(src), str(dst), "--world-size", "3"), "--overwrite")
+    assert (dst / "manifest.json").read_bytes() == before
+    result = run_cli("-q", "reshard", str(src), str(dst), "--world-size", "3", "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((dst / "manifest.json").read_text())["writer"]["world_size"] == 3
+    assert all(f.name.split("-")[0] in (dst / "manifest.json").read_text() for f in (dst / "data").iterdir())
+    _one_line_error(run_cli("-q", "convert", str(src), str(src), "--to", "torch"), "--overwrite")
+
+
+def _damage(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_named_by_verify_and_stops_a_reshard(tmp_path, native):
+    _, out = native
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = sorted((bad / "data").iterdir())[1]
+    _damage(victim, victim.stat().st_size - 10)
+    result = run_cli("-q", "verify", str(bad))
+    assert result.exit_code == 1 and victim.name in result.stderr and "checksum" in result.stderr
+    dst = tmp_path / "dst"
+    _one_line_error(run_cli("-q", "reshard", str(bad), str(dst), "--world-size", "3"), victim.name)
+    assert not (dst / "manifest.json").exists()
+
+
+def test_truncated_data_file_is_named(tmp_path, native):
+    _, out = native
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = sorted((bad / "data").iterdir())[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    result = run_cli("-q", "verify", str(bad), "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and not report["ok"] and victim.name in report["problems"][0]
+    _one_line_error(run_cli("-q", "convert", str(bad), str(tmp_path / "o.pt"), "--to", "torch"), victim.name)
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_failure_with_overwrite_leaves_dst_without_a_manifest(tmp_path, native):
+    _, out = native
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = sorted((bad / "data").iterdir())[0]
+    _damage(victim, victim.stat().st_size - 3)
+    dst = tmp_path / "dst"
+    shutil.copytree(out, dst)
+    _one_line_error(run_cli("-q", "reshard", str(bad), str(dst), "--world-size", "2", "--overwrite"))
+    assert not (dst / "manifest.json").exists()
+
+
+def test_damaged_manifest_hf_header_and_torch_file_are_one_line_errors(tmp_path, native):
+    src, out = native
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / "manifest.json").write_text('{"format": "shardkit", "version": 1, "tensors": ')
+    _one_line_error(run_cli("-q", "inspect", str(bad)), "manifest.json")
+    hf = tmp_path / "hf"
+    assert run_cli("-q", "convert", str(out), str(hf), "--to", "hf").exit_code == 0
+    shard = next(hf.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[0:8] = (10 ** 12).to_bytes(8, "little")
+    shard.write_bytes(bytes(raw))
+    _one_line_error(run_cli("-q", "convert", str(hf), str(tmp_path / "o"), "--to", "shardkit"), shard.name)
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    pt = tmp_path / "bad.pt"
+    pt.write_bytes(src.read_bytes()[:2000])
+    _one_line_error(run_cli("-q", "convert", str(pt), str(tmp_path / "o2"), "--to", "shardkit"), "bad.pt")
+
+
+def test_bad_options_are_one_line_errors(tmp_path, native):
+    _, out = native
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "a")), "--world-size")
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "b"), "--world-size", "2", "--dtype", "int3"),
+                    "--dtype")
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "c"), "--world-size", "2",
+                            "--compression", "lz4"), "compression")
+    result = run_cli("-q", "reshard", str(out), str(tmp_path / "d"), "--mesh", "2x2x2")
+    assert result.exit_code == 2 and "--mesh" in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (we run as root); ``None`` when mounting is not possible here."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_full_disk_is_one_line_error_and_leaves_no_manifest(tmp_path, small_disk):
+    torch.manual_seed(0)
+    flat = {"model.big": torch.randn(1024, 1024)}  # 4 MiB: does not fit on the 2 MiB disk
+    src = write_torch_state(tmp_path / "big.pt", flat, [])
+    if small_disk is not None:
+        dst = small_disk / "out"
+        _one_line_error(run_cli("-q", "reshard", str(src), str(dst), "--world-size", "2"), "No space left")
+        assert not (dst / "manifest.json").exists()
+        return
+    # No mount privilege: the same write path under a file-size limit (EFBIG instead of ENOSPC).
+    dst = tmp_path / "out"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+            "from shardkit.cli.main import main; main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", code, "-q", "reshard", str(src), str(dst), "--world-size", "2"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 1 and done.stderr.strip().startswith("error: ")
+    assert not (dst / "manifest.json").exists()
+
+
+def test_unreadable_src_is_one_line_error(tmp_path, native):
+    src, _ = native
+    locked = tmp_path / "locked.pt"
+    shutil.copy(src, locked)
+    os.chmod(locked, 0)
+    cmd = [sys.executable, "-m", "shardkit", "-q", "convert", str(locked), str(tmp_path / "out"), "--to", "hf"]
+    if os.geteuid() == 0:  # root reads anything: drop the capabilities that bypass file modes
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "setpriv (util-linux) is needed to test permissions as root"
+        caps = "-dac_override,-dac_read_search"
+        cmd = [setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}", *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=os.getcwd())
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "permission denied" in lines[0], lines
+    assert not (tmp_path / "out").exists()
