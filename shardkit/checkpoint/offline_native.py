@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -155,16 +156,23 @@ def _verified_record(storage: Storage, unit: FileUnit, check_data: bool = True) 
 
 
 def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, units: Sequence[FileUnit], *,
-                compression: str | None, workers: int, progress: Progress | None) -> list[WrittenFile]:
-    """Write (or, when journaled and intact, keep) each unit; journal each one as it lands."""
+                compression: str | None, workers: int, progress: Progress | None) -> tuple[list[WrittenFile], int]:
+    """Write (or, when journaled and intact, keep) each unit; journal each one as it lands.
+
+    Returns the records and the number of bytes kept from an earlier run.
+    """
     fetch = Fetcher(reader, sel.dtype_for, sel.rename_back)
     dtypes = sel.dtype_for
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
     update: Callable[[int], None] = progress.update if progress else (lambda n: None)
+    skipped = [0]
+    lock = threading.Lock()
 
     def one(unit: FileUnit) -> WrittenFile:
         kept = _verified_record(storage, unit)
         if kept is not None:
+            with lock:
+                skipped[0] += unit.nbytes
             if progress:
                 progress.skip(unit.nbytes)
             return kept
@@ -182,14 +190,25 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
         storage.put_atomic(_journal_name(unit), json.dumps(wf.to_json()).encode())
         return wf
 
-    return parallel_map(one, list(units), workers)
+    return parallel_map(one, list(units), workers), skipped[0]
+
+
+def chunk_cap_for(budget: int) -> int:
+    return max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // 16))
+
+
+def concurrency_for(budget: int, workers: int) -> int:
+    """Threads that may hold a chunk each (plus its read buffers) within the budget."""
+    return max(1, min(workers, budget // (3 * chunk_cap_for(budget))))
 
 
 def _plan(reader: CheckpointReader, sel: Selection, world_size: int, mesh: tuple[int, ...] | None,
           compression: str | None, budget: int, workers: int) -> tuple[list[FileUnit], dict[str, Any]]:
     mesh = mesh if mesh else (world_size,)
     shards = mesh[-1]
-    chunk_cap = max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // (3 * max(1, workers))))
+    # the plan (and so the file names a rerun resumes) must not depend on --workers: chunks are sized
+    # from the budget alone, and write_native caps concurrency so in-flight chunks fit the budget
+    chunk_cap = chunk_cap_for(budget)
     # with zstd a file's frames are built before its header: keep each file within the per-worker budget
     file_cap = chunk_cap if compression else FILE_CAP
     salt = json.dumps([reader.info.url, reader.info.format, sorted(reader.info.meta.items(), key=str)
@@ -238,8 +257,8 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     if progress:
         progress.start(f"reshard → {world_size} ranks" if nprocs == 1 else f"reshard [{rank}/{nprocs}]",
                        sum(units[i].nbytes for i in mine))
-    written = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
-                          workers=workers, progress=progress)
+    written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
+                                   workers=concurrency_for(budget, workers), progress=progress)
     if nprocs > 1:
         assert barrier is not None
         barrier()
@@ -254,7 +273,6 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
             written.append(record)
     if progress:
         progress.finish()
-    skipped = progress.skipped if progress else 0
     commit_native(reader, sel, storage, written, writer_info, compression)
     if nprocs > 1 and barrier is not None:
         barrier()
