@@ -24,25 +24,27 @@ def build_transformer(seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
     return Transformer(args)
 
 
-def global_batch(step: int, world: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor]:
-    return make_batch(args, PER_RANK * world, seed=100 + step)
+def global_batch(step: int, world: int, args: ModelArgs = ARGS, rows: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s whole batch: ``rows`` rows (default ``PER_RANK * world``)."""
+    return make_batch(args, rows or PER_RANK * world, seed=100 + step)
 
 
-def local_batch(step: int, rank: int, world: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, targets = global_batch(step, world, args)
-    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    return tokens[rows], targets[rows]
+def local_batch(step: int, rank: int, world: int, args: ModelArgs = ARGS, rows: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's equal slice of :func:`global_batch`."""
+    tokens, targets = global_batch(step, world, args, rows)
+    per = tokens.shape[0] // world
+    return tokens[rank * per:(rank + 1) * per], targets[rank * per:(rank + 1) * per]
 
 
 def train_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range, world: int,
-                clip: Callable[[nn.Module], object] | None = None, rank: int | None = None,
-                data_world: int | None = None) -> list[float]:
+                clip: Callable[[nn.Module], object] | None = None, rows: int | None = None) -> list[float]:
     """Train on this rank's slice; return the global (mean over ranks) loss per step."""
-    rank = dist.get_rank() if rank is None else rank
-    data_world = data_world or world
+    rank = dist.get_rank() if world > 1 else 0
     losses = []
     for step in steps:
-        tokens, targets = local_batch(step, rank, data_world)
+        tokens, targets = local_batch(step, rank, world, rows=rows)
         optim.zero_grad(set_to_none=step % 2 == 0)
         loss = lm_loss(model(tokens), targets)
         loss.backward()
@@ -57,13 +59,13 @@ def train_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range, wo
 
 
 def reference_losses(model: nn.Module, steps: range, world: int, lr: float = 1e-2,
-                     max_norm: float | None = None) -> list[float]:
+                     max_norm: float | None = None, rows: int | None = None) -> list[float]:
     """The same steps in one process on the whole global batch (model is copied)."""
     model = copy.deepcopy(model)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in steps:
-        tokens, targets = global_batch(step, world)
+        tokens, targets = global_batch(step, world, rows=rows)
         optim.zero_grad(set_to_none=step % 2 == 0)
         loss = lm_loss(model(tokens), targets)
         loss.backward()

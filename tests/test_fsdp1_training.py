@@ -4,15 +4,13 @@ trains like single-process training."""
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit import FSDPModule, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
-from shardkit.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+from shardkit import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
 from tests.fsdp1_helpers import assert_close_losses, build_transformer, reference_losses, train_steps
 from tests.models import Block, Transformer
@@ -24,8 +22,6 @@ def _identity_and_keys():
     names = [n for n, _ in model.named_parameters()]
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     wrapped = FSDP(model, auto_wrap_policy=policy, use_orig_params=True)
-    from shardkit import StateDictType
-
     with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
         sharded_keys = list(wrapped.state_dict().keys())
     return {

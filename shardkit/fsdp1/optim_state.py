@@ -1,27 +1,46 @@
-"""FSDP1's optimizer-state functions.
+"""FSDP1's optimizer-state functions, on the checkpoint subsystem's state-dict code.
 
-FSDP1 names optimizer state by parameter FQN (its "full" and "sharded"
-optimizer state dicts) while ``torch.optim`` names it by integer ID.
-``rekey_optim_state_dict`` converts between the two.  The other functions
-convert between the optimizer's own state and FQN-keyed full or sharded
-forms; the tensor work (gathering, sharding, broadcasting) is the
-checkpoint subsystem's (:mod:`shardkit.checkpoint.state_dict`).
+FSDP1 names optimizer state by parameter FQN in its "full" and "sharded"
+optimizer state dicts, while ``torch.optim`` names it by integer ID:
+
+* full (``full_optim_state_dict``, ``optim_state_dict`` under
+  ``FULL_STATE_DICT``): ``{"state": {fqn: {"exp_avg": full tensor, ...}},
+  "param_groups": [{..., "params": [fqn, ...]}]}``, gathered one tensor at a
+  time, on rank 0 only by default;
+* sharded (``sharded_optim_state_dict``, ``optim_state_dict`` under
+  ``SHARDED_STATE_DICT``): the same with ``DTensor`` values (FSDP1 used
+  ``ShardedTensor``), ready for ``torch.distributed.checkpoint``;
+* loadable (what ``shard_full_``/``scatter_full_``/``flatten_sharded_optim_state_dict``
+  and ``optim_state_dict_to_load`` return): ``optim.load_state_dict``'s
+  ID-keyed form with each state tensor laid out like its parameter.
+
+Gathering, sharding and broadcasting are :mod:`shardkit.checkpoint.state_dict`'s
+(``get_optimizer_state_dict``, ``gather_full_state``, ``shard_state``,
+``shard_full_tensor``, ``to_torch_optimizer_state``); this module only maps
+FSDP1's signatures and key conventions onto them.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from shardkit.errors import ConfigurationError
-from shardkit.fsdp1 import mapping
-from shardkit.fsdp1.api import OptimStateKeyType
+from shardkit.checkpoint import state_dict as sd
+from shardkit.checkpoint.comm import Dist
+from shardkit.checkpoint.flatten import restore_like
+from shardkit.errors import ConfigurationError, IncompatibleStateDict
+from shardkit.fsdp1 import mapping, model_state
+from shardkit.fsdp1.api import OptimStateKeyType, StateDictType
 
-__all__ = ["rekey_optim_state_dict", "param_id_order", "fqn_of_params"]
+__all__ = ["rekey_optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict",
+           "shard_full_optim_state_dict", "scatter_full_optim_state_dict", "flatten_sharded_optim_state_dict",
+           "optim_state_dict", "optim_state_dict_to_load", "param_id_order", "fqn_of_params"]
 
 
 def fqn_of_params(model: nn.Module) -> dict[nn.Parameter, str]:
@@ -88,3 +107,193 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
         new_group["params"] = sorted(mapping_[k] for k in old_group["params"])
     return out
 
+
+
+# --------------------------------------------------------------------------
+# FQN-keyed state from the live optimizer, and back to a loadable dict
+
+
+def _named(osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer | None,
+           optim_input: Iterable[Any] | None = None) -> dict[str, Any]:
+    """``osd`` keyed by parameter FQN (re-keyed from IDs when needed)."""
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise IncompatibleStateDict("an optimizer state dict has 'state' and 'param_groups' entries; got keys "
+                                    f"{sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__}")
+    return rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim_input=optim_input, optim=optim)
+
+
+_INIT_KWARG = "init_fresh" in inspect.signature(sd.get_optimizer_state_dict).parameters
+
+
+def _live_named_state(model: nn.Module, optim: torch.optim.Optimizer, *, init_fresh: bool) -> dict[str, Any]:
+    """The optimizer's own state keyed by FQN (live tensors, not copies).
+
+    ``init_fresh`` creates the state of a never-stepped optimizer so that a
+    sharded state dict has tensors for ``torch.distributed.checkpoint`` to
+    load into; the full form leaves such an optimizer untouched, as FSDP1 does.
+    """
+    if _INIT_KWARG:
+        return sd.get_optimizer_state_dict(model, optim, init_fresh=init_fresh)
+    if not init_fresh and not optim.state:
+        names = fqn_of_params(model)
+        return {"state": {}, "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                               "params": [names[p] for p in g["params"]]}
+                                              for g in optim.param_groups]}
+    return sd.get_optimizer_state_dict(model, optim)
+
+
+def _loadable(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None,
+              named: dict[str, Any]) -> dict[str, Any]:
+    """FQN-keyed -> the ID-keyed dict ``optim.load_state_dict`` takes."""
+    if optim is not None:
+        out = sd.to_torch_optimizer_state(model, optim, named)
+        for group, live in zip(out["param_groups"], optim.param_groups):
+            for key, value in list(group.items()):
+                if key != "params" and key in live:
+                    group[key] = restore_like(value, live[key])
+        return out
+    return rekey_optim_state_dict(named, OptimStateKeyType.PARAM_ID, model, optim_input=optim_input)
+
+
+def _params_by_fqn(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for p, name in fqn_of_params(model).items()}
+
+
+def _like_param(value: Any, param: nn.Parameter | None) -> Any:
+    """A state tensor laid out like its parameter (sharded the same way)."""
+    if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor) or tuple(value.shape) != tuple(param.shape):
+        return value
+    if isinstance(value, DTensor):
+        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
+            return value
+        value = value.full_tensor()
+    return sd.shard_full_tensor(value, param)
+
+
+# --------------------------------------------------------------------------
+# the FSDP1 statics
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Iterable[Any] | None = None,
+                          rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+    """The full optimizer state keyed by FQN, on CPU; ``{}`` on ranks other
+    than 0 with ``rank0_only`` (every rank must call it: it gathers)."""
+    named = _live_named_state(model, optim, init_fresh=False)
+    return sd.gather_full_state(named, rank0_only=rank0_only, cpu_offload=True)
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
+    """The optimizer state keyed by FQN with ``DTensor`` values (each rank its
+    shard; no communication) for ``torch.distributed.checkpoint`` or
+    ``shardkit.checkpoint``."""
+    return _live_named_state(model, optim, init_fresh=True)
+
+
+def _skeleton(named: dict[str, Any]) -> dict[str, Any]:
+    """The JSON shape of a full optimizer state: tensor shapes/dtypes and plain values."""
+    state = {fqn: {k: ({"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                       if isinstance(v, torch.Tensor) else {"value": v}) for k, v in values.items()}
+             for fqn, values in named["state"].items()}
+    return {"state": state, "param_groups": named["param_groups"]}
+
+
+def _shard_full(full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.optim.Optimizer | None,
+                optim_input: Iterable[Any] | None, *, broadcast: bool) -> dict[str, Any]:
+    dist = Dist()
+    has_full = not broadcast or dist.rank == 0
+    named = _named(full_osd, model, optim, optim_input) if has_full else None
+    skeleton = _skeleton(named) if has_full else None
+    if broadcast:
+        skeleton = dist.broadcast_json(skeleton)
+    params = _params_by_fqn(model)
+    like: dict[str, Any] = {}
+    for fqn, entries in skeleton["state"].items():
+        param = params.get(fqn)
+        if param is None:
+            raise IncompatibleStateDict(f"optimizer state for {fqn!r}, which is not a parameter of the model")
+        like[fqn] = {}
+        for key, spec in entries.items():
+            if "value" in spec:
+                like[fqn][key] = spec["value"]
+            elif isinstance(param, DTensor) and spec["shape"] == list(param.shape):
+                like[fqn][key] = param.detach()
+            else:
+                like[fqn][key] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+    sharded = sd.shard_state({"state": named["state"]} if has_full else {}, {"state": like},
+                             broadcast_from_rank0=broadcast)
+    groups = copy.deepcopy(named["param_groups"]) if has_full else skeleton["param_groups"]
+    return _loadable(model, optim, optim_input, {"state": sharded["state"], "param_groups": groups})
+
+
+def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
+                                optim_input: Iterable[Any] | None = None,
+                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """This rank's part of a full optimizer state dict, ready for
+    ``optim.load_state_dict`` (every rank holds the full dict; no communication)."""
+    return _shard_full(full_optim_state_dict, model, optim, optim_input, broadcast=False)
+
+
+def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                  optim_input: Iterable[Any] | None = None, optim: torch.optim.Optimizer | None = None,
+                                  group: Any = None) -> dict[str, Any]:
+    """Like :func:`shard_full_optim_state_dict`, but only rank 0 holds the full
+    dict: its structure and each tensor in turn are broadcast."""
+    return _shard_full(full_optim_state_dict, model, optim, optim_input, broadcast=True)
+
+
+def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
+                                     optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """A sharded (FQN-keyed, ``DTensor``) optimizer state dict -> ``optim.load_state_dict``'s
+    form; state laid out otherwise (another mesh, full tensors) is re-cut like the parameters."""
+    named = _named(sharded_optim_state_dict, model, optim)
+    params = _params_by_fqn(model)
+    state = {fqn: {k: _like_param(v, params.get(fqn)) for k, v in values.items()}
+             for fqn, values in named["state"].items()}
+    return _loadable(model, optim, None, {"state": state, "param_groups": named["param_groups"]})
+
+
+def _settings(model: nn.Module) -> Any:
+    return model_state.get_state_dict_type(model) if model_state.units_under(model) else model_state.DEFAULT_SETTINGS
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                     optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
+    """The optimizer state in the form ``state_dict_type`` selects: full
+    (``FullOptimStateDictConfig(rank0_only, offload_to_cpu)``) or sharded."""
+    settings = _settings(model)
+    full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+    if optim_state_dict is not None:
+        named = _named(optim_state_dict, model, optim)
+    else:
+        named = _live_named_state(model, optim, init_fresh=not full)
+    if not full:
+        return named
+    config = settings.optim_state_dict_config
+    return sd.gather_full_state(named, rank0_only=getattr(config, "rank0_only", False),
+                                cpu_offload=getattr(config, "offload_to_cpu", True))
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                             is_named_optimizer: bool = False, load_directly: bool = False,
+                             group: Any = None) -> dict[str, Any]:
+    """An optimizer state dict from :func:`optim_state_dict` (full or sharded,
+    any world size) -> ``optim.load_state_dict``'s form for this model.
+
+    Under ``FULL_STATE_DICT`` with ``rank0_only``, only rank 0's dict is read
+    and broadcast.  The older argument order ``(optim_state_dict, model,
+    optim)`` is accepted too.
+    """
+    if isinstance(model, dict) and isinstance(optim, nn.Module):
+        model, optim, optim_state_dict = optim, optim_state_dict, model  # type: ignore[assignment]
+    if is_named_optimizer:
+        mapping.warn_once("is_named_optimizer", "is_named_optimizer=True: shardkit treats the optimizer as a "
+                          "torch.optim.Optimizer")
+    settings = _settings(model)
+    rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
+        result = _shard_full(optim_state_dict, model, optim, None, broadcast=True)
+    else:
+        result = flatten_sharded_optim_state_dict(optim_state_dict, model, optim)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result

@@ -141,7 +141,14 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
     get_state_dict_type = staticmethod(model_state.get_state_dict_type)
     state_dict_type = staticmethod(model_state.state_dict_type)
 
+    full_optim_state_dict = staticmethod(optim_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(optim_state.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(optim_state.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(optim_state.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(optim_state.scatter_full_optim_state_dict)
     rekey_optim_state_dict = staticmethod(optim_state.rekey_optim_state_dict)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
 
 _DEFAULT = object()
