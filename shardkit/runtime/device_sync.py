@@ -29,7 +29,9 @@ class Workspace:
 
     Safe only for work that is finished before the next ``take``: the
     synchronous CPU path.  It grows to the largest request (one group's
-    unsharded size) and stays; ``release()`` hands the memory back."""
+    unsharded size) during a pass; the root releases it at the end of
+    forward and of backward, so between passes no copy of unsharded data
+    stays alive and the memory is free for activations."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None

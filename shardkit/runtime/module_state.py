@@ -202,6 +202,7 @@ class ShardState:
         if self.ctx.iter_forward_root is self:
             output = self._complete_partial_states(output)
             self.ctx.iter_forward_root = None
+            self.comm.workspace.release()
         return self._cast_output(output)
 
     def _complete_partial_states(self, output: Any) -> Any:
@@ -281,6 +282,7 @@ class ShardState:
         if ctx.is_last_backward:
             self.comm.post_forward_order.clear()
             self.comm.wait_for_reduces()
+        self.comm.workspace.release()
         ctx.callback_queued = False
 
     def reset_iter_state(self) -> None:
@@ -294,5 +296,6 @@ class ShardState:
                 group.reset_iter_state()
         self.comm.post_forward_order.clear()
         self.comm.wait_for_reduces()
+        self.comm.workspace.release()
         self.ctx.iter_forward_root = None
         self.ctx.callback_queued = False
