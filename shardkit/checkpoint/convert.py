@@ -19,6 +19,8 @@ reader will take it for a checkpoint.
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -265,3 +267,19 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
                            "optim_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("optim."))}}
     finally:
         source.close()
+
+
+class _CallableModule(types.ModuleType):
+    """``shardkit.checkpoint.convert`` names both this module and its ``convert`` function.
+
+    Once the module is imported, Python binds the package attribute ``convert``
+    to the module, shadowing the lazily re-exported function; making the module
+    callable keeps ``shardkit.checkpoint.convert(src, dst, to=...)`` working
+    either way.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ConvertResult:
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
