@@ -49,6 +49,9 @@ __all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeRead
 DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
+REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
+_MAX_GAP = 256 << 10
+_MAX_BATCH = 64 << 20
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
 
 
@@ -168,10 +171,29 @@ class NativeReader(CheckpointReader):
         requests = [r for r in requests if r.out.numel()]
         records = [self._validate(r) for r in requests]
         self.check_files([rec.file for rec in records])
-        order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
-        parallel_map(lambda i: self._read_one(requests[i], records[i]), order, self.io_threads)
+        if self.storage.is_local:
+            order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
+            parallel_map(lambda i: self._read_local(requests[i], records[i]), order, self.io_threads)
+            return
+        batches = _batches([(r, rec, self._span(r, rec)) for r, rec in zip(requests, records)])
+        parallel_map(self._read_batch, batches, max(self.io_threads, REMOTE_IO_THREADS))
 
-    # -- serving one request ---------------------------------------------
+    def verify(self, requests: Sequence[ReadRequest]) -> None:
+        """Read and check every block ``requests`` would read, writing nothing (for all-or-nothing loads)."""
+        requests = [r for r in requests if r.out.numel()]
+        records = [self._validate(r) for r in requests]
+        self.check_files([rec.file for rec in records])
+
+        def check(item: tuple[ReadRequest, ChunkRecord]) -> None:
+            r, rec = item
+            lo, hi = self._span(r, rec)
+            buf = self._scratch(0, hi - lo)
+            self.storage.read_parts(rec.file, rec.start + lo, [buf])
+            self._verify([buf], lo // rec.block, rec, self._where(r, rec))
+
+        parallel_map(check, list(zip(requests, records)), self.io_threads)
+
+    # -- serving requests --------------------------------------------------
     def _scratch(self, slot: int, n: int) -> torch.Tensor:
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
@@ -192,46 +214,87 @@ class NativeReader(CheckpointReader):
             raise ChecksumMismatch(f"{where}: checksum block {first_block + bad} does not match the manifest; "
                                    f"the data file is damaged -- restore it or load an older checkpoint")
 
-    def _read_one(self, r: ReadRequest, rec: ChunkRecord) -> None:
-        item = r.out.element_size()
-        where = f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
-        needed = math.prod(r.box[1]) * item
-        if rec.codec == "zstd":
-            self._read_zstd(r, rec, where)
-            self.stats.add(read=rec.nbytes, needed=needed, requests=1)
-            return
-        runs = byte_runs(rec.box, r.box, item)
-        a, b = int(runs[0, 0]), int(runs[-1, 1])
-        lo = a // rec.block * rec.block
-        hi = min(-(-b // rec.block) * rec.block, rec.nbytes)
-        if len(runs) == 1 and r.out.is_contiguous():
-            head = self._scratch(0, (a - lo) + (hi - b))
-            parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
-            self.storage.read_parts(rec.file, rec.start + lo, parts)
-            self._verify(parts, lo // rec.block, rec, where)
-        else:
-            buf = self._scratch(0, hi - lo)
-            self.storage.read_parts(rec.file, rec.start + lo, [buf])
-            self._verify([buf], lo // rec.block, rec, where)
-            strides = _strides(rec.shape)
-            first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
-            typed = buf.view(r.out.dtype)
-            src = typed.as_strided(r.box[1], strides, first - lo // item)
-            r.out.copy_(src)
-        self.stats.add(read=hi - lo, needed=needed, requests=1)
+    def _where(self, r: ReadRequest, rec: ChunkRecord) -> str:
+        return f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
 
-    def _read_zstd(self, r: ReadRequest, rec: ChunkRecord, where: str) -> None:
-        frame = self._scratch(0, rec.nbytes)
-        self.storage.read_parts(rec.file, rec.start, [frame])
-        self._verify([frame], 0, rec, where)
-        if tuple(r.box[0]) == tuple(rec.offsets) and tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
-            zstd_decompress_into(frame.numpy(), as_bytes(r.out), where)
-            return
-        raw = self._scratch(1, math.prod(rec.shape) * r.out.element_size())
-        zstd_decompress_into(frame.numpy(), raw, where)
+    @staticmethod
+    def _span(r: ReadRequest, rec: ChunkRecord) -> tuple[int, int]:
+        """Chunk-local byte range ``[lo, hi)`` to fetch: the runs ``r`` needs, widened to whole blocks."""
+        if rec.codec == "zstd":
+            return 0, rec.nbytes
+        runs = byte_runs(rec.box, r.box, r.out.element_size())
+        lo = int(runs[0, 0]) // rec.block * rec.block
+        return lo, min(-(-int(runs[-1, 1]) // rec.block) * rec.block, rec.nbytes)
+
+    def _read_local(self, r: ReadRequest, rec: ChunkRecord) -> None:
+        """Local file: a contiguous piece goes straight into ``out``; anything else via scratch."""
+        item = r.out.element_size()
+        needed = math.prod(r.box[1]) * item
+        lo, hi = self._span(r, rec)
+        if rec.codec == "raw" and r.out.is_contiguous():
+            runs = byte_runs(rec.box, r.box, item)
+            if len(runs) == 1:
+                a, b = int(runs[0, 0]), int(runs[0, 1])
+                head = self._scratch(0, (a - lo) + (hi - b))
+                parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
+                self.storage.read_parts(rec.file, rec.start + lo, parts)
+                self._verify(parts, lo // rec.block, rec, self._where(r, rec))
+                self.stats.add(read=hi - lo, needed=needed, requests=1)
+                return
+        buf = self._scratch(0, hi - lo)
+        self.storage.read_parts(rec.file, rec.start + lo, [buf])
+        self._deliver(r, rec, buf, lo)
+
+    def _read_batch(self, batch: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> None:
+        """Remote file: one ranged request for neighbouring pieces, then verify and copy each."""
+        file = batch[0][1].file
+        start = min(rec.start + lo for _, rec, (lo, _) in batch)
+        end = max(rec.start + hi for _, rec, (_, hi) in batch)
+        buf = self._scratch(0, end - start)
+        self.storage.read_parts(file, start, [buf])
+        for r, rec, (lo, hi) in batch:
+            self._deliver(r, rec, buf[rec.start + lo - start:rec.start + hi - start], lo)
+
+    def _deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
+        """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
+        where = self._where(r, rec)
+        self._verify([span], lo // rec.block, rec, where)
+        item = r.out.element_size()
         strides = _strides(rec.shape)
         first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
-        r.out.copy_(raw.view(r.out.dtype).as_strided(r.box[1], strides, first))
+        if rec.codec == "zstd":
+            if tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
+                zstd_decompress_into(span.numpy(), as_bytes(r.out), where)
+            else:
+                raw = self._scratch(1, math.prod(rec.shape) * item)
+                zstd_decompress_into(span.numpy(), raw, where)
+                typed = raw.view(r.out.dtype)
+                r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first))
+        else:
+            if span.storage_offset() % item:  # a piece of a batch may start off the item grid
+                span = self._scratch(1, span.numel()).copy_(span)
+            typed = span.view(r.out.dtype)
+            r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
+        self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
+
+
+def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:
+    """Group pieces of the same file whose byte spans nearly touch (gap <= 256 KiB, batch <= 64 MiB)."""
+    items = sorted(items, key=lambda it: (it[1].file, it[1].start + it[2][0]))
+    batches: list[list] = []
+    end = -1
+    for it in items:
+        _, rec, (lo, hi) = it
+        a, b = rec.start + lo, rec.start + hi
+        cur = batches[-1] if batches else None
+        if (cur is not None and cur[0][1].file == rec.file and a - end <= _MAX_GAP
+                and b - (cur[0][1].start + cur[0][2][0]) <= _MAX_BATCH):
+            cur.append(it)
+            end = max(end, b)
+        else:
+            batches.append([it])
+            end = b
+    return batches
 
 
 def _strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -1,0 +1,144 @@
+"""Storage backends (local, memory://, S3 on moto), async saves and the checkpoint manager."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardkit.checkpoint as skc
+from shardkit.checkpoint.manager import step_dir
+from tests.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train
+from tests.dist import run_on_ranks
+
+
+def _save_two_rank(url, storage_options, compression):
+    model = build_model("shardkit", seed=1)
+    opt = make_optimizer(model)
+    train(model, opt, range(2))
+    skc.save(skc.get_state_dict(model, opt), url, storage_options=storage_options, compression=compression,
+             chunk_bytes=4096)
+    return full_state(model, opt)
+
+
+def _load_state(url, storage_options, kind="shardkit"):
+    model = build_model(kind, seed=99)
+    opt = make_optimizer(model)
+    sd = skc.get_state_dict(model, opt)
+    skc.load(sd, url, storage_options=storage_options)
+    skc.set_state_dict(model, opt, sd)
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd:3"], ids=["raw", "zstd"])
+def test_two_rank_save_to_s3_loads_at_three_ranks_bitwise(s3_url, compression):
+    root, options = s3_url
+    url = f"{root}/run/ckpt"
+    saved = run_on_ranks(2, _save_two_rank, url, options, compression)[0]
+    loaded = run_on_ranks(3, _load_state, url, options)[0]
+    assert mismatches(saved, loaded) == []
+
+
+def test_two_rank_save_to_a_local_path_loads_at_three_ranks_bitwise(tmp_path):
+    url = str(tmp_path / "ckpt")
+    saved = run_on_ranks(2, _save_two_rank, url, None, None)[0]
+    assert mismatches(saved, run_on_ranks(3, _load_state, f"file://{url}", None)[0]) == []
+
+
+def test_memory_filesystem_round_trip_with_manager_and_async_save():
+    model = build_model("plain", seed=3)
+    opt = make_optimizer(model)
+    train(model, opt, range(2))
+    manager = skc.CheckpointManager("memory://mgr-roundtrip", keep_last=2, async_save=True)
+    for step in (10, 20, 30):
+        manager.save(step, model, opt, extra={"step": step})
+    manager.wait()
+    assert manager.steps() == [20, 30]
+    fresh = build_model("plain", seed=4)
+    fresh_opt = make_optimizer(fresh)
+    assert manager.load_latest(fresh, fresh_opt) == (30, {"step": 30})
+    assert mismatches(full_state(model, opt), full_state(fresh, fresh_opt)) == []
+
+
+def test_manager_ignores_uncommitted_steps_and_returns_none_when_empty(tmp_path):
+    manager = skc.CheckpointManager(str(tmp_path / "run"))
+    model = build_model("plain", seed=5)
+    assert manager.load_latest(model) is None
+    manager.save(1, model, extra={"note": "first"})
+    partial = tmp_path / "run" / step_dir(2) / "data"
+    partial.mkdir(parents=True)
+    (partial / "x-0-0.safetensors").write_bytes(b"partial upload")
+    assert manager.steps() == [1]
+    assert manager.load_latest(build_model("plain", seed=6)) == (1, {"note": "first"})
+    manager.save(3, model)  # a newer commit sweeps the older partial step
+    assert sorted(os.listdir(tmp_path / "run")) == [step_dir(1), step_dir(3)]
+
+
+def test_keep_last_deletes_only_after_a_newer_step_committed(tmp_path):
+    manager = skc.CheckpointManager(str(tmp_path / "run"), keep_last=1)
+    model = build_model("plain", seed=5)
+    manager.save(1, model)
+    with pytest.raises(skc_errors().ConfigurationError):
+        manager.save(2, model, extra={"bad": object()})
+    assert manager.steps() == [1]  # the failed save did not cost us step 1
+    manager.save(2, model)
+    assert manager.steps() == [2]
+
+
+def skc_errors():
+    import shardkit.errors as errors
+
+    return errors
+
+
+def test_cached_s3_listings_never_hide_new_steps_or_show_deleted_ones(s3_url):
+    root, options = s3_url
+    cached = {**options, "use_listings_cache": True}
+    watcher = skc.CheckpointManager(f"{root}/run", storage_options=cached)
+    writer = skc.CheckpointManager(f"{root}/run", storage_options=options, keep_last=1)
+    model = build_model("plain", seed=8)
+    assert watcher.steps() == []  # primes the listing cache
+    writer.save(5, model)
+    assert watcher.steps() == [5]
+    writer.save(6, model)  # retention deletes step 5
+    assert watcher.steps() == [6]
+    assert watcher.load_latest(build_model("plain", seed=9))[0] == 6
+
+
+def _async_saves(url_base, n_saves):
+    """Async saves while training and collectives go on; RSS after the 2nd and the last save."""
+    torch.manual_seed(dist.get_rank())
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.checkpoint_helpers import make_mesh
+
+    mesh = make_mesh((dist.get_world_size(),))
+    state = {"w": distribute_tensor(torch.zeros(2048, 1024), mesh, [Shard(0)])}  # 8 MiB, 4 MiB per rank
+    proc = psutil.Process()
+    rss = []
+    for i in range(n_saves):
+        state["w"].to_local().fill_(float(i))
+        future = skc.async_save(state, f"{url_base}/s{i}", meta={"i": i})
+        state["w"].to_local().fill_(-1.0)  # training goes on: the save must hold the old values
+        for _ in range(3):
+            dist.all_reduce(torch.ones(16))  # the default group stays the training thread's
+        future.result()
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+    checks = []
+    for i in (0, n_saves - 1):
+        target = {"w": distribute_tensor(torch.zeros(2048, 1024), mesh, [Shard(0)])}
+        skc.load(target, f"{url_base}/s{i}")
+        checks.append(bool((target["w"].to_local() == float(i)).all()))
+    return {"rss_growth": rss[-1] - rss[1], "checks": checks}
+
+
+def test_async_save_copies_state_then_uploads_with_flat_host_memory(tmp_path):
+    out = run_on_ranks(2, _async_saves, str(tmp_path / "async"), 8)
+    for rank in out:
+        assert rank["checks"] == [True, True]
+        assert rank["rss_growth"] < 2 * 2**20, rank["rss_growth"]  # staging is reused, not re-allocated
