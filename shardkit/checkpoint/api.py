@@ -36,15 +36,16 @@ import torch
 from shardkit.checkpoint.codec import Compression, dtype_to_code, parse_compression
 from shardkit.checkpoint.comm import Dist
 from shardkit.checkpoint.flatten import Flat, check_value_kind, flatten, from_json_value, to_json_value
-from shardkit.checkpoint.formats.base import WriteChunk, plan_reads
+from shardkit.checkpoint.formats import open_reader
+from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk, plan_reads
 from shardkit.checkpoint.formats.native import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, NativeReader, NativeWriter,
                                                 WrittenFile, data_file_name, is_committed, new_token,
                                                 unreferenced_files)
 from shardkit.checkpoint.layout import is_primary_replica, local_box, local_tensor, mesh_description, split_box
 from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
-from shardkit.errors import (CheckpointError, CheckpointExists, ConfigurationError, IncompatibleStateDict,
-                             ShardkitError)
+from shardkit.errors import (CheckpointError, CheckpointExists, CheckpointNotFound, ConfigurationError,
+                             IncompatibleStateDict, ShardkitError)
 
 __all__ = ["save", "async_save", "load", "SavePlan", "plan_save", "write_and_commit"]
 
@@ -231,7 +232,8 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
 
 
 def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
-         storage_options: Mapping[str, Any] | None = None, io_threads: int = DEFAULT_IO_THREADS,
+         storage_options: Mapping[str, Any] | None = None, verify_first: bool = False,
+         format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
          process_group: Any = None) -> dict[str, Any]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
 
@@ -240,14 +242,23 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     are replaced in ``state_dict``.  ``strict``: missing and unexpected keys
     raise; shape and dtype mismatches always raise -- before anything is
     written.  Works without a process group.
+
+    Damaged data (a checksum mismatch) is found while reading, so by default
+    some targets may already hold new values when it raises.
+    ``verify_first=True`` reads and checks every needed byte before writing
+    anything (all or nothing, at the cost of reading twice).  ``format``
+    (``"shardkit"``, ``"hf"``, ``"torch"``, ``"dcp"``) is detected when ``None``.
     """
     dist = Dist(process_group)
     local_exc: BaseException | None = None
     try:
-        reader = NativeReader(Storage(url, storage_options), io_threads=io_threads)
+        storage = Storage(url, storage_options)
+        reader = _open(storage, format, io_threads)
         flat = flatten(state_dict)
         requests, device_copies = _plan_load(reader, flat, strict)
-        reader.check_files([_file_of(reader, r) for r in requests])
+        reader.prepare(requests)
+        if verify_first:
+            reader.verify(requests)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
     _agree(dist, local_exc, url)
@@ -266,8 +277,19 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     return dict(reader.info.meta)
 
 
-def _file_of(reader: NativeReader, request: Any) -> str:
-    return reader.tensors()[request.fqn].chunks[request.chunk].locator.file
+def _open(storage: Storage, format: str | None, io_threads: int) -> CheckpointReader:
+    """The native reader when ``manifest.json`` is there; else the detected (or named) format."""
+    if format not in (None, "shardkit"):
+        return open_reader(storage, format=format)
+    try:
+        return NativeReader(storage, io_threads=io_threads)
+    except CheckpointNotFound as native_error:
+        if format == "shardkit":
+            raise
+        try:
+            return open_reader(storage)
+        except CheckpointNotFound:
+            raise native_error from None
 
 
 def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
@@ -290,7 +312,7 @@ def _same_kind(message: str) -> type[ShardkitError]:
     return cls if isinstance(cls, type) and issubclass(cls, ShardkitError) else CheckpointError
 
 
-def _plan_load(reader: NativeReader, flat: Flat, strict: bool):
+def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool):
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)

@@ -146,6 +146,8 @@ class CheckpointManager:
         self.wait()
         dist = Dist(self.process_group)
         candidates = dist.broadcast_json(self.steps() if dist.rank == 0 else None)
+        if not candidates:
+            return None
         state = get_state_dict(model, optimizer)
         for step in reversed(candidates):
             try:

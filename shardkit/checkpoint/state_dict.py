@@ -24,6 +24,8 @@ its optimizer-state statics on them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -49,6 +51,28 @@ def clean_fqn(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
+_LIVE = contextvars.ContextVar("shardkit_live_state_dict", default=False)
+
+
+@contextlib.contextmanager
+def live_tensors() -> Iterator[None]:
+    """Within this block, ``model.state_dict()`` must return the live (sharded) tensors.
+
+    Wrappers whose ``state_dict`` gathers by default (the FSDP1 surface's
+    FULL_STATE_DICT) check :func:`reading_live_tensors` and return their
+    DTensors untouched, so checkpoints stay sharded and loads land in place.
+    """
+    token = _LIVE.set(True)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def reading_live_tensors() -> bool:
+    return _LIVE.get()
+
+
 def param_fqns(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> FQN`` (the first name of a shared parameter)."""
     return {id(p): clean_fqn(name) for name, p in model.named_parameters()}
@@ -60,7 +84,9 @@ def param_fqns(model: nn.Module) -> dict[int, str]:
 
 def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with clean FQNs; values share storage with the model."""
-    return {clean_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    with live_tensors():
+        state = model.state_dict()
+    return {clean_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _copy_into(target: torch.Tensor, value: Any, key: str) -> None:
@@ -118,7 +144,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     Runs one ``step`` with every learning rate set to 0 on zero gradients
     (existing gradients are kept aside and restored).  Parameters are
-    unchanged bitwise: every update is scaled by ``lr == 0``.
+    unchanged bitwise: every update is scaled by ``lr == 0``.  Step counters
+    (state ``"step"``) are then reset to 0, so for the Adam family (zero
+    moments, step 0) the next real step is exactly a fresh optimizer's first.
     """
     params = _params_needing_state(optimizer)
     if not params:
@@ -132,6 +160,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
             optimizer.step()
+        for p in params:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif isinstance(step, (int, float)):
+                optimizer.state[p]["step"] = type(step)(0)
     finally:
         i = 0
         for g, lr in zip(optimizer.param_groups, saved_lrs):
@@ -141,9 +175,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 i += 1
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {fqn: {...}}, "param_groups": [...]}`` with live state tensors (initialised if fresh)."""
-    init_optimizer_state(optimizer)
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                             init_fresh: bool = True) -> dict[str, Any]:
+    """``{"state": {fqn: {...}}, "param_groups": [...]}`` with live state tensors.
+
+    ``init_fresh`` creates the state of parameters that have none yet (see
+    :func:`init_optimizer_state`), so a fresh job has tensors to load into;
+    ``False`` leaves the optimizer untouched and reports only existing state.
+    """
+    if init_fresh:
+        init_optimizer_state(optimizer)
     names = param_fqns(model)
     state: dict[str, dict[str, Any]] = {}
     groups = []

@@ -142,6 +142,20 @@ class CheckpointReader(abc.ABC):
     def read(self, requests: Sequence[ReadRequest]) -> None:
         """Fill every request's ``out``.  Validate all requests before writing any."""
 
+    def prepare(self, requests: Sequence[ReadRequest]) -> None:  # noqa: B027 - optional
+        """Check, without writing any ``out``, everything ``read(requests)`` can check up front
+        (e.g. that the files it needs exist with the expected sizes).  ``load`` calls it on
+        every rank before any rank writes a target tensor."""
+
+    def verify(self, requests: Sequence[ReadRequest]) -> None:
+        """Read and check every byte ``read(requests)`` would read, writing no ``out``.
+
+        ``load(..., verify_first=True)`` calls it so that a damaged checkpoint
+        leaves the targets untouched.  The default reads into scratch tensors.
+        """
+        for r in requests:
+            self.read([ReadRequest(r.fqn, r.chunk, r.box, torch.empty_like(r.out))])
+
     def read_rows(self, entry: TensorEntry, chunk: StoredChunk, start: int, stop: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` (chunk-local, dim 0) of a stored chunk, shaped like the chunk.

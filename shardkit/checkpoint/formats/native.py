@@ -167,6 +167,10 @@ class NativeReader(CheckpointReader):
                                   f"the item size")
         return rec
 
+    def prepare(self, requests: Sequence[ReadRequest]) -> None:
+        """Validate every request and check the size of every data file they touch."""
+        self.check_files([self._validate(r).file for r in requests if r.out.numel()])
+
     def read(self, requests: Sequence[ReadRequest]) -> None:
         requests = [r for r in requests if r.out.numel()]
         records = [self._validate(r) for r in requests]
