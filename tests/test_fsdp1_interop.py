@@ -81,7 +81,20 @@ def _shardkit_reads(root):
     optim.load_state_dict(FSDP.scatter_full_optim_state_dict(full_osd, model, optim=optim))
     out["torch_save"] = _full(model, optim)
 
-    # 3. both converted to shardkit's format by `shardkit convert` (in the test process), then loaded
+    # 3. the same two, directly with shardkit's loader (format detected), in place
+    model, optim = _fresh()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+    skc.load(state, os.path.join(root, "sharded"))
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    out["skc_dcp"] = _full(model, optim)
+
+    model, _ = _fresh()
+    skc.load(skc.get_state_dict(model), os.path.join(root, "model.pt"), format="torch")  # live DTensors, in place
+    out["skc_torch_save"] = _full(model)
+
+    # 4. both converted to shardkit's format by `shardkit convert` (in the test process), then loaded
     model, optim = _fresh()
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}

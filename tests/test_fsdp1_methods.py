@@ -178,3 +178,30 @@ def test_state_dict_types_full_rank0_only_sharded_and_loads():
         assert result["inside"] is StateDictType.FULL_STATE_DICT and result["after"] is StateDictType.FULL_STATE_DICT
         assert result["sharded"] and result["local_keys"]
         assert result["reloaded"] and result["back"]
+
+
+def _checkpoint_api_sees_live_dtensors(root):
+    import shardkit.checkpoint as skc
+
+    model = _wrapped()  # state-dict type stays FSDP1's default, FULL_STATE_DICT
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = global_batch(0, dist.get_world_size())
+    rows = slice(dist.get_rank() * PER_RANK, (dist.get_rank() + 1) * PER_RANK)
+    lm_loss(model(tokens[rows]), targets[rows]).backward()
+    optim.step()
+    state = skc.get_state_dict(model, optim)
+    live = all(isinstance(v, DTensor) for v in state["model"].values())
+    skc.save(state, root)
+    fresh = FSDP(build_transformer(seed=5), auto_wrap_policy=POLICY)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    target = skc.get_state_dict(fresh, fresh_optim)
+    skc.load(target, root)
+    skc.set_state_dict(fresh, fresh_optim, target)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return live, same, model.state_dict()["output.weight"].shape
+
+
+def test_shardkit_checkpoint_api_saves_and_loads_fsdp1_models_through_live_dtensors(tmp_path):
+    for live, same, full_shape in run_on_ranks(2, _checkpoint_api_sees_live_dtensors, str(tmp_path / "ckpt")):
+        assert live and same
+        assert tuple(full_shape) == (37, 26)  # model.state_dict() itself is still FULL

@@ -13,6 +13,10 @@ FQNs:
 * ``SHARDED_STATE_DICT`` (and ``LOCAL_STATE_DICT``, served the same way):
   ``DTensor`` values as they are, no communication.
 
+``shardkit.checkpoint`` reads state dicts inside its ``live_tensors()``
+context and always gets the live ``DTensor``s, so its ``get_state_dict`` /
+``save`` / ``load`` work on FSDP1 models whatever their state-dict type.
+
 Loading goes the other way: a pre-hook turns every plain tensor aimed at a
 ``DTensor`` parameter into a ``DTensor`` with the parameter's mesh and
 placements by slicing locally (every rank holds the full tensor in FSDP1's
@@ -31,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardkit.checkpoint.state_dict import reading_live_tensors
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.fsdp1.api import (
@@ -132,8 +137,8 @@ def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
 
 def post_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     settings = settings_of(module)
-    if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
-        return
+    if settings.state_dict_type is not StateDictType.FULL_STATE_DICT or reading_live_tensors():
+        return  # shardkit.checkpoint asks for the live (sharded) tensors, whatever the type
     config = settings.state_dict_config
     offload = getattr(config, "offload_to_cpu", False)
     drop = getattr(config, "rank0_only", False) and dist.is_initialized() and dist.get_rank() != 0

@@ -23,7 +23,6 @@ FSDP1's signatures and key conventions onto them.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -122,24 +121,15 @@ def _named(osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer |
     return rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim_input=optim_input, optim=optim)
 
 
-_INIT_KWARG = "init_fresh" in inspect.signature(sd.get_optimizer_state_dict).parameters
-
-
 def _live_named_state(model: nn.Module, optim: torch.optim.Optimizer, *, init_fresh: bool) -> dict[str, Any]:
     """The optimizer's own state keyed by FQN (live tensors, not copies).
 
-    ``init_fresh`` creates the state of a never-stepped optimizer so that a
-    sharded state dict has tensors for ``torch.distributed.checkpoint`` to
-    load into; the full form leaves such an optimizer untouched, as FSDP1 does.
+    ``init_fresh`` creates the state of a never-stepped optimizer (zero
+    moments, step 0: it then steps exactly like a fresh one) so that a sharded
+    state dict has tensors for ``torch.distributed.checkpoint`` to load into;
+    the full form leaves such an optimizer untouched, as FSDP1 does.
     """
-    if _INIT_KWARG:
-        return sd.get_optimizer_state_dict(model, optim, init_fresh=init_fresh)
-    if not init_fresh and not optim.state:
-        names = fqn_of_params(model)
-        return {"state": {}, "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                               "params": [names[p] for p in g["params"]]}
-                                              for g in optim.param_groups]}
-    return sd.get_optimizer_state_dict(model, optim)
+    return sd.get_optimizer_state_dict(model, optim, init_fresh=init_fresh)
 
 
 def _loadable(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None,
