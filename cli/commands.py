@@ -148,14 +148,15 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
       shardkit convert ./ckpt/step-100 ./export --to hf --max-shard-size 2GB --dtype bf16
       shardkit convert ./dcp-ckpt model.pt --to torch --model-only --exclude '*.rotary*'
     """
-    from shardkit.checkpoint.convert import convert as do_convert
+    from shardkit.checkpoint.offline_scaleout import run_convert
 
     so = storage_options(storage_opts)
-    result = do_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
-                        dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
-                        storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
-                        max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx))
-    _report_written(ctx, result, as_json)
+    result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
+                         dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
+                         storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
+                         max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx))
+    if result is not None:
+        _report_written(ctx, result, as_json)
     return 0
 
 

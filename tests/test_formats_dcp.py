@@ -166,3 +166,15 @@ def test_dcp_zstd_transform_is_decoded(tmp_path):
     got = _read_all(DcpReader(Storage(str(tmp_path / "z"))))
     assert torch.equal(got["model.w"], sd["model"]["w"])
 
+
+
+def test_dcp_output_holds_each_block_once(tmp_path):
+    from shardkit.checkpoint.convert import convert
+    from tests.offline_helpers import write_torch_state
+
+    big = {"model.w": torch.randn(2000, 300), "model.v": torch.randn(10)}
+    src = write_torch_state(tmp_path / "s.pt", big, [])
+    convert(str(src), str(tmp_path / "d"), to="dcp", max_memory="16MiB")
+    payload = sum(t.numel() * t.element_size() for t in big.values())
+    size = (tmp_path / "d" / "__0_0.distcp").stat().st_size
+    assert payload <= size < payload + 64 * 1024  # torch.save framing only, no stray buffer bytes

@@ -32,7 +32,7 @@ from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_select import select
 from shardkit.checkpoint.offline_verify import VerifyReport, verify
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointExists, ConfigurationError
+from shardkit.errors import CheckpointError, CheckpointExists, ConfigurationError
 
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
            "DEFAULT_MAX_MEMORY", "parse_memory"]
@@ -134,7 +134,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         if compression:
             raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
         storage = prepare_dst(dst, to, dst_storage_options, overwrite)
-        fetch = Fetcher(source, sel.dtype_for, sel.rename_back)
+        fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
         block = _block_bytes(budget)
         on_bytes = progress.update if progress else (lambda n: None)
         if progress:
@@ -202,13 +202,15 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             rename: Sequence[str] | None = None, model_only: bool = False, overwrite: bool = False,
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
-            progress: Progress | None = None) -> ConvertResult:
+            progress: Progress | None = None, scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
     """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
 
     Each rank's shards land in their own data file(s), so a job of that size
     reads exactly its files.  Optimizer state is resharded with the weights;
     ``dtype`` casts model weights only, unless ``dtype_optim``.  A rerun after
     an interruption skips data files already written and verified.
+    ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
+    (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
 
     Example::
 
@@ -232,9 +234,22 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
-        storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
+        storage = Storage(dst, dst_storage_options)
+        if agree is None:
+            storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        else:  # process 0 checks DST and drops its old commit marker before anyone writes
+            try:
+                if rank == 0:
+                    storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+            except BaseException:
+                agree(False)
+                raise
+            if not agree(True):
+                raise CheckpointError(f"{dst}: process 0 could not prepare DST; see its error")
         return write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
-                            budget=budget, workers=workers, progress=progress)
+                            budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
+                            agree=agree)
     finally:
         source.close()
 

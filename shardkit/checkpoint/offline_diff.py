@@ -73,7 +73,7 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
     report = DiffReport(a, b, atol, rtol)
     try:
         ea, eb = sa.tensors(), sb.tensors()
-        fa, fb = Fetcher(sa), Fetcher(sb)
+        fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
         if progress:
             progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb) * 2)
         def wanted(name: str) -> bool:

@@ -10,10 +10,18 @@ ever see output names and output dtypes.
 
 Memory is the box (plus its cast, when casting), so a writer that asks for
 boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
+
+With ``reuse=True`` each thread reads into one buffer it keeps (grown to the
+largest box), and the returned tensor is a view of it, valid until that
+thread's next fetch: on VMs that hand freed memory back to the host, fresh
+allocations per chunk run at page-fault speed (see
+research/baseline-measurements.md), reused ones at memory speed.  Writers
+consume each box before asking for the next, so this is safe for them.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Mapping
 
@@ -29,12 +37,14 @@ class Fetcher:
     """``fetch(name, offsets, shape)`` → tensor, reading from ``reader`` (thread-safe if the reader is)."""
 
     def __init__(self, reader: CheckpointReader, dtype_for: Mapping[str, torch.dtype] | None = None,
-                 rename_back: Mapping[str, str] | None = None) -> None:
+                 rename_back: Mapping[str, str] | None = None, *, reuse: bool = False) -> None:
         self.reader = reader
         self.entries = reader.tensors()
         self.dtype_for = dict(dtype_for or {})
         self.rename_back = dict(rename_back or {})
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self.reuse = reuse
         self.bytes = 0
 
     def entry(self, name: str) -> TensorEntry:
@@ -49,10 +59,17 @@ class Fetcher:
 
     def fetch(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         entry = self.entry(name)
-        buf = torch.empty(tuple(shape), dtype=entry.dtype)
+        buf = self._buffer(entry.dtype, tuple(shape)) if self.reuse else torch.empty(tuple(shape), dtype=entry.dtype)
         if buf.numel():
             self.reader.read(plan_reads(self.reader, [(entry.fqn, (tuple(offsets), tuple(shape)), buf)]))
         with self._lock:
             self.bytes += buf.numel() * buf.element_size()
         want = self.dtype_for.get(name, entry.dtype)
         return buf if want == entry.dtype else buf.to(want)
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        pool = getattr(self._local, "pool", None)
+        if pool is None or pool.numel() < n:
+            pool = self._local.pool = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+        return pool[:n].view(dtype).view(shape)

@@ -161,7 +161,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
 
     Returns the records and the number of bytes kept from an earlier run.
     """
-    fetch = Fetcher(reader, sel.dtype_for, sel.rename_back)
+    fetch = Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True)
     dtypes = sel.dtype_for
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
     update: Callable[[int], None] = progress.update if progress else (lambda n: None)
@@ -242,11 +242,12 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
 def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, world_size: int,
                  mesh: tuple[int, ...] | None, compression: str | None, budget: int, workers: int,
                  progress: Progress | None, rank: int = 0, nprocs: int = 1,
-                 barrier: Callable[[], None] | None = None) -> Any:
+                 agree: Callable[[bool], bool] | None = None) -> Any:
     """Write ``sel`` from ``reader`` as a native checkpoint for ``world_size`` ranks at ``storage``.
 
-    With ``nprocs > 1`` (scale-out) this process writes its share of the units,
-    waits at ``barrier``, and process 0 commits from the journaled records.
+    With ``nprocs > 1`` (scale-out) this process writes its share of the units;
+    ``agree(ok)`` is a barrier that returns whether every process succeeded.
+    Process 0 then commits from the journaled records; the others return ``None``.
     """
     from shardkit.checkpoint.convert import ConvertResult
 
@@ -257,25 +258,35 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     if progress:
         progress.start(f"reshard → {world_size} ranks" if nprocs == 1 else f"reshard [{rank}/{nprocs}]",
                        sum(units[i].nbytes for i in mine))
-    written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
-                                   workers=concurrency_for(budget, workers), progress=progress)
-    if nprocs > 1:
-        assert barrier is not None
-        barrier()
-        if rank != 0:
-            barrier()
-            return None
-        written = []
-        for unit in units:
-            record = _verified_record(storage, unit, check_data=False)  # just written by a peer
-            if record is None:
-                raise CheckpointError(f"{storage.where(unit.name)}: another rank did not finish it; rerun to resume")
-            written.append(record)
+    try:
+        written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
+                                       workers=concurrency_for(budget, workers), progress=progress)
+    except BaseException:
+        if agree is not None:
+            agree(False)
+        raise
     if progress:
         progress.finish()
-    commit_native(reader, sel, storage, written, writer_info, compression)
-    if nprocs > 1 and barrier is not None:
-        barrier()
+    if agree is not None:
+        if not agree(True):
+            raise CheckpointError(f"{storage.url}: another process failed; rerun the command to resume")
+        if rank != 0:
+            if not agree(True):
+                raise CheckpointError(f"{storage.url}: process 0 could not commit; rerun the command to resume")
+            return None
+        try:
+            written = []
+            for unit in units:
+                record = _verified_record(storage, unit, check_data=False)  # just written by a peer
+                if record is None:
+                    raise CheckpointError(f"{storage.where(unit.name)}: no record of it; rerun to resume")
+                written.append(record)
+            commit_native(reader, sel, storage, written, writer_info, compression)
+        except BaseException:
+            agree(False)
+            raise
+        agree(True)
+    else:
+        commit_native(reader, sel, storage, written, writer_info, compression)
     return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors), sel.nbytes,
                          [u.name for u in units] + ["manifest.json"], sel.dropped, skipped)
-

@@ -309,6 +309,8 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
                 offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
                 box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
                 tensor = fetch(fqn, offsets, box).contiguous()
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # torch.save writes the whole storage, not just the view
                 buf = io.BytesIO()
                 torch.save(tensor, buf)
                 payload = tensor.numel() * tensor.element_size()
