@@ -215,3 +215,21 @@ def test_custom_policy_overrides_a_units_strategy_and_manual_nesting_works():
     for kept, units in run_on_ranks(2, _custom_policy_overrides_and_manual_nesting):
         assert kept == [False, True, False]
         assert units == ["FSDPTransformer", "FSDPBlock"]
+
+
+def _backward_prefetch_observed():
+    seen = {}
+    for name, kwargs in (("pre", {}), ("none", {"backward_prefetch": None})):
+        model = FSDP(build_transformer(), auto_wrap_policy=POLICY, **kwargs)
+        seen[name] = []
+        # when block 2's backward ends, has block 1 been all-gathered already (prefetched)?
+        model.layers[2].register_full_backward_hook(lambda m, gi, go, model=model, out=seen[name]: out.append(
+            sharded_params_of(model.layers[1], recurse=False)[0].is_unsharded_allocated()))
+        for _ in range(2):
+            model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    return seen
+
+
+def test_backward_prefetch_none_gathers_each_block_only_at_its_own_backward():
+    for seen in run_on_ranks(2, _backward_prefetch_observed):
+        assert seen == {"pre": [True, True], "none": [False, False]}
