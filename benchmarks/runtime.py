@@ -117,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still sends
     dist.destroy_process_group()
 
 
