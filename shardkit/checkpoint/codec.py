@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from shardkit.errors import ChecksumMismatch, InvalidManifest, UnsupportedFormat
+from shardkit.errors import ChecksumMismatch, CorruptCheckpoint, InvalidManifest, UnsupportedFormat
 
 __all__ = [
     "DTYPE_CODES", "dtype_to_code", "code_to_dtype", "itemsize",
@@ -267,9 +267,9 @@ def zstd_decompress_into(frame: Any, out: torch.Tensor, where: str) -> None:
             filled += got
         extra = reader.read(1)
     except zstandard.ZstdError as exc:
-        raise ChecksumMismatch(f"{where}: zstd frame does not decode ({exc})") from None
+        raise CorruptCheckpoint(f"{where}: zstd frame does not decode ({exc}); the chunk is damaged") from None
     if filled != len(view) or extra:
-        raise InvalidManifest(f"{where}: zstd frame holds a different number of bytes than the manifest says")
+        raise CorruptCheckpoint(f"{where}: zstd frame holds a different number of bytes than the manifest says")
 
 
 # --------------------------------------------------------------------------

@@ -194,6 +194,9 @@ class NativeReader(CheckpointReader):
             buf = self._scratch(0, hi - lo)
             self.storage.read_parts(rec.file, rec.start + lo, [buf])
             self._verify([buf], lo // rec.block, rec, self._where(r, rec))
+            if rec.codec == "zstd":  # a frame must also decode to exactly the chunk's bytes
+                raw = self._scratch(1, math.prod(rec.shape) * r.out.element_size())
+                zstd_decompress_into(buf.numpy(), raw, self._where(r, rec))
 
         parallel_map(check, list(zip(requests, records)), self.io_threads)
 
