@@ -233,3 +233,20 @@ def _backward_prefetch_observed():
 def test_backward_prefetch_none_gathers_each_block_only_at_its_own_backward():
     for seen in run_on_ranks(2, _backward_prefetch_observed):
         assert seen == {"pre": [True, True], "none": [False, False]}
+
+
+def _use_orig_params_warnings():
+    mapping._warned.clear()
+    counts = []
+    for kwargs in ({}, {"use_orig_params": True}, {"use_orig_params": False}, {"use_orig_params": False},
+                   {"limit_all_gathers": False}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            FSDP(build_transformer(), **kwargs)
+        counts.append(sum("use_orig_params" in str(w.message) for w in caught))
+    return counts
+
+
+def test_explicit_use_orig_params_false_warns_once_and_defaults_stay_silent():
+    for counts in run_on_ranks(2, _use_orig_params_warnings):
+        assert counts == [0, 0, 1, 0, 0]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardkit import (FullStateDictConfig, FullyShardedDataParallel as FSDP, ShardedStateDictConfig,
+from shardkit import (FullStateDictConfig, FullyShardedDataParallel as FSDP, ShardedStateDictConfig, ShardingStrategy,
                       StateDictType)
 from shardkit.errors import ConfigurationError
 from shardkit.wrap import transformer_auto_wrap_policy
@@ -205,3 +205,25 @@ def test_shardkit_checkpoint_api_saves_and_loads_fsdp1_models_through_live_dtens
     for live, same, full_shape in run_on_ranks(2, _checkpoint_api_sees_live_dtensors, str(tmp_path / "ckpt")):
         assert live and same
         assert tuple(full_shape) == (37, 26)  # model.state_dict() itself is still FULL
+
+
+def _summon_between_forward_and_backward():
+    results = []
+    for summon in (False, True):
+        model = FSDP(build_transformer(), auto_wrap_policy=POLICY, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+        tokens, targets = global_batch(1, dist.get_world_size())
+        rows = slice(dist.get_rank() * PER_RANK, (dist.get_rank() + 1) * PER_RANK)
+        loss = lm_loss(model(tokens[rows]), targets[rows])
+        if summon:  # block params are still unsharded here (ZeRO-2)
+            with FSDP.summon_full_params(model, writeback=False):
+                shapes = [tuple(p.shape) for p in model.layers[0].parameters()]
+        loss.backward()
+        results.append(_full_grads(model))
+    return results, shapes
+
+
+def test_summon_full_params_after_a_zero2_forward_leaves_backward_intact():
+    for (plain, summoned), shapes in run_on_ranks(2, _summon_between_forward_and_backward):
+        assert shapes[0] == (26,)  # full LayerNorm weight
+        for name in plain:
+            assert torch.equal(plain[name], summoned[name]), name

@@ -9,9 +9,9 @@ the sharded ``DTensor`` parameters are registered again; with
 full tensor into its shard, which is all the next all-gather reads.
 
 This works on the sharded parameters alone, so it does not depend on the
-core's unshard buffers; it needs the units to be at rest (not between a
-forward and its backward with parameters unsharded), and refuses to run
-inside backward.
+core's unshard buffers.  Units that still hold unsharded parameters (e.g.
+``SHARD_GRAD_OP`` after a forward) are resharded first; inside backward it
+refuses to run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardkit.errors import ConfigurationError, TrainingStateError
-from shardkit.runtime import FSDPModule
+from shardkit.runtime import FSDPModule, sharded_params_of
 
 __all__ = ["summon_full_params", "managed_params"]
 
@@ -50,22 +50,11 @@ def _top_units(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def managed_params(unit: nn.Module) -> list[tuple[nn.Module, str, DTensor]]:
-    """(owner module, name, sharded parameter) for the ``DTensor`` parameters a
-    unit manages: its subtree minus nested units (shared parameters appear once
-    per owner)."""
-    out: list[tuple[nn.Module, str, DTensor]] = []
-    seen: set[nn.Module] = set()
-
-    def visit(m: nn.Module) -> None:
-        seen.add(m)
-        out.extend((m, n, p) for n, p in m._parameters.items() if isinstance(p, DTensor))
-        for child in m.children():
-            if child not in seen and not _is_unit(child):
-                visit(child)
-
-    visit(unit)
-    return out
+def managed_params(unit: nn.Module) -> list[tuple[list[tuple[nn.Module, str]], DTensor]]:
+    """For each parameter the unit's own group shards: every (module, name) it
+    is registered under (tied weights have several) and the sharded ``DTensor``."""
+    return [([(sp.info.module, sp.info.name), *sp.info.shared], sp.sharded_param)
+            for sp in sharded_params_of(unit, recurse=False)]
 
 
 @dataclass
@@ -80,12 +69,9 @@ def _check_at_rest(units: list[nn.Module]) -> None:
         raise TrainingStateError("summon_full_params cannot run inside backward; call it before the "
                                  "forward or after backward and optimizer step")
     for unit in units:
-        for m in unit.modules():
-            if isinstance(m, FSDPModule):
-                unsharded = any(p is not None and not isinstance(p, DTensor)
-                                for mod, _, _ in managed_params(m) for p in [mod._parameters.get(_)])
-                if unsharded:
-                    m.reshard()  # e.g. SHARD_GRAD_OP kept them after a forward with no backward yet
+        if any(owner._parameters.get(name) is not sharded
+               for owners, sharded in managed_params(unit) for owner, name in owners):
+            unit.reshard()  # e.g. SHARD_GRAD_OP kept them after a forward with no backward yet
 
 
 @contextlib.contextmanager
@@ -101,11 +87,11 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     summoned: dict[int, _Summoned] = {}
     for unit in units:
-        for owner, name, sharded in managed_params(unit):
+        for owners, sharded in managed_params(unit):
             entry = summoned.get(id(sharded))
             if entry is None:
                 entry = summoned[id(sharded)] = _gather(sharded, keep, offload_to_cpu, with_grads)
-            entry.owners.append((owner, name))
+            entry.owners.extend(owners)
     for entry in summoned.values():
         if entry.full is not None:
             for owner, name in entry.owners:

@@ -54,11 +54,11 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         module = values.pop("module")
         if not isinstance(module, nn.Module):
             raise ConfigurationError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        args_ = FSDP1Args(**{k: v for k, v in values.items() if k != "use_orig_params"},
-                          **({"use_orig_params": values["use_orig_params"]}
-                             if values["use_orig_params"] is not _DEFAULT else {}))
-        construct(module, args_, _finish_unit)
-        _finish_root(module, args_)
+        if values["use_orig_params"] is _DEFAULT:
+            del values["use_orig_params"]  # not passed: FSDP1's default, nothing to warn about
+        args = FSDP1Args(**values)
+        construct(module, args, _finish_unit)
+        _finish_root(module, args)
         return module
 
     def __init__(self, module: nn.Module, process_group: Any = None, sharding_strategy: Any = None,
@@ -151,7 +151,7 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
     optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
 
-_DEFAULT = object()
+_DEFAULT = object()  # tells an explicit use_orig_params=False from the default
 _SIGNATURE = inspect.signature(FullyShardedDataParallel.__init__).replace(
     parameters=[p.replace(default=_DEFAULT) if p.name == "use_orig_params" else p
                 for p in list(inspect.signature(FullyShardedDataParallel.__init__).parameters.values())[1:]])
