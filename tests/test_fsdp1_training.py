@@ -7,6 +7,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardkit import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
@@ -67,3 +68,28 @@ def test_full_shard_training_matches_single_process_on_three_ranks():
     for ours, ref, norms in run_on_ranks(3, _train_full_shard_parity, 4):
         assert_close_losses(ours, ref)
         assert all(n > 0.5 for n in norms)  # clipping was active
+
+
+class _HasModuleAttributes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(4, 4)  # a child literally named "module"
+        self.inner = nn.Sequential(nn.Linear(4, 4))
+        self.inner.module = "metadata"  # a plain attribute named "module"
+
+    def forward(self, x):
+        return self.module(x) + len(self.inner.module)
+
+
+def _module_attribute_names():
+    model = FSDP(_HasModuleAttributes(), auto_wrap_policy=lambda module, recurse, **kw: recurse or
+                 module is not None and isinstance(module, nn.Sequential))
+    out = model(torch.ones(2, 4))
+    plain = FSDP(nn.Linear(4, 4))
+    return (isinstance(model.module, nn.Linear), model.inner.module, plain.module is plain,
+            isinstance(model.inner, FSDP), tuple(out.shape))
+
+
+def test_the_models_own_module_attributes_win_over_the_module_property():
+    for linear_child, metadata, plain_self, inner_unit, shape in run_on_ranks(2, _module_attribute_names):
+        assert linear_child and metadata == "metadata" and plain_self and inner_unit and shape == (2, 4)

@@ -75,9 +75,17 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module: the module itself (a child named ``module`` wins)."""
+        """The wrapped module: the module itself.  The model's own ``module``
+        attribute or child, if it has one, wins, so its code keeps working."""
+        if "module" in self.__dict__:
+            return self.__dict__["module"]
         child = self.__dict__.get("_modules", {}).get("module")
         return child if child is not None else self
+
+    @module.setter
+    def module(self, value: Any) -> None:
+        # nn.Module.__setattr__ files modules/parameters itself and sends plain values here
+        self.__dict__["module"] = value
 
     @property
     def _fsdp_wrapped_module(self) -> nn.Module:
