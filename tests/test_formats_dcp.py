@@ -178,3 +178,16 @@ def test_dcp_output_holds_each_block_once(tmp_path):
     payload = sum(t.numel() * t.element_size() for t in big.values())
     size = (tmp_path / "d" / "__0_0.distcp").stat().st_size
     assert payload <= size < payload + 64 * 1024  # torch.save framing only, no stray buffer bytes
+
+
+def test_dcp_saved_with_safetensors_serialization_reads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    sd = {"model": {"w": torch.randn(17, 5), "ids": torch.arange(9)}, "step": 4}
+    writer = dcp.FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    reader = DcpReader(Storage(str(tmp_path / "st")))
+    got = _read_all(reader)
+    assert torch.equal(got["model.w"], sd["model"]["w"]) and torch.equal(got["model.ids"], sd["model"]["ids"])
+    assert reader.values() == {"step": 4}

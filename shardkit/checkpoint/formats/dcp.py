@@ -211,7 +211,12 @@ class DcpReader(CheckpointReader):
             return cache[1]
         self._local.cache = None
         where = f"{self.info.url} [{entry.fqn} @ {list(chunk.offsets)}]"
-        tensor = self._decode(chunk.locator, where)
+        info = chunk.locator
+        head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 9)
+        if head[:4] != b"PK\x03\x04" and head[8:9] == b"{" and not getattr(info, "transform_descriptors", None):
+            tensor = self._safetensors_item(entry.fqn, info, where)
+        else:
+            tensor = self._decode(info, where)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
             raise InvalidManifest(f"{where}: decodes to {getattr(tensor, 'shape', type(tensor))}, expected "
                                   f"{chunk.shape}")
@@ -219,6 +224,23 @@ class DcpReader(CheckpointReader):
             raise InvalidManifest(f"{where}: chunk is {tensor.dtype}, expected {entry.dtype}")
         self._local.cache = (chunk.locator, tensor)
         return tensor
+
+    def _safetensors_item(self, fqn: str, info: Any, where: str) -> torch.Tensor:
+        """A tensor of a DCP file saved with ``SerializationFormat.SAFETENSORS``: the items of one file
+        form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
+        ``FileSystemReader`` cannot read these back; we can)."""
+        from shardkit.checkpoint.codec import code_to_dtype, parse_safetensors_header
+
+        name, base = str(info.relative_path), int(info.offset)
+        size = self.storage.size(name) - base
+        header = parse_safetensors_header(self.storage.read_bytes(name, base, base + min(size, 1 << 16)), size,
+                                          where, lambda n: self.storage.read_bytes(name, base, base + n))
+        e = header.entries.get(fqn)
+        if e is None:
+            raise InvalidManifest(f"{where}: the safetensors payload holds no tensor {fqn!r}")
+        raw = bytearray(self.storage.read_bytes(name, base + e.start, base + e.end))
+        out = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return out.view(code_to_dtype(e.dtype)).reshape(e.shape)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         for r in requests:
