@@ -57,9 +57,12 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
-    """Data-parallel steps on this rank's rows of each fixed global batch; global mean loss per step."""
-    rank, size = world()
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, alone: bool = False) -> list[float]:
+    """Data-parallel steps on this rank's rows of each fixed global batch; global mean loss per step.
+
+    ``alone``: train on whole batches without any collective (a plain reference inside a rank).
+    """
+    rank, size = (0, 1) if alone else world()
     per = GLOBAL_BATCH // size
     losses = []
     for step in steps:

@@ -1,0 +1,150 @@
+"""State dicts: FQN-keyed optimizer state, fresh optimizers, full <-> sharded one tensor at a time."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import shardkit.checkpoint as skc
+from shardkit.checkpoint import state_dict as sdm
+from tests.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train, world
+from tests.dist import run_on_ranks
+
+
+def _plain_reference(steps: int):
+    model = build_model("plain", seed=0)
+    opt = make_optimizer(model)
+    train(model, opt, range(steps), alone=True)
+    return model, opt
+
+
+def _full_of_sharded(mesh_shape, rank0_only):
+    model = build_model("shardkit", seed=0, mesh_shape=mesh_shape)
+    opt = make_optimizer(model)
+    full = skc.get_full_state_dict(model, opt, rank0_only=rank0_only)
+    return full if not full else {"model": {k: v.clone() for k, v in full["model"].items()},
+                                  "state": full["optim"]["state"], "groups": full["optim"]["param_groups"]}
+
+
+def test_full_state_dict_of_a_sharded_model_equals_the_unsharded_model():
+    reference = build_model("plain", seed=0)
+    for rank0_only in (True, False):
+        out = run_on_ranks(3, _full_of_sharded, None, rank0_only)
+        assert all(o == {} for o in out[1:]) if rank0_only else all(o for o in out)
+        full = out[0]
+        assert full["model"].keys() == reference.state_dict().keys()
+        assert all(torch.equal(full["model"][k], v) for k, v in reference.state_dict().items())
+        # a never-stepped optimizer got zero moments and step 0, in the optimizer's own layout
+        state = full["state"]["layers.0.attention.wq.weight"]
+        assert not state["exp_avg"].any() and float(state["step"]) == 0.0
+        assert state["exp_avg"].shape == reference.layers[0].attention.wq.weight.shape
+        assert full["groups"][0]["params"][0] == "tok_embeddings.weight"
+
+
+def _load_full_from_rank0(mesh_shape, steps):
+    model = build_model("shardkit", seed=42, mesh_shape=mesh_shape)
+    opt = make_optimizer(model)
+    full, expected = {}, None
+    if world()[0] == 0:  # the reference trains in the rank: same threads, same float rounding
+        ref_model, ref_opt = _plain_reference(steps)
+        full = skc.get_state_dict(ref_model, ref_opt)
+        expected = _flat_copy(full)
+    skc.set_full_state_dict(model, opt, full, broadcast_from_rank0=True)
+    return expected, full_state(model, opt)
+
+
+def _flat_copy(sd):
+    from shardkit.checkpoint.flatten import flatten
+
+    flat = flatten(sd)
+    return {"tensors": {k: v.clone() for k, v in flat.tensors.items()}, "values": flat.values}
+
+
+def test_set_full_state_dict_broadcast_from_rank0_fills_an_hsdp_model_and_optimizer():
+    expected, loaded = run_on_ranks(4, _load_full_from_rank0, (2, 2), 2)[0]
+    assert len(expected["tensors"]) > 100 and mismatches(expected, loaded) == []
+
+
+def _load_full_everywhere(steps):
+    model = build_model("shardkit", seed=42)
+    opt = make_optimizer(model)
+    ref_model, ref_opt = _plain_reference(steps)
+    full = skc.get_state_dict(ref_model, ref_opt)
+    expected = _flat_copy(full)
+    skc.set_full_state_dict(model, opt, full)
+    return expected, full_state(model, opt)
+
+
+def test_set_full_state_dict_without_broadcast_cuts_each_rank_its_shard():
+    expected, loaded = run_on_ranks(2, _load_full_everywhere, 1)[0]
+    assert mismatches(expected, loaded) == []
+
+
+def test_initialising_a_fresh_optimizer_changes_neither_params_nor_its_first_step():
+    a, b = build_model("plain", seed=3), build_model("plain", seed=3)
+    opt_a, opt_b = make_optimizer(a), make_optimizer(b)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    sd = skc.get_state_dict(a, opt_a)
+    assert all(torch.equal(before[k], v) for k, v in a.state_dict().items())
+    assert len(sd["optim"]["state"]) == len(list(a.parameters()))
+    train(a, opt_a, range(1))
+    train(b, opt_b, range(1))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_fqn_keyed_optimizer_state_converts_back_for_torch_load_state_dict():
+    model, opt = _plain_reference(2)
+    osd = sdm.get_optimizer_state_dict(model, opt)
+    clone = build_model("plain", seed=0)
+    clone_opt = make_optimizer(clone)
+    clone_opt.load_state_dict(sdm.to_torch_optimizer_state(clone, clone_opt, osd))
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert all(torch.equal(opt.state[p][k], clone_opt.state[q][k]) for k in opt.state[p])
+    other = build_model("plain", seed=1)
+    untouched = make_optimizer(other)
+    assert sdm.get_optimizer_state_dict(other, untouched, init_fresh=False)["state"] == {}
+    assert len(untouched.state) == 0
+
+
+def _gather_then_shard():
+    model = build_model("shardkit", seed=5)
+    opt = make_optimizer(model)
+    train(model, opt, range(1))
+    live = skc.get_state_dict(model, opt)
+    full = sdm.gather_full_state(live, rank0_only=False)
+    resharded = sdm.shard_state(full, live)
+    same = []
+    for key, value in resharded["model"].items():
+        same.append(type(value) is type(live["model"][key])
+                    and torch.equal(sdm.local_tensor(value), sdm.local_tensor(live["model"][key]))
+                    and sdm.local_tensor(value).data_ptr() != sdm.local_tensor(live["model"][key]).data_ptr())
+    exp_avg = resharded["optim"]["state"]["output.weight"]["exp_avg"]
+    same.append(exp_avg.placements == live["optim"]["state"]["output.weight"]["exp_avg"].placements)
+    return all(same)
+
+
+def test_gather_then_shard_state_returns_new_dtensors_equal_to_the_live_shards():
+    assert all(run_on_ranks(3, _gather_then_shard))
+
+
+class _GatheringWrapper(nn.Module):
+    """A wrapper whose state_dict gathers (copies) unless checkpointing asks for the live tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 2)
+
+    def state_dict(self, *args, **kwargs):  # noqa: D102
+        out = super().state_dict(*args, **kwargs)
+        return out if sdm.reading_live_tensors() else {k: v.clone() for k, v in out.items()}
+
+
+def test_get_state_dict_asks_wrappers_for_their_live_tensors(tmp_path):
+    model = _GatheringWrapper()
+    sd = skc.get_state_dict(model)
+    assert sd["model"]["inner.weight"].data_ptr() == model.inner.weight.data_ptr()
+    skc.save(sd, str(tmp_path / "w"))
+    fresh = _GatheringWrapper()
+    target = skc.get_state_dict(fresh)
+    skc.load(target, str(tmp_path / "w"))
+    assert torch.equal(fresh.inner.weight, model.inner.weight)  # loaded in place, not into a copy
