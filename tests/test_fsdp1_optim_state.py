@@ -146,3 +146,34 @@ def test_rekey_optim_state_dict_both_ways_round_trips():
     assert back["state"].keys() == by_id["state"].keys()
     assert back["param_groups"][0]["params"] == by_id["param_groups"][0]["params"]
     assert FSDP.rekey_optim_state_dict(back, OptimStateKeyType.PARAM_ID, model) is back
+
+
+def _optim_state_dict_full_rank0_only_round_trip():
+    from shardkit import FullOptimStateDictConfig, FullStateDictConfig
+
+    world = dist.get_world_size()
+    model, optim = _wrapped_with_optimizer()
+    train_steps(model, optim, range(2), world, rows=ROWS)
+    settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True))
+    FSDP.set_state_dict_type(model, *settings)
+    model_sd = model.state_dict()
+    osd = FSDP.optim_state_dict(model, optim)  # full, on rank 0 only
+    on_rank = sorted(osd["state"]) if osd else []
+
+    fresh, fresh_optim = _wrapped_with_optimizer()
+    FSDP.set_state_dict_type(fresh, *settings)
+    fresh.load_state_dict(model_sd)
+    fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, osd))
+    before = FSDP.full_optim_state_dict(model, optim, rank0_only=False)["state"]
+    after = FSDP.full_optim_state_dict(fresh, fresh_optim, rank0_only=False)["state"]
+    same = all(torch.equal(before[f][k], after[f][k]) for f in before for k in before[f])
+    a = train_steps(model, optim, range(2, 3), world, rows=ROWS)
+    b = train_steps(fresh, fresh_optim, range(2, 3), world, rows=ROWS)
+    return on_rank, same, a, b
+
+
+def test_optim_state_dict_full_rank0_only_round_trips_through_optim_state_dict_to_load():
+    results = run_on_ranks(2, _optim_state_dict_full_rank0_only_round_trip)
+    assert len(results[0][0]) == 44 and results[1][0] == []
+    for _, same, a, b in results:
+        assert same and a == b
