@@ -142,3 +142,19 @@ def test_async_save_copies_state_then_uploads_with_flat_host_memory(tmp_path):
     for rank in out:
         assert rank["checks"] == [True, True]
         assert rank["rss_growth"] < 2 * 2**20, rank["rss_growth"]  # staging is reused, not re-allocated
+
+
+def test_load_detects_hf_and_torch_save_sources_and_fills_the_model_in_place(tmp_path):
+    from safetensors.torch import save_file
+
+    source = build_model("plain", seed=11)
+    torch.save(source.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "hf" / "model.safetensors"))
+    for url in (str(tmp_path / "model.pt"), str(tmp_path / "hf")):
+        model = build_model("plain", seed=12)
+        pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+        sd = skc.get_state_dict(model)
+        skc.load(sd, url)
+        assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+        assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers

@@ -139,7 +139,7 @@ class Storage:
                 return fn()
             except ShardkitError:
                 raise
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 raise CheckpointNotFound(f"{what}: not found") from None
             except PermissionError as exc:
                 raise StorageError(f"{what}: permission denied ({exc}); check credentials") from None
