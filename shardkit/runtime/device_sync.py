@@ -70,14 +70,22 @@ class CommContext:
         self.streams: dict[str, Any] = {}
         if not self.inline:
             handle = getattr(torch, device.type)
-            for name in ("all_gather_copy_in", "all_gather", "reduce_scatter"):
+            for name in ("all_gather", "reduce_scatter"):
                 self.streams[name] = handle.Stream(priority=-1)
 
     # ------------------------------------------------------------- streams
 
     @contextlib.contextmanager
     def on(self, name: str) -> Iterator[None]:
-        """Run the block on stream ``name`` after the current stream's work."""
+        """Run the block on stream ``name`` after the current stream's work.
+
+        Waiting on the current stream every time is what makes buffer reuse
+        safe without ``record_stream``: a buffer allocated on ``name`` and
+        freed after its consumer (on the current stream) enqueued its last
+        use can only be handed out again to work ordered after that use.
+        Overlap therefore comes from prefetching: a collective issued
+        *before* the compute it should hide behind (explicit forward
+        prefetch, the default backward prefetch, ``unshard(async_op=True)``)."""
         if self.inline:
             yield
             return

@@ -369,8 +369,10 @@ class FSDPModule:
             group.unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """On an accelerator, let the next forward's all-gathers wait on this
-        event (recorded after ``optimizer.step()``) instead of the whole stream."""
+        """On an accelerator, make the next forward's all-gathers wait on this
+        event (recorded after ``optimizer.step()``).  Accepted for
+        compatibility: shardkit's all-gather stream already waits on the
+        current stream before each all-gather, which orders it after the step."""
         self._shard_state().ctx.post_optim_event = event
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:

@@ -183,9 +183,6 @@ class ShardState:
         comm = self.comm
         if not comm.inline:
             event, ctx.post_optim_event = ctx.post_optim_event, None
-            if event is None:
-                event = comm.record()
-            comm.stream_waits("all_gather_copy_in", event)
             comm.stream_waits("all_gather", event)
             device = self.device
             args, kwargs = tree_map(lambda t: t.to(device, non_blocking=True)

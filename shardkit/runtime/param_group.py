@@ -170,14 +170,13 @@ class ParamGroup:
             return
         plan = self._plan(from_post_forward)
         comm = self.comm
-        with comm.on("all_gather_copy_in"):
+        with comm.on("all_gather"):
             inputs = [p.all_gather_input() for p in self.params]
             if immediate and not async_op and comm.inline:
                 out = comm.workspace.take(world * plan.per_rank, plan.dtype, self.device)
             else:
                 out = torch.empty(world * plan.per_rank, dtype=plan.dtype, device=self.device)
             block = C.all_gather_copy_in(inputs, plan, out, rank)
-        with comm.on("all_gather"):
             work = C.issue_all_gather(out, block, group, async_op)
             event = comm.record("all_gather")
         self._pending = _PendingAllGather(out, work, plan, world, event)
@@ -203,10 +202,6 @@ class ParamGroup:
         for p in params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
-        if not self.comm.inline:  # the copy-in/all-gather streams may reuse ``out`` only after the copy-out
-            event = self.comm.record()
-            self.comm.stream_waits("all_gather_copy_in", event)
-            self.comm.stream_waits("all_gather", event)
 
     @staticmethod
     def _chunk_shape(p: ShardedParam, world: int) -> torch.Size:

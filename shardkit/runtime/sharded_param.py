@@ -348,7 +348,8 @@ class ShardedParam:
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Set or add the reduced shard (a view of the reduce-scatter output)."""
         if self.offload and local_grad.device.type != "cpu":
-            local_grad = local_grad.to("cpu", non_blocking=self.pin_memory)
+            # blocking: the CPU optimizer reads it right after backward
+            local_grad = local_grad.to("cpu")
         if local_grad.dtype != self.orig_dtype:
             local_grad = local_grad.to(self.orig_dtype)
         param = self.sharded_param
