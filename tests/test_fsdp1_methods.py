@@ -227,3 +227,17 @@ def test_summon_full_params_after_a_zero2_forward_leaves_backward_intact():
         assert shapes[0] == (26,)  # full LayerNorm weight
         for name in plain:
             assert torch.equal(plain[name], summoned[name]), name
+
+
+def _sharded_load_across_layouts():
+    source = FSDP(build_transformer(seed=4), sharding_strategy=ShardingStrategy.NO_SHARD)
+    target = _wrapped()
+    with FSDP.state_dict_type(source, StateDictType.SHARDED_STATE_DICT):
+        sharded = source.state_dict()  # (Replicate(), Shard(0)) on a (2, 1) mesh
+    with FSDP.state_dict_type(target, StateDictType.SHARDED_STATE_DICT):
+        target.load_state_dict(sharded)  # into Shard(0) on a 1-D mesh
+    return all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+
+
+def test_sharded_state_dict_of_another_layout_loads():
+    assert run_on_ranks(2, _sharded_load_across_layouts) == [True, True]

@@ -21,7 +21,8 @@ Loading goes the other way: a pre-hook turns every plain tensor aimed at a
 ``DTensor`` parameter into a ``DTensor`` with the parameter's mesh and
 placements by slicing locally (every rank holds the full tensor in FSDP1's
 full-state-dict load, so no communication is needed).  ``DTensor`` values,
-e.g. from ``torch.distributed.checkpoint``, pass through at any layout.
+e.g. from ``torch.distributed.checkpoint``, pass through; one laid out for
+another mesh is gathered and re-cut.
 """
 
 from __future__ import annotations
@@ -160,9 +161,13 @@ def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], pref
     for name, param in module.named_parameters():
         key = prefix + name
         value = state_dict.get(key)
-        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
             continue
         if tuple(value.shape) != tuple(param.shape):
             continue  # load_state_dict reports the size mismatch with the key
+        if isinstance(value, DTensor):
+            if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
+                continue
+            value = value.full_tensor()  # another layout: every rank gathers it, then keeps its slice
         local = value.detach().to(device=param.to_local().device)
         state_dict[key] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
