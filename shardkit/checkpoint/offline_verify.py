@@ -96,6 +96,8 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
     finally:
         reader.close()
     report.seconds = time.monotonic() - start
+    if progress and fmt in ("shardkit", "dcp"):
+        progress.finish()
     return report
 
 

@@ -274,7 +274,8 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
     ops.value(_nest({**values, **refs}))
     ops.out += b"."
 
-    def produce(raw: Any) -> None:
+    def produce(sink: Any) -> None:
+        raw = _Counted(sink)
         with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             def record(rec: str, data: bytes) -> None:
                 with zf.open(_zip_info(f"{_ARCHIVE}/{rec}", raw.tell()), "w", force_zip64=True) as f:
@@ -308,6 +309,32 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
         except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
             pass
         raise
+
+
+class _Counted:
+    """A forward-only sink that knows its position: zipfile then streams (data descriptors, no seeks),
+    which works on any file object storage hands us (local, O_DIRECT, multipart upload)."""
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self._sink.write(data)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        flush = getattr(self._sink, "flush", None)
+        if flush is not None:
+            flush()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
