@@ -183,7 +183,11 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     layout = info["layout"] or {}
     click.echo(f"{info['url']}: {info['format']} checkpoint")
     if layout:
-        click.echo("layout: " + ", ".join(f"{k} {v}" for k, v in layout.items()))
+        mesh = layout.get("mesh") or {}
+        shape = "x".join(str(d) for d in mesh.get("shape", [])) or "?"
+        placements = ", ".join(mesh.get("placements", []))
+        click.echo(f"layout: world size {layout.get('world_size', '?')}"
+                   + (f", mesh {shape} ({placements})" if mesh else ""))
     if info["meta"]:
         click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
     if info["values"]:

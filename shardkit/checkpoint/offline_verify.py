@@ -108,7 +108,7 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         for rec in t.chunks:
             by_file.setdefault(rec.file, []).append((fqn, rec))
     if progress:
-        progress.start("verify", sum(f.size for f in manifest.files.values()))
+        progress.start("verify", sum(rec.nbytes for t in manifest.tensors.values() for rec in t.chunks))
 
     def check(name: str) -> tuple[list[str], int]:
         found: list[str] = []
