@@ -72,9 +72,11 @@ def train_reference(model: nn.Module, world: int, steps: int, micro_steps: int =
 def train_sharded(model: nn.Module, steps: int, micro_steps: int = 1,
                   set_to_none: Callable[[int], bool] = lambda step: True,
                   forward: Callable | None = None, before_backward: Callable | None = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> list[float]:
+                  optimizer: torch.optim.Optimizer | None = None, sync_each_micro_step: bool = False) -> list[float]:
     """Data-parallel training on this rank's slice of each global batch;
-    returns the global mean loss per step (all-reduced)."""
+    returns the global mean loss per step (all-reduced).  With several
+    micro-steps, gradients are synced only on the last one unless
+    ``sync_each_micro_step``."""
     world, rank = dist.get_world_size(), dist.get_rank()
     opt = optimizer or make_optimizer(model)
     forward = forward or (lambda m, tokens: m(tokens))
@@ -83,7 +85,7 @@ def train_sharded(model: nn.Module, steps: int, micro_steps: int = 1,
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(micro_steps):
             last = micro == micro_steps - 1
-            if micro_steps > 1:
+            if micro_steps > 1 and not sync_each_micro_step:
                 model.set_requires_gradient_sync(last)
             tokens, targets = local_batch(step, world, rank, micro=micro)
             loss = lm_loss(forward(model, tokens), targets)

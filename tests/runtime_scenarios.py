@@ -185,6 +185,23 @@ def _materialize_and_load(model, api, mesh):
     return model
 
 
+def _keep_params_between_micro_batches(model, step, micro):
+    model.set_reshard_after_backward(micro == 1)  # the second micro-batch's forward needs no all-gather
+
+
+def _last_backward_of_two(model, step, micro):
+    model.set_is_last_backward(micro == 1)
+
+
+def _embedding_group_without_backward_unshard(model, api, mesh):
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh)
+    api.fully_shard(model.tok_embeddings, mesh=mesh)
+    model.tok_embeddings.set_unshard_in_backward(False)  # embedding backward never reads the weight
+    api.fully_shard(model, mesh=mesh)
+    return model
+
+
 def _hsdp_reduce_scatter_only(model, step, micro):
     model.set_requires_gradient_sync(True)
     model.set_requires_all_reduce(micro == 1)  # first micro-batch: reduce-scatter only
@@ -199,6 +216,7 @@ class Scenario:
     set_to_none: Callable[[int], bool] = lambda step: True
     forward: Callable | None = None
     before_backward: Callable | None = None
+    sync_each_micro_step: bool = False
     reference_build: Callable[[], nn.Module] | None = None
     mesh_names: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict)
@@ -216,6 +234,11 @@ SCENARIOS: dict[str, Scenario] = {
     "reshard_after_forward_false": Scenario(shard=_reshard(False, False)),
     "reshard_after_forward_2": Scenario(shape=(4,), shard=_reshard(2)),
     "gradient_accumulation_without_sync": Scenario(micro_steps=2),
+    "reshard_after_backward_false_between_micro_batches": Scenario(
+        micro_steps=2, before_backward=_keep_params_between_micro_batches),
+    "two_backwards_per_step_with_is_last_backward": Scenario(
+        micro_steps=2, sync_each_micro_step=True, before_backward=_last_backward_of_two),
+    "embedding_group_without_backward_unshard": Scenario(shard=_embedding_group_without_backward_unshard),
     "zero_grad_set_to_none_false": Scenario(set_to_none=lambda step: step % 2 == 0),
     "module_called_twice": Scenario(build=lambda: seeded_transformer(cls=TwiceTransformer)),
     "unused_parameter": Scenario(build=lambda: with_unused_param(seeded_transformer())),
@@ -244,7 +267,8 @@ def _train(scenario: Scenario, api) -> tuple[nn.Module, list[float]]:
     mesh = make_mesh(scenario.shape)
     model = scenario.shard(scenario.build(), api, mesh)
     losses = train_sharded(model, STEPS, micro_steps=scenario.micro_steps, set_to_none=scenario.set_to_none,
-                           forward=scenario.forward, before_backward=scenario.before_backward)
+                           forward=scenario.forward, before_backward=scenario.before_backward,
+                           sync_each_micro_step=scenario.sync_each_micro_step)
     return model, losses
 
 

@@ -152,3 +152,23 @@ def test_explicit_forward_prefetch_gathers_the_next_block_before_this_one_comput
         ("all_gather", "layers.2", "FORWARD"), ("compute", "layers.1"),
         ("compute", "layers.2"),
     ]
+
+
+def _forward_gathers_after_backward_without_reshard():
+    model = per_block(seeded_transformer(), shardkit_api(), make_mesh((dist.get_world_size(),)))
+    counts = []
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        model.set_reshard_after_backward(micro == 1)  # keep everything unsharded after the first backward
+        tokens, targets = local_batch(0, dist.get_world_size(), dist.get_rank(), micro=micro)
+        with CommDebugMode() as forward:
+            loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        counts.append(_short(forward.get_comm_counts()))
+    return counts
+
+
+def test_keeping_params_after_backward_saves_the_next_forward_all_gathers():
+    for first, second in run_on_ranks(2, _forward_gathers_after_backward_without_reshard):
+        assert first == {"all_gather": LAYERS + 1}
+        assert second == {}  # every group is still unsharded from the previous backward
