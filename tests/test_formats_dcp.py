@@ -191,3 +191,17 @@ def test_dcp_saved_with_safetensors_serialization_reads(tmp_path):
     got = _read_all(reader)
     assert torch.equal(got["model.w"], sd["model"]["w"]) and torch.equal(got["model.ids"], sd["model"]["ids"])
     assert reader.values() == {"step": 4}
+
+
+def test_dcp_rows_are_read_by_range_without_decoding_the_whole_chunk(fsdp_dcp):
+    path, flat, _ = fsdp_dcp
+    reader = DcpReader(Storage(path))
+    fqn = "model.tok_embeddings.weight"
+    entry = reader.tensors()[fqn]
+    layout = reader._row_layout(entry, 1)
+    assert layout is not None and layout.row_bytes == entry.shape[1] * 4
+    lo = entry.chunks[1].offsets[0]
+    box = ((lo + 2, 3), (4, entry.shape[1] - 5))
+    got = read_box(reader, fqn, box)
+    assert torch.equal(got, flat[fqn][lo + 2:lo + 6, 3:entry.shape[1] - 2])
+    assert getattr(reader._local, "cache", None) is None  # no chunk was decoded whole

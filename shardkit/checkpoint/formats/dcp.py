@@ -29,7 +29,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.codec import as_bytes
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.formats.dcp_payload import locate_rows
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
 from shardkit.checkpoint.storage import Storage
@@ -160,6 +162,8 @@ class DcpReader(CheckpointReader):
                 raise InvalidManifest(f"{url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
         self._values: dict[str, Any] | None = None
         self._local = threading.local()  # per-thread cache of the last decoded chunk
+        self._lock = threading.Lock()
+        self._layouts: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.info = CheckpointInfo("dcp", url, meta={"dcp_version": self._md.version} if self._md.version else {})
 
     def tensors(self) -> Mapping[str, TensorEntry]:
@@ -250,11 +254,34 @@ class DcpReader(CheckpointReader):
                 raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
         for r in requests:
             entry = self._entries[r.fqn]
-            tensor = self.chunk_tensor(entry, r.chunk)
             offsets = entry.chunks[r.chunk].offsets
             r0, r1 = row_range(offsets, r.box)
-            copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
+            layout = self._row_layout(entry, r.chunk)
+            if layout is not None:  # read just these rows' bytes
+                full_width = tuple(r.box[1][1:]) == tuple(entry.chunks[r.chunk].shape[1:])
+                rows = r.out if full_width and r.out.is_contiguous() else torch.empty(
+                    (r1 - r0,) + tuple(entry.chunks[r.chunk].shape[1:]), dtype=entry.dtype)
+                self.storage.read_into(layout.file, layout.data_start + r0 * layout.row_bytes, as_bytes(rows))
+                if rows is not r.out:
+                    copy_rows_into(rows, offsets, r.box, r.out)
+            else:
+                tensor = self.chunk_tensor(entry, r.chunk)
+                copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+
+    def _row_layout(self, entry: TensorEntry, index: int) -> Any:
+        """Where the rows of a stored chunk are (``None``: decode the chunk whole); computed once."""
+        chunk = entry.chunks[index]
+        key = (entry.fqn, chunk.offsets)
+        with self._lock:
+            if key in self._layouts:
+                return self._layouts[key]
+        info = chunk.locator
+        head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 4)
+        layout = locate_rows(self.storage, info, chunk.shape, entry.dtype) if head == b"PK\x03\x04" else None
+        with self._lock:
+            self._layouts[key] = layout
+        return layout
 
     def close(self) -> None:
         self._local = threading.local()
