@@ -146,7 +146,9 @@ class TorchSaveReader(CheckpointReader):
         for r in requests:
             t = self._tensors[r.fqn]
             r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
-            copy_rows_into(t if t.dim() == 0 else t[r0:r1], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
+            rows = t if t.dim() == 0 else t[r0:r1]
+            copy_rows_into(rows, self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
+            _release(rows)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def close(self) -> None:
@@ -309,6 +311,26 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
         except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
             pass
         raise
+
+
+def _release(rows: torch.Tensor) -> None:
+    """Drop the mapped file pages just copied from (``MADV_DONTNEED``) so they leave this process's
+    RSS; the mapping is private and unmodified, so a later read simply faults them in again."""
+    n = rows.numel() * rows.element_size()
+    if n < (1 << 20) or not rows.is_contiguous():
+        return
+    try:
+        import ctypes
+        import mmap
+
+        page = mmap.PAGESIZE
+        lo = -(-rows.data_ptr() // page) * page
+        hi = (rows.data_ptr() + n) // page * page
+        if hi > lo:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 class _Counted:
