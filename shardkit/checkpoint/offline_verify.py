@@ -19,10 +19,13 @@ damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.
 
 from __future__ import annotations
 
+import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import torch
 
 from shardkit.checkpoint.codec import crc32c
 from shardkit.checkpoint.layout import check_cover
@@ -126,15 +129,16 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
             bad = None
             while pos < end and bad is None:
                 hi = min(end, pos + max(rec.block, _SPAN // rec.block * rec.block))
-                data = storage.read_bytes(name, pos, hi)
-                for b in range(0, len(data), rec.block):
+                data = _buffer(hi - pos)  # reused per thread: no fresh memory per span
+                storage.read_into(name, pos, data)
+                for b in range(0, hi - pos, rec.block):
                     if crc32c(data[b:b + rec.block]) != rec.crc32c[block_index]:
                         bad = block_index
                         break
                     block_index += 1
-                done += len(data)
+                done += hi - pos
                 if progress:
-                    progress.update(len(data))
+                    progress.update(hi - pos)
                 pos = hi
             if bad is not None:
                 found.append(f"{where}: chunk {list(rec.offsets)} of {fqn!r} fails its checksum (block {bad})")
@@ -145,6 +149,16 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         problems.extend(found)
         total += done
     return total
+
+
+_local = threading.local()
+
+
+def _buffer(n: int) -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.buf = torch.empty(max(n, _SPAN), dtype=torch.uint8)
+    return buf[:n]
 
 
 def _verify_dcp(reader: Any, problems: list[str], progress: Progress | None) -> int:
