@@ -118,14 +118,15 @@ def _own_states(modules: list[nn.Module], ignored_params: set[nn.Parameter]) -> 
 
 
 def materialize_meta(modules: list[nn.Module], device: torch.device,
-                     param_init_fn: Callable[[nn.Module], None] | None) -> None:
+                     param_init_fn: Callable[[nn.Module], None] | None) -> bool:
     """FSDP1's deferred init: if any state is on the meta device, call
     ``param_init_fn`` on every module of the unit, or move each module with
-    states to ``device`` (``to_empty``) and call its ``reset_parameters``."""
+    states to ``device`` (``to_empty``) and call its ``reset_parameters``.
+    Returns whether anything was materialized."""
     is_meta = any(t.is_meta for m in modules
                   for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
     if not is_meta:
-        return
+        return False
     with torch.no_grad():
         for m in modules:
             if param_init_fn is not None:
@@ -141,6 +142,23 @@ def materialize_meta(modules: list[nn.Module], device: torch.device,
                     "reset_parameters() to initialize them; pass param_init_fn=... to "
                     "FullyShardedDataParallel")
             reset()
+    return True
+
+
+def keep_ids_reserved(unit: nn.Module, params: list[nn.Parameter]) -> None:
+    """Keep the materialized parameters' objects (not their memory) alive.
+
+    The core tells parameters apart by ``id()`` when it checks, at the first
+    forward, that no parameter belongs to two groups.  Parameters created by
+    ``to_empty`` die as soon as their unit is sharded, and CPython would hand
+    their ids to the next unit's new parameters; so the dead ones keep their
+    object (with an empty tensor) on the unit that replaced them.
+    """
+    shells = []
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        shells.append(p)
+    unit.__dict__["_fsdp1_materialized_shells"] = shells
 
 
 def sync_module_states(modules: list[nn.Module], ignored_params: set[nn.Parameter], group: Any,
@@ -217,7 +235,8 @@ def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: tor
                ignored_modules: set[nn.Module], ignored_params: set[nn.Parameter],
                finish: Callable[[nn.Module, FSDP1Args], None]) -> None:
     modules = unit_modules(module, ignored_modules)
-    materialize_meta(modules, device, args.param_init_fn)
+    materialized = materialize_meta(modules, device, args.param_init_fn)
+    originals = [p for m in modules for p in m.parameters(recurse=False) if p not in ignored_params]
     if args.sync_module_states:
         sync_module_states(modules, ignored_params, args.process_group, device)
     mp = args.mixed_precision
@@ -234,6 +253,8 @@ def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: tor
                 mp_policy=MixedPrecisionPolicy(**mp_fields) if mp_fields else MixedPrecisionPolicy(),
                 offload_policy=CPUOffloadPolicy() if mapping.offload_params(args.cpu_offload) else OffloadPolicy(),
                 ignored_params=ignored_params)
+    if materialized:
+        keep_ids_reserved(module, originals)
     finish(module, args)
 
 
