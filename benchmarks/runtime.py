@@ -14,6 +14,10 @@ implementation we report:
   timed as the slowest rank (steps start on a barrier),
 * ``peak RSS``: the process's high-water mark (``VmHWM``) per rank, and the
   growth of RSS over the training steps (peak minus RSS before the first step),
+* ``peak heap``: the peak of bytes held by malloc (glibc ``mallinfo2``: heap in
+  use plus mmapped blocks) over the timed steps, minus the figure at their
+  start.  Sampled every 0.5 ms; unlike RSS it does not depend on when freed
+  pages are handed back to the host, so it is the stable memory figure here,
 
 and the ratios shardkit / torch (target: <= 1.0 for both).
 """
@@ -21,6 +25,7 @@ and the ratios shardkit / torch (target: <= 1.0 for both).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -41,18 +46,45 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader():
+    """Bytes malloc holds for the program (glibc >= 2.33), or None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def read() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+    return read
+
+
 class _PeakSampler:
-    """Samples RSS every 2 ms to find the peak during the training steps."""
+    """Samples RSS and malloc's bytes in use to find their peaks during the steps."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.heap = _heap_reader()
+        self.heap_start = self.heap() if self.heap else 0
+        self.heap_peak = self.heap_start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        ticks = 0
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_kib("VmRSS"))
-            time.sleep(0.002)
+            if self.heap:
+                self.heap_peak = max(self.heap_peak, self.heap())
+            if ticks % 4 == 0:
+                self.peak = max(self.peak, _rss_kib("VmRSS"))
+            ticks += 1
+            time.sleep(0.0005)
 
     def __enter__(self) -> "_PeakSampler":
         self._thread.start()
@@ -111,6 +143,7 @@ def worker(args: argparse.Namespace) -> None:
         "median_ms": statistics.median(timed[args.warmup:].tolist()),
         "hwm_mib": _rss_kib("VmHWM") / 1024,
         "step_growth_mib": (max(sampler.peak, _rss_kib("VmRSS")) - rss_before) / 1024,
+        "heap_peak_mib": (sampler.heap_peak - sampler.heap_start) / 2**20 if sampler.heap else float("nan"),
         "params": sum(p.numel() for p in model.parameters()),
     }
     gathered: list = [None] * world
@@ -119,6 +152,10 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(gathered), flush=True)
     dist.barrier()  # no rank tears gloo down while a peer still sends
     dist.destroy_process_group()
+    # torch 2.13 + gloo occasionally aborts in interpreter teardown ("terminate called
+    # without an active exception"), with either implementation; the results are out
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def launch(impl: str, args: argparse.Namespace) -> list[dict]:
@@ -174,6 +211,7 @@ def main() -> None:
             "per_round": [round(r[0]["median_ms"], 1) for r in rs],
             "hwm": [statistics.median(r[k]["hwm_mib"] for r in rs) for k in range(2)],
             "growth": [statistics.median(r[k]["step_growth_mib"] for r in rs) for k in range(2)],
+            "heap": [statistics.median(r[k]["heap_peak_mib"] for r in rs) for k in range(2)],
         }
 
     ours, theirs = summary("shardkit"), summary("torch")
@@ -181,12 +219,12 @@ def main() -> None:
     print(f"\nTransformer {params / 1e6:.1f}M params, 2 gloo ranks x 1 thread, batch {args.batch}x{args.seq} per rank, "
           f"AdamW + clip_grad_norm_; {args.rounds} interleaved rounds, {args.warmup} warm-up + {args.steps} timed "
           "steps each; medians over rounds\n")
-    header = f"{'':<22}{'shardkit':>14}{'torch':>14}{'ratio':>9}"
+    header = f"{'':<24}{'shardkit':>12}{'torch':>12}{'ratio':>9}"
     print(header)
     print("-" * len(header))
 
     def row(label: str, a: float, b: float, fmt: str = "{:.1f}") -> None:
-        print(f"{label:<22}{fmt.format(a):>14}{fmt.format(b):>14}{a / b:>9.3f}")
+        print(f"{label:<24}{fmt.format(a):>12}{fmt.format(b):>12}{a / b:>9.3f}")
 
     row("ms/step (median)", ours["median_ms"], theirs["median_ms"])
     row("first step ms", ours["first_ms"], theirs["first_ms"])
@@ -194,6 +232,8 @@ def main() -> None:
         row(f"peak RSS rank {k} MiB", ours["hwm"][k], theirs["hwm"][k])
     for k in range(2):
         row(f"RSS growth rank {k} MiB", ours["growth"][k], theirs["growth"][k])
+    for k in range(2):
+        row(f"peak heap rank {k} MiB", ours["heap"][k], theirs["heap"][k], "{:.2f}")
     print(f"\nper-round ms/step: shardkit {ours['per_round']}  torch {theirs['per_round']}")
 
 
