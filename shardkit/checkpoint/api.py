@@ -42,7 +42,6 @@ from shardkit.checkpoint.formats.native import (DEFAULT_BLOCK_BYTES, DEFAULT_CHU
                                                 WrittenFile, data_file_name, is_committed, new_token,
                                                 unreferenced_files)
 from shardkit.checkpoint.layout import is_primary_replica, local_box, local_tensor, mesh_description, split_box
-from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
 from shardkit.errors import (CheckpointError, CheckpointExists, CheckpointNotFound, ConfigurationError,
                              IncompatibleStateDict, ShardkitError)
@@ -114,9 +113,10 @@ def _group_into_files(chunks: list[WriteChunk], n_files: int, cap: int | None) -
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
                      compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
-                     meta: Mapping[str, Any] | None, overwrite: bool) -> None:
+                     meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``)."""
-    writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync)
+    writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
+                          direct_io=direct_io)
     files: list[WrittenFile] = []
     if local_error is None and plan is not None:
         try:
@@ -183,9 +183,9 @@ def _options(compression: Any, chunk_bytes: int, block_bytes: int) -> Compressio
 
 def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
-         overwrite: bool = True, fsync: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-         block_bytes: int = DEFAULT_BLOCK_BYTES, io_threads: int = DEFAULT_IO_THREADS,
-         process_group: Any = None) -> None:
+         overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
+         io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``compression``: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (per chunk).
@@ -193,6 +193,9 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     ``overwrite=False`` refuses a URL that already holds a committed checkpoint;
     with ``True`` the old checkpoint stays intact until the new one commits.
     ``fsync`` makes data durable before the manifest commits it (as DCP does).
+    ``direct_io`` writes local data files with ``O_DIRECT``: no page-cache pages
+    to allocate and no second copy of the checkpoint in memory, at the price of
+    a load right after the save reading from the disk instead of the cache.
     """
     comp = _options(compression, chunk_bytes, block_bytes)
     meta = to_json_value(dict(meta), "meta") if meta else None
@@ -208,19 +211,22 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the collective
         error = exc
     write_and_commit(storage, plan, error, dist, compression=comp, block_bytes=block_bytes, fsync=fsync,
-                     io_threads=io_threads, meta=meta, overwrite=overwrite)
+                     io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io)
 
 
 def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
-               overwrite: bool = True, fsync: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               block_bytes: int = DEFAULT_BLOCK_BYTES, io_threads: int = DEFAULT_IO_THREADS) -> Future:
+               overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
+               io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     The upload and commit run on a background thread with its own gloo process
-    group (never the training thread's).  Staging buffers are reused from save
-    to save, so host memory stays flat; a new ``async_save`` first waits for
-    the previous one.  The returned future raises what the save raised.
+    group (never the training thread's): ``process_group`` if given (it must
+    not be used by anything else while a save runs), else one created on the
+    first call (a collective).  Staging buffers are reused from save to save,
+    so host memory stays flat; a new ``async_save`` first waits for the
+    previous one.  The returned future raises what the save raised.
     """
     from shardkit.checkpoint.staging import background_saver
 
@@ -228,7 +234,8 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     meta = to_json_value(dict(meta), "meta") if meta else None
     return background_saver().submit(state_dict, Storage(url, storage_options), compression=comp, meta=meta,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
-                                     block_bytes=block_bytes, io_threads=io_threads)
+                                     block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
+                                     direct_io=direct_io)
 
 
 def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,

@@ -98,13 +98,13 @@ class BackgroundSaver:
 
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
-               io_threads: int) -> Future:
+               io_threads: int, process_group: Any = None, direct_io: bool = True) -> Future:
         from shardkit.checkpoint.api import plan_save, write_and_commit
         from shardkit.checkpoint.flatten import flatten
 
         with self._lock:
             self.wait()
-            group = self._private_group()
+            group = process_group if process_group is not None else self._private_group()
             dist = Dist(group)
             plan, error = None, None
             try:
@@ -118,7 +118,7 @@ class BackgroundSaver:
             meta_copy = dict(meta) if meta else None
             future = self._executor.submit(write_and_commit, storage, plan, error, dist, compression=compression,
                                            block_bytes=block_bytes, fsync=fsync, io_threads=io_threads,
-                                           meta=meta_copy, overwrite=overwrite)
+                                           meta=meta_copy, overwrite=overwrite, direct_io=direct_io)
             self._pending = future
             return future
 

@@ -213,6 +213,26 @@ class Storage:
         """Fill the flat uint8 tensor ``out`` with bytes ``[start, start + len(out))`` of ``name``."""
         self.read_parts(name, start, [out])
 
+    def prefetch(self, name: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Ask the OS to start reading ``[start, end)`` ranges of a local file now (a hint; never fails).
+
+        Issued for everything a load will read before the first read, so the
+        disk streams at full depth while the reads copy and verify.
+        """
+        if not self.is_local or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            for start, end in ranges:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def read_parts(self, name: str, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Fill flat uint8 tensors ``parts`` with consecutive bytes of ``name`` from ``start``.
 
@@ -262,18 +282,32 @@ class Storage:
             pos += p.numel()
 
     # -- writes --------------------------------------------------------
-    def write_stream(self, name: str, produce: Callable[[BinaryIO], T], *, fsync: bool = True) -> T:
+    def write_stream(self, name: str, produce: Callable[[BinaryIO], T], *, fsync: bool = True,
+                     direct: bool = True) -> T:
         """Create ``name`` and let ``produce(fileobj)`` stream into it; retried from scratch on failure.
 
-        On local disks the file is fsynced when ``fsync`` is true (durability of
-        the data before the manifest commits it).  On object stores closing the
-        file completes the (multipart) upload.
+        On local disks the file is written with ``O_DIRECT`` when ``direct``
+        and the filesystem allows it (see ``direct_io.py``), else buffered, and
+        fsynced when ``fsync`` is true (durability of the data before the
+        manifest commits it).  On object stores closing the file completes the
+        (multipart) upload.
         """
         path = self.path(name)
         what = f"writing {self.where(name)}"
         if self.is_local:
             def local() -> T:
+                from shardkit.checkpoint.direct_io import open_direct
+
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                raw = open_direct(path) if direct else None
+                if raw is not None:
+                    try:
+                        result = produce(raw)  # type: ignore[arg-type]
+                    except BaseException:
+                        raw.abort()
+                        raise
+                    raw.close(fsync=fsync)
+                    return result
                 with open(path, "wb") as f:
                     result = produce(f)
                     f.flush()

@@ -177,6 +177,12 @@ class NativeReader(CheckpointReader):
         self.check_files([rec.file for rec in records])
         if self.storage.is_local:
             order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for i in order:
+                lo, hi = self._span(requests[i], records[i])
+                spans.setdefault(records[i].file, []).append((records[i].start + lo, records[i].start + hi))
+            for file, ranges in spans.items():
+                self.storage.prefetch(file, _merge(ranges))
             parallel_map(lambda i: self._read_local(requests[i], records[i]), order, self.io_threads)
             return
         batches = _batches([(r, rec, self._span(r, rec)) for r, rec in zip(requests, records)])
@@ -285,6 +291,16 @@ class NativeReader(CheckpointReader):
         self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
 
 
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:
     """Group pieces of the same file whose byte spans nearly touch (gap <= 256 KiB, batch <= 64 MiB)."""
     items = sorted(items, key=lambda it: (it[1].file, it[1].start + it[2][0]))
@@ -350,16 +366,18 @@ class NativeWriter:
     file are built before its header, so with compression a file should hold a
     bounded amount of data (the save path uses one chunk cap per file).
     ``fsync`` makes each data file durable before :meth:`commit` can reference it.
+    ``direct_io`` writes local files with ``O_DIRECT`` (see ``direct_io.py``).
     """
 
     def __init__(self, storage: Storage, *, compression: Compression | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True, direct_io: bool = True) -> None:
         if block_bytes <= 0 or block_bytes % 8:
             raise ValueError("block_bytes must be a positive multiple of 8")
         self.storage = storage
         self.compression = compression
         self.block_bytes = block_bytes
         self.fsync = fsync
+        self.direct_io = direct_io
 
     def write_file(self, name: str, chunks: Sequence[WriteChunk], writer: int = 0) -> WrittenFile:
         """Write ``chunks`` (in order) into data file ``name``; return their records."""
@@ -384,7 +402,7 @@ class NativeWriter:
                     stream.write(key, as_bytes(chunk.materialize()))
             return stream, stream.finish()
 
-        stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync)
+        stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync, direct=self.direct_io)
         records = []
         for placed, chunk in zip(stream.entries, chunks):
             nbytes = placed.end - placed.start

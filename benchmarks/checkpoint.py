@@ -1,0 +1,472 @@
+"""In-training checkpoints: shardkit vs torch.distributed.checkpoint vs the raw disk, in one run.
+
+The state is a LLaMA-shaped model's fp32 weights plus AdamW's two moments
+(about ``--gb`` GB in all), sharded ``Shard(0)`` over 2 gloo ranks exactly as
+FSDP lays it out.  Every repetition runs, interleaved (the order of the three
+systems rotates from repetition to repetition):
+
+* at 2 ranks (torchrun): ``save`` cold and warm; ``load`` page-cached and
+  uncached; ``async_save`` blocking time (first call and a repeat) next to
+  the time to copy the local shards to host memory (fresh ``clone`` and a copy
+  into preallocated buffers);
+* at 1 process (no process group): ``load`` of the 2-rank checkpoints into
+  full tensors (resharding), page-cached and uncached.
+
+Systems: shardkit (``save``/``load``/``async_save``), DCP (``dcp.save``/
+``dcp.load``/``dcp.async_save`` with its own gloo group for the background
+thread), and the raw disk (each rank writes its shards to one file with plain
+``write`` and reads them back with ``readinto``).  All three fsync their data
+before a save counts as done (DCP's FileSystemWriter does by default).
+
+"cold": sleep 4 s before the op, so the VM has handed freed memory back to the
+host (a fresh process sees this); "warm": the op repeats at once, reusing the
+memory its previous run freed.  "uncached": ``drop_caches`` (then the cold
+sleep) before a load.  Every load is checked against float64 sums of the saved
+state.  Peak RSS is sampled every 5 ms; it is reported above the RSS before
+the op, as a fraction of the state bytes the process holds.
+
+    python benchmarks/checkpoint.py --gb 2 --reps 3 --dir /tmp/shardkit-ckpt-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SYSTEMS = ("shardkit", "dcp", "raw")
+COLD_SLEEP_S = 4.0
+
+
+# --------------------------------------------------------------------------
+# the state
+
+
+def shapes_for(gb: float) -> dict[str, tuple[int, ...]]:
+    """Model parameter shapes (dim 1024, vocab 32000) whose weights + 2 AdamW moments reach ``gb``."""
+    dim, ffn, vocab = 1024, 2816, 32000
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim), "output.weight": (vocab, dim)}
+    layer = 0
+    while 12 * sum(torch.Size(s).numel() for s in shapes.values()) < gb * 1e9:
+        for name in ("wq", "wk", "wv", "wo"):
+            shapes[f"layers.{layer}.attention.{name}.weight"] = (dim, dim)
+        shapes[f"layers.{layer}.feed_forward.w1.weight"] = (ffn, dim)
+        shapes[f"layers.{layer}.feed_forward.w2.weight"] = (dim, ffn)
+        shapes[f"layers.{layer}.attention_norm.weight"] = (dim,)
+        shapes[f"layers.{layer}.ffn_norm.weight"] = (dim,)
+        layer += 1
+    return shapes
+
+
+def build_state(shapes: dict[str, tuple[int, ...]], rank: int, world: int, mesh: Any) -> dict[str, Any]:
+    """``{"model", "optim"}`` with DTensor shards (``mesh``) or full plain tensors (``mesh is None``)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardkit.checkpoint.layout import shard_box
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+
+    def tensor(shape: tuple[int, ...], fill: bool) -> torch.Tensor:
+        if mesh is None:
+            local = torch.empty(shape)
+        else:
+            _, local_shape = shard_box(shape, (world,), (rank,), [Shard(0)])
+            local = torch.empty(local_shape)
+        local.uniform_(-1, 1, generator=gen) if fill else local.zero_()
+        if mesh is None:
+            return local
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    def make(fill: bool) -> dict[str, Any]:
+        model = {k: tensor(s, fill) for k, s in shapes.items()}
+        state = {k: {"exp_avg": tensor(s, fill), "exp_avg_sq": tensor(s, fill), "step": torch.tensor(100.0)}
+                 for k, s in shapes.items()}
+        groups = [{"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "params": list(shapes)}]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    return make(fill=True)
+
+
+def tensors_of(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    from shardkit.checkpoint.flatten import flatten
+
+    return list(flatten(state).tensors.items())
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_sums(state: dict[str, Any]) -> dict[str, float]:
+    return {k: float(local_of(t).double().sum()) for k, t in tensors_of(state)}
+
+
+def zero_state(state: dict[str, Any]) -> None:
+    for _, t in tensors_of(state):
+        local_of(t).zero_()
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    return sum(local_of(t).numel() * local_of(t).element_size() for _, t in tensors_of(state))
+
+
+# --------------------------------------------------------------------------
+# measuring
+
+
+class PeakRSS:
+    """Peak resident set size above the value at start, sampled every 5 ms."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self.base = self._proc.memory_info().rss
+        self.peak = self.base
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.base
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def max_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(fn: Callable[[], Any], state_nbytes: int, *, cold: bool = False, uncached: bool = False,
+          rank: int = 0) -> dict[str, float]:
+    """Run ``fn`` between barriers; seconds (slowest rank) and peak RSS above the start (largest rank)."""
+    if uncached and rank == 0:
+        drop_caches()
+    if cold or uncached:
+        time.sleep(COLD_SLEEP_S)
+    barrier()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        fn()
+        barrier()
+        seconds = time.perf_counter() - start
+    return {"s": max_over_ranks(seconds), "rss": max_over_ranks(rss.delta / state_nbytes)}
+
+
+# --------------------------------------------------------------------------
+# the three systems
+
+
+def raw_save(state: dict[str, Any], path: str, rank: int) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, f"rank{rank}.bin"), "wb") as f:
+        for _, t in tensors_of(state):
+            local = local_of(t)
+            f.write(local.reshape(-1).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int, shapes: dict) -> None:
+    """Read the 2-rank raw files into this process's tensors (its shards, or full tensors at world 1)."""
+    from torch.distributed.tensor import Shard
+
+    from shardkit.checkpoint.layout import shard_box
+
+    keys = tensors_of(state)
+    ranks = [rank] if any(hasattr(t, "to_local") for _, t in keys) else list(range(world_saved))
+    for src in ranks:
+        with open(os.path.join(path, f"rank{src}.bin"), "rb", buffering=0) as f:
+            for key, t in keys:
+                local = local_of(t)
+                if local.dim() == 0:
+                    view = local.reshape(1)
+                elif len(ranks) == 1:
+                    view = local
+                else:
+                    off, shp = shard_box(tuple(t.shape), (world_saved,), (src,), [Shard(0)])
+                    view = local[off[0]:off[0] + shp[0]]
+                if len(ranks) > 1 and local.dim() == 0 and src > 0:
+                    f.seek(view.numel() * view.element_size(), os.SEEK_CUR)
+                    continue
+                mv = memoryview(view.reshape(-1).view(torch.uint8).numpy())
+                got = 0
+                while got < len(mv):
+                    got += f.readinto(mv[got:])
+
+
+def run_save(system: str, state: dict[str, Any], path: str, rank: int) -> None:
+    if system == "shardkit":
+        import shardkit.checkpoint as skc
+
+        skc.save(state, path)
+    elif system == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=path)
+    else:
+        raw_save(state, path, rank)
+
+
+def run_load(system: str, state: dict[str, Any], path: str, rank: int, shapes: dict) -> None:
+    if system == "shardkit":
+        import shardkit.checkpoint as skc
+
+        skc.load(state, path)
+    elif system == "dcp":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    else:
+        raw_load(state, path, rank, 2, shapes)
+
+
+def check_sums(state: dict[str, Any], expected: dict[str, float], what: str) -> None:
+    got = local_sums(state)
+    bad = [k for k, v in expected.items() if abs(got[k] - v) > 1e-6 * max(1.0, abs(v))]
+    if bad:
+        raise SystemExit(f"{what}: {len(bad)} tensors differ after load, e.g. {bad[:3]}")
+
+
+# --------------------------------------------------------------------------
+# the two workers
+
+
+def worker_two_ranks(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = shapes_for(args.gb)
+    state = build_state(shapes, rank, world, mesh)
+    nbytes = state_bytes(state)
+    sums = local_sums(state)
+    totals = {}
+    for key, value in sums.items():  # global sums for the 1-process check (Shard(0): shards add up)
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        totals[key] = float(t.item()) if not key.endswith(".step") else value  # plain tensors are replicated
+    order = SYSTEMS[args.rep % 3:] + SYSTEMS[:args.rep % 3]
+    out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes}
+    root = args.dir
+
+    def path(system: str, tag: str) -> str:
+        return os.path.join(root, f"{system}-{tag}")
+
+    for system in order:  # save: cold, then warm (the previous output freed just before)
+        out[f"save/{system}/cold"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
+                                           cold=True, rank=rank)
+    for system in order:
+        if rank == 0:
+            shutil.rmtree(path(system, "main"), ignore_errors=True)
+        barrier()
+        out[f"save/{system}/warm"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
+                                           rank=rank)
+    for cached in ("page-cached", "uncached"):
+        for system in order:
+            zero_state(state)
+            out[f"load2/{system}/{cached}"] = timed(lambda: run_load(system, state, path(system, "main"), rank, shapes),
+                                                    nbytes, uncached=cached == "uncached", rank=rank)
+            check_sums(state, sums, f"{system} load at 2 ranks")
+    measure_async(state, out, nbytes, rank, order, path)
+    if rank == 0:
+        with open(os.path.join(root, "sums.json"), "w") as f:
+            json.dump(totals, f)
+        with open(os.path.join(root, f"result-ws2-{args.rep}.json"), "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank: int, order: tuple,
+                path: Callable[[str, str], str]) -> None:
+    """async_save blocking time (first and repeat) beside copying the shards to host memory."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import shardkit.checkpoint as skc
+
+    group = dist.new_group(backend="gloo")
+    locals_ = [local_of(t) for _, t in tensors_of(state)]
+    for system in [s for s in order if s != "raw"]:
+        for attempt in ("first", "repeat"):
+            target = path(system, f"async-{attempt}")
+            holder: dict[str, Any] = {}
+            if system == "shardkit":
+                res = timed(lambda: holder.setdefault("f", skc.async_save(state, target, process_group=group)),
+                            nbytes, cold=True, rank=rank)
+            else:
+                res = timed(lambda: holder.setdefault("f", dcp.async_save(state, checkpoint_id=target,
+                                                                        process_group=group)), nbytes,
+                            cold=True, rank=rank)
+            start = time.perf_counter()
+            holder["f"].result()
+            barrier()
+            res["background_s"] = max_over_ranks(time.perf_counter() - start)
+            out[f"async/{system}/{attempt}"] = res
+            if rank == 0:
+                shutil.rmtree(target, ignore_errors=True)
+            barrier()
+    copies: list[torch.Tensor] = []
+    out["async/copy-to-host/clone"] = timed(lambda: copies.extend(t.clone() for t in locals_), nbytes, cold=True,
+                                            rank=rank)
+    out["async/copy-to-host/preallocated"] = timed(
+        lambda: [c.copy_(t) for c, t in zip(copies, locals_)], nbytes, cold=True, rank=rank)
+    copies.clear()
+
+
+def worker_one_process(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    shapes = shapes_for(args.gb)
+    state = build_state(shapes, 0, 1, None)
+    nbytes = state_bytes(state)
+    with open(os.path.join(args.dir, "sums.json")) as f:
+        sums = json.load(f)
+    order = SYSTEMS[args.rep % 3:] + SYSTEMS[:args.rep % 3]
+    out: dict[str, Any] = {}
+    for cached in ("page-cached", "uncached"):
+        for system in order:
+            zero_state(state)
+            src = os.path.join(args.dir, f"{system}-main")
+            out[f"load1/{system}/{cached}"] = timed(lambda: run_load(system, state, src, 0, shapes), nbytes,
+                                                    uncached=cached == "uncached")
+            check_sums(state, sums, f"{system} load at 1 process")
+    with open(os.path.join(args.dir, f"result-ws1-{args.rep}.json"), "w") as f:
+        json.dump(out, f)
+
+
+# --------------------------------------------------------------------------
+# the driver
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="total state (weights + AdamW) in GB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default="/tmp/shardkit-ckpt-bench")
+    parser.add_argument("--worker", choices=("ws2", "ws1"))
+    parser.add_argument("--rep", type=int, default=0)
+    args = parser.parse_args()
+    if args.worker == "ws2":
+        worker_two_ranks(args)
+        return
+    if args.worker == "ws1":
+        worker_one_process(args)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for rep in range(args.reps):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        base = [sys.executable, os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep)]
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        *base[1:], "--worker", "ws2"], check=True, env=env)
+        subprocess.run([*base, "--worker", "ws1"], check=True, env=env)
+        for ws in ("ws2", "ws1"):
+            with open(os.path.join(args.dir, f"result-{ws}-{rep}.json")) as f:
+                with open(os.path.join(os.path.dirname(args.dir.rstrip("/")) or ".",
+                                       f"shardkit-ckpt-bench-{ws}-{rep}.json"), "w") as g:
+                    g.write(f.read())
+        print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
+    report(args)
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def report(args: argparse.Namespace) -> None:
+    runs: dict[str, list[dict]] = {}
+    state_gb = None
+    parent = os.path.dirname(args.dir.rstrip("/")) or "."
+    for rep in range(args.reps):
+        for ws in ("ws2", "ws1"):
+            with open(os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json")) as f:
+                data = json.load(f)
+            state_gb = data.pop("state_gb_total", state_gb)
+            data.pop("rank_bytes", None)
+            for key, value in data.items():
+                runs.setdefault(key, []).append(value)
+
+    def med(key: str, field: str = "s") -> float:
+        return statistics.median(r[field] for r in runs[key])
+
+    def spread(key: str) -> str:
+        values = sorted(r["s"] for r in runs[key])
+        return f"{values[0]:.2f}-{values[-1]:.2f}"
+
+    print(f"\nstate: {state_gb:.2f} GB (weights + AdamW), 2 gloo ranks; {args.reps} repetitions, medians (min-max)")
+    print(f"{'op':38s} {'shardkit s':>11s} {'GB/s':>6s} {'RSS+':>6s} {'DCP s':>8s} {'raw s':>8s} "
+          f"{'vs DCP':>7s} {'vs raw':>7s}")
+    ops = [("save, 2 ranks, cold", "save", "cold"), ("save, 2 ranks, warm", "save", "warm"),
+           ("load, 2 ranks, page-cached", "load2", "page-cached"), ("load, 2 ranks, uncached", "load2", "uncached"),
+           ("load at 1 process (reshard), page-cached", "load1", "page-cached"),
+           ("load at 1 process (reshard), uncached", "load1", "uncached")]
+    for label, op, variant in ops:
+        ours, dcp, raw = (f"{op}/{s}/{variant}" for s in SYSTEMS)
+        print(f"{label:38s} {med(ours):6.2f} ({spread(ours)}) {state_gb / med(ours):5.2f} "
+              f"{100 * med(ours, 'rss'):5.1f}% {med(dcp):8.2f} {med(raw):8.2f} "
+              f"{med(ours) / med(dcp):6.2f}x {med(ours) / med(raw):6.2f}x")
+    print("\nasync_save blocking time (s), 2 ranks; background = from return until committed")
+    for system in ("shardkit", "dcp"):
+        for attempt in ("first", "repeat"):
+            key = f"async/{system}/{attempt}"
+            print(f"  {system:9s} {attempt:7s} blocking {med(key):6.3f}  RSS+ {100 * med(key, 'rss'):5.1f}%  "
+                  f"background {statistics.median(r['background_s'] for r in runs[key]):6.2f}")
+    clone, pre = "async/copy-to-host/clone", "async/copy-to-host/preallocated"
+    print(f"  copy of the local shards to host memory: fresh clone {med(clone):.3f} s, "
+          f"into preallocated buffers {med(pre):.3f} s")
+    print(f"  shardkit repeat / fresh clone = {med('async/shardkit/repeat') / med(clone):.2f}x, "
+          f"/ preallocated copy = {med('async/shardkit/repeat') / med(pre):.2f}x")
+    print("\ntargets: save <= 0.4x DCP; load <= 0.9x DCP, resharded load <= 0.8x; within 1.25x of raw; "
+          "RSS+ <= 10%; async blocking <= copy to host")
+
+
+if __name__ == "__main__":
+    main()

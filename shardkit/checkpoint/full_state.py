@@ -1,0 +1,213 @@
+"""Full <-> sharded state, one tensor at a time.
+
+A full (unsharded) state dict is what single-process tools and the FSDP1
+``FULL_STATE_DICT`` speak; a sharded one is what a training job holds.  The
+conversions here never gather the whole model at once: each tensor is gathered
+(one all-gather), offloaded and dropped before the next, or cut from the full
+value (and, with ``broadcast_from_rank0``, broadcast first) one at a time.
+
+Per tensor: :func:`full_to_local`, :func:`shard_full_tensor`,
+:func:`gather_full_tensor`.  Per tree (nested dicts/lists, e.g. an optimizer
+state): :func:`gather_full_state`, :func:`shard_state`.  For a model and
+optimizer: :func:`get_full_state_dict`, :func:`set_full_state_dict`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from shardkit.checkpoint.comm import Dist
+from shardkit.checkpoint.flatten import restore_like
+from shardkit.checkpoint.layout import is_dtensor, local_box, local_tensor
+from shardkit.errors import IncompatibleStateDict
+
+__all__ = ["full_to_local", "shard_full_tensor", "gather_full_tensor", "gather_full_state", "shard_state",
+           "get_full_state_dict", "set_full_state_dict"]
+
+
+def full_to_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that this rank holds of ``like`` (a view; ``full`` itself for plain tensors)."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise IncompatibleStateDict(f"full tensor has shape {tuple(full.shape)}, the target {tuple(like.shape)}")
+    box = local_box(like)
+    if box is None or not is_dtensor(like):
+        return full
+    return full[tuple(slice(o, o + s) for o, s in zip(*box))]
+
+
+def shard_full_tensor(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A new DTensor with ``like``'s mesh and placements holding ``full``'s values (no communication)."""
+    if not is_dtensor(like):
+        return full.detach().clone()
+    from torch.distributed.tensor import DTensor
+
+    local = full_to_local(full, like).to(device=local_tensor(like).device, dtype=like.dtype).contiguous().clone()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def gather_full_tensor(tensor: torch.Tensor, *, rank0_only: bool = True,
+                       cpu_offload: bool = True) -> torch.Tensor | None:
+    """The full value of ``tensor`` (one all-gather for a DTensor); ``None`` off rank 0 when ``rank0_only``.
+
+    Collective for DTensors: every rank of the mesh must call it, in the same order.
+    """
+    full = tensor.full_tensor() if is_dtensor(tensor) else tensor.detach()
+    if rank0_only and Dist().rank != 0:
+        return None
+    return full.cpu() if cpu_offload else full
+
+
+def _walk(tree: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """(container, key, value) for every leaf, in a deterministic order."""
+    if isinstance(tree, dict):
+        for k in tree:
+            v = tree[k]
+            if isinstance(v, (dict, list)):
+                yield from _walk(v)
+            else:
+                yield tree, k, v
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            if isinstance(v, (dict, list)):
+                yield from _walk(v)
+            else:
+                yield tree, i, v
+
+
+def _copy_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_tree(v) for v in tree]
+    return tree
+
+
+def gather_full_state(tree: Any, *, rank0_only: bool = True, cpu_offload: bool = True) -> Any:
+    """``tree`` with every tensor gathered to its full value, one tensor at a time.
+
+    Off rank 0 with ``rank0_only`` the result is ``{}`` (the gathers still run: collective).
+    """
+    out = _copy_tree(tree)
+    for container, key, value in list(_walk(out)):
+        if isinstance(value, torch.Tensor):
+            container[key] = gather_full_tensor(value, rank0_only=rank0_only, cpu_offload=cpu_offload)
+    if rank0_only and Dist().rank != 0:
+        return {}
+    return out
+
+
+def shard_state(full_tree: Any, like_tree: Any, *, broadcast_from_rank0: bool = False) -> Any:
+    """A copy of ``like_tree`` whose tensors hold ``full_tree``'s values, sharded like ``like_tree``.
+
+    Each DTensor leaf of ``like_tree`` becomes a new DTensor (same mesh and
+    placements) cut from the matching full tensor; plain tensors are copied.
+    With ``broadcast_from_rank0`` only rank 0 needs ``full_tree``: each tensor
+    is broadcast in turn (every rank must call this, in the same order).
+    """
+    dist = Dist()
+    out = _copy_tree(like_tree)
+    full_leaves = dict(_leaf_paths(full_tree)) if (not broadcast_from_rank0 or dist.rank == 0) else {}
+    for path, (container, key, like) in _leaf_paths_with_slots(out):
+        if not isinstance(like, torch.Tensor):
+            if path in full_leaves:
+                container[key] = restore_like(full_leaves[path], like)
+            continue
+        full = _full_for(path, like, full_leaves, broadcast_from_rank0, dist)
+        container[key] = shard_full_tensor(full, like)
+    if broadcast_from_rank0:
+        values = dist.broadcast_json({p: v for p, v in full_leaves.items() if not isinstance(v, torch.Tensor)
+                                      and _is_json_scalar(v)} if dist.rank == 0 else None)
+        for path, (container, key, like) in _leaf_paths_with_slots(out):
+            if not isinstance(like, torch.Tensor) and path in values:
+                container[key] = restore_like(values[path], like)
+    return out
+
+
+def _is_json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _full_for(path: str, like: torch.Tensor, full_leaves: dict[str, Any], broadcast: bool, dist: Dist) -> torch.Tensor:
+    full = full_leaves.get(path)
+    if not broadcast:
+        if not isinstance(full, torch.Tensor):
+            raise IncompatibleStateDict(f"{path!r} is missing from the full state dict")
+        return full
+    import torch.distributed as tdist
+
+    ok = isinstance(full, torch.Tensor) and tuple(full.shape) == tuple(like.shape) if dist.rank == 0 else True
+    if dist.any_failed(not ok):
+        raise IncompatibleStateDict(f"{path!r}: rank 0's full state dict lacks it or has another shape")
+    buf = full.to(like.dtype).contiguous() if dist.rank == 0 else torch.empty(like.shape, dtype=like.dtype)
+    if dist.active:
+        tdist.broadcast(buf, 0)
+    return buf
+
+
+def _leaf_paths(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for path, (_, _, v) in _leaf_paths_with_slots(tree, prefix):
+        yield path, v
+
+
+def _leaf_paths_with_slots(tree: Any, prefix: str = "") -> Iterable[tuple[str, tuple[Any, Any, Any]]]:
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for k, v in items:
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, (dict, list)) and (isinstance(v, dict) or any(isinstance(x, (dict, torch.Tensor)) for x in v)):
+            yield from _leaf_paths_with_slots(v, path)
+        else:
+            yield path, (tree, k, v)
+
+
+def get_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                        rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, Any]:
+    """The full (unsharded) state dict, gathered one tensor at a time; ``{}`` off rank 0 when ``rank0_only``."""
+    from shardkit.checkpoint.state_dict import get_state_dict
+
+    return gather_full_state(get_state_dict(model, optimizer), rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+
+def set_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, full: dict[str, Any], *,
+                        broadcast_from_rank0: bool = False, strict: bool = True) -> None:
+    """Load a full state dict into a (sharded) model and optimizer, one tensor at a time.
+
+    Every rank needs ``full`` unless ``broadcast_from_rank0``, where only rank
+    0's is read and each tensor is broadcast in turn.  Keys and shapes are
+    checked on every rank before any tensor is written.
+    """
+    from shardkit.checkpoint.state_dict import _copy_into, get_state_dict, set_state_dict
+
+    dist = Dist()
+    live = get_state_dict(model, optimizer)
+    have = {p for p, _ in _leaf_paths(live)}
+    problem = None
+    if not broadcast_from_rank0 or dist.rank == 0:
+        given = dict(_leaf_paths(full))
+        missing = sorted(have - set(given)) if strict else []
+        unexpected = sorted(set(given) - have) if strict else []
+        wrong = [p for p, v in _leaf_paths(live) if isinstance(v, torch.Tensor) and p in given
+                 and (not isinstance(given[p], torch.Tensor) or tuple(given[p].shape) != tuple(v.shape))]
+        if missing or unexpected or wrong:
+            problem = f"full state dict mismatch: missing {missing[:10]}, unexpected {unexpected[:10]}, " \
+                      f"wrong shape or type {wrong[:10]}"
+    if dist.any_failed(problem is not None):
+        raise IncompatibleStateDict(problem or "full state dict mismatch on rank 0 (see its error)")
+    given = dict(_leaf_paths(full)) if (not broadcast_from_rank0 or dist.rank == 0) else {}
+    for path, (container, key, like) in _leaf_paths_with_slots(live):
+        if isinstance(like, torch.Tensor):
+            if path in given or broadcast_from_rank0:
+                value = _full_for(path, like, given, broadcast_from_rank0, dist)
+                _copy_into(like, value, path)
+        elif path in given:
+            container[key] = restore_like(given[path], like)
+    if broadcast_from_rank0:
+        values = dist.broadcast_json({p: v for p, v in given.items() if not isinstance(v, torch.Tensor)
+                                      and _is_json_scalar(v)} if dist.rank == 0 else None)
+        for path, (container, key, like) in _leaf_paths_with_slots(live):
+            if not isinstance(like, torch.Tensor) and path in values:
+                container[key] = restore_like(values[path], like)
+    set_state_dict(model, optimizer, live, strict=False)
