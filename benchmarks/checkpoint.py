@@ -12,7 +12,10 @@ systems rotates from repetition to repetition):
 * at 1 process (no process group): ``load`` of the 2-rank checkpoints into
   full tensors (resharding), page-cached and uncached.
 
-Systems: shardkit (``save``/``load``/``async_save``), DCP (``dcp.save``/
+Systems: shardkit (``save``/``load``/``async_save``; data files written with
+``O_DIRECT``, so a load right after a save reads the disk, not the page cache),
+shardkit with ``direct_io=False`` (buffered writes: the page-cached rows then
+show loads from the cache), DCP (``dcp.save``/
 ``dcp.load``/``dcp.async_save`` with its own gloo group for the background
 thread), and the raw disk (each rank writes its shards to one file with plain
 ``write`` and reads them back with ``readinto``).  All three fsync their data
@@ -45,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SYSTEMS = ("shardkit", "dcp", "raw")
+SYSTEMS = ("shardkit", "dcp", "raw", "shardkit-buffered")  # the last: direct_io=False
 COLD_SLEEP_S = 4.0
 
 
@@ -243,10 +246,10 @@ def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int, shap
 
 
 def run_save(system: str, state: dict[str, Any], path: str, rank: int) -> None:
-    if system == "shardkit":
+    if system.startswith("shardkit"):
         import shardkit.checkpoint as skc
 
-        skc.save(state, path)
+        skc.save(state, path, direct_io=system == "shardkit")
     elif system == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -256,7 +259,7 @@ def run_save(system: str, state: dict[str, Any], path: str, rank: int) -> None:
 
 
 def run_load(system: str, state: dict[str, Any], path: str, rank: int, shapes: dict) -> None:
-    if system == "shardkit":
+    if system.startswith("shardkit"):
         import shardkit.checkpoint as skc
 
         skc.load(state, path)
@@ -297,7 +300,7 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         totals[key] = float(t.item()) if not key.endswith(".step") else value  # plain tensors are replicated
-    order = SYSTEMS[args.rep % 3:] + SYSTEMS[:args.rep % 3]
+    order = SYSTEMS[args.rep % len(SYSTEMS):] + SYSTEMS[:args.rep % len(SYSTEMS)]
     out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes}
     root = args.dir
 
@@ -338,7 +341,14 @@ def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank:
 
     group = dist.new_group(backend="gloo")
     locals_ = [local_of(t) for _, t in tensors_of(state)]
-    for system in [s for s in order if s != "raw"]:
+    copies: list[torch.Tensor] = []
+    # the baseline first, in the same conditions as the first save of each system (cold memory)
+    out["async/copy-to-host/clone"] = timed(lambda: copies.extend(t.clone() for t in locals_), nbytes, cold=True,
+                                            rank=rank)
+    out["async/copy-to-host/preallocated"] = timed(
+        lambda: [c.copy_(t) for c, t in zip(copies, locals_)], nbytes, cold=True, rank=rank)
+    copies.clear()
+    for system in [s for s in order if s in ("shardkit", "dcp")]:
         for attempt in ("first", "repeat"):
             target = path(system, f"async-{attempt}")
             holder: dict[str, Any] = {}
@@ -357,12 +367,6 @@ def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank:
             if rank == 0:
                 shutil.rmtree(target, ignore_errors=True)
             barrier()
-    copies: list[torch.Tensor] = []
-    out["async/copy-to-host/clone"] = timed(lambda: copies.extend(t.clone() for t in locals_), nbytes, cold=True,
-                                            rank=rank)
-    out["async/copy-to-host/preallocated"] = timed(
-        lambda: [c.copy_(t) for c, t in zip(copies, locals_)], nbytes, cold=True, rank=rank)
-    copies.clear()
 
 
 def worker_one_process(args: argparse.Namespace) -> None:
@@ -372,7 +376,7 @@ def worker_one_process(args: argparse.Namespace) -> None:
     nbytes = state_bytes(state)
     with open(os.path.join(args.dir, "sums.json")) as f:
         sums = json.load(f)
-    order = SYSTEMS[args.rep % 3:] + SYSTEMS[:args.rep % 3]
+    order = SYSTEMS[args.rep % len(SYSTEMS):] + SYSTEMS[:args.rep % len(SYSTEMS)]
     out: dict[str, Any] = {}
     for cached in ("page-cached", "uncached"):
         for system in order:
@@ -448,11 +452,13 @@ def report(args: argparse.Namespace) -> None:
            ("load, 2 ranks, page-cached", "load2", "page-cached"), ("load, 2 ranks, uncached", "load2", "uncached"),
            ("load at 1 process (reshard), page-cached", "load1", "page-cached"),
            ("load at 1 process (reshard), uncached", "load1", "uncached")]
-    for label, op, variant in ops:
-        ours, dcp, raw = (f"{op}/{s}/{variant}" for s in SYSTEMS)
-        print(f"{label:38s} {med(ours):6.2f} ({spread(ours)}) {state_gb / med(ours):5.2f} "
-              f"{100 * med(ours, 'rss'):5.1f}% {med(dcp):8.2f} {med(raw):8.2f} "
-              f"{med(ours) / med(dcp):6.2f}x {med(ours) / med(raw):6.2f}x")
+    for name in ("shardkit", "shardkit-buffered"):
+        print(f"-- {name}{' (save with direct_io=False: the data stays in the page cache)' if 'buf' in name else ''}")
+        for label, op, variant in ops:
+            ours, dcp, raw = f"{op}/{name}/{variant}", f"{op}/dcp/{variant}", f"{op}/raw/{variant}"
+            print(f"{label:38s} {med(ours):6.2f} ({spread(ours)}) {state_gb / med(ours):5.2f} "
+                  f"{100 * med(ours, 'rss'):5.1f}% {med(dcp):8.2f} {med(raw):8.2f} "
+                  f"{med(ours) / med(dcp):6.2f}x {med(ours) / med(raw):6.2f}x")
     print("\nasync_save blocking time (s), 2 ranks; background = from return until committed")
     for system in ("shardkit", "dcp"):
         for attempt in ("first", "repeat"):

@@ -75,6 +75,11 @@ def test_manager_ignores_uncommitted_steps_and_returns_none_when_empty(tmp_path)
     assert manager.steps() == [1]
     assert manager.load_latest(build_model("plain", seed=6)) == (1, {"note": "first"})
     manager.save(3, model)  # a newer commit sweeps the older partial step
+    other = build_model("plain", seed=6)
+    assert manager.load(1, other) == {"note": "first"}
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters()))
+    with pytest.raises(skc_errors().CheckpointNotFound):
+        manager.load(2, other)
     assert sorted(os.listdir(tmp_path / "run")) == [step_dir(1), step_dir(3)]
 
 

@@ -140,6 +140,16 @@ class CheckpointManager:
             step_store.delete_tree()
 
     # -- loading ---------------------------------------------------------
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             *, strict: bool = True) -> Any:
+        """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``."""
+        self.wait()
+        state = get_state_dict(model, optimizer)
+        meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
+                    process_group=self.process_group)
+        set_state_dict(model, optimizer, state, strict=strict)
+        return meta.get("extra")
+
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, strict: bool = True) -> tuple[int, Any] | None:
         """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``."""
