@@ -27,7 +27,7 @@ def _load_example():
 
 def _run(tmp_path, *args):
     result = run_torchrun(EXAMPLE, 2, ["--checkpoint-dir", str(tmp_path), *args], timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     phases: dict[str, list[float]] = {}
     for record in records:
@@ -37,6 +37,15 @@ def _run(tmp_path, *args):
 
 def _single_process_losses(example, steps: int) -> list[float]:
     """The example's model, data and optimizer in one process on the whole global batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks (OMP_NUM_THREADS=1): same kernels, same summation order
+    try:
+        return _train_one_process(example, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_one_process(example, steps: int) -> list[float]:
     model = example.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
