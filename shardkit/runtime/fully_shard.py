@@ -289,7 +289,7 @@ class FSDPModule:
         module's own forward) completes it, so it can overlap other work."""
         groups = self._shard_state().groups
         for group in groups:
-            group.unshard(async_op=async_op, immediate=not async_op)
+            group.unshard(async_op=async_op)
         handle = UnshardHandle(list(groups))
         if not async_op:
             handle.wait()

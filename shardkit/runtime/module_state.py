@@ -158,7 +158,7 @@ class ShardState:
             # activation-checkpoint recompute inside backward: just make sure params are there
             for group in self.groups:
                 if not group.is_unsharded:
-                    group.unshard(immediate=True)
+                    group.unshard()
                     group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         first_in_pass = self.training_state is not TrainingState.FORWARD
@@ -199,7 +199,6 @@ class ShardState:
         if self.ctx.iter_forward_root is self:
             output = self._complete_partial_states(output)
             self.ctx.iter_forward_root = None
-            self.comm.workspace.release()
         return self._cast_output(output)
 
     def _complete_partial_states(self, output: Any) -> Any:
@@ -279,7 +278,6 @@ class ShardState:
         if ctx.is_last_backward:
             self.comm.post_forward_order.clear()
             self.comm.wait_for_reduces()
-        self.comm.workspace.release()
         ctx.callback_queued = False
 
     def reset_iter_state(self) -> None:
@@ -293,6 +291,5 @@ class ShardState:
                 group.reset_iter_state()
         self.comm.post_forward_order.clear()
         self.comm.wait_for_reduces()
-        self.comm.workspace.release()
         self.ctx.iter_forward_root = None
         self.ctx.callback_queued = False

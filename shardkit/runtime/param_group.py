@@ -149,12 +149,8 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
-    def unshard(self, async_op: bool = False, immediate: bool = False) -> None:
-        """Issue the group's all-gather (a no-op if unsharded or in flight).
-
-        ``immediate`` promises that ``wait_for_unshard`` follows before any
-        other collective, which lets the synchronous CPU path use the shared
-        workspace instead of a fresh output buffer."""
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the group's all-gather (a no-op if unsharded or in flight)."""
         if self.sharded_state is ShardedState.UNSHARDED or self._pending is not None:
             return
         self.lazy_init()
@@ -172,10 +168,7 @@ class ParamGroup:
         comm = self.comm
         with comm.on("all_gather"):
             inputs = [p.all_gather_input() for p in self.params]
-            if immediate and not async_op and comm.inline:
-                out = comm.workspace.take(world * plan.per_rank, plan.dtype, self.device)
-            else:
-                out = torch.empty(world * plan.per_rank, dtype=plan.dtype, device=self.device)
+            out = torch.empty(world * plan.per_rank, dtype=plan.dtype, device=self.device)
             block = C.all_gather_copy_in(inputs, plan, out, rank)
             work = C.issue_all_gather(out, block, group, async_op)
             event = comm.record("all_gather")
@@ -231,7 +224,7 @@ class ParamGroup:
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         entering = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
-        self.unshard(self.unshard_async_op, immediate=True)
+        self.unshard(self.unshard_async_op)
         self.wait_for_unshard()
         if entering and torch.is_grad_enabled() and not is_backward():
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -261,7 +254,7 @@ class ParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
-            self.unshard(self.unshard_async_op, immediate=True)
+            self.unshard(self.unshard_async_op)
             self.wait_for_unshard()
         if default_prefetch and self._post_forward_indices:
             index = self._post_forward_indices.pop()
@@ -269,12 +262,13 @@ class ParamGroup:
                 self.comm.post_forward_order[index - 1].prefetch(TrainingState.PRE_BACKWARD)
 
     def prefetch(self, state: TrainingState) -> None:
-        """Unshard ahead of use.  Inline (CPU) synchronous all-gathers gain
-        nothing from deferring the copy-out, so they finish now and reuse the
-        workspace; asynchronous ones stay in flight until the group's hook."""
+        """Unshard ahead of use.  An inline (CPU) synchronous all-gather gains
+        nothing from deferring its copy-out, and copying out at once frees its
+        flat buffer sooner, so it finishes now; asynchronous ones stay in
+        flight until the group's own hook waits for them."""
         with self.use_training_state(state):
             if self.comm.inline and not self.unshard_async_op:
-                self.unshard(immediate=True)
+                self.unshard()
                 self.wait_for_unshard()
             else:
                 self.unshard(self.unshard_async_op)
@@ -314,17 +308,14 @@ class ParamGroup:
         total = sum(numels)
         pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
         with comm.on("reduce_scatter"):
-            if world > 1 and comm.inline:
-                rs_in = comm.workspace.take(world * total, reduce_dtype, self.device)
-            else:  # with one shard rank the input *is* the output: it must be fresh
-                rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
+            rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
             C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
             if pre != 1.0:
                 rs_in.div_(pre)
             if world > 1:
                 rs_out = torch.empty(total, dtype=reduce_dtype, device=self.device)
                 C.reduce_scatter(rs_out, rs_in, info.shard_group)
-            else:
+            else:  # one shard rank: the laid-out input is already this rank's output
                 rs_out = rs_in
             if info.is_hsdp:
                 if not self.all_reduce_grads:
