@@ -65,6 +65,10 @@ def _module_surface():
     register_fsdp_forward_method(model, "forward")
     out["registered_forward_equal"] = torch.equal(model.forward(tokens).detach(), expected)
     register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # a no-op on unsharded modules
+    from shardkit import fully_shard
+
+    sliced = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))[0:1]  # containers build new instances
+    out["slice_class"] = type(sliced).__name__
     return out
 
 
@@ -77,6 +81,7 @@ def test_sharded_module_keeps_its_class_keys_and_runs_forward_only_through_hooks
         assert out["bare_forward"] != "ran"
         assert out["after_unshard_plain"] and out["forward_after_unshard_equal"]
         assert out["after_reshard_dtensor"] and out["registered_forward_equal"]
+        assert out["slice_class"] == "Sequential"  # a slice of a sharded container is a plain one
 
 
 def _load_and_cast():
