@@ -28,7 +28,7 @@ __all__ = ["CommContext"]
 
 
 class CommContext:
-    """Streams, events and reusable buffers shared by every group under one root.
+    """Streams, events and in-flight buffers shared by every group under one root.
 
     ``inline`` is True on the CPU (and any device without streams): then the
     stream and event methods are no-ops and collectives complete in order."""
@@ -41,11 +41,13 @@ class CommContext:
         self.post_forward_order: list[Any] = []
         # (event, keep-alive) pairs of reduce-scatters still running on their stream
         self.pending_reduces: list[tuple[Any, Any]] = []
-        self.streams: dict[str, Any] = {}
-        if not self.inline:
-            handle = getattr(torch, device.type)
-            for name in ("all_gather", "reduce_scatter"):
-                self.streams[name] = handle.Stream(priority=-1)
+        self._streams: dict[str, Any] = {}  # "all_gather", "reduce_scatter"; made on first use
+
+    def _stream(self, name: str) -> Any:
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = getattr(torch, self.device.type).Stream(priority=-1)
+        return stream
 
     # ------------------------------------------------------------- streams
 
@@ -64,7 +66,7 @@ class CommContext:
             yield
             return
         handle = getattr(torch, self.device.type)
-        stream = self.streams[name]
+        stream = self._stream(name)
         stream.wait_stream(handle.current_stream())
         with handle.stream(stream):
             yield
@@ -74,7 +76,7 @@ class CommContext:
         if self.inline:
             return None
         handle = getattr(torch, self.device.type)
-        stream = self.streams[name] if name else handle.current_stream()
+        stream = self._stream(name) if name else handle.current_stream()
         event = handle.Event()
         event.record(stream)
         return event
@@ -86,13 +88,15 @@ class CommContext:
 
     def stream_waits(self, name: str, event: Any) -> None:
         if event is not None and not self.inline:
-            self.streams[name].wait_event(event)
+            self._stream(name).wait_event(event)
 
     # ------------------------------------------------------- reduce buffers
 
     def hold_until_done(self, event: Any, keep_alive: Any) -> None:
         """Keep ``keep_alive`` (reduce-scatter inputs, unsharded grads read on
-        another stream) referenced until the current stream has waited on ``event``."""
+        another stream) referenced until the current stream has waited on
+        ``event``: at the next group's reduction or at the end of backward, so
+        at most one group's reduction buffers are in flight."""
         if not self.inline:
             self.pending_reduces.append((event, keep_alive))
 

@@ -88,7 +88,7 @@ def fully_shard(
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:
-        group = ParamGroup(sharded, modules, mesh_info, device, mp_policy)
+        group = ParamGroup(sharded, modules, mesh_info, device, mp_policy, state.comm)
         _apply_reshard_after_forward(group, True if reshard is None else reshard)
         state.groups.append(group)
     for m in modules:

@@ -70,13 +70,13 @@ class ParamGroup:
     """All-gather/reduce-scatter unit and its state machine (see module docstring)."""
 
     def __init__(self, params: list[ShardedParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
-                 device: torch.device, mp_policy: MixedPrecisionPolicy) -> None:
+                 device: torch.device, mp_policy: MixedPrecisionPolicy, comm: CommContext) -> None:
         self.params = params
         self.modules = modules
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
-        self.comm = CommContext(device)  # replaced by the root's at lazy init
+        self.comm = comm  # its state's until lazy init, then the root's
         self.fqn = ", ".join(type(m).__name__ for m in modules)
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -307,6 +307,7 @@ class ParamGroup:
         numels = [p.padded_numel for p in owners]
         total = sum(numels)
         pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
+        comm.wait_for_reduces()  # the previous group's reduction buffers may go now
         with comm.on("reduce_scatter"):
             rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
             C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
