@@ -143,6 +143,12 @@ def _unshard_then_forward(model, tokens):
     return model(tokens)
 
 
+def _no_grad_forward_first(model, tokens):
+    with torch.no_grad():  # e.g. an evaluation pass: no backward follows, nothing may be left behind
+        model(tokens)
+    return model(tokens)
+
+
 def _async_unshard(model, api, mesh):
     per_block(model, api, mesh)
     if api.name == "shardkit":
@@ -250,6 +256,7 @@ SCENARIOS: dict[str, Scenario] = {
     "cpu_offload": Scenario(shard=_offload),
     "explicit_prefetch": Scenario(shard=_explicit_prefetch, forward=_unshard_then_forward),
     "async_unshard": Scenario(shard=_async_unshard, forward=_async_handle_forward),
+    "no_grad_forward_between_steps": Scenario(forward=_no_grad_forward_first),
     "hsdp_reduce_scatter_only_accumulation": Scenario(shape=(2, 2), micro_steps=2,
                                                       before_backward=_hsdp_reduce_scatter_only),
     "no_shard_mesh": Scenario(shape=(2, 1)),

@@ -233,8 +233,9 @@ class ParamGroup:
     def post_forward(self) -> None:
         if not is_backward():  # not during an activation-checkpoint recompute
             self._reshard_after_forward()
-            self._post_forward_indices.append(len(self.comm.post_forward_order))
-            self.comm.post_forward_order.append(self)
+            if torch.is_grad_enabled():  # a backward may follow: remember the order for its prefetch
+                self._post_forward_indices.append(len(self.comm.post_forward_order))
+                self.comm.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
