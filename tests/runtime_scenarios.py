@@ -93,6 +93,23 @@ def with_unused_param(model: nn.Module) -> nn.Module:
     return model
 
 
+class _FrozenScale(nn.Module):
+    """A frozen bf16 parameter in an fp32 group: the group all-gathers bytes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim).to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x):
+        return x * self.scale.float()
+
+
+def with_mixed_dtype_groups(model: nn.Module) -> nn.Module:
+    for layer in model.layers:
+        layer.feed_forward = nn.Sequential(layer.feed_forward, _FrozenScale(ARGS.dim))
+    return model
+
+
 def with_frozen_params(model: nn.Module) -> nn.Module:
     model.tok_embeddings.weight.requires_grad_(False)
     for layer in model.layers:
@@ -249,6 +266,7 @@ SCENARIOS: dict[str, Scenario] = {
     "module_called_twice": Scenario(build=lambda: seeded_transformer(cls=TwiceTransformer)),
     "unused_parameter": Scenario(build=lambda: with_unused_param(seeded_transformer())),
     "frozen_params": Scenario(build=lambda: with_frozen_params(seeded_transformer())),
+    "frozen_bf16_param_in_fp32_group": Scenario(build=lambda: with_mixed_dtype_groups(seeded_transformer())),
     "checkpoint_around_sharded_blocks": Scenario(build=lambda: seeded_transformer(cls=CheckpointOutsideTransformer)),
     "checkpoint_inside_sharded_blocks": Scenario(build=lambda: with_checkpoint_inside(seeded_transformer())),
     "meta_device_init": Scenario(build=_meta_init(), shard=_materialize_and_load,
