@@ -133,3 +133,45 @@ def test_reshard_after_forward_two_keeps_half_the_full_parameters_on_four_ranks(
         assert out["after_forward"]["post_forward_slice_numel"] == out["full_numel"] // 2
         assert out["after_backward"]["post_forward_slice_numel"] == 0
         assert out["after_backward"]["unsharded_bytes"] == 0
+
+
+def _live_unsharded_bytes_at_each_unshard():
+    from shardkit import fully_shard
+    from shardkit.runtime import param_groups_of, sharded_params_of
+    from shardkit.runtime.param_group import ParamGroup
+
+    model = seeded_transformer()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    params = sharded_params_of(model)
+    samples: list[tuple[str, int]] = []
+    original = ParamGroup.wait_for_unshard
+
+    def sampled(self):
+        original(self)
+        live = sum(p.buffer.untyped_storage().nbytes() for p in params if p.buffer is not None)
+        samples.append((self.training_state.name, live))
+
+    ParamGroup.wait_for_unshard = sampled
+    try:
+        tokens, targets = local_batch(0, dist.get_world_size(), dist.get_rank())
+        lm_loss(model(tokens), targets).backward()
+    finally:
+        ParamGroup.wait_for_unshard = original
+    world = dist.get_world_size()
+
+    def group_bytes(group):
+        return sum(world * p.padded_numel * 4 for p in group.params)
+
+    return {"samples": samples, "root": group_bytes(param_groups_of(model)[0]),
+            "block": group_bytes(param_groups_of(model.layers[0])[0])}
+
+
+def test_at_most_one_block_in_forward_and_two_in_backward_are_unsharded_besides_the_root():
+    for out in run_on_ranks(2, _live_unsharded_bytes_at_each_unshard):
+        forward = [b for state, b in out["samples"] if state == "FORWARD"]
+        backward = [b for state, b in out["samples"] if state == "PRE_BACKWARD"]
+        assert max(forward) == out["root"] + out["block"]
+        # the block being differentiated plus the one prefetched for next
+        assert max(backward) == out["root"] + 2 * out["block"]
