@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardkit import MixedPrecisionPolicy
 from shardkit.errors import ConfigurationError
@@ -56,8 +56,10 @@ def _misuses():
     def three_d_mesh():
         fully_shard(MLPStack(), mesh=init_device_mesh("cpu", (1, 1, 2)))
 
+    untouched = nn.Linear(7, 4)
+
     def uneven_dim1():
-        fully_shard(nn.Linear(7, 4), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+        fully_shard(untouched, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
 
     def placement_not_shard():
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())
@@ -96,8 +98,12 @@ def _misuses():
     def bad_policy_type():
         fully_shard(MLPStack(), mp_policy={"param_dtype": torch.bfloat16})
 
-    cases = {name: fn for name, fn in locals().items() if callable(fn) and name != "fully_shard"}
-    return {name: _error(fn) for name, fn in cases.items()}
+    cases = {name: fn for name, fn in locals().items() if callable(fn) and name not in ("fully_shard", "untouched")}
+    errors = {name: _error(fn) for name, fn in cases.items()}
+    # a failed fully_shard leaves the module as it was
+    errors["failed_call_left_plain_params"] = not any(isinstance(p, DTensor) for p in untouched.parameters())
+    errors["failed_call_left_class"] = type(untouched) is nn.Linear
+    return errors
 
 
 EXPECTED = {
@@ -119,6 +125,7 @@ EXPECTED = {
 def test_misuse_raises_shardkit_errors_with_actionable_messages():
     results = run_on_ranks(2, _misuses)
     for rank, errors in enumerate(results):
+        assert errors.pop("failed_call_left_plain_params") and errors.pop("failed_call_left_class")
         assert set(errors) == set(EXPECTED)
         for name, (error_type, fragment) in EXPECTED.items():
             got = errors[name]

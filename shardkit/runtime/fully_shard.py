@@ -85,6 +85,8 @@ def fully_shard(
     pin = offload and offload_policy.pin_memory
     sharded = [ShardedParam(p, infos[id(p)], mesh_info, device, _shard_dim(shard_placement_fn, p), offload, pin)
                for p in params]
+    for sp in sharded:  # only now: a parameter that cannot be sharded leaves the module untouched
+        sp.info.register(sp.sharded_param)
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:

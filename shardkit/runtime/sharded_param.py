@@ -168,7 +168,7 @@ class ShardedParam:
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         self.sharded_param._local_tensor = local  # the view into ``padded``, not a copy
         self.spec = self.sharded_param._spec
-        self.info.register(self.sharded_param)
+        # registered on the module by fully_shard once every parameter of the group is built
 
     def _new_padded(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         if like.is_meta:
