@@ -23,11 +23,13 @@ per block computed on the way) and returns their manifest records;
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -50,8 +52,10 @@ DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
+REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
+_STEP_BYTES = 2 << 20  # local reads: read, then checksum, this much at a time (stays in cache)
 _MAX_GAP = 256 << 10
-_MAX_BATCH = 64 << 20
+_MAX_BATCH = 16 << 20
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
 
 
@@ -120,6 +124,7 @@ class NativeReader(CheckpointReader):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._inflight = _ByteBudget(REMOTE_INFLIGHT_BYTES)
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
@@ -220,7 +225,10 @@ class NativeReader(CheckpointReader):
         acc = BlockCrc(rec.block)
         for seg in segments:
             acc.update(seg)
-        got = acc.finish()
+        self._check(acc.finish(), first_block, rec, where)
+
+    @staticmethod
+    def _check(got: Sequence[int], first_block: int, rec: ChunkRecord, where: str) -> None:
         want = rec.crc32c[first_block:first_block + len(got)]
         if tuple(got) != tuple(want):
             bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
@@ -250,8 +258,14 @@ class NativeReader(CheckpointReader):
                 a, b = int(runs[0, 0]), int(runs[0, 1])
                 head = self._scratch(0, (a - lo) + (hi - b))
                 parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
-                self.storage.read_parts(rec.file, rec.start + lo, parts)
-                self._verify(parts, lo // rec.block, rec, self._where(r, rec))
+                acc = BlockCrc(rec.block)
+                pos = rec.start + lo
+                for step in _steps(parts, _STEP_BYTES):  # checksum each step while it is still in cache
+                    self.storage.read_parts(rec.file, pos, step)
+                    for seg in step:
+                        acc.update(seg)
+                    pos += sum(seg.numel() for seg in step)
+                self._check(acc.finish(), lo // rec.block, rec, self._where(r, rec))
                 self.stats.add(read=hi - lo, needed=needed, requests=1)
                 return
         buf = self._scratch(0, hi - lo)
@@ -259,14 +273,23 @@ class NativeReader(CheckpointReader):
         self._deliver(r, rec, buf, lo)
 
     def _read_batch(self, batch: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> None:
-        """Remote file: one ranged request for neighbouring pieces, then verify and copy each."""
+        """Remote file: one ranged request for neighbouring pieces, then verify and copy each.
+
+        The response is used in place (no scratch copy), and the bytes in flight
+        over all threads are bounded by ``REMOTE_INFLIGHT_BYTES``.
+        """
         file = batch[0][1].file
         start = min(rec.start + lo for _, rec, (lo, _) in batch)
         end = max(rec.start + hi for _, rec, (_, hi) in batch)
-        buf = self._scratch(0, end - start)
-        self.storage.read_parts(file, start, [buf])
-        for r, rec, (lo, hi) in batch:
-            self._deliver(r, rec, buf[rec.start + lo - start:rec.start + hi - start], lo)
+        with self._inflight.take(end - start):
+            data = self.storage.read_bytes(file, start, end)
+            if len(data) != end - start:
+                raise CorruptCheckpoint(f"{self.storage.where(file)} ends before byte {end}; the file is truncated")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: we only read from it
+                buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            for r, rec, (lo, hi) in batch:
+                self._deliver(r, rec, buf[rec.start + lo - start:rec.start + hi - start], lo)
 
     def _deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
         """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
@@ -289,6 +312,43 @@ class NativeReader(CheckpointReader):
             typed = span.view(r.out.dtype)
             r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
         self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
+
+
+class _ByteBudget:
+    """Blocks ``take(n)`` while more than ``limit`` bytes are taken (a single oversize take is allowed alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+
+def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive pieces of ``parts`` (flat byte tensors) covering at most ``step`` bytes each."""
+    parts = [p for p in parts if p.numel()]
+    i, off = 0, 0
+    while i < len(parts):
+        out, room = [], step
+        while i < len(parts) and room:
+            take = min(room, parts[i].numel() - off)
+            out.append(parts[i][off:off + take])
+            off += take
+            room -= take
+            if off == parts[i].numel():
+                i, off = i + 1, 0
+        yield out
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
