@@ -303,11 +303,15 @@ class Storage:
                 if raw is not None:
                     try:
                         result = produce(raw)  # type: ignore[arg-type]
+                        raw.close(fsync=fsync)
+                        return result
+                    except OSError as exc:
+                        raw.abort()
+                        if exc.errno != errno.EINVAL:  # EINVAL: O_DIRECT accepted at open, refused on write
+                            raise
                     except BaseException:
                         raw.abort()
                         raise
-                    raw.close(fsync=fsync)
-                    return result
                 with open(path, "wb") as f:
                     result = produce(f)
                     f.flush()
