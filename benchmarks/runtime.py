@@ -2,24 +2,28 @@
 peak memory, 2 gloo ranks on the CPU, measured in one run, interleaved.
 
     python benchmarks/runtime.py                # launches the ranks itself
-    python benchmarks/runtime.py --rounds 5 --steps 20 --json
+    python benchmarks/runtime.py --steps 30 --rounds 5 --json
 
-Each round launches a fresh 2-rank job per implementation (alternating which
-goes first), so every figure comes from a clean process: the same model, the
-same seed, the same batches, the same AdamW + clip_grad_norm_ step.  Per
-implementation we report:
+The same model (the test suite's Transformer, scaled up), the same seed, the
+same batches and the same AdamW + clip_grad_norm_ step under both.  Two phases:
 
-* ``first ms``: the first step (cold: buffers are allocated and first touched),
-* ``ms/step``:  the median over the timed steps after warm-up, each step
-  timed as the slowest rank (steps start on a barrier),
-* ``peak RSS``: the process's high-water mark (``VmHWM``) per rank, and the
-  growth of RSS over the training steps (peak minus RSS before the first step),
-* ``peak heap``: the peak of bytes held by malloc (glibc ``mallinfo2``: heap in
-  use plus mmapped blocks) over the timed steps, minus the figure at their
-  start.  Sampled every 0.5 ms; unlike RSS it does not depend on when freed
-  pages are handed back to the host, so it is the stable memory figure here,
+1. **Time, step-interleaved.**  One 2-rank job builds both models and
+   alternates single training steps between them (which one goes first
+   flips every step), so both see the same machine load.  Per step:
+   wall time (the slowest rank; steps start on a barrier), CPU time of the
+   process (all threads), and the peak of bytes held by malloc during that
+   step above its start (glibc ``mallinfo2``, sampled every 0.5 ms): the
+   step's transient memory, which is what the runtime controls.
+2. **Cold start and peak RSS, fresh processes.**  ``--rounds`` alternating
+   2-rank jobs per implementation, each building one model and training; we
+   report the first step's wall time (cold: lazy init, first allocations,
+   first dispatch of every op) and the process high-water mark (``VmHWM``) per
+   rank, which also includes importing torch and building the model
+   (identical for both).
 
-and the ratios shardkit / torch (target: <= 1.0 for both).
+Medians everywhere, and the ratios shardkit / torch (target: <= 1.0).  On this
+shared 2-core VM wall times swing by +-30% between runs; the CPU time and the
+heap figures are the stable ones.
 """
 
 from __future__ import annotations
@@ -36,14 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+IMPLS = ("shardkit", "torch")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -65,90 +62,79 @@ def _heap_reader():
     return read
 
 
-class _PeakSampler:
-    """Samples RSS and malloc's bytes in use to find their peaks during the steps."""
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class _HeapPeak:
+    """Peak of malloc's bytes in use since the last ``reset()``, from a sampling thread."""
 
     def __init__(self) -> None:
-        self.peak = 0
-        self.heap = _heap_reader()
-        self.heap_start = self.heap() if self.heap else 0
-        self.heap_peak = self.heap_start
+        self.read = _heap_reader()
+        self.start = self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        if self.read:
+            self._thread.start()
 
     def _run(self) -> None:
-        ticks = 0
         while not self._stop.is_set():
-            if self.heap:
-                self.heap_peak = max(self.heap_peak, self.heap())
-            if ticks % 4 == 0:
-                self.peak = max(self.peak, _rss_kib("VmRSS"))
-            ticks += 1
+            self.peak = max(self.peak, self.read())
             time.sleep(0.0005)
 
-    def __enter__(self) -> "_PeakSampler":
-        self._thread.start()
-        return self
+    def reset(self) -> None:
+        if self.read:
+            self.start = self.peak = self.read()
 
-    def __exit__(self, *exc: object) -> None:
+    def above_start_mib(self) -> float:
+        return (max(self.peak, self.read()) - self.start) / 2**20 if self.read else float("nan")
+
+    def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
 
 
-def worker(args: argparse.Namespace) -> None:
+def _build(impl: str, args: argparse.Namespace):
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
     from tests.models import ModelArgs, Transformer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if impl == "shardkit":
+        from shardkit import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
     margs = ModelArgs(vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_layers=args.layers,
                       ffn_dim=args.ffn, max_seq_len=args.seq)
     torch.manual_seed(0)
     model = Transformer(margs)
-    if args.impl == "shardkit":
-        from shardkit import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1 + rank)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step() -> float:
-        tokens = torch.randint(0, margs.vocab_size, (args.batch, args.seq + 1), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        return (time.perf_counter() - start) * 1e3
 
-    rss_before = _rss_kib("VmRSS")
-    with _PeakSampler() as sampler:
-        times = [step() for _ in range(args.warmup + args.steps)]
-    timed = torch.tensor(times)
-    dist.all_reduce(timed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-    result = {
-        "impl": args.impl, "rank": rank,
-        "first_ms": timed[0].item(),
-        "median_ms": statistics.median(timed[args.warmup:].tolist()),
-        "hwm_mib": _rss_kib("VmHWM") / 1024,
-        "step_growth_mib": (max(sampler.peak, _rss_kib("VmRSS")) - rss_before) / 1024,
-        "heap_peak_mib": (sampler.heap_peak - sampler.heap_start) / 2**20 if sampler.heap else float("nan"),
-        "params": sum(p.numel() for p in model.parameters()),
-    }
-    gathered: list = [None] * world
+def _train_step(model, opt, tokens) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _emit(result) -> None:
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
     dist.barrier()  # no rank tears gloo down while a peer still sends
     dist.destroy_process_group()
@@ -158,25 +144,79 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def launch(impl: str, args: argparse.Namespace) -> list[dict]:
+def worker_interleaved(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    models = {impl: _build(impl, args) for impl in IMPLS}
+    gen = torch.Generator().manual_seed(1 + rank)
+    heap = _HeapPeak()
+    wall = {impl: [] for impl in IMPLS}
+    cpu = {impl: [] for impl in IMPLS}
+    peak = {impl: [] for impl in IMPLS}
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        order = IMPLS if step % 2 == 0 else IMPLS[::-1]
+        for impl in order:
+            dist.barrier()
+            heap.reset()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            _train_step(*models[impl], tokens)
+            wall[impl].append((time.perf_counter() - start) * 1e3)
+            cpu[impl].append((time.process_time() - cpu_start) * 1e3)
+            peak[impl].append(heap.above_start_mib())
+    heap.stop()
+    result = {"rank": rank, "params": sum(p.numel() for p in models["shardkit"][0].parameters())}
+    for impl in IMPLS:
+        walls = torch.tensor(wall[impl])
+        dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        result[impl] = {"wall": walls.tolist()[args.warmup:], "cpu": cpu[impl][args.warmup:],
+                        "heap": peak[impl][args.warmup:]}
+    _emit(result)
+
+
+def worker_memory(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model, opt = _build(args.impl, args)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    first_ms = 0.0
+    for step in range(args.warmup + args.memory_steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        _train_step(model, opt, tokens)
+        if step == 0:  # cold: lazy init, first allocations, first dispatch of every op
+            first_ms = (time.perf_counter() - start) * 1e3
+    _emit({"rank": dist.get_rank(), "hwm_mib": _hwm_mib(), "first_ms": first_ms})
+
+
+_MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn")
+
+
+def launch(args: argparse.Namespace, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--worker", "--impl", impl,
-           *[f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "vocab", "dim",
-                                                   "heads", "layers", "ffn")]]
+           str(Path(__file__).resolve()), *extra, *[f"--{k}={getattr(args, k)}" for k in _MODEL_FLAGS]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    results = json.loads(lines[0].split(" ", 1)[1]) if lines else []
-    if proc.returncode != 0 or len(results) != 2:
-        raise SystemExit(f"{impl} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return sorted(results, key=lambda r: r["rank"])
+    if not lines:
+        raise SystemExit(f"run {extra} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return sorted(json.loads(lines[0].split(" ", 1)[1]), key=lambda r: r["rank"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each runs both)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation (phase 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh-process rounds per implementation (phase 2)")
+    parser.add_argument("--memory-steps", type=int, default=5, help="steps per fresh-process round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
@@ -185,56 +225,55 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--impl", choices=["shardkit", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
+    parser.add_argument("--worker", choices=["interleaved", "memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
+    if args.worker == "interleaved":
+        return worker_interleaved(args)
+    if args.worker == "memory":
+        return worker_memory(args)
 
-    runs: dict[str, list[list[dict]]] = {"shardkit": [], "torch": []}
+    print("phase 1: both implementations in one job, steps interleaved ...", file=sys.stderr, flush=True)
+    timing = launch(args, "--worker=interleaved", f"--steps={args.steps}")
+    memory: dict[str, list[list[dict]]] = {impl: [] for impl in IMPLS}
     for round_index in range(args.rounds):
-        order = ("shardkit", "torch") if round_index % 2 == 0 else ("torch", "shardkit")
-        for impl in order:
-            runs[impl].append(launch(impl, args))
-            print(f"round {round_index + 1}/{args.rounds}: {impl} "
-                  f"{runs[impl][-1][0]['median_ms']:.1f} ms/step", file=sys.stderr, flush=True)
+        for impl in (IMPLS if round_index % 2 == 0 else IMPLS[::-1]):
+            print(f"phase 2: round {round_index + 1}/{args.rounds}, {impl} ...", file=sys.stderr, flush=True)
+            memory[impl].append(launch(args, "--worker=memory", f"--impl={impl}",
+                                       f"--memory-steps={args.memory_steps}"))
     if args.json:
-        print(json.dumps(runs, indent=1))
+        print(json.dumps({"timing": timing, "memory": memory}, indent=1))
 
-    def summary(impl: str) -> dict:
-        rs = runs[impl]
-        return {
-            "first_ms": statistics.median(r[0]["first_ms"] for r in rs),
-            "median_ms": statistics.median(r[0]["median_ms"] for r in rs),
-            "per_round": [round(r[0]["median_ms"], 1) for r in rs],
-            "hwm": [statistics.median(r[k]["hwm_mib"] for r in rs) for k in range(2)],
-            "growth": [statistics.median(r[k]["step_growth_mib"] for r in rs) for k in range(2)],
-            "heap": [statistics.median(r[k]["heap_peak_mib"] for r in rs) for k in range(2)],
-        }
+    med = statistics.median
+    rows = []
 
-    ours, theirs = summary("shardkit"), summary("torch")
-    params = runs["shardkit"][0][0]["params"]
-    print(f"\nTransformer {params / 1e6:.1f}M params, 2 gloo ranks x 1 thread, batch {args.batch}x{args.seq} per rank, "
-          f"AdamW + clip_grad_norm_; {args.rounds} interleaved rounds, {args.warmup} warm-up + {args.steps} timed "
-          "steps each; medians over rounds\n")
-    header = f"{'':<24}{'shardkit':>12}{'torch':>12}{'ratio':>9}"
-    print(header)
-    print("-" * len(header))
+    def row(label: str, ours: float, theirs: float, fmt: str = "{:.1f}") -> None:
+        rows.append((label, fmt.format(ours), fmt.format(theirs), f"{ours / theirs:.3f}"))
 
-    def row(label: str, a: float, b: float, fmt: str = "{:.1f}") -> None:
-        print(f"{label:<24}{fmt.format(a):>12}{fmt.format(b):>12}{a / b:>9.3f}")
-
-    row("ms/step (median)", ours["median_ms"], theirs["median_ms"])
-    row("first step ms", ours["first_ms"], theirs["first_ms"])
+    row("ms/step, wall (median)", med(timing[0]["shardkit"]["wall"]), med(timing[0]["torch"]["wall"]))
     for k in range(2):
-        row(f"peak RSS rank {k} MiB", ours["hwm"][k], theirs["hwm"][k])
+        row(f"ms/step, CPU, rank {k}", med(timing[k]["shardkit"]["cpu"]), med(timing[k]["torch"]["cpu"]))
     for k in range(2):
-        row(f"RSS growth rank {k} MiB", ours["growth"][k], theirs["growth"][k])
+        row(f"step heap peak MiB, rank {k}", med(timing[k]["shardkit"]["heap"]), med(timing[k]["torch"]["heap"]),
+            "{:.2f}")
+    row("first step ms (fresh job)", med(max(r[k]["first_ms"] for k in range(2)) for r in memory["shardkit"]),
+        med(max(r[k]["first_ms"] for k in range(2)) for r in memory["torch"]))
     for k in range(2):
-        row(f"peak heap rank {k} MiB", ours["heap"][k], theirs["heap"][k], "{:.2f}")
-    print(f"\nper-round ms/step: shardkit {ours['per_round']}  torch {theirs['per_round']}")
+        row(f"peak RSS MiB, rank {k}", med(r[k]["hwm_mib"] for r in memory["shardkit"]),
+            med(r[k]["hwm_mib"] for r in memory["torch"]))
+
+    print(f"\nTransformer {timing[0]['params'] / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
+          f"{args.vocab}), 2 gloo ranks x 1 thread, batch {args.batch}x{args.seq} per rank, AdamW + "
+          f"clip_grad_norm_, per-block fully_shard + root.\nPhase 1: {args.steps} timed steps each after "
+          f"{args.warmup} warm-up, interleaved in one job.  Phase 2: {args.rounds} fresh jobs each, "
+          f"{args.warmup + args.memory_steps} steps.\n")
+    widths = (28, 12, 12, 8)
+    print("".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in
+                  enumerate(zip(("", "shardkit", "torch", "ratio"), widths))))
+    print("-" * sum(widths))
+    for r in rows:
+        print("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 if __name__ == "__main__":

@@ -256,3 +256,39 @@ def test_reset_iter_state_recovers_and_a_block_can_run_on_its_own():
     for losses, grads, resharded in run_on_ranks(2, _recover_and_non_root):
         assert max_relative_loss_error(losses, ref) <= 1e-6
         assert all(grads.values()) and resharded
+
+
+def _mixed_precision_dtypes():
+    from shardkit import MixedPrecisionPolicy, fully_shard
+    from shardkit.runtime import collectives
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    seen = {}
+    model[0].register_forward_pre_hook(lambda m, args: seen.update(input=args[0].dtype))
+    model[0].register_forward_hook(lambda m, args, out: seen.update(weight=m.weight.dtype))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float64))
+    reduced_in = []
+    original = collectives.reduce_scatter
+
+    def recording(out, inp, group):
+        reduced_in.append(inp.dtype)
+        return original(out, inp, group)
+
+    collectives.reduce_scatter = recording
+    try:
+        out = model(torch.randn(4, 6))
+        out.sum().backward()
+    finally:
+        collectives.reduce_scatter = original
+    return {"input": seen["input"], "weight": seen["weight"], "output": out.dtype, "reduced_in": reduced_in,
+            "shard_dtype": {p.dtype for p in model.parameters()}, "grad_dtype": {p.grad.dtype for p in model.parameters()}}
+
+
+def test_mixed_precision_casts_inputs_params_outputs_and_reduces_in_the_reduce_dtype():
+    for out in run_on_ranks(2, _mixed_precision_dtypes):
+        assert out["input"] == torch.bfloat16 and out["weight"] == torch.bfloat16
+        assert out["output"] == torch.float64
+        assert out["reduced_in"] == [torch.float32]  # one reduce-scatter, in fp32
+        assert out["shard_dtype"] == {torch.float32} and out["grad_dtype"] == {torch.float32}
