@@ -108,13 +108,9 @@ def _recording(log: list):
         ParamGroup.unshard, ParamGroup._reduce = orig_unshard, orig_reduce
 
 
-def _event_order(explicit_forward_prefetch: bool, async_unshard: bool = False):
-    from shardkit.runtime import param_groups_of
-
+def _event_order(explicit_forward_prefetch: bool):
     model = per_block(seeded_transformer(), shardkit_api(), make_mesh((dist.get_world_size(),)))
     layers = list(model.layers)
-    for module in (*layers, model):
-        param_groups_of(module)[0].unshard_async_op = async_unshard
     log: list = []
     for i, layer in enumerate(layers):
         layer.attention_norm.register_forward_pre_hook(lambda m, a, i=i: log.append(("compute", f"layers.{i}")))
@@ -129,31 +125,14 @@ def _event_order(explicit_forward_prefetch: bool, async_unshard: bool = False):
     return forward, log
 
 
-FORWARD_ORDER = [
-    ("all_gather", "<root>", "FORWARD"),
-    ("all_gather", "layers.0", "FORWARD"), ("compute", "layers.0"),
-    ("all_gather", "layers.1", "FORWARD"), ("compute", "layers.1"),
-    ("all_gather", "layers.2", "FORWARD"), ("compute", "layers.2"),
-]
-
-
-def test_synchronous_backward_gathers_each_block_at_its_turn_and_reduces_in_reverse_order():
+def test_backward_prefetches_the_previous_block_and_reduces_in_reverse_order():
     forward, backward = run_on_ranks(2, _event_order, False)[0]
-    assert forward == FORWARD_ORDER
-    assert backward == [
-        ("all_gather", "layers.2", "PRE_BACKWARD"),
-        ("reduce_scatter", "layers.2"),
-        ("all_gather", "layers.1", "PRE_BACKWARD"),
-        ("reduce_scatter", "layers.1"),
-        ("all_gather", "layers.0", "PRE_BACKWARD"),
-        ("reduce_scatter", "layers.0"),
-        ("reduce_scatter", "<root>"),  # the embedding's inputs need no grad: the final callback
+    assert forward == [
+        ("all_gather", "<root>", "FORWARD"),
+        ("all_gather", "layers.0", "FORWARD"), ("compute", "layers.0"),
+        ("all_gather", "layers.1", "FORWARD"), ("compute", "layers.1"),
+        ("all_gather", "layers.2", "FORWARD"), ("compute", "layers.2"),
     ]
-
-
-def test_asynchronous_backward_prefetches_the_previous_block():
-    forward, backward = run_on_ranks(2, _event_order, False, True)[0]
-    assert forward == FORWARD_ORDER
     assert backward == [
         ("all_gather", "layers.2", "PRE_BACKWARD"),  # prefetched by the root's pre-backward
         ("all_gather", "layers.1", "PRE_BACKWARD"),  # prefetched by layers.2's pre-backward
@@ -161,7 +140,7 @@ def test_asynchronous_backward_prefetches_the_previous_block():
         ("all_gather", "layers.0", "PRE_BACKWARD"),
         ("reduce_scatter", "layers.1"),
         ("reduce_scatter", "layers.0"),
-        ("reduce_scatter", "<root>"),
+        ("reduce_scatter", "<root>"),  # the embedding's inputs need no grad: the final callback
     ]
 
 

@@ -259,17 +259,8 @@ class ParamGroup:
             self.wait_for_unshard()
         if default_prefetch and self._post_forward_indices:
             index = self._post_forward_indices.pop()
-            if index > 0 and self.implicit_prefetch:
+            if index > 0:
                 self.comm.post_forward_order[index - 1].prefetch(TrainingState.PRE_BACKWARD)
-
-    @property
-    def implicit_prefetch(self) -> bool:
-        """Whether pre-backward all-gathers the previous group ahead of time.
-
-        Only where it can overlap: on a stream, or with asynchronous unshards.
-        A synchronous CPU all-gather issued early hides nothing and holds one
-        more group's unsharded parameters through this group's backward."""
-        return not self.comm.inline or self.unshard_async_op
 
     def prefetch(self, state: TrainingState) -> None:
         """Unshard ahead of use.  An inline (CPU) synchronous all-gather gains
