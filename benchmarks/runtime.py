@@ -215,7 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation (phase 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="fresh-process rounds per implementation (phase 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="fresh-process rounds per implementation (phase 2)")
     parser.add_argument("--memory-steps", type=int, default=5, help="steps per fresh-process round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -259,9 +259,11 @@ def main() -> None:
             "{:.2f}")
     row("first step ms (fresh job)", med(max(r[k]["first_ms"] for k in range(2)) for r in memory["shardkit"]),
         med(max(r[k]["first_ms"] for k in range(2)) for r in memory["torch"]))
-    for k in range(2):
-        row(f"peak RSS MiB, rank {k}", med(r[k]["hwm_mib"] for r in memory["shardkit"]),
-            med(r[k]["hwm_mib"] for r in memory["torch"]))
+    # peak RSS swings by +-20 MiB between identical jobs on this VM: pool both ranks of every round
+    hwm = {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in range(2)] for impl in IMPLS}
+    row(f"peak RSS MiB, mean of {len(hwm['torch'])}", statistics.mean(hwm["shardkit"]), statistics.mean(hwm["torch"]))
+    row("peak RSS MiB, median", med(hwm["shardkit"]), med(hwm["torch"]))
+    spread = {impl: statistics.stdev(v) if len(v) > 1 else 0.0 for impl, v in hwm.items()}
 
     print(f"\nTransformer {timing[0]['params'] / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
           f"{args.vocab}), 2 gloo ranks x 1 thread, batch {args.batch}x{args.seq} per rank, AdamW + "
@@ -274,6 +276,8 @@ def main() -> None:
     print("-" * sum(widths))
     for r in rows:
         print("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print(f"\npeak RSS standard deviation between jobs: shardkit {spread['shardkit']:.1f} MiB, "
+          f"torch {spread['torch']:.1f} MiB")
 
 
 if __name__ == "__main__":
