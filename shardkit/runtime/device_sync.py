@@ -93,8 +93,8 @@ class CommContext:
     # ------------------------------------------------------- reduce buffers
 
     def hold_until_done(self, event: Any, keep_alive: Any) -> None:
-        """Keep ``keep_alive`` (reduce-scatter inputs, unsharded grads read on
-        another stream) referenced until the current stream has waited on
+        """Keep ``keep_alive`` (a reduce-scatter input made on the current
+        stream and read on another) referenced until the current stream has waited on
         ``event``: at the next group's reduction or at the end of backward, so
         at most one group's reduction buffers are in flight."""
         if not self.inline:

@@ -286,6 +286,15 @@ class ParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
             return
+        owners, grads = self._take_grads()
+        if self.reshard_after_backward:
+            self.reshard()
+        if grads:
+            self._reduce(owners, grads)
+
+    def _take_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """The unsharded gradients to reduce, taken off the parameters: the
+        returned list holds the only references (``_reduce`` frees them early)."""
         owners, grads = [], []
         for p in self.params:
             grad = p.take_unsharded_grad()
@@ -295,10 +304,7 @@ class ParamGroup:
             if grad is not None:
                 owners.append(p)
                 grads.append(grad)
-        if self.reshard_after_backward:
-            self.reshard()
-        if grads:
-            self._reduce(owners, grads)
+        return owners, grads
 
     @torch.no_grad()
     def _reduce(self, owners: list[ShardedParam], grads: list[torch.Tensor]) -> None:
@@ -309,9 +315,13 @@ class ParamGroup:
         total = sum(numels)
         pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
         comm.wait_for_reduces()  # the previous group's reduction buffers may go now
+        # Copy-in on the current stream, where autograd made the gradients, so
+        # they can be freed right after it: the caller's list holds the only
+        # references.  (At the root's reduction this is the step's peak.)
+        rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
+        C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
+        grads.clear()
         with comm.on("reduce_scatter"):
-            rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
-            C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
             if pre != 1.0:
                 rs_in.div_(pre)
             if world > 1:
@@ -325,7 +335,7 @@ class ParamGroup:
                         self._partial_reduce = rs_out
                     else:
                         self._partial_reduce += rs_out
-                    comm.hold_until_done(comm.record("reduce_scatter"), (rs_in, grads))
+                    comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
                     return
                 if self._partial_reduce is not None:
                     rs_out += self._partial_reduce
@@ -337,7 +347,7 @@ class ParamGroup:
             for p, numel in zip(owners, numels):
                 p.accumulate_sharded_grad(rs_out.narrow(0, offset, p.sharded_size.numel()).view(p.sharded_size))
                 offset += numel
-        comm.hold_until_done(comm.record("reduce_scatter"), (rs_in, grads))
+        comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
 
     def finalize_backward(self) -> None:
         if self._pending is not None:
