@@ -125,19 +125,25 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
             files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
+    written = {fqn for f in files for fqn, _ in f.chunks}
     payload = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
                "files": [f.to_json() for f in files],
                "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
-                           if any(fqn == k for f in files for fqn, _ in f.chunks)}}
+                           if k in written}}
     gathered = dist.gather_json(payload)
     commit_error = None
     if gathered is not None:
         commit_error = _commit(storage, writer, plan, gathered, dist, meta, overwrite)
     commit_error = dist.broadcast_json(commit_error)
+    if commit_error is not None or local_error is not None:
+        try:  # nothing will reference this rank's new files: remove them (never anything older)
+            storage.delete([f.name for f in files])
+        except ShardkitError:
+            pass
     if local_error is not None:
         raise local_error
     if commit_error is not None:
-        raise CheckpointError(commit_error)
+        raise _same_kind(commit_error)(commit_error)
 
 
 def _commit(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathered: list[dict], dist: Dist,
