@@ -163,3 +163,27 @@ def test_load_detects_hf_and_torch_save_sources_and_fills_the_model_in_place(tmp
         skc.load(sd, url)
         assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
         assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
+
+
+def _save_then_fail_on_rank_one(url):
+    from shardkit.errors import ShardkitError
+
+    skc.save({"w": torch.ones(64, 64)}, url, chunk_bytes=4096)
+    state = {"w": torch.zeros(64, 64), "extra": object() if dist.get_rank() == 1 else 1}
+    try:
+        skc.save(state, url, chunk_bytes=4096)
+    except ShardkitError as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_a_save_failing_on_one_rank_raises_everywhere_and_leaves_the_previous_checkpoint(tmp_path):
+    url = str(tmp_path / "ckpt")
+    assert run_on_ranks(2, _save_then_fail_on_rank_one, url) == ["CheckpointError", "ConfigurationError"]
+    target = {"w": torch.zeros(64, 64)}
+    skc.load(target, url)
+    assert torch.equal(target["w"], torch.ones(64, 64))
+    import json
+
+    listed = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())["files"]
+    assert sorted(f"data/{n}" for n in os.listdir(tmp_path / "ckpt" / "data")) == sorted(listed)
