@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist import run_on_ranks
 from tests.models import lm_loss
-from tests.runtime_common import ARGS, local_batch, seeded_transformer
+from tests.runtime_common import local_batch, seeded_transformer
 
 
 def _rows(size0: int, world: int, rank: int) -> int:

@@ -22,12 +22,11 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from tests.dist import run_on_ranks
-from tests.runtime_common import (global_batch, max_relative_loss_error, reference_slices_mismatch,
+from tests.runtime_common import (max_relative_loss_error, reference_slices_mismatch,
                                   seeded_transformer, shard_blocks_and_root, train_reference, train_sharded)
 
 STEPS = 10
