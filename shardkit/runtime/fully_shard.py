@@ -8,7 +8,7 @@ original class and gains the :class:`FSDPModule` methods.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -430,8 +430,3 @@ def sharded_params_of(module: nn.Module, recurse: bool = True) -> list[ShardedPa
     """Every :class:`ShardedParam` under ``module`` (its own groups, and its
     sharded submodules' when ``recurse``)."""
     return [p for state in _states_of(module, recurse) for g in state.groups for p in g.params]
-
-
-def _iter_groups(module: nn.Module) -> Iterable[ParamGroup]:
-    for state in _states_of(module, True):
-        yield from state.groups
