@@ -208,6 +208,23 @@ def _materialize_and_load(model, api, mesh):
     return model
 
 
+def _materialize_unit_by_unit(model, api, mesh):
+    """Materialize each block right before sharding it (FSDP1's param_init_fn
+    flow): the materialized originals die once their block is sharded, and
+    CPython hands their ids to the next block's new parameters."""
+    for unit in [*model.layers, model]:
+        for sub in unit.modules():
+            if any(p.is_meta for p in sub.parameters(recurse=False)):
+                sub.to_empty(device="cpu", recurse=False)
+                sub.reset_parameters()
+        api.fully_shard(unit, mesh=mesh)
+    full = seeded_transformer().state_dict()
+    sharded = model.state_dict()
+    model.load_state_dict({k: distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
+                           for k, v in full.items()})
+    return model
+
+
 def _keep_params_between_micro_batches(model, step, micro):
     model.set_reshard_after_backward(micro == 1)  # the second micro-batch's forward needs no all-gather
 
@@ -271,6 +288,8 @@ SCENARIOS: dict[str, Scenario] = {
     "checkpoint_inside_sharded_blocks": Scenario(build=lambda: with_checkpoint_inside(seeded_transformer())),
     "meta_device_init": Scenario(build=_meta_init(), shard=_materialize_and_load,
                                  reference_build=seeded_transformer),
+    "meta_device_init_unit_by_unit": Scenario(build=_meta_init(), shard=_materialize_unit_by_unit,
+                                              reference_build=seeded_transformer),
     "cpu_offload": Scenario(shard=_offload),
     "explicit_prefetch": Scenario(shard=_explicit_prefetch, forward=_unshard_then_forward),
     "async_unshard": Scenario(shard=_async_unshard, forward=_async_handle_forward),

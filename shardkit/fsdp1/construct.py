@@ -145,22 +145,6 @@ def materialize_meta(modules: list[nn.Module], device: torch.device,
     return True
 
 
-def keep_ids_reserved(unit: nn.Module, params: list[nn.Parameter]) -> None:
-    """Keep the materialized parameters' objects (not their memory) alive.
-
-    The core tells parameters apart by ``id()`` when it checks, at the first
-    forward, that no parameter belongs to two groups.  Parameters created by
-    ``to_empty`` die as soon as their unit is sharded, and CPython would hand
-    their ids to the next unit's new parameters; so the dead ones keep their
-    object (with an empty tensor) on the unit that replaced them.
-    """
-    shells = []
-    for p in params:
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        shells.append(p)
-    unit.__dict__["_fsdp1_materialized_shells"] = shells
-
-
 def sync_module_states(modules: list[nn.Module], ignored_params: set[nn.Parameter], group: Any,
                        device: torch.device) -> None:
     """Broadcast the unit's parameters and buffers from the group's first rank
@@ -235,8 +219,7 @@ def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: tor
                ignored_modules: set[nn.Module], ignored_params: set[nn.Parameter],
                finish: Callable[[nn.Module, FSDP1Args], None]) -> None:
     modules = unit_modules(module, ignored_modules)
-    materialized = materialize_meta(modules, device, args.param_init_fn)
-    originals = [p for m in modules for p in m.parameters(recurse=False) if p not in ignored_params]
+    materialize_meta(modules, device, args.param_init_fn)
     if args.sync_module_states:
         sync_module_states(modules, ignored_params, args.process_group, device)
     mp = args.mixed_precision
@@ -253,8 +236,6 @@ def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: tor
                 mp_policy=MixedPrecisionPolicy(**mp_fields) if mp_fields else MixedPrecisionPolicy(),
                 offload_policy=CPUOffloadPolicy() if mapping.offload_params(args.cpu_offload) else OffloadPolicy(),
                 ignored_params=ignored_params)
-    if materialized:
-        keep_ids_reserved(module, originals)
     finish(module, args)
 
 

@@ -15,13 +15,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from shardkit.errors import AlreadyShardedError, ConfigurationError, TrainingStateError
+from shardkit.errors import AlreadyShardedError, ConfigurationError, TrainingStateError, UnshardableParameterError
 from shardkit.runtime.mesh_info import (default_mesh, device_from_mesh, mesh_info_for,
                                         normalize_reshard_after_forward, post_forward_group)
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
+
+# Set on each original Parameter once a group owns it.  The mark lives and dies
+# with the Parameter object itself, so a second fully_shard call that reaches the
+# same (tied) Parameter through another module is caught at once, and a freed
+# original can never be confused with a new one (ids are reused; objects are not).
+_CLAIMED_BY = "_shardkit_claimed_by"
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "param_groups_of", "sharded_params_of"]
@@ -85,8 +91,9 @@ def fully_shard(
     pin = offload and offload_policy.pin_memory
     sharded = [ShardedParam(p, infos[id(p)], mesh_info, device, _shard_dim(shard_placement_fn, p), offload, pin)
                for p in params]
-    for sp in sharded:  # only now: a parameter that cannot be sharded leaves the module untouched
+    for p, sp in zip(params, sharded):  # only now: a parameter that cannot be sharded leaves the module untouched
         sp.info.register(sp.sharded_param)
+        setattr(p, _CLAIMED_BY, type(modules[0]).__name__)
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:
@@ -190,9 +197,16 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
 def _managed_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
     params, seen = [], set()
     for m in modules:
-        for p in m._parameters.values():
+        for name, p in m._parameters.items():
             if p is None or id(p) in seen or p in ignored:
                 continue
+            owner = getattr(p, _CLAIMED_BY, None)
+            if owner is not None:
+                raise UnshardableParameterError(
+                    f"parameter {type(m).__name__}.{name} is shared with the group of an earlier "
+                    f"fully_shard({owner}) call; shared (tied) parameters must live in one group: "
+                    "fully_shard([module_a, module_b]) or shard their common parent"
+                )
             seen.add(id(p))
             params.append(p)
     return params

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from shardkit.errors import TrainingStateError, UnshardableParameterError
+from shardkit.errors import TrainingStateError
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.param_group import ParamGroup, TrainingState
 from shardkit.runtime.policies import MixedPrecisionPolicy
@@ -115,7 +115,6 @@ class ShardState:
 
     def _init_fqns(self, root: nn.Module) -> None:
         by_param = {id(p.sharded_param): p for s in self.ctx.all_states for g in s.groups for p in g.params}
-        owners: dict[int, ParamGroup] = {}
         for name, param in root.named_parameters(remove_duplicate=False):
             sp = by_param.get(id(param))
             if sp is not None:
@@ -125,17 +124,6 @@ class ShardState:
             if state is not None:
                 for group in state.groups:
                     group.fqn = name or "<root>"
-        for state in self.ctx.all_states:
-            for group in state.groups:
-                for p in group.params:
-                    other = owners.get(p.orig_id)
-                    if other is not None and other is not group:
-                        raise UnshardableParameterError(
-                            f"parameter {p.fqn} is shared between the groups of {other.fqn!r} and "
-                            f"{group.fqn!r}; shared (tied) parameters must live in one group: "
-                            "fully_shard([module_a, module_b]) or shard their common parent"
-                        )
-                    owners[p.orig_id] = group
 
     # -------------------------------------------------------------- forward
 

@@ -103,7 +103,6 @@ class ShardedParam:
         self.accumulated_grad: torch.Tensor | None = None
         self.post_forward_data: torch.Tensor | None = None
         self.state = ShardedState.SHARDED
-        self.orig_id = id(param)  # detects one Parameter claimed by two groups
         self._init_sharded(param, shard_dim)
 
     # ------------------------------------------------------------------ init
