@@ -2,17 +2,26 @@
 
     torchrun --nproc_per_node 2 examples/train.py
     torchrun --nproc_per_node 2 examples/train.py --steps 20 --mixed-precision bf16
+    torchrun --nproc_per_node 2 examples/train.py --checkpoint-dir ckpt --save-every 5
+    torchrun --nproc_per_node 3 examples/train.py --checkpoint-dir ckpt --resume   # on 3 ranks
 
 Every rank holds 1/N of each parameter (a DTensor shard), its gradient and
 its AdamW state.  Before a block computes, its parameters are all-gathered;
 after, they are freed again; gradients are reduce-scattered back into shards.
 Each rank trains on its own slice of every global batch, so the printed loss
 is the mean over the global batch, as one process would see it.
+
+With ``--checkpoint-dir`` the run saves model and optimizer state through
+``shardkit.checkpoint.CheckpointManager`` (any fsspec URL) and can resume on a
+different number of ranks: pass ``--global-batch`` so that the data of a step
+does not depend on the world size, and the resumed losses are the ones the
+original run would have printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -21,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import shardkit.checkpoint as skc
 from shardkit import MixedPrecisionPolicy, fully_shard
 
 
@@ -29,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps to run")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step over all ranks (fixed across world sizes; "
+                             "must divide by the world size); default: ranks x --batch-size")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--vocab-size", type=int, default=251, help="(prime: exercises uneven shards)")
     parser.add_argument("--dim", type=int, default=64)
@@ -37,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
                         help="bf16: compute in bfloat16, reduce gradients in float32")
+    parser.add_argument("--checkpoint-dir", default=None, help="URL or path of the run's checkpoints")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="save after every N steps and after the last one (0: never save)")
+    parser.add_argument("--keep-last", type=int, default=2, help="committed steps to keep")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest committed step")
+    parser.add_argument("--resume-step", type=int, default=None, help="continue from this committed step")
+    parser.add_argument("--losses-out", default=None, help="rank 0 writes the losses here as JSON")
     return parser.parse_args(argv)
 
 
@@ -87,17 +107,22 @@ def batch_for(step: int, args: argparse.Namespace, device: torch.device) -> tupl
     loss visibly falls within a few steps."""
     world, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(args.seed * 100_003 + step)
-    rows = world * args.batch_size
+    rows = args.global_batch or world * args.batch_size
+    if rows % world:
+        raise SystemExit(f"--global-batch {rows} does not divide over {world} ranks")
     start = torch.randint(0, args.vocab_size, (rows, 1), generator=gen)
     stride = torch.randint(1, 4, (rows, 1), generator=gen)
     data = (start + stride * torch.arange(args.seq_len + 1)) % args.vocab_size
-    mine = data[rank * args.batch_size:(rank + 1) * args.batch_size].to(device)
+    per_rank = rows // world
+    mine = data[rank * per_rank:(rank + 1) * per_rank].to(device)
     return mine[:, :-1], mine[:, 1:]
 
 
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                start_step: int = 0, device: torch.device = torch.device("cpu")) -> list[float]:
-    """Run steps ``start_step .. args.steps - 1``; return the global mean losses."""
+                start_step: int = 0, device: torch.device = torch.device("cpu"),
+                manager: skc.CheckpointManager | None = None) -> list[float]:
+    """Run steps ``start_step .. args.steps - 1``; return the global mean losses.
+    With a ``manager``, save every ``args.save_every`` steps and after the last."""
     losses = []
     for step in range(start_step, args.steps):
         started = time.perf_counter()
@@ -115,7 +140,26 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, args: argpar
         if dist.get_rank() == 0:
             print(f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"({(time.perf_counter() - started) * 1e3:.0f} ms)", flush=True)
+        if manager is not None and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+            manager.save(step, model, optimizer, extra={"loss": losses[-1]})
     return losses
+
+
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> int:
+    """Load the requested committed step in place (any world size); return the next step to run."""
+    manager = skc.CheckpointManager(args.checkpoint_dir)
+    if args.resume_step is not None:
+        manager.load(args.resume_step, model, optimizer)
+        step = args.resume_step
+    else:
+        found = manager.load_latest(model, optimizer)
+        if found is None:
+            return 0
+        step = found[0]
+    if dist.get_rank() == 0:
+        print(f"resumed from step {step + 1} of {args.checkpoint_dir} on {dist.get_world_size()} ranks",
+              flush=True)
+    return step + 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +176,16 @@ def main(argv: list[str] | None = None) -> None:
         local = sum(p.to_local().numel() for p in model.parameters())
         print(f"{type(model).__name__}: {total:,} parameters, {local:,} on rank 0 "
               f"({dist.get_world_size()} ranks, {device.type}, mixed precision: {args.mixed_precision})", flush=True)
-    train_steps(model, optimizer, args, device=device)
+    start = 0
+    if args.checkpoint_dir and (args.resume or args.resume_step is not None):
+        start = resume(model, optimizer, args)
+    manager = None
+    if args.checkpoint_dir and args.save_every > 0:
+        manager = skc.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last)
+    losses = train_steps(model, optimizer, args, start_step=start, device=device, manager=manager)
+    if args.losses_out and dist.get_rank() == 0:
+        with open(args.losses_out, "w") as f:
+            json.dump({"start": start, "world_size": dist.get_world_size(), "losses": losses}, f)
     # every rank finishes its last collective before any tears down (gloo can
     # abort a peer that is still sending when the group goes away)
     dist.barrier()

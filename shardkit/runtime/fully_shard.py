@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.errors import AlreadyShardedError, ConfigurationError, TrainingStateError, UnshardableParameterError
 from shardkit.runtime.mesh_info import (default_mesh, device_from_mesh, mesh_info_for,
@@ -23,11 +24,12 @@ from shardkit.runtime.param_group import ParamGroup
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 
-# Set on each original Parameter once a group owns it.  The mark lives and dies
-# with the Parameter object itself, so a second fully_shard call that reaches the
-# same (tied) Parameter through another module is caught at once, and a freed
-# original can never be confused with a new one (ids are reused; objects are not).
-_CLAIMED_BY = "_shardkit_claimed_by"
+# Original Parameter -> the class of the module whose fully_shard call owns it.
+# Keys are held weakly and by identity, so an entry lives exactly as long as its
+# Parameter: a second call that reaches the same (tied) Parameter through another
+# module is caught at once, and a freed original is never confused with a new
+# one that happens to reuse its id().
+_CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "param_groups_of", "sharded_params_of"]
@@ -93,7 +95,7 @@ def fully_shard(
                for p in params]
     for p, sp in zip(params, sharded):  # only now: a parameter that cannot be sharded leaves the module untouched
         sp.info.register(sp.sharded_param)
-        setattr(p, _CLAIMED_BY, type(modules[0]).__name__)
+        _CLAIMED[p] = type(modules[0]).__name__
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:
@@ -200,7 +202,7 @@ def _managed_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> lis
         for name, p in m._parameters.items():
             if p is None or id(p) in seen or p in ignored:
                 continue
-            owner = getattr(p, _CLAIMED_BY, None)
+            owner = _CLAIMED.get(p)
             if owner is not None:
                 raise UnshardableParameterError(
                     f"parameter {type(m).__name__}.{name} is shared with the group of an earlier "
