@@ -108,7 +108,7 @@ def _recording(log: list):
         ParamGroup.unshard, ParamGroup._reduce = orig_unshard, orig_reduce
 
 
-def _event_order(explicit_forward_prefetch: bool):
+def _event_order(explicit_forward_prefetch: bool, no_backward_prefetch: bool = False):
     model = per_block(seeded_transformer(), shardkit_api(), make_mesh((dist.get_world_size(),)))
     layers = list(model.layers)
     log: list = []
@@ -116,6 +116,9 @@ def _event_order(explicit_forward_prefetch: bool):
         layer.attention_norm.register_forward_pre_hook(lambda m, a, i=i: log.append(("compute", f"layers.{i}")))
         if explicit_forward_prefetch:
             layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2])
+    if no_backward_prefetch:
+        for module in [model, *layers]:
+            module.set_modules_to_backward_prefetch([])
     tokens, targets = local_batch(0, dist.get_world_size(), dist.get_rank())
     with _recording(log):
         loss = lm_loss(model(tokens), targets)
@@ -141,6 +144,19 @@ def test_backward_prefetches_the_previous_block_and_reduces_in_reverse_order():
         ("reduce_scatter", "layers.1"),
         ("reduce_scatter", "layers.0"),
         ("reduce_scatter", "<root>"),  # the embedding's inputs need no grad: the final callback
+    ]
+
+
+def test_empty_backward_prefetch_list_gathers_each_block_only_at_its_own_pre_backward():
+    _, backward = run_on_ranks(2, _event_order, False, True)[0]
+    assert backward == [
+        ("all_gather", "layers.2", "PRE_BACKWARD"),  # the root's pre-backward prefetches nothing
+        ("reduce_scatter", "layers.2"),
+        ("all_gather", "layers.1", "PRE_BACKWARD"),
+        ("reduce_scatter", "layers.1"),
+        ("all_gather", "layers.0", "PRE_BACKWARD"),
+        ("reduce_scatter", "layers.0"),
+        ("reduce_scatter", "<root>"),
     ]
 
 

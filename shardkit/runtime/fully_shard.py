@@ -362,8 +362,9 @@ class FSDPModule:
         self._shard_state().forward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather ``modules`` at this module's pre-backward (replaces the
-        default: the module that ran forward just before this one)."""
+        """All-gather ``modules`` at this module's pre-backward.  Any list, even
+        an empty one, replaces the default (the module that ran forward just
+        before this one): ``[]`` turns backward prefetching off for this module."""
         self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:

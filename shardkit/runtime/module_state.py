@@ -65,7 +65,9 @@ class ShardState:
         self.comm = CommContext(device)
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[ShardState] = []
-        self.backward_prefetch: list[ShardState] = []
+        # None: the default (the state that ran forward just before this one);
+        # a list, even an empty one, replaces it ([] prefetches nothing).
+        self.backward_prefetch: list[ShardState] | None = None
         self._to_run: set[nn.Module] = set()  # modules of this call still to run in this forward
         self._warned_view = False
         self._handles = []
@@ -243,10 +245,10 @@ class ShardState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
-        explicit = bool(self.backward_prefetch)
+        explicit = self.backward_prefetch is not None
         for group in self.groups:
             group.pre_backward(default_prefetch=not explicit)
-        for state in self.backward_prefetch:
+        for state in self.backward_prefetch or ():
             for group in reversed(state.groups):
                 group.prefetch(TrainingState.PRE_BACKWARD)
         return grad
