@@ -198,11 +198,9 @@ def _finish_root(root: nn.Module, args: FSDP1Args) -> None:
         unit.__dict__["_fsdp1_is_root"] = unit is root
     units = [u for u in root.modules() if isinstance(u, FSDPModule) and u is not root]
     prefetch = mapping.as_enum(args.backward_prefetch, BackwardPrefetch, "backward_prefetch")
-    if prefetch is None:
-        # An explicit list replaces the core's default (the previous unit);
-        # a unit "prefetching" itself, already being gathered, prefetches nothing.
+    if prefetch is None:  # FSDP1: no backward prefetch; an empty list turns the core's default off
         for unit in [root, *units]:
-            unit.set_modules_to_backward_prefetch([unit])
+            unit.set_modules_to_backward_prefetch([])
     if args.forward_prefetch:
         _record_forward_order(root, units)
 
