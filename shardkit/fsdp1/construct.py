@@ -215,18 +215,35 @@ def run_in_float32(module: nn.Module) -> None:
 # one unit, and the whole tree
 
 
-def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: torch.device,
-               ignored_modules: set[nn.Module], ignored_params: set[nn.Parameter],
-               finish: Callable[[nn.Module, FSDP1Args], None]) -> None:
-    modules = unit_modules(module, ignored_modules)
-    materialize_meta(modules, device, args.param_init_fn)
+@dataclass
+class Build:
+    """What every unit of one ``FullyShardedDataParallel`` call shares."""
+
+    device: torch.device
+    ignored_modules: set[nn.Module]
+    ignored_params: set[nn.Parameter]
+    finish: Callable[[nn.Module, FSDP1Args], None]
+    meshes: dict[tuple, DeviceMesh] = dataclasses.field(default_factory=dict)  # this call's only
+
+
+def shard_unit(module: nn.Module, args: FSDP1Args, build: Build, *, is_root: bool) -> None:
+    """Make ``module`` one FSDP1 unit: FSDP1's three per-unit steps on the
+    modules it manages (not yet-sharded units below it, not ignored ones),
+    then ``fully_shard`` with the mesh and policies its arguments map to,
+    then ``build.finish`` (the FSDP1 class swap).
+
+    Doing the steps per unit, right before that unit is sharded, keeps peak
+    memory at one unsharded unit for meta-device models, as in FSDP1.
+    """
+    modules = unit_modules(module, build.ignored_modules)
+    materialize_meta(modules, build.device, args.param_init_fn)
     if args.sync_module_states:
-        sync_module_states(modules, ignored_params, args.process_group, device)
+        sync_module_states(modules, build.ignored_params, args.process_group, build.device)
     mp = args.mixed_precision
     if mp is not None:
         cast_buffers(modules, mp.buffer_dtype)
-    mesh = mapping.build_mesh(args.strategy, device, process_group=args.process_group,
-                              device_mesh=args.device_mesh)
+    mesh = mapping.build_mesh(args.strategy, build.device, process_group=args.process_group,
+                              device_mesh=args.device_mesh, cache=build.meshes)
     mp_fields = mapping.mixed_precision_fields(mp, is_root=is_root)
     # FSDP1 never frees the root's parameters after forward (backward needs
     # them at once); which unit is the root is only known at the first
@@ -235,8 +252,8 @@ def shard_unit(module: nn.Module, args: FSDP1Args, *, is_root: bool, device: tor
     fully_shard(module, mesh=mesh, reshard_after_forward=None if (is_root and reshard) else reshard,
                 mp_policy=MixedPrecisionPolicy(**mp_fields) if mp_fields else MixedPrecisionPolicy(),
                 offload_policy=CPUOffloadPolicy() if mapping.offload_params(args.cpu_offload) else OffloadPolicy(),
-                ignored_params=ignored_params)
-    finish(module, args)
+                ignored_params=build.ignored_params)
+    build.finish(module, args)
 
 
 def _warn_accepted_arguments(args: FSDP1Args) -> None:
@@ -278,15 +295,13 @@ def construct(root: nn.Module, args: FSDP1Args, finish: Callable[[nn.Module, FSD
         raise AlreadyShardedError(f"this {type(root).__name__} is already sharded; apply "
                                   "FullyShardedDataParallel once per module")
     _warn_accepted_arguments(args)
-    device = mapping.compute_device(args.device_id)
     ignored_modules, ignored_params = resolve_ignored(root, args)
+    build = Build(mapping.compute_device(args.device_id), ignored_modules, ignored_params, finish)
     for target in _targets(root, args, ignored_modules):
         unknown = set(target.overrides) - {f.name for f in dataclasses.fields(FSDP1Args)}
         if unknown:
             raise ConfigurationError(f"CustomPolicy returned unknown FullyShardedDataParallel arguments "
                                      f"{sorted(unknown)} for {target.name!r}")
-        shard_unit(target.module, dataclasses.replace(args, **target.overrides), is_root=False,
-                   device=device, ignored_modules=ignored_modules, ignored_params=ignored_params, finish=finish)
-    shard_unit(root, args, is_root=True, device=device, ignored_modules=ignored_modules,
-               ignored_params=ignored_params, finish=finish)
+        shard_unit(target.module, dataclasses.replace(args, **target.overrides), build, is_root=False)
+    shard_unit(root, args, build, is_root=True)
     return root

@@ -178,17 +178,20 @@ def compute_device(device_id: int | torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
-_mesh_cache: dict[tuple, DeviceMesh] = {}
-
-
-def build_mesh(strategy: ShardingStrategy | None, device: torch.device, *,
-               process_group: Any = None, device_mesh: DeviceMesh | None = None) -> DeviceMesh:
+def build_mesh(strategy: ShardingStrategy | None, device: torch.device, *, process_group: Any = None,
+               device_mesh: DeviceMesh | None = None, cache: dict[tuple, DeviceMesh] | None = None) -> DeviceMesh:
     """The ``fully_shard`` mesh for one FSDP1 unit.
 
-    Meshes are cached per (strategy layout, groups, device) so that all units
-    of a model share one mesh, and building them stays collective-safe (every
-    rank builds the same meshes in the same order).
+    ``cache`` (per (strategy layout, groups, device)) lets all units of one
+    ``FullyShardedDataParallel`` call share one mesh; building stays
+    collective-safe because every rank builds the same meshes in the same
+    order.  The caller owns the cache and keeps it for one call only: meshes
+    live on with the model that uses them, never in a process-wide table that
+    would hand meshes over destroyed process groups to a later model.  Separate
+    calls (manual nesting) therefore build their own mesh each; pass one
+    ``device_mesh=`` to all of them to share it.
     """
+    cache = {} if cache is None else cache
     strategy = as_enum(strategy, ShardingStrategy, "sharding_strategy") or ShardingStrategy.FULL_SHARD
     if not dist.is_initialized():
         raise ConfigurationError("FullyShardedDataParallel needs an initialized process group; call "
@@ -197,16 +200,16 @@ def build_mesh(strategy: ShardingStrategy | None, device: torch.device, *,
         raise ConfigurationError("pass either process_group or device_mesh to FullyShardedDataParallel, "
                                  "not both")
     if device_mesh is not None:
-        return _mesh_from_device_mesh(strategy, device_mesh)
+        return _mesh_from_device_mesh(strategy, device_mesh, cache)
     if isinstance(process_group, tuple):
-        return _mesh_from_group_pair(strategy, process_group, device.type)
+        return _mesh_from_group_pair(strategy, process_group, device.type, cache)
     group = process_group or dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
     layout = strategy_layout(strategy, len(ranks), min(local, len(ranks)))
     key = ("layout", layout.shape, ranks, device.type)
-    if key in _mesh_cache:
-        return _mesh_cache[key]
+    if key in cache:
+        return cache[key]
     if len(ranks) == dist.get_world_size():
         names = DIM_NAMES if layout.replicate is not None else ("shard",)
         mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=names)
@@ -217,11 +220,11 @@ def build_mesh(strategy: ShardingStrategy | None, device: torch.device, *,
             f"{strategy.name} with a process_group of {len(ranks)} of {dist.get_world_size()} ranks: "
             "pass device_mesh=... (a 2-D (replicate, shard) mesh) or, for hybrid sharding, "
             "process_group=(shard_group, replicate_group)")
-    _mesh_cache[key] = mesh
+    cache[key] = mesh
     return mesh
 
 
-def _mesh_from_device_mesh(strategy: ShardingStrategy, mesh: DeviceMesh) -> DeviceMesh:
+def _mesh_from_device_mesh(strategy: ShardingStrategy, mesh: DeviceMesh, cache: dict[tuple, DeviceMesh]) -> DeviceMesh:
     if is_hybrid(strategy):
         if mesh.ndim != 2:
             raise UnsupportedMeshError(f"{strategy.name} needs a 2-D (replicate, shard) device_mesh, "
@@ -235,11 +238,12 @@ def _mesh_from_device_mesh(strategy: ShardingStrategy, mesh: DeviceMesh) -> Devi
         if len(ranks) != dist.get_world_size():
             raise UnsupportedMeshError("NO_SHARD with a device_mesh over part of the world is not "
                                        "supported; use the whole world or HYBRID_SHARD")
-        return build_mesh(strategy, torch.device(mesh.device_type))
+        return build_mesh(strategy, torch.device(mesh.device_type), cache=cache)
     return mesh
 
 
-def _mesh_from_group_pair(strategy: ShardingStrategy, groups: tuple, device_type: str) -> DeviceMesh:
+def _mesh_from_group_pair(strategy: ShardingStrategy, groups: tuple, device_type: str,
+                          cache: dict[tuple, DeviceMesh]) -> DeviceMesh:
     """FSDP1's ``process_group=(shard_group, replicate_group)`` for hybrid sharding."""
     if not is_hybrid(strategy) or len(groups) != 2:
         raise ConfigurationError("process_group may be a (shard_group, replicate_group) pair only with "
@@ -247,13 +251,13 @@ def _mesh_from_group_pair(strategy: ShardingStrategy, groups: tuple, device_type
     shard_group, replicate_group = groups
     key = ("pair", tuple(dist.get_process_group_ranks(shard_group)),
            tuple(dist.get_process_group_ranks(replicate_group)), device_type)
-    if key in _mesh_cache:
-        return _mesh_cache[key]
+    if key in cache:
+        return cache[key]
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     row = torch.tensor(dist.get_process_group_ranks(shard_group), device=device)
     rows = [torch.empty_like(row) for _ in range(replicate_group.size())]
     dist.all_gather(rows, row, group=replicate_group)
     mesh = DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=torch.stack(rows).cpu(),
                                  mesh_dim_names=DIM_NAMES)
-    _mesh_cache[key] = mesh
+    cache[key] = mesh
     return mesh

@@ -11,7 +11,9 @@ collectives need is resolved once here into a :class:`MeshInfo`.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,8 +67,17 @@ class PostForwardGroup:
     rank: int
 
 
-_default_meshes: dict[tuple[str, int], DeviceMesh] = {}
-_post_forward_groups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
+# Meshes and groups built here are reused by every later ``fully_shard`` call,
+# but only while the default process group they were built under lives: the
+# cache is keyed (weakly) by that group object, so after
+# ``destroy_process_group()`` and a new ``init_process_group()`` in the same
+# process nothing over the dead groups is ever handed out again.
+_per_default_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _cache() -> dict[tuple, Any]:
+    """The cache of the current default process group."""
+    return _per_default_group.setdefault(dist.group.WORLD, {})
 
 
 def default_mesh() -> DeviceMesh:
@@ -80,10 +91,10 @@ def default_mesh() -> DeviceMesh:
         )
     backend = str(dist.get_backend()).lower()
     device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
-    key = (device_type, dist.get_world_size())
-    if key not in _default_meshes:
-        _default_meshes[key] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _default_meshes[key]
+    cache, key = _cache(), ("default_mesh", device_type)
+    if key not in cache:
+        cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return cache[key]
 
 
 def device_from_mesh(mesh: DeviceMesh) -> torch.device:
@@ -144,8 +155,7 @@ def post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
     Every rank of the default group must make the same calls (process-group
     creation is collective); ``fully_shard`` calls are, by contract."""
     rows = mesh_info.mesh.mesh.reshape(-1, k).tolist()
-    key = tuple(tuple(row) for row in rows)
-    if key not in _post_forward_groups:
-        group, _ = dist.new_subgroups_by_enumeration([list(row) for row in key])
-        _post_forward_groups[key] = group
-    return PostForwardGroup(_post_forward_groups[key], k, mesh_info.shard_rank % k)
+    cache, key = _cache(), ("post_forward", tuple(tuple(row) for row in rows))
+    if key not in cache:
+        cache[key], _ = dist.new_subgroups_by_enumeration([list(row) for row in key[1]])
+    return PostForwardGroup(cache[key], k, mesh_info.shard_rank % k)
