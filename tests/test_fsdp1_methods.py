@@ -3,19 +3,23 @@ apply, clip_grad_norm_, and the model state-dict types."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardkit import (FullStateDictConfig, FullyShardedDataParallel as FSDP, ShardedStateDictConfig, ShardingStrategy,
                       StateDictType)
 from shardkit.errors import ConfigurationError
-from shardkit.wrap import transformer_auto_wrap_policy
+from shardkit.fsdp1 import grad_norm
+from shardkit.wrap import CustomPolicy, transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import PER_RANK, build_transformer, global_batch
+from tests.fsdp1_helpers import PER_RANK, CollectiveCounter, build_transformer, global_batch
 from tests.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
@@ -132,6 +136,67 @@ def test_clip_grad_norm_returns_the_total_norm_and_clips_like_unsharded_training
         torch.testing.assert_close(inf_norm, ref_inf, rtol=1e-6, atol=0)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(clipped[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _clip_norm_over_mixed_meshes_and_an_ignored_module():
+    """Blocks FULL_SHARD, layer 0 NO_SHARD (a (W, 1) mesh), the final norm ignored
+    (plain gradients); every rank trains on the same batch, so each ignored
+    gradient equals the single-process one and the total norm must too."""
+    reference = build_transformer()
+    tokens, targets = global_batch(3, 1)
+    lm_loss(reference(tokens), targets).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    model = build_transformer()
+    first = model.layers[0]
+    policy = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.NO_SHARD} if m is first
+                          else isinstance(m, Block))
+    model = FSDP(model, auto_wrap_policy=policy, ignored_modules=[model.norm])
+    lm_loss(model(tokens), targets).backward()
+    with CollectiveCounter() as comm:
+        norm = model.clip_grad_norm_(0.1)
+    clipped_norm = model.norm.weight.grad.clone()
+    return ref_norm, norm, comm.counts["allreduce_"], clipped_norm, reference.norm.weight.grad
+
+
+def test_clip_grad_norm_counts_replicas_and_ignored_gradients_once():
+    for ref_norm, norm, all_reduces, clipped, ref_clipped in run_on_ranks(
+            2, _clip_norm_over_mixed_meshes_and_an_ignored_module):
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(clipped, ref_clipped, rtol=1e-6, atol=0)
+        assert all_reduces == 1  # one for the 1-D shard group; the NO_SHARD unit's shard dim has one rank
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_clip_grad_norm_issues_the_same_operations_for_any_number_of_parameters():
+    """No per-parameter norm or host copy (on CUDA each would synchronize);
+    and with plain gradients the result is exactly torch's clip_grad_norm_."""
+    counted = []
+    for n in (3, 30):
+        torch.manual_seed(n)
+        params = [nn.Parameter(torch.randn(5, 4, dtype=torch.float64 if i % 3 else torch.float32))
+                  for i in range(n)]
+        twins = [nn.Parameter(p.detach().clone()) for p in params]
+        for p, twin in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            twin.grad = p.grad.clone()
+        with _OpCounter() as counter:
+            norm = grad_norm.clip_grad_norm_(params, 0.1)
+        counted.append(counter.ops)
+        ref = torch.nn.utils.clip_grad_norm_(twins, 0.1)
+        torch.testing.assert_close(norm, ref.to(norm.dtype), rtol=1e-6, atol=0)
+        for p, twin in zip(params, twins):
+            torch.testing.assert_close(p.grad, twin.grad, rtol=1e-6, atol=0)
+    assert counted[0] == counted[1]
+    assert counted[0]["aten._foreach_norm.Scalar"] == 1 and "aten.linalg_vector_norm.default" not in counted[0]
 
 
 def _state_dict_types():
