@@ -177,10 +177,13 @@ def _has_own_forward(module: nn.Module) -> bool:
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+    """Warn once per process and ``key`` that a request cannot be honoured as
+    asked (never silently; never once per module or per call).  Shared by
+    the policies here and the FSDP1 surface."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
@@ -243,7 +246,7 @@ def plan_auto_wrap(root: nn.Module, policy: WrapPolicy | ModuleWrapPolicy | Cust
         if module is root or _already_sharded(module):
             continue
         if not _has_own_forward(module):
-            _warn_once(f"container:{type(module).__name__}",
+            warn_once(f"container:{type(module).__name__}",
                        f"auto_wrap_policy chose {names.get(module, '?')!r} ({type(module).__name__}), "
                        "which has no forward of its own, so sharding hooks on it would never run; "
                        "its parameters join the enclosing unit instead")

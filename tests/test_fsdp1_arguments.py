@@ -18,6 +18,7 @@ from shardkit import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as 
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.runtime import sharded_params_of
+import shardkit.wrap as sk_wrap
 from shardkit.wrap import CustomPolicy, ModuleWrapPolicy, transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
 from tests.fsdp1_helpers import (CollectiveCounter, assert_close_losses, build_transformer, reference_losses,
@@ -68,7 +69,7 @@ def test_mixed_precision_maps_root_and_inner_input_casts():
 
 
 def test_arguments_that_cannot_hold_warn_exactly_once():
-    mapping._warned.clear()
+    sk_wrap._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -99,7 +100,7 @@ class WithBuffers(nn.Module):
 
 
 def _mixed_precision():
-    mapping._warned.clear()
+    sk_wrap._warned.clear()
     torch.manual_seed(0)
     model = WithBuffers()
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
@@ -236,7 +237,7 @@ def test_backward_prefetch_none_gathers_each_block_only_at_its_own_backward():
 
 
 def _use_orig_params_warnings():
-    mapping._warned.clear()
+    sk_wrap._warned.clear()
     counts = []
     for kwargs in ({}, {"use_orig_params": True}, {"use_orig_params": False}, {"use_orig_params": False},
                    {"limit_all_gathers": False}):

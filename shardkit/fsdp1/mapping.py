@@ -10,7 +10,6 @@ version of this module.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -27,21 +26,12 @@ from shardkit.fsdp1.api import (
     ShardingStrategy,
     StateDictType,
 )
+from shardkit.wrap import warn_once  # one once-per-process registry for wrap policies and FSDP1
 
 __all__ = ["StrategyLayout", "strategy_layout", "as_enum", "mixed_precision_fields", "offload_params",
            "build_mesh", "compute_device", "warn_once", "reshard_after_forward", "DIM_NAMES"]
 
 DIM_NAMES = ("replicate", "shard")
-
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn about an FSDP1 meaning that does not hold, once per process and key."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def as_enum(value: Any, enum: type[Enum], argument: str) -> Any:
@@ -140,6 +130,11 @@ def offload_params(cpu_offload: CPUOffload | Any | None) -> bool:
 
 
 def check_backward_prefetch(value: Any) -> BackwardPrefetch | None:
+    """``backward_prefetch`` as our enum (or ``None``).  The core gathers the
+    next unit in the pre-backward hook of the current one, before its
+    gradients are computed: that is ``BACKWARD_PRE``.  It has no hook after a
+    unit's gradient computation that could issue the all-gather there, so
+    ``BACKWARD_POST`` warns once and runs as ``BACKWARD_PRE``."""
     value = as_enum(value, BackwardPrefetch, "backward_prefetch")
     if value is BackwardPrefetch.BACKWARD_POST:
         warn_once("backward_post", "backward_prefetch=BACKWARD_POST is not available on shardkit; "
@@ -148,6 +143,10 @@ def check_backward_prefetch(value: Any) -> BackwardPrefetch | None:
 
 
 def check_state_dict_type(value: Any) -> StateDictType:
+    """``state_dict_type`` as our enum.  ``LOCAL_STATE_DICT`` meant FSDP1's
+    flat-parameter shards, which per-parameter sharding does not have; it is
+    served as the sharded state dict (which also reloads at any world size)
+    and warns once so that nobody relies on the flat layout."""
     value = as_enum(value, StateDictType, "state_dict_type")
     if value is StateDictType.LOCAL_STATE_DICT:
         warn_once("local_state_dict", "LOCAL_STATE_DICT (FSDP1's flat-parameter shards) has no "
