@@ -1,17 +1,22 @@
 """FSDP1's optimizer-state statics round-trip across world sizes: a model and
 AdamW trained at 2 ranks, saved in FSDP1's full and sharded forms, continue
-at 3 ranks (and in one process) with the losses of the uninterrupted run."""
+at 3 ranks (and in one process) with the losses of the uninterrupted run.
+Optimizer state keeps its own dtype, and arguments that cannot be honoured
+warn once."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
+import shardkit.wrap as sk_wrap
 from shardkit import FullyShardedDataParallel as FSDP, OptimStateKeyType, StateDictType
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
@@ -41,6 +46,7 @@ def _save_at_two(root):
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)},
                  checkpoint_id=os.path.join(root, "sharded"))
+    dcp.save({"optim": FSDP.sharded_optim_state_dict(model, optim)}, checkpoint_id=os.path.join(root, "sharded_optim"))
     fresh_model = FSDP(build_transformer(), auto_wrap_policy=POLICY)
     fresh = FSDP.full_optim_state_dict(fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=LR))
     cont = train_steps(model, optim, range(3, 5), world, rows=ROWS)
@@ -84,6 +90,14 @@ def _load_at_three(root):
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
     results["sharded"] = train_steps(model, optim, range(3, 5), world, rows=ROWS)
 
+    # sharded_optim_state_dict as DCP's template, then flatten_sharded_optim_state_dict
+    model, optim = _wrapped_with_optimizer()
+    model.load_state_dict(saved_model)
+    osd = FSDP.sharded_optim_state_dict(model, optim)
+    dcp.load({"optim": osd}, checkpoint_id=os.path.join(root, "sharded_optim"))
+    optim.load_state_dict(FSDP.flatten_sharded_optim_state_dict(osd, model, optim))
+    results["flatten"] = train_steps(model, optim, range(3, 5), world, rows=ROWS)
+
     # an unwrapped model's optimizer state, re-keyed by name, into the wrapped one
     plain = build_transformer(seed=7)
     plain.load_state_dict(saved_model)
@@ -112,7 +126,7 @@ def test_full_and_sharded_optimizer_state_saved_at_two_ranks_continue_at_three(t
         for fqn, values in saved_optim["state"].items():
             for key, value in values.items():
                 assert torch.equal(osd[fqn][key], value), (fqn, key)
-        for path in ("scatter", "shard", "sharded", "rekeyed"):
+        for path in ("scatter", "shard", "sharded", "flatten", "rekeyed"):
             assert_close_losses(result[path], cont)
 
     # one process: the full state re-keyed to IDs loads into a plain AdamW
@@ -177,3 +191,97 @@ def test_optim_state_dict_full_rank0_only_round_trips_through_optim_state_dict_t
     assert len(results[0][0]) == 44 and results[1][0] == []
     for _, same, a, b in results:
         assert same and a == b
+
+
+# --------------------------------------------------------------------------
+# state dtypes, and the arguments that are not honoured
+
+
+class _Fp32MomentumSGD(torch.optim.Optimizer):
+    """SGD whose momentum stays float32 whatever the parameter's dtype, as
+    mixed-precision optimizers keep their moments."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    momentum = self.state[p].setdefault("momentum", torch.zeros_like(p, dtype=torch.float32))
+                    momentum.mul_(0.9).add_(p.grad.float())
+                    p.add_(momentum.to(p.dtype), alpha=-group["lr"])
+
+
+def _bf16_with_fp32_momentum():
+    model = FSDP(build_transformer(seed=7).to(torch.bfloat16), auto_wrap_policy=POLICY)
+    return model, _Fp32MomentumSGD(model.parameters())
+
+
+def _state_keeps_its_dtype():
+    rank = dist.get_rank()
+    model, optim = _bf16_with_fp32_momentum()
+    train_steps(model, optim, range(1), dist.get_world_size(), rows=ROWS)
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    sharded = FSDP.sharded_optim_state_dict(model, optim)
+    target, target_optim = _bf16_with_fp32_momentum()  # no state yet: every form is cut from the full values
+    loadable = {
+        "shard_full": FSDP.shard_full_optim_state_dict(full, target, optim=target_optim),
+        "scatter_full": FSDP.scatter_full_optim_state_dict(full if rank == 0 else None, target, optim=target_optim),
+        "flatten_full": FSDP.flatten_sharded_optim_state_dict(full, target, target_optim),
+        "flatten_sharded": FSDP.flatten_sharded_optim_state_dict(sharded, target, target_optim),
+    }
+    out = {"full": {v["momentum"].dtype for v in full["state"].values()},
+           "sharded": {v["momentum"].dtype for v in sharded["state"].values()}}
+    for name, osd in loadable.items():
+        by_name = FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, target, optim=target_optim)
+        moments = {fqn: v["momentum"] for fqn, v in by_name["state"].items()}
+        out[name] = ({m.dtype for m in moments.values()},
+                     all(isinstance(m, DTensor) and torch.equal(m.full_tensor(), full["state"][fqn]["momentum"])
+                         for fqn, m in moments.items()),
+                     sorted(moments) == sorted(full["state"]))
+    return out
+
+
+def test_optimizer_state_keeps_its_own_dtype_through_every_static():
+    """fp32 moments of bf16 parameters stay fp32 (and bitwise) in the full, sharded
+    and loadable forms.  (torch's ``Optimizer.load_state_dict`` itself then casts
+    floating state to the parameter's dtype; these functions do not.)"""
+    for out in run_on_ranks(2, _state_keeps_its_dtype):
+        assert out.pop("full") == {torch.float32} and out.pop("sharded") == {torch.float32}
+        for name, (dtypes, equal, complete) in out.items():
+            assert dtypes == {torch.float32} and equal and complete, name
+
+
+def _ignored_arguments_warn_once():
+    sk_wrap._warned.clear()
+    model, optim = _wrapped_with_optimizer()
+    train_steps(model, optim, range(1), dist.get_world_size(), rows=ROWS)
+    part = dist.new_group([0])  # every rank creates it; the model is sharded over both ranks
+    counts = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            FSDP.full_optim_state_dict(model, optim, group=dist.group.WORLD)  # the model's own ranks: honoured
+        counts["whole world"] = len(caught)
+        for _ in range(2):
+            full = FSDP.full_optim_state_dict(model, optim, group=part)
+            FSDP.full_optim_state_dict(model, optim, optim_input=list(model.parameters()))
+            sharded = FSDP.sharded_optim_state_dict(model, optim, group=part)
+            FSDP.scatter_full_optim_state_dict(full or None, model, optim=optim, group=part)
+            FSDP.optim_state_dict(model, optim, group=part)
+            FSDP.optim_state_dict_to_load(model, optim, sharded, group=part)
+    texts = [str(w.message) for w in caught]
+    for function in ("full_optim_state_dict", "sharded_optim_state_dict", "scatter_full_optim_state_dict",
+                     "optim_state_dict", "optim_state_dict_to_load"):
+        counts[function] = sum(t.startswith(f"{function}(group=") for t in texts)
+    counts["optim_input"] = sum("optim_input" in t for t in texts)
+    return counts
+
+
+def test_group_and_optim_input_that_are_not_honoured_warn_once_each():
+    for counts in run_on_ranks(2, _ignored_arguments_warn_once):
+        assert counts == {"whole world": 0, "full_optim_state_dict": 1, "sharded_optim_state_dict": 1,
+                          "scatter_full_optim_state_dict": 1, "optim_state_dict": 1, "optim_state_dict_to_load": 1,
+                          "optim_input": 1}

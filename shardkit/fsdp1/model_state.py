@@ -22,7 +22,9 @@ Loading goes the other way: a pre-hook turns every plain tensor aimed at a
 placements by slicing locally (every rank holds the full tensor in FSDP1's
 full-state-dict load, so no communication is needed).  ``DTensor`` values,
 e.g. from ``torch.distributed.checkpoint``, pass through; one laid out for
-another mesh is gathered and re-cut.
+another mesh is gathered and re-cut.  :func:`relayout_like` does that re-cut
+for model and optimizer state alike, on the checkpoint subsystem's
+``shard_full_tensor``.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from shardkit.checkpoint.state_dict import reading_live_tensors
+from shardkit.checkpoint.state_dict import reading_live_tensors, shard_full_tensor
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.fsdp1.api import (
@@ -53,7 +55,7 @@ from shardkit.fsdp1.api import (
 )
 
 __all__ = ["SETTINGS_ATTR", "DEFAULT_SETTINGS", "units_under", "set_state_dict_type", "get_state_dict_type",
-           "state_dict_type", "post_state_dict_hook", "pre_load_state_dict_hook"]
+           "state_dict_type", "post_state_dict_hook", "pre_load_state_dict_hook", "layout_like", "relayout_like"]
 
 SETTINGS_ATTR = "_fsdp1_state_dict_settings"
 DEFAULT_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
@@ -137,6 +139,14 @@ def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
 
 
 def post_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Registered on every unit: turn the unit subtree's ``DTensor`` values into
+    what the unit's state-dict type asks for (see the module docstring).
+
+    Units nest, so an inner unit's hook has already turned its values into
+    plain tensors when the outer unit's hook runs; the outer one only touches
+    what is still a ``DTensor``.  Inside ``shardkit.checkpoint``'s
+    ``live_tensors()`` it does nothing, whatever the type.
+    """
     settings = settings_of(module)
     if settings.state_dict_type is not StateDictType.FULL_STATE_DICT or reading_live_tensors():
         return  # shardkit.checkpoint asks for the live (sharded) tensors, whatever the type
@@ -158,6 +168,14 @@ def post_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: 
 def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                              error_msgs: list[str]) -> None:
+    """Registered on every unit: lay each tensor aimed at one of the unit's
+    ``DTensor`` parameters out like that parameter (:func:`relayout_like`), so
+    ``load_state_dict``'s in-place copy runs shard to shard.
+
+    Values of the wrong shape are left alone for ``load_state_dict`` to report
+    with their key.  A ``DTensor`` laid out for another mesh is gathered, so
+    every rank must load (as in FSDP1).
+    """
     for name, param in module.named_parameters():
         key = prefix + name
         value = state_dict.get(key)
@@ -165,9 +183,32 @@ def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], pref
             continue
         if tuple(value.shape) != tuple(param.shape):
             continue  # load_state_dict reports the size mismatch with the key
-        if isinstance(value, DTensor):
-            if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
-                continue
-            value = value.full_tensor()  # another layout: every rank gathers it, then keeps its slice
-        local = value.detach().to(device=param.to_local().device)
-        state_dict[key] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+        state_dict[key] = relayout_like(value.detach(), param)
+
+
+# --------------------------------------------------------------------------
+# laying a value out like a sharded parameter
+
+
+def layout_like(param: DTensor, dtype: torch.dtype) -> DTensor:
+    """A ``DTensor`` with ``param``'s shape, mesh and placements in ``dtype``:
+    the template the checkpoint subsystem's ``shard_full_tensor`` /
+    ``shard_state`` cut full values to.  ``param`` itself when the dtype
+    matches (nothing allocated); else an uninitialized local shard."""
+    return param.detach() if param.dtype == dtype else torch.empty_like(param, dtype=dtype)
+
+
+def relayout_like(value: torch.Tensor, param: DTensor) -> DTensor:
+    """``value`` laid out like ``param`` (same mesh and placements), keeping
+    ``value``'s own dtype (an fp32 moment of a bf16 parameter stays fp32).
+
+    A ``DTensor`` already laid out so is returned as is; one laid out
+    otherwise is gathered with ``full_tensor()`` (a collective) and re-cut; a
+    plain tensor is the full value, and each rank keeps its slice (no
+    communication).
+    """
+    if isinstance(value, DTensor):
+        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
+            return value
+        value = value.full_tensor()
+    return shard_full_tensor(value, layout_like(param, value.dtype))

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -39,15 +40,7 @@ from shardkit.fsdp1.api import OptimStateKeyType, StateDictType
 
 __all__ = ["rekey_optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict",
            "shard_full_optim_state_dict", "scatter_full_optim_state_dict", "flatten_sharded_optim_state_dict",
-           "optim_state_dict", "optim_state_dict_to_load", "param_id_order", "fqn_of_params"]
-
-
-def fqn_of_params(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Each parameter's FQN (the first name of a shared parameter)."""
-    out: dict[nn.Parameter, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out.setdefault(p, name)
-    return out
+           "optim_state_dict", "optim_state_dict_to_load", "param_id_order"]
 
 
 def param_id_order(model: nn.Module, optim: torch.optim.Optimizer | None,
@@ -87,8 +80,8 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
             key_type is OptimStateKeyType.PARAM_ID and all(numbered)):
         return optim_state_dict
     order = param_id_order(model, optim, optim_input)
-    names = fqn_of_params(model)
-    id_to_name = {i: names[p] for i, p in enumerate(order) if p in names}
+    names = sd.param_fqns(model)
+    id_to_name = {i: names[id(p)] for i, p in enumerate(order) if id(p) in names}
     if key_type is OptimStateKeyType.PARAM_NAME:
         mapping_ = id_to_name
     else:
@@ -146,18 +139,33 @@ def _loadable(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input
 
 
 def _params_by_fqn(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {name: p for p, name in fqn_of_params(model).items()}
+    """FQN -> parameter, with the FQNs the checkpoint subsystem uses (the
+    first name of a shared parameter, wrapper parts dropped)."""
+    names = sd.param_fqns(model)
+    return {names[id(p)]: p for p in model.parameters()}
 
 
 def _like_param(value: Any, param: nn.Parameter | None) -> Any:
-    """A state tensor laid out like its parameter (sharded the same way)."""
-    if not isinstance(value, torch.Tensor) or not isinstance(param, DTensor) or tuple(value.shape) != tuple(param.shape):
-        return value
-    if isinstance(value, DTensor):
-        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
-            return value
-        value = value.full_tensor()
-    return sd.shard_full_tensor(value, param)
+    """A state tensor of its parameter's shape, laid out like the parameter
+    (in the state's own dtype); anything else unchanged."""
+    if isinstance(value, torch.Tensor) and isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
+        return model_state.relayout_like(value, param)
+    return value
+
+
+def _check_group(group: Any, function: str) -> None:
+    """FSDP1's ``group`` names the process group the model is sharded over.
+    shardkit gathers and cuts optimizer state over each parameter's own mesh
+    and broadcasts from rank 0 of the default group, which is exactly that
+    when ``group`` spans every rank; over fewer ranks it is not honoured: warn."""
+    if group is None or not dist.is_initialized():
+        return
+    ranks = sorted(dist.get_process_group_ranks(group))
+    if ranks == list(range(dist.get_world_size())):
+        return
+    mapping.warn_once(f"group:{function}", f"{function}(group=<{len(ranks)} of {dist.get_world_size()} ranks>) "
+                      "is not honoured: shardkit uses each parameter's own mesh and broadcasts from rank 0 "
+                      "of the default process group; call it on every rank of the default group", stacklevel=4)
 
 
 # --------------------------------------------------------------------------
@@ -167,7 +175,15 @@ def _like_param(value: Any, param: nn.Parameter | None) -> Any:
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Iterable[Any] | None = None,
                           rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
     """The full optimizer state keyed by FQN, on CPU; ``{}`` on ranks other
-    than 0 with ``rank0_only`` (every rank must call it: it gathers)."""
+    than 0 with ``rank0_only`` (every rank must call it: it gathers).
+
+    ``optim`` alone names the parameters (its param groups and the model's
+    FQNs), so ``optim_input`` (deprecated in FSDP1) is not used: passing it
+    warns once."""
+    if optim_input is not None:
+        mapping.warn_once("full_optim_state_dict:optim_input", "full_optim_state_dict(optim_input=...) is not "
+                          "used: the optimizer's own param_groups name the parameters", stacklevel=3)
+    _check_group(group, "full_optim_state_dict")
     named = _live_named_state(model, optim, init_fresh=False)
     return sd.gather_full_state(named, rank0_only=rank0_only, cpu_offload=True)
 
@@ -176,6 +192,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
     """The optimizer state keyed by FQN with ``DTensor`` values (each rank its
     shard; no communication) for ``torch.distributed.checkpoint`` or
     ``shardkit.checkpoint``."""
+    _check_group(group, "sharded_optim_state_dict")
     return _live_named_state(model, optim, init_fresh=True)
 
 
@@ -189,12 +206,12 @@ def _skeleton(named: dict[str, Any]) -> dict[str, Any]:
 
 def _shard_full(full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.optim.Optimizer | None,
                 optim_input: Iterable[Any] | None, *, broadcast: bool) -> dict[str, Any]:
-    dist = Dist()
-    has_full = not broadcast or dist.rank == 0
+    comm = Dist()
+    has_full = not broadcast or comm.rank == 0
     named = _named(full_osd, model, optim, optim_input) if has_full else None
     skeleton = _skeleton(named) if has_full else None
     if broadcast:
-        skeleton = dist.broadcast_json(skeleton)
+        skeleton = comm.broadcast_json(skeleton)
     params = _params_by_fqn(model)
     like: dict[str, Any] = {}
     for fqn, entries in skeleton["state"].items():
@@ -206,7 +223,8 @@ def _shard_full(full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.
             if "value" in spec:
                 like[fqn][key] = spec["value"]
             elif isinstance(param, DTensor) and spec["shape"] == list(param.shape):
-                like[fqn][key] = param.detach()
+                # sharded like the parameter, in the state's own dtype (fp32 moments of bf16 weights stay fp32)
+                like[fqn][key] = model_state.layout_like(param, getattr(torch, spec["dtype"]))
             else:
                 like[fqn][key] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
     sharded = sd.shard_state({"state": named["state"]} if has_full else {}, {"state": like},
@@ -228,6 +246,7 @@ def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, 
                                   group: Any = None) -> dict[str, Any]:
     """Like :func:`shard_full_optim_state_dict`, but only rank 0 holds the full
     dict: its structure and each tensor in turn are broadcast."""
+    _check_group(group, "scatter_full_optim_state_dict")
     return _shard_full(full_optim_state_dict, model, optim, optim_input, broadcast=True)
 
 
@@ -250,6 +269,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                      optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
     """The optimizer state in the form ``state_dict_type`` selects: full
     (``FullOptimStateDictConfig(rank0_only, offload_to_cpu)``) or sharded."""
+    _check_group(group, "optim_state_dict")
     settings = _settings(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     if optim_state_dict is not None:
@@ -275,6 +295,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     """
     if isinstance(model, dict) and isinstance(optim, nn.Module):
         model, optim, optim_state_dict = optim, optim_state_dict, model  # type: ignore[assignment]
+    _check_group(group, "optim_state_dict_to_load")
     if is_named_optimizer:
         mapping.warn_once("is_named_optimizer", "is_named_optimizer=True: shardkit treats the optimizer as a "
                           "torch.optim.Optimizer")
