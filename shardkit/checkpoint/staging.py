@@ -75,7 +75,7 @@ class BackgroundSaver:
         self.pool = StagingPool()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-async-save")
         self._pending: Future | None = None
-        self._group: Any = None
+        self._group: tuple[Any, Any] | None = None  # (default group it was made under, private group)
         self._lock = threading.Lock()
 
     def _private_group(self) -> Any:
@@ -83,9 +83,10 @@ class BackgroundSaver:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank's first async_save
-        return self._group
+        world = dist.group.WORLD
+        if self._group is None or self._group[0] is not world:  # first use, or the default group was re-created
+            self._group = (world, dist.new_group(backend="gloo"))  # collective: every rank's first async_save
+        return self._group[1]
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has finished; its errors stay in its future."""
