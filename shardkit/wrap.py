@@ -37,6 +37,7 @@ from typing import Any
 import torch.nn as nn
 
 from shardkit.errors import ConfigurationError
+from shardkit.runtime import FSDPModule, fully_shard
 
 __all__ = [
     "always_wrap_policy",
@@ -47,6 +48,9 @@ __all__ = [
     "CustomPolicy",
     "WrapTarget",
     "plan_auto_wrap",
+    "walk_modules",
+    "ignored_parameters",
+    "warn_once",
     "apply_fully_shard",
     "enable_wrap",
     "wrap",
@@ -186,10 +190,38 @@ def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
+def walk_modules(root: nn.Module, *, enter: Callable[[nn.Module], bool] | None = None,
+                 children_first: bool = False) -> list[nn.Module]:
+    """``root`` and the modules below it, each once, in depth-first order
+    (parents first, or children first with ``children_first``).  A child for
+    which ``enter(child)`` is false is skipped together with its subtree."""
+    order: list[nn.Module] = []
+    seen: set[nn.Module] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(module)
+        if not children_first:
+            order.append(module)
+        for child in module.children():
+            if child not in seen and (enter is None or enter(child)):
+                visit(child)
+        if children_first:
+            order.append(module)
+
+    visit(root)
+    return order
+
+
+def ignored_parameters(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Parameter]:
+    """Every parameter in the subtrees of ``ignored_modules``: no unit shards them."""
+    return {p for module in ignored_modules or () for p in module.parameters()}
+
+
 def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
     expanded: set[nn.Module] = set()
     for module in ignored_modules or ():
-        expanded.update(module.modules())
+        if module not in expanded:
+            expanded.update(module.modules())
     return expanded
 
 
@@ -207,8 +239,8 @@ def plan_auto_wrap(root: nn.Module, policy: WrapPolicy | ModuleWrapPolicy | Cust
     """
     if policy is None:
         return []
-    ignored = _expand_ignored(ignored_modules)
-    ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
+    ignored = _expand_ignored(ignored_modules)  # the only expansion: callers pass the modules as given
+    ignored_params = ignored_parameters(ignored_modules)
     names = {m: n for n, m in root.named_modules()}
     chosen: list[tuple[nn.Module, dict[str, Any]]] = []
 
@@ -220,7 +252,8 @@ def plan_auto_wrap(root: nn.Module, policy: WrapPolicy | ModuleWrapPolicy | Cust
             verdict = policy.select(module)  # type: ignore[union-attr]
             if verdict:
                 picked[module] = dict(verdict) if isinstance(verdict, dict) else {}
-        chosen = [(m, picked[m]) for m in _post_order(root, ignored) if m in picked]
+        in_order = walk_modules(root, enter=lambda m: m not in ignored, children_first=True)
+        chosen = [(m, picked[m]) for m in in_order if m in picked]
     else:
         visited: set[nn.Module] = set()
 
@@ -243,7 +276,7 @@ def plan_auto_wrap(root: nn.Module, policy: WrapPolicy | ModuleWrapPolicy | Cust
 
     targets = []
     for module, overrides in chosen:
-        if module is root or _already_sharded(module):
+        if module is root or isinstance(module, FSDPModule):
             continue
         if not _has_own_forward(module):
             warn_once(f"container:{type(module).__name__}",
@@ -253,29 +286,6 @@ def plan_auto_wrap(root: nn.Module, policy: WrapPolicy | ModuleWrapPolicy | Cust
             continue
         targets.append(WrapTarget(module, names.get(module, ""), overrides))
     return targets
-
-
-def _post_order(root: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
-    order: list[nn.Module] = []
-    seen: set[nn.Module] = set()
-
-    def visit(module: nn.Module) -> None:
-        seen.add(module)
-        for child in module.children():
-            if child not in seen and child not in ignored:
-                visit(child)
-        order.append(module)
-
-    visit(root)
-    return order
-
-
-def _already_sharded(module: nn.Module) -> bool:
-    try:
-        from shardkit.runtime import FSDPModule
-    except ImportError:  # the core not importable: nothing can be sharded yet
-        return False
-    return isinstance(module, FSDPModule)
 
 
 # --------------------------------------------------------------------------
@@ -295,13 +305,12 @@ def apply_fully_shard(module: nn.Module,
     FSDP1 surface passes its own).  The parameters of ``ignored_modules`` are
     passed on as ``ignored_params`` so that no unit shards them.
     """
-    if shard_fn is None:
-        from shardkit.runtime import fully_shard as shard_fn
-    ignored = _expand_ignored(ignored_modules)
-    if ignored:
-        extra = {p for m in ignored for p in m.parameters(recurse=False)}
+    shard_fn = shard_fn or fully_shard
+    ignored_modules = list(ignored_modules or ())
+    if ignored_modules:
+        extra = ignored_parameters(ignored_modules)
         fully_shard_kwargs["ignored_params"] = set(fully_shard_kwargs.get("ignored_params") or ()) | extra
-    for target in plan_auto_wrap(module, auto_wrap_policy, ignored_modules=ignored):
+    for target in plan_auto_wrap(module, auto_wrap_policy, ignored_modules=ignored_modules):
         shard_fn(target.module, **{**fully_shard_kwargs, **target.overrides})
     shard_fn(module, **fully_shard_kwargs)
     return module

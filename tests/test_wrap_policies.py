@@ -227,3 +227,17 @@ def test_enable_wrap_applies_the_wrapper_only_inside_the_context():
                 pass
     assert calls == [{"a": 1, "b": 3}]
     assert sk_wrap.wrap(lin) is lin and len(calls) == 1
+
+
+def test_walk_modules_orders_parents_or_children_first_and_stops_where_told():
+    model = Transformer(ModelArgs(n_layers=2))
+    model.layers[1].shared = model.layers[0].attention  # one module reachable twice: visited once
+    names = {m: n for n, m in model.named_modules()}
+    parents_first = [names[m] for m in sk_wrap.walk_modules(model)]
+    assert parents_first == [n for n, _ in model.named_modules()]
+    children_first = [names[m] for m in sk_wrap.walk_modules(model, children_first=True)]
+    assert sorted(children_first) == sorted(parents_first) and children_first[-1] == ""
+    assert all(children_first.index(n) < children_first.index(n.rsplit(".", 1)[0] if "." in n else "")
+               for n in children_first if n)
+    stopped = sk_wrap.walk_modules(model, enter=lambda m: not isinstance(m, Block))
+    assert not any(isinstance(m, (Block, Attention, FeedForward)) for m in stopped) and model.layers in stopped

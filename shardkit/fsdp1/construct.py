@@ -32,7 +32,7 @@ from shardkit.errors import AlreadyShardedError, ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.fsdp1.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from shardkit.runtime import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from shardkit.wrap import CustomPolicy, WrapTarget, plan_auto_wrap
+from shardkit.wrap import CustomPolicy, WrapTarget, ignored_parameters, plan_auto_wrap, walk_modules
 
 __all__ = ["FSDP1Args", "construct", "unit_modules"]
 
@@ -70,7 +70,10 @@ class FSDP1Args:
 
 
 def resolve_ignored(root: nn.Module, args: FSDP1Args) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    """``ignored_modules`` / ``ignored_states`` as (modules incl. subtrees, parameters)."""
+    """``ignored_modules`` / ``ignored_states`` as (the ignored modules, every
+    ignored parameter including those in the modules' subtrees).  The modules
+    are kept as given: traversals stop at them, so nobody needs their
+    subtrees spelled out (``plan_auto_wrap`` expands them for its policy)."""
     if args.ignored_modules is not None and args.ignored_states is not None:
         raise ConfigurationError("pass ignored_modules or ignored_states to FullyShardedDataParallel, "
                                  "not both (ignored_states accepts modules too)")
@@ -84,24 +87,12 @@ def resolve_ignored(root: nn.Module, args: FSDP1Args) -> tuple[set[nn.Module], s
         if isinstance(m, FSDPModule):
             raise ConfigurationError(f"ignored module {type(m).__name__} is already sharded; "
                                      "an ignored module cannot be an FSDP unit")
-    all_modules = {sub for m in modules for sub in m.modules()}
-    return all_modules, set(params) | {p for m in all_modules for p in m.parameters(recurse=False)}
+    return set(modules), set(params) | ignored_parameters(modules)
 
 
 def unit_modules(unit: nn.Module, ignored_modules: set[nn.Module] | frozenset = frozenset()) -> list[nn.Module]:
     """``unit`` and its submodules, stopping at sharded submodules and ignored modules."""
-    out: list[nn.Module] = []
-    seen: set[nn.Module] = set()
-
-    def visit(m: nn.Module) -> None:
-        seen.add(m)
-        out.append(m)
-        for child in m.children():
-            if child not in seen and child not in ignored_modules and not isinstance(child, FSDPModule):
-                visit(child)
-
-    visit(unit)
-    return out
+    return walk_modules(unit, enter=lambda m: m not in ignored_modules and not isinstance(m, FSDPModule))
 
 
 def _own_states(modules: list[nn.Module], ignored_params: set[nn.Parameter]) -> list[tuple[nn.Module, str, bool]]:
