@@ -12,14 +12,12 @@ systems rotates from repetition to repetition):
 * at 1 process (no process group): ``load`` of the 2-rank checkpoints into
   full tensors (resharding), page-cached and uncached.
 
-Systems: shardkit (``save``/``load``/``async_save``; data files written with
-``O_DIRECT``, so a load right after a save reads the disk, not the page cache),
-shardkit with ``direct_io=False`` (buffered writes: the page-cached rows then
-show loads from the cache), DCP (``dcp.save``/
-``dcp.load``/``dcp.async_save`` with its own gloo group for the background
-thread), and the raw disk (each rank writes its shards to one file with plain
-``write`` and reads them back with ``readinto``).  All three fsync their data
-before a save counts as done (DCP's FileSystemWriter does by default).
+Systems: shardkit (data files written with ``O_DIRECT``: a load right after a
+save reads the disk, not the page cache), shardkit with ``direct_io=False``
+(buffered: its page-cached rows load from the cache), DCP (``dcp.save``/
+``load``/``async_save``, its background thread on its own gloo group), and the
+raw disk (each rank writes its shards to one file with ``write`` and reads them
+back with ``readinto``).  All fsync their data before a save counts as done.
 
 "cold": sleep 4 s before the op, so the VM has handed freed memory back to the
 host (a fresh process sees this); "warm": the op repeats at once, reusing the
@@ -80,26 +78,18 @@ def build_state(shapes: dict[str, tuple[int, ...]], rank: int, world: int, mesh:
 
     gen = torch.Generator().manual_seed(1234 + rank)
 
-    def tensor(shape: tuple[int, ...], fill: bool) -> torch.Tensor:
-        if mesh is None:
-            local = torch.empty(shape)
-        else:
-            _, local_shape = shard_box(shape, (world,), (rank,), [Shard(0)])
-            local = torch.empty(local_shape)
-        local.uniform_(-1, 1, generator=gen) if fill else local.zero_()
+    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
+        local_shape = shape if mesh is None else shard_box(shape, (world,), (rank,), [Shard(0)])[1]
+        local = torch.empty(local_shape).uniform_(-1, 1, generator=gen)
         if mesh is None:
             return local
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def make(fill: bool) -> dict[str, Any]:
-        model = {k: tensor(s, fill) for k, s in shapes.items()}
-        state = {k: {"exp_avg": tensor(s, fill), "exp_avg_sq": tensor(s, fill), "step": torch.tensor(100.0)}
-                 for k, s in shapes.items()}
-        groups = [{"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "params": list(shapes)}]
-        return {"model": model, "optim": {"state": state, "param_groups": groups}}
-
-    return make(fill=True)
+    model = {k: tensor(s) for k, s in shapes.items()}
+    state = {k: {"exp_avg": tensor(s), "exp_avg_sq": tensor(s), "step": torch.tensor(100.0)} for k, s in shapes.items()}
+    groups = [{"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "params": list(shapes)}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
 def tensors_of(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -224,23 +214,19 @@ def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int, shap
     from shardkit.checkpoint.layout import shard_box
 
     keys = tensors_of(state)
-    ranks = [rank] if any(hasattr(t, "to_local") for _, t in keys) else list(range(world_saved))
-    for src in ranks:
+    sharded = any(hasattr(t, "to_local") for _, t in keys)
+    for src in ([rank] if sharded else range(world_saved)):
         with open(os.path.join(path, f"rank{src}.bin"), "rb", buffering=0) as f:
-            for key, t in keys:
+            for _, t in keys:
                 local = local_of(t)
-                if local.dim() == 0:
-                    view = local.reshape(1)
-                elif len(ranks) == 1:
-                    view = local
-                else:
-                    off, shp = shard_box(tuple(t.shape), (world_saved,), (src,), [Shard(0)])
-                    view = local[off[0]:off[0] + shp[0]]
-                if len(ranks) > 1 and local.dim() == 0 and src > 0:
-                    f.seek(view.numel() * view.element_size(), os.SEEK_CUR)
+                if local.dim() == 0 and src > 0 and not sharded:  # replicated scalars: rank 0's copy
+                    f.seek(local.element_size(), os.SEEK_CUR)
                     continue
-                mv = memoryview(view.reshape(-1).view(torch.uint8).numpy())
-                got = 0
+                view = local
+                if not sharded and local.dim():  # at world 1: the rows rank ``src`` wrote
+                    (row, *_), (rows, *_) = shard_box(tuple(t.shape), (world_saved,), (src,), [Shard(0)])
+                    view = local.narrow(0, row, rows)
+                mv, got = memoryview(view.reshape(-1).view(torch.uint8).numpy()), 0
                 while got < len(mv):
                     got += f.readinto(mv[got:])
 
@@ -408,18 +394,17 @@ def main() -> None:
         worker_one_process(args)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    parent = os.path.dirname(args.dir.rstrip("/")) or "."
     for rep in range(args.reps):
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
-        base = [sys.executable, os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep)]
+        base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep)]
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        *base[1:], "--worker", "ws2"], check=True, env=env)
-        subprocess.run([*base, "--worker", "ws1"], check=True, env=env)
-        for ws in ("ws2", "ws1"):
-            with open(os.path.join(args.dir, f"result-{ws}-{rep}.json")) as f:
-                with open(os.path.join(os.path.dirname(args.dir.rstrip("/")) or ".",
-                                       f"shardkit-ckpt-bench-{ws}-{rep}.json"), "w") as g:
-                    g.write(f.read())
+                        *base, "--worker", "ws2"], check=True, env=env)
+        subprocess.run([sys.executable, *base, "--worker", "ws1"], check=True, env=env)
+        for ws in ("ws2", "ws1"):  # keep the results outside the directory the next repetition wipes
+            shutil.copy(os.path.join(args.dir, f"result-{ws}-{rep}.json"),
+                        os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json"))
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
     report(args)
     shutil.rmtree(args.dir, ignore_errors=True)
