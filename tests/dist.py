@@ -214,6 +214,7 @@ def run_on_ranks(
     fn: Callable[..., Any],
     *args: Any,
     timeout: float = DEFAULT_CALL_TIMEOUT_S,
+    isolated: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on every rank of a ``world_size`` gloo group.
@@ -222,9 +223,26 @@ def run_on_ranks(
     :class:`RankFailure` carrying each failing rank's traceback when any rank
     raises, dies, or does not answer within ``timeout`` seconds.
     ``fn`` must be importable by name (defined at module level).
+
+    ``isolated=True`` runs ``fn`` on ranks started for this call alone and
+    stopped after it.  Use it when ``fn`` changes process-wide state that
+    later tests must not inherit, above all when it destroys and re-forms the
+    default process group: torch's DTensor dispatch caches sharding decisions
+    keyed by meshes that compare equal by shape and ranks, not by their
+    groups, so a later test's mesh could be handed a cached one whose groups
+    died with the old default group.
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size must be in 1..8, got {world_size}")
+    if isolated:
+        own = _RankPool(world_size)
+        try:
+            result = own.run(fn, args, kwargs, timeout)
+        except BaseException:
+            own.close(force=True)
+            raise
+        own.close()
+        return result
     pool = _pools.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:

@@ -69,3 +69,14 @@ def test_a_mismatched_collective_fails_in_seconds_not_minutes():
     with pytest.raises(RankFailure):
         run_on_ranks(2, _mismatched_collective, timeout=PG_TIMEOUT_S + 30)
     assert time.monotonic() - start < PG_TIMEOUT_S + 15
+
+
+def test_isolated_ranks_are_started_for_one_call_and_stopped_after_it():
+    pooled = run_on_ranks(2, _pid)
+    isolated = run_on_ranks(2, _pid, isolated=True)
+    assert not set(isolated) & set(pooled)
+    time.sleep(0.5)
+    for pid in isolated:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert run_on_ranks(2, _pid) == pooled  # the pool is untouched

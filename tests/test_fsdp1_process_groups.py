@@ -68,7 +68,8 @@ def _shard_train_reinit_and_again(prefix: str):
 
 
 def test_models_sharded_after_a_process_group_restart_get_meshes_over_the_new_groups():
-    for before, after in run_on_ranks(4, _shard_train_reinit_and_again, f"reinit-{os.getpid()}-{id(object())}/"):
+    for before, after in run_on_ranks(4, _shard_train_reinit_and_again, f"reinit-{os.getpid()}-{id(object())}/",
+                                        isolated=True):
         assert before["NO_SHARD meshes"] == before["FULL_SHARD meshes"] == 1  # one mesh per FSDP call
         assert after == before  # same models, same data: bitwise the same losses over the new groups
         assert after["default group"] is True
