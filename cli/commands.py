@@ -1,7 +1,7 @@
 """The ``shardkit`` subcommands: reshard, convert, inspect, verify, diff.
 
 Each one parses its options, calls the library function of the same name in
-:mod:`shardkit.checkpoint.convert`, and renders the result.  Exit code 0 means
+:mod:`shardkit.checkpoint.offline`, and renders the result.  Exit code 0 means
 success; 1 means the command found a problem (verify: damage, diff: a
 difference) or failed with a one-line error.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from shardkit.checkpoint.offline_common import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS
 from shardkit.cli.render import echo_json, human_bytes, storage_options, table
 
 COMMON_STORAGE = [
@@ -32,9 +33,9 @@ def _io_options(fn):
         click.option("--dst-storage-option", "dst_opts", multiple=True, metavar="KEY=VALUE",
                      help="fsspec option for DST only; repeatable."),
         click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST."),
-        click.option("--max-memory", default="256MiB", show_default=True,
+        click.option("--max-memory", default=DEFAULT_MAX_MEMORY_TEXT, show_default=True,
                      help="Memory budget for data in flight (e.g. 512MiB, 2GB)."),
-        click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 256),
+        click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
                      help="Parallel ranged reads / uploads."),
         click.option("--only", multiple=True, metavar="GLOB", help="Keep only keys matching GLOB; repeatable."),
         click.option("--exclude", multiple=True, metavar="GLOB", help="Drop keys matching GLOB; repeatable."),
@@ -127,7 +128,8 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.option("--from", "src_format", type=click.Choice(["shardkit", "hf", "torch", "dcp"]),
               help="Source format (detected when omitted).")
 @click.option("--dtype", help="Cast model weights to bf16/fp16/fp32 on the way.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="HF output: cap per shard file.")
+@click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
+              help="HF output: cap per shard file.")
 @click.option("--compression", metavar="zstd[:LEVEL]", help="shardkit output: compress each chunk with zstd.")
 @_io_options
 @click.pass_context
@@ -174,7 +176,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
       shardkit inspect ./ckpt/step-100
       shardkit inspect s3://bucket/ckpt --json | jq .totals
     """
-    from shardkit.checkpoint.convert import inspect as do_inspect
+    from shardkit.checkpoint.offline import inspect as do_inspect
 
     info = do_inspect(src, storage_options=storage_options(storage_opts))
     if as_json:
@@ -205,7 +207,8 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
 
 @click.command()
 @click.argument("src")
-@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 256), help="Parallel reads.")
+@click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
+              help="Parallel reads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @_storage
 @click.pass_context
@@ -217,7 +220,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
       shardkit verify ./ckpt/step-100
       shardkit verify s3://bucket/ckpt --workers 16
     """
-    from shardkit.checkpoint.convert import verify as do_verify
+    from shardkit.checkpoint.offline import verify as do_verify
 
     report = do_verify(src, storage_options=storage_options(storage_opts), workers=workers, progress=_progress(ctx))
     if as_json:
@@ -242,7 +245,8 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
 @click.argument("b")
 @click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance.")
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance.")
-@click.option("--max-memory", default="256MiB", show_default=True, help="Memory budget for blocks being compared.")
+@click.option("--max-memory", default=DEFAULT_MAX_MEMORY_TEXT, show_default=True,
+              help="Memory budget for blocks being compared.")
 @click.option("--b-storage-option", "b_opts", multiple=True, metavar="KEY=VALUE", help="fsspec option for B only.")
 @click.option("--only", multiple=True, metavar="GLOB", help="Compare only keys matching GLOB; repeatable.")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip keys matching GLOB; repeatable.")
@@ -263,7 +267,7 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
       shardkit diff ./ckpt/step-100 ./export-hf
       shardkit diff ./a ./b --atol 1e-3 --rtol 1e-2 --only 'model.*'
     """
-    from shardkit.checkpoint.convert import diff as do_diff
+    from shardkit.checkpoint.offline import diff as do_diff
 
     so = storage_options(storage_opts)
     report = do_diff(a, b, atol=atol, rtol=rtol, storage_options=so,

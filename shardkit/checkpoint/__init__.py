@@ -16,7 +16,7 @@ In a training job::
     resumed = manager.load_latest(model, optimizer)   # (step, extra) or None
 
 Offline (no process group): ``reshard``, ``convert``, ``inspect``, ``verify`` and
-``diff`` live in ``shardkit.checkpoint.convert`` and are re-exported here.
+``diff`` live in ``shardkit.checkpoint.offline`` and are re-exported here.
 
 Names resolve lazily so ``import shardkit.checkpoint`` stays cheap, and this
 package never imports the sharding runtime (data flows one way).
@@ -39,11 +39,11 @@ _EXPORTS: dict[str, str] = {
     "Compression": "shardkit.checkpoint.codec",
     "open_reader": "shardkit.checkpoint.formats",
     # offline tools (issue 4)
-    "reshard": "shardkit.checkpoint.convert",
-    "convert": "shardkit.checkpoint.convert",
-    "inspect": "shardkit.checkpoint.convert",
-    "verify": "shardkit.checkpoint.convert",
-    "diff": "shardkit.checkpoint.convert",
+    "reshard": "shardkit.checkpoint.offline",
+    "convert": "shardkit.checkpoint.offline",
+    "inspect": "shardkit.checkpoint.offline",
+    "verify": "shardkit.checkpoint.offline",
+    "diff": "shardkit.checkpoint.offline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.offline_common import parse_memory
 from shardkit.checkpoint.offline_detect import open_source
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
@@ -65,8 +66,6 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
 
     ``only``/``exclude`` are key globs limiting what is compared (e.g. ``model.*``).
     """
-    from shardkit.checkpoint.convert import parse_memory
-
     budget = parse_memory(max_memory)
     sa = open_source(a, storage_options)
     sb = open_source(b, storage_options if b_storage_options is None else b_storage_options)

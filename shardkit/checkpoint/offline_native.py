@@ -39,6 +39,7 @@ from shardkit.checkpoint.formats.native import (DATA_DIR, DEFAULT_CHUNK_BYTES, N
                                                 data_file_name, unreferenced_files)
 from shardkit.checkpoint.layout import split_box
 from shardkit.checkpoint.offline_blocks import itemsize
+from shardkit.checkpoint.offline_common import EXTRA_DIR, ConvertResult, copy_side_files
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_select import Selection
@@ -224,8 +225,6 @@ def _plan(reader: CheckpointReader, sel: Selection, world_size: int, mesh: tuple
 def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, files: Sequence[WrittenFile],
                   writer_info: dict[str, Any], compression: str | None) -> None:
     """Side files, then the manifest (the commit), then cleanup of the journal and stale files."""
-    from shardkit.checkpoint.convert import EXTRA_DIR, copy_side_files
-
     copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
     meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
@@ -249,8 +248,6 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     ``agree(ok)`` is a barrier that returns whether every process succeeded.
     Process 0 then commits from the journaled records; the others return ``None``.
     """
-    from shardkit.checkpoint.convert import ConvertResult
-
     if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
         raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
     units, writer_info = _plan(reader, sel, world_size, mesh, compression, budget, workers)

@@ -29,7 +29,7 @@ def scaleout_rank() -> tuple[int, int]:
 
 def run_reshard(src: str, dst: str, **kwargs: Any) -> Any:
     """``reshard`` in this process, or this process's share of it under torchrun."""
-    from shardkit.checkpoint.convert import reshard
+    from shardkit.checkpoint.offline import reshard
 
     rank, nprocs = scaleout_rank()
     if nprocs <= 1:
@@ -63,7 +63,7 @@ def agree(ok: bool = True) -> bool:
 def run_convert(src: str, dst: str, *, to: str, **kwargs: Any) -> Any:
     """``convert`` in this process; under torchrun, native output is split like ``reshard`` (one
     writer rank), other formats are written by process 0 alone (their files are not per-rank)."""
-    from shardkit.checkpoint.convert import convert, reshard
+    from shardkit.checkpoint.offline import convert, reshard
 
     rank, nprocs = scaleout_rank()
     if nprocs <= 1:

@@ -1,0 +1,215 @@
+"""Offline checkpoint tools as library calls: reshard, convert, inspect, verify, diff.
+
+None of these needs a process group or a GPU; they run in one process
+(optionally split across ranks under torchrun for ``reshard``/``convert`` to
+native, see :mod:`shardkit.checkpoint.offline_scaleout`).  The ``shardkit``
+command is a thin shell over them.
+
+Every conversion is the same pipeline: open the source (format detected),
+select/rename/cast the tensors (:mod:`offline_select`), then let the target
+writer pull boxes of rows it is about to write from a :class:`Fetcher`, which
+reads only the overlapping rows of the saved chunks.  Memory is bounded by
+``max_memory`` — boxes are sized from it — not by the model.
+
+DST safety: a DST that already holds a checkpoint is refused unless
+``overwrite=True``; with it, the old commit marker is removed first, so a
+failure at any point leaves DST without a manifest/index/metadata and no
+reader will take it for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.offline_blocks import is_dir, split_file
+from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
+                                                ConvertResult, copy_side_files, parse_memory, parse_size)
+from shardkit.checkpoint.offline_detect import detect, exists, normalize_format, open_source
+from shardkit.checkpoint.offline_diff import DiffReport, diff
+from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline_native import parse_mesh, write_native
+from shardkit.checkpoint.offline_select import select
+from shardkit.checkpoint.offline_verify import VerifyReport, verify
+from shardkit.checkpoint.storage import Storage
+from shardkit.errors import CheckpointError, CheckpointExists, ConfigurationError
+
+__all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
+           "DEFAULT_MAX_MEMORY", "parse_memory"]
+
+COMMIT_MARKERS = ("manifest.json", ".metadata", "model.safetensors.index.json", "model.safetensors")
+
+
+def _existing_checkpoint(storage: Storage) -> str | None:
+    """The URL of whatever makes ``storage`` a checkpoint (a commit marker, or the file itself)."""
+    if not exists(storage):
+        return None
+    if not is_dir(storage):
+        return storage.url
+    for name in COMMIT_MARKERS:
+        if storage.exists(name):
+            return storage.where(name)
+    return None
+
+
+def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Storage:
+    """Refuse a DST holding a checkpoint (unless ``overwrite``); then remove its commit marker first,
+    so DST is no checkpoint at all until the new one commits."""
+    storage = Storage(dst, storage_options)
+    found = _existing_checkpoint(storage)
+    if found is not None:
+        if not overwrite:
+            raise CheckpointExists(f"{dst}: already holds a checkpoint ({found}); pass --overwrite to replace it")
+        if is_dir(storage):
+            storage.delete([n for n in COMMIT_MARKERS if storage.exists(n)])
+        else:
+            parent, name = split_file(storage)
+            parent.delete([name])
+    if fmt != "torch":
+        storage.makedirs()
+    return storage
+
+
+def _block_bytes(max_memory: int, workers: int = 1) -> int:
+    # a box, the piece read into it, and a serialized copy per worker fit in the budget
+    return max(1 << 20, max_memory // (3 * max(1, workers)))
+
+
+def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | None = None,
+            exclude: Sequence[str] | None = None, rename: Sequence[str] | None = None, model_only: bool = False,
+            dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+            compression: str | None = None,
+            overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+            dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
+            workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | None = None,
+            src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
+    """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
+
+    Example::
+
+        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB")
+    """
+    to = normalize_format(to)
+    budget = parse_memory(max_memory)
+    if dst_storage_options is None:
+        dst_storage_options = storage_options
+    source = open_source(src, storage_options, src_format)
+    try:
+        sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
+                     model_only=model_only or to == "hf", dtype=dtype)
+        if to == "shardkit":
+            storage = prepare_dst(dst, to, dst_storage_options, overwrite)
+            return write_native(source, sel, storage, world_size=world_size or 1, mesh=mesh,
+                                compression=compression, budget=budget, workers=workers, progress=progress)
+        if world_size not in (None, 1) or mesh:
+            raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
+        if compression:
+            raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
+        storage = prepare_dst(dst, to, dst_storage_options, overwrite)
+        fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
+        block = _block_bytes(budget)
+        on_bytes = progress.update if progress else (lambda n: None)
+        if progress:
+            progress.start(f"convert → {to}", sel.nbytes)
+        if to == "hf":
+            from shardkit.checkpoint.formats.hf import write_hf
+
+            files = write_hf(storage, sel.triples, fetch, block_bytes=block,
+                             max_shard_size=parse_size(max_shard_size, "--max-shard-size"), on_bytes=on_bytes,
+                             before_index=lambda: copy_side_files(source, storage))
+        elif to == "dcp":
+            from shardkit.checkpoint.formats.dcp import write_dcp
+
+            write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+            files = ["__0_0.distcp", ".metadata"]
+        else:
+            from shardkit.checkpoint.formats.torchsave import write_torch_save
+
+            parent, name = split_file(storage)
+            write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+            files = [storage.url]
+        if progress:
+            progress.finish()
+        return ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+    finally:
+        source.close()
+
+
+def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
+            dtype: str | None = None, dtype_optim: bool = False, compression: str | None = None,
+            only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+            rename: Sequence[str] | None = None, model_only: bool = False, overwrite: bool = False,
+            storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
+            max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
+            progress: Progress | None = None, scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
+    """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
+
+    Each rank's shards land in their own data file(s), so a job of that size
+    reads exactly its files.  Optimizer state is resharded with the weights;
+    ``dtype`` casts model weights only, unless ``dtype_optim``.  A rerun after
+    an interruption skips data files already written and verified.
+    ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
+    (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
+
+    Example::
+
+        reshard("s3://bucket/ckpt", "s3://bucket/ckpt-ws8", world_size=8,
+                storage_options={"anon": False})
+    """
+    mesh_t = parse_mesh(mesh) if mesh is not None else None
+    if world_size is None and mesh_t is None:
+        raise ConfigurationError("reshard needs --world-size N or --mesh AxB")
+    if mesh_t is not None and world_size is not None and world_size != math.prod(mesh_t):
+        raise ConfigurationError(f"--world-size {world_size} disagrees with --mesh {mesh} ({math.prod(mesh_t)} ranks)")
+    ws = world_size if world_size is not None else math.prod(mesh_t)
+    if ws < 1:
+        raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
+    budget = parse_memory(max_memory)
+    if dst_storage_options is None:
+        dst_storage_options = storage_options
+    source = open_source(src, storage_options)
+    try:
+        sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
+                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
+        rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
+        storage = Storage(dst, dst_storage_options)
+        if agree is None:
+            storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        else:  # process 0 checks DST and drops its old commit marker before anyone writes
+            try:
+                if rank == 0:
+                    storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+            except BaseException:
+                agree(False)
+                raise
+            if not agree(True):
+                raise CheckpointError(f"{dst}: process 0 could not prepare DST; see its error")
+        return write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
+                            budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
+                            agree=agree)
+    finally:
+        source.close()
+
+
+def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
+
+    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).
+    """
+    source = open_source(src, storage_options)
+    try:
+        tensors = []
+        for name, e in sorted(source.tensors().items()):
+            tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
+                            "bytes": e.nbytes, "chunks": len(e.chunks)})
+        info = source.info
+        layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
+        return {"url": src, "format": info.format, "version": info.version, "layout": layout,
+                "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
+                "totals": {"tensors": len(tensors), "bytes": sum(t["bytes"] for t in tensors),
+                           "chunks": sum(t["chunks"] for t in tensors),
+                           "model_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("model.")),
+                           "optim_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("optim."))}}
+    finally:
+        source.close()
