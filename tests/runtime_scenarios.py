@@ -195,17 +195,22 @@ def _meta_init(model_cls=Transformer):
     return build
 
 
+def _load_seeded_weights(model):
+    """Overwrite a sharded model with the seeded reference weights, cut to its layout."""
+    full = seeded_transformer().state_dict()
+    sharded = model.state_dict()
+    model.load_state_dict({k: distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
+                           for k, v in full.items()})
+    return model
+
+
 def _materialize_and_load(model, api, mesh):
     """fully_shard on meta, to_empty, reset_parameters, then load the seeded
     weights as DTensors (the tutorial's flow)."""
     per_block(model, api, mesh)
     model.to_empty(device="cpu")
     model.reset_parameters()
-    full = seeded_transformer().state_dict()
-    sharded = model.state_dict()
-    model.load_state_dict({k: distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
-                           for k, v in full.items()})
-    return model
+    return _load_seeded_weights(model)
 
 
 def _materialize_unit_by_unit(model, api, mesh):
@@ -218,11 +223,7 @@ def _materialize_unit_by_unit(model, api, mesh):
                 sub.to_empty(device="cpu", recurse=False)
                 sub.reset_parameters()
         api.fully_shard(unit, mesh=mesh)
-    full = seeded_transformer().state_dict()
-    sharded = model.state_dict()
-    model.load_state_dict({k: distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
-                           for k, v in full.items()})
-    return model
+    return _load_seeded_weights(model)
 
 
 def _keep_params_between_micro_batches(model, step, micro):
