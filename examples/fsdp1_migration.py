@@ -6,7 +6,18 @@ FSDP unit (``transformer_auto_wrap_policy``), bf16 ``MixedPrecision``,
 state dict plus ``full_optim_state_dict`` saved with ``torch.save``, and a
 sharded state dict saved and loaded with ``torch.distributed.checkpoint``.
 Nothing below the imports mentions shardkit: with the two torch imports
-instead, the same file runs under ``torch.distributed.fsdp``.
+instead, it is plain torch FSDP1 code, meant to run under
+``torch.distributed.fsdp`` unchanged on CUDA (not tested here: no GPU).  On a
+CPU-only torch build, torch's FSDP1 crashes gathering a full state dict with
+``offload_to_cpu=True``; with only that argument dropped it runs, and in fp32
+its ``train``, ``continue`` and ``resume-sharded`` losses equal shardkit's
+bitwise (``tests/test_fsdp1_example.py`` checks this).  Its ``resume-full``
+phase differs from the second resumed step on: there (torch 2.13, CPU, gloo,
+``use_orig_params=True``) torch's ``full_optim_state_dict`` returns every
+``exp_avg`` equal to its ``exp_avg_sq`` (with ``use_orig_params=False`` it
+does not), so the restored moments are wrong; the weights load right (the
+first resumed loss matches).  shardkit's ``resume-full`` repeats ``continue``
+exactly.
 
 Run (CPU, gloo; uses CUDA/NCCL when present)::
 
@@ -116,7 +127,8 @@ def wrap(model: nn.Module, mixed_precision: bool, device: torch.device) -> nn.Mo
     )
 
 
-def train(model, optimizer, steps: range, phase: str, device: torch.device) -> None:
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, phase: str,
+          device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
         batch = {k: v.to(device) for k, v in make_batch(step, rank).items()}
@@ -188,8 +200,8 @@ def run(args: argparse.Namespace) -> None:
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
     with FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                               FullOptimStateDictConfig()):
-        fresh.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location="cpu"))
-    full_osd = torch.load(os.path.join(ckpt, "optim.pt")) if rank == 0 else None
+        fresh.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location="cpu", weights_only=True))
+    full_osd = torch.load(os.path.join(ckpt, "optim.pt"), weights_only=True) if rank == 0 else None
     fresh_optimizer.load_state_dict(FSDP.scatter_full_optim_state_dict(full_osd, fresh))
     train(fresh, fresh_optimizer, resumed, "resume-full", device)
 
