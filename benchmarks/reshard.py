@@ -208,7 +208,7 @@ def main() -> None:
     reader = SyntheticReader(args.gb * 1e9)
     sel = select(reader.tensors(), reader.values())
     write_native(reader, sel, Storage(src), world_size=2, mesh=None, compression=None, budget=256 << 20,
-                 workers=2, progress=None)
+                 workers=2, progress=None, source_id="synthetic")
     size = du(f"{src}/data")
     print(f"source: 2-rank shardkit checkpoint, {len(sel.tensors)} fp32 tensors, {size / 1e9:.2f} GB of data "
           f"files (built in {time.perf_counter() - t0:.0f} s)")

@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
-from shardkit.checkpoint.offline_detect import detect, exists, normalize_format, open_source
+from shardkit.checkpoint.offline_detect import (canonical_location, exists, normalize_format, open_source,
+                                                source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
@@ -71,6 +72,12 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
     return storage
 
 
+def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
+    """Where SRC is and what it holds: a resumed run keeps only data written from the same id."""
+    storage = Storage(src, storage_options)
+    return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
+
+
 def _block_bytes(max_memory: int, workers: int = 1) -> int:
     # a box, the piece read into it, and a serialized copy per worker fit in the budget
     return max(1 << 20, max_memory // (3 * max(1, workers)))
@@ -101,6 +108,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         if to == "shardkit":
             storage = prepare_dst(dst, to, dst_storage_options, overwrite)
             return write_native(source, sel, storage, world_size=world_size or 1, mesh=mesh,
+                                source_id=source_id(src, storage_options, source.info.format),
                                 compression=compression, budget=budget, workers=workers, progress=progress)
         if world_size not in (None, 1) or mesh:
             raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
@@ -186,6 +194,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             if not agree(True):
                 raise CheckpointError(f"{dst}: process 0 could not prepare DST; see its error")
         return write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
+                            source_id=source_id(src, storage_options, source.info.format),
                             budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
                             agree=agree)
     finally:

@@ -6,10 +6,17 @@ user needs around it: a missing path is :class:`~shardkit.errors.CheckpointNotFo
 a path that exists but is no checkpoint is :class:`~shardkit.errors.UnsupportedFormat`
 saying what was found there (e.g. data files without a manifest: an
 interrupted write).
+
+It also says *which* source a run read, for resume: :func:`canonical_location`
+(one spelling per place, so ``./ckpt`` and ``/abs/ckpt`` are the same source)
+and :func:`source_fingerprint` (changes when the source's contents change, so
+a rerun never keeps data written from an older version of SRC).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any, Mapping
 
@@ -18,9 +25,10 @@ from shardkit.checkpoint.formats import detect_format as engine_detect
 from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointNotFound, UnsupportedFormat
+from shardkit.errors import CheckpointNotFound, StorageError, UnsupportedFormat
 
-__all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists"]
+__all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists", "canonical_location",
+           "source_fingerprint"]
 
 FORMATS = ("shardkit", "hf", "torch", "dcp")
 _ALIASES = {"native": "shardkit", "shardkit": "shardkit", "hf": "hf", "huggingface": "hf", "safetensors": "hf",
@@ -28,6 +36,7 @@ _ALIASES = {"native": "shardkit", "shardkit": "shardkit", "hf": "hf", "huggingfa
 
 
 def normalize_format(name: str) -> str:
+    """The canonical format name for a user's spelling (``native``, ``pt``, ``safetensors``...)."""
     try:
         return _ALIASES[name.lower()]
     except KeyError:
@@ -35,6 +44,7 @@ def normalize_format(name: str) -> str:
 
 
 def exists(storage: Storage) -> bool:
+    """Whether anything (file or directory) is at ``storage``'s own URL."""
     if storage.is_local:
         return os.path.exists(storage.root)
     try:
@@ -72,3 +82,71 @@ def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
     storage = Storage(url, storage_options)
     fmt = normalize_format(fmt) if fmt else detect(storage)
     return format_module(fmt).open_reader(storage)
+
+
+def canonical_location(storage: Storage) -> str:
+    """One spelling per place: symlinks and relative paths resolved locally, no trailing slash remotely."""
+    if storage.is_local:
+        return "file://" + os.path.realpath(storage.root)
+    protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
+    return f"{protocol}://{storage.root.rstrip('/')}"
+
+
+def _stamp(info: Mapping[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag/generation remotely, else its mtime."""
+    for key in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+def _local_stamp(st: os.stat_result) -> str:
+    # inode and ctime too: a file replaced by rename, or rewritten within one mtime tick, still differs
+    return f"ino={st.st_ino},mtime_ns={st.st_mtime_ns},ctime_ns={st.st_ctime_ns}"
+
+
+def _listing(storage: Storage) -> list[tuple[str, int, str]]:
+    """(name, size, change stamp) of the files directly at ``storage`` (or of the file itself)."""
+    if storage.is_local:
+        if not os.path.isdir(storage.root):
+            st = os.stat(storage.root)
+            return [(os.path.basename(storage.root), st.st_size, _local_stamp(st))]
+        out = []
+        with os.scandir(storage.root) as entries:
+            for e in entries:
+                if e.is_file():
+                    st = e.stat()
+                    out.append((e.name, st.st_size, _local_stamp(st)))
+        return sorted(out)
+    try:
+        storage.fs.invalidate_cache(storage.root)
+    except Exception:  # noqa: BLE001 - not every filesystem caches listings
+        pass
+    try:
+        if is_dir(storage):
+            infos = storage.fs.ls(storage.root, detail=True)
+        else:
+            infos = [storage.fs.info(storage.root)]
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{storage.url}: no such file or directory") from None
+    except OSError as exc:
+        raise StorageError(f"listing {storage.url} failed: {exc}") from exc
+    return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), _stamp(i))
+                  for i in infos if i.get("type", "file") == "file")
+
+
+def source_fingerprint(storage: Storage, fmt: str) -> str:
+    """A digest that changes whenever the checkpoint at ``storage`` changes.
+
+    A native checkpoint is pinned by its manifest (which holds every chunk's
+    crc32c), so the manifest's bytes are hashed.  Other formats record no
+    checksums, so their files' names, sizes and change stamps (mtime locally,
+    ETag/generation on object stores) stand in: a file replaced in place with
+    the same shapes but new values still changes the digest.
+    """
+    digest = hashlib.sha256(fmt.encode())
+    if fmt == "shardkit":
+        digest.update(storage.read_bytes("manifest.json"))
+    else:
+        digest.update(json.dumps(_listing(storage)).encode())
+    return digest.hexdigest()[:16]

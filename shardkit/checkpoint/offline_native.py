@@ -16,11 +16,16 @@ safetensors, crc32c per block, optional zstd), pulling each chunk from the
 source through a :class:`~shardkit.checkpoint.offline_fetch.Fetcher` just in
 time, so memory is one chunk per worker.  Units run on ``workers`` threads.
 
-Resume: the token is a hash of the plan, so a rerun of the same command plans
-the same file names.  After each unit, its manifest records are journaled under
-``.shardkit-resume/``; a rerun re-verifies every journaled file (size and every
-checksum block) and skips it.  The manifest is committed last; the journal and
-any data files of older plans are removed after the commit.
+Resume: the token is a hash of the plan and of the source's identity (its
+canonical location and a fingerprint of its contents, see
+:func:`~shardkit.checkpoint.offline_detect.source_fingerprint`), so a rerun of
+the same command on the same SRC plans the same file names.  After each unit,
+its manifest records are journaled under ``.shardkit-resume/`` together with
+that identity; a rerun keeps a journaled file only when the identity matches
+and the file re-verifies (size and every checksum block).  When SRC changed in
+between, the plan's names change and nothing old is kept: data written from an
+older SRC can never end up in the new checkpoint.  The manifest is committed
+last; the journal and any data files of older plans are removed after the commit.
 """
 
 from __future__ import annotations
@@ -135,14 +140,22 @@ def _journal_name(unit: FileUnit) -> str:
     return f"{RESUME_DIR}/{unit.name.rsplit('/', 1)[-1]}.json"
 
 
-def _verified_record(storage: Storage, unit: FileUnit, check_data: bool = True) -> WrittenFile | None:
-    """The journaled record of ``unit`` if its file is complete (and, with ``check_data``, every
-    checksum block matches)."""
+def _journal_entry(wf: WrittenFile, source_id: str) -> bytes:
+    return json.dumps({"source": source_id, "file": wf.to_json()}).encode()
+
+
+def _verified_record(storage: Storage, unit: FileUnit, source_id: str,
+                     check_data: bool = True) -> WrittenFile | None:
+    """The journaled record of ``unit`` if it was written from the same source (``source_id``) and
+    its file is complete (and, with ``check_data``, every checksum block matches)."""
     journal = _journal_name(unit)
     if not storage.exists(journal):
         return None
     try:
-        wf = WrittenFile.from_json(json.loads(storage.read_bytes(journal)))
+        entry = json.loads(storage.read_bytes(journal))
+        if entry.get("source") != source_id:
+            return None
+        wf = WrittenFile.from_json(entry["file"])
         if wf.name != unit.name or storage.size(unit.name) != wf.size:
             return None
         for _, rec in (wf.chunks if check_data else ()):
@@ -152,12 +165,13 @@ def _verified_record(storage: Storage, unit: FileUnit, check_data: bool = True) 
                 if hi > lo and crc32c(storage.read_bytes(unit.name, lo, hi)) != want:
                     return None
         return wf
-    except (ShardkitError, ValueError, KeyError, TypeError):
+    except (ShardkitError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, units: Sequence[FileUnit], *,
-                compression: str | None, workers: int, progress: Progress | None) -> tuple[list[WrittenFile], int]:
+                source_id: str, compression: str | None, workers: int,
+                progress: Progress | None) -> tuple[list[WrittenFile], int]:
     """Write (or, when journaled and intact, keep) each unit; journal each one as it lands.
 
     Returns the records and the number of bytes kept from an earlier run.
@@ -170,7 +184,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
     lock = threading.Lock()
 
     def one(unit: FileUnit) -> WrittenFile:
-        kept = _verified_record(storage, unit)
+        kept = _verified_record(storage, unit, source_id)
         if kept is not None:
             with lock:
                 skipped[0] += unit.nbytes
@@ -188,7 +202,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
         chunks = [WriteChunk(name, dtypes[name], offsets, shape, loader(name, offsets, shape))
                   for name, offsets, shape in unit.chunks]
         wf = writer.write_file(unit.name, chunks, writer=unit.writer)
-        storage.put_atomic(_journal_name(unit), json.dumps(wf.to_json()).encode())
+        storage.put_atomic(_journal_name(unit), _journal_entry(wf, source_id))
         return wf
 
     return parallel_map(one, list(units), workers), skipped[0]
@@ -203,8 +217,8 @@ def concurrency_for(budget: int, workers: int) -> int:
     return max(1, min(workers, budget // (3 * chunk_cap_for(budget))))
 
 
-def _plan(reader: CheckpointReader, sel: Selection, world_size: int, mesh: tuple[int, ...] | None,
-          compression: str | None, budget: int, workers: int) -> tuple[list[FileUnit], dict[str, Any]]:
+def _plan(sel: Selection, world_size: int, mesh: tuple[int, ...] | None, compression: str | None, budget: int,
+          source_id: str) -> tuple[list[FileUnit], dict[str, Any]]:
     mesh = mesh if mesh else (world_size,)
     shards = mesh[-1]
     # the plan (and so the file names a rerun resumes) must not depend on --workers: chunks are sized
@@ -212,8 +226,7 @@ def _plan(reader: CheckpointReader, sel: Selection, world_size: int, mesh: tuple
     chunk_cap = chunk_cap_for(budget)
     # with zstd a file's frames are built before its header: keep each file within the per-worker budget
     file_cap = chunk_cap if compression else FILE_CAP
-    salt = json.dumps([reader.info.url, reader.info.format, sorted(reader.info.meta.items(), key=str)
-                       if reader.info.format == "shardkit" else [], compression, list(mesh),
+    salt = json.dumps([source_id, compression, list(mesh),
                        [[t.name, t.source, str(t.dtype), list(t.shape)] for t in sel.tensors]], default=str)
     units = plan_files(sel, shards, chunk_cap, file_cap, salt)
     placements = ["Shard(dim=0)"] if len(mesh) == 1 else ["Replicate()", "Shard(dim=0)"]
@@ -240,9 +253,13 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
 
 def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, world_size: int,
                  mesh: tuple[int, ...] | None, compression: str | None, budget: int, workers: int,
-                 progress: Progress | None, rank: int = 0, nprocs: int = 1,
+                 progress: Progress | None, source_id: str, rank: int = 0, nprocs: int = 1,
                  agree: Callable[[bool], bool] | None = None) -> Any:
     """Write ``sel`` from ``reader`` as a native checkpoint for ``world_size`` ranks at ``storage``.
+
+    ``source_id`` names the source's location and contents (see
+    :func:`~shardkit.checkpoint.offline_detect.source_fingerprint`); resume keeps
+    only files journaled under the same id.
 
     With ``nprocs > 1`` (scale-out) this process writes its share of the units;
     ``agree(ok)`` is a barrier that returns whether every process succeeded.
@@ -250,13 +267,14 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     """
     if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
         raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
-    units, writer_info = _plan(reader, sel, world_size, mesh, compression, budget, workers)
+    units, writer_info = _plan(sel, world_size, mesh, compression, budget, source_id)
     mine = assign_units(units, nprocs)[rank] if nprocs > 1 else list(range(len(units)))
     if progress:
         progress.start(f"reshard → {world_size} ranks" if nprocs == 1 else f"reshard [{rank}/{nprocs}]",
                        sum(units[i].nbytes for i in mine))
     try:
-        written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], compression=compression,
+        written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], source_id=source_id,
+                                       compression=compression,
                                        workers=concurrency_for(budget, workers), progress=progress)
     except BaseException:
         if agree is not None:
@@ -274,7 +292,7 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
         try:
             written = []
             for unit in units:
-                record = _verified_record(storage, unit, check_data=False)  # just written by a peer
+                record = _verified_record(storage, unit, source_id, check_data=False)  # just written by a peer
                 if record is None:
                     raise CheckpointError(f"{storage.where(unit.name)}: no record of it; rerun to resume")
                 written.append(record)
