@@ -35,12 +35,22 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.layout import Box
+from shardkit.checkpoint.layout import Box, box_contains
 from shardkit.checkpoint.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",
-           "WriteChunk", "plan_reads", "read_box"]
+           "WriteChunk", "plan_reads", "read_box", "contiguous_strides"]
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a row-major contiguous tensor of ``shape``: what every stored chunk is,
+    and what a torch.save record must declare for its rows to be addressable by byte ranges."""
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,21 @@ class CheckpointReader(abc.ABC):
     @abc.abstractmethod
     def read(self, requests: Sequence[ReadRequest]) -> None:
         """Fill every request's ``out``.  Validate all requests before writing any."""
+
+    def _check_requests(self, requests: Sequence[ReadRequest]) -> list[TensorEntry]:
+        """The entry of every request, after checking each names a stored chunk, lies inside it and has
+        an ``out`` of the right dtype and shape -- all before any ``out`` is written."""
+        entries = self.tensors()
+        checked = []
+        for r in requests:
+            entry = entries.get(r.fqn)
+            if (entry is None or not 0 <= r.chunk < len(entry.chunks) or r.out.dtype != entry.dtype
+                    or tuple(r.out.shape) != tuple(r.box[1]) or not box_contains(entry.chunks[r.chunk].box, r.box)):
+                raise IncompatibleStateDict(f"{r.fqn!r}: request for chunk {r.chunk}, box {list(r.box[0])} + "
+                                            f"{list(r.box[1])} into {r.out.dtype} {tuple(r.out.shape)} does not "
+                                            f"match {self.info.url}")
+            checked.append(entry)
+        return checked
 
     def prepare(self, requests: Sequence[ReadRequest]) -> None:  # noqa: B027 - optional
         """Check, without writing any ``out``, everything ``read(requests)`` can check up front
