@@ -13,14 +13,21 @@ always a ``model.safetensors.index.json`` with ``metadata.total_size``, and
 its header is computed from the plan, then rows are appended block by block.
 
 Names: an HF key ``k`` is the model tensor ``model.k`` in shardkit's
-flattened naming; HF holds model weights only.
+flattened naming; HF holds model weights only, so writing anything else is
+refused up front (:func:`check_tensors`) rather than given a mangled name.
+
+Side files (``config.json``, tokenizer files) travel with the weights when
+converting; only small config/tokenizer/text files are taken
+(:func:`side_file_problem`), and each file left behind is named with the
+reason in :attr:`HfReader.skipped_side_files` instead of failing the open.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -29,39 +36,61 @@ from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_t
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, nbytes_of, row_range,
                                                 rows_per_block, split_file)
-from shardkit.checkpoint.storage import Storage
-from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsupportedFormat
+from shardkit.checkpoint.storage import Storage, check_name
+from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, UnsafeCheckpoint,
+                             UnsupportedFormat)
 
-__all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "parse_size", "INDEX_NAME"]
+__all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "read_header",
+           "check_tensors", "side_file_problem", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "merges.txt", "vocab.*")
+SIDE_FILE_CAP = 64 << 20
 _HEAD_GUESS = 1 << 16
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+def read_header(storage: Storage, name: str, *, base: int = 0, where: str | None = None) -> Any:
+    """Parse and strictly validate the safetensors header of the blob starting at byte ``base`` of
+    ``name`` (0 for a safetensors file; DCP's safetensors payloads start later), with ranged reads."""
+    size = storage.size(name) - base
+    prefix = storage.read_bytes(name, base, base + min(size, _HEAD_GUESS))
+    return parse_safetensors_header(prefix, size, where or storage.where(name),
+                                    lambda n: storage.read_bytes(name, base, base + n))
 
 
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` → 5e9, ``"64MiB"`` → 2**26, ``1000`` → 1000 (the HF spelling of sizes)."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise UnsupportedFormat(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 64MiB")
+def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Refuse, before anything is written, what an HF folder cannot hold: keys outside ``model.``
+    (HF holds model weights only, keyed without the prefix) and dtypes safetensors has no code for."""
+    for fqn, dtype, _ in tensors:
+        if not fqn.startswith("model."):
+            raise ConfigurationError(f"{fqn!r} is not a model tensor (no 'model.' prefix), so it has no HF name; "
+                                     "keep the 'model.' prefix in --rename, or exclude it")
+        try:
+            dtype_to_code(dtype)
+        except UnsupportedFormat:
+            raise UnsupportedFormat(f"{fqn!r} is {dtype}, which safetensors cannot hold; exclude it or cast it "
+                                    "with --dtype") from None
+
+
+def side_file_problem(storage: Storage, name: str) -> str | None:
+    """Why ``name`` in an HF folder does not travel with the weights, or ``None`` when it does.
+
+    Only the small files ``from_pretrained`` and tokenizers read are carried
+    (:data:`SIDE_FILE_PATTERNS`, at most :data:`SIDE_FILE_CAP` bytes each):
+    weights in other formats (``pytorch_model.bin``, ``*.gguf``), optimizer or
+    training state would otherwise be copied along, and any size of them.
+    """
+    if not any(fnmatch.fnmatchcase(name, p) for p in SIDE_FILE_PATTERNS):
+        return f"{name}: not a config, tokenizer or text file; not carried"
     try:
-        return int(float(num) * _UNITS[unit])
-    except ValueError as exc:
-        raise UnsupportedFormat(f"size {text!r} is not understood; write e.g. 5GB, 500MB or 64MiB") from exc
-
-
-def read_header(storage: Storage, name: str) -> Any:
-    """Parse and strictly validate one safetensors header with ranged reads (codec's parser)."""
+        check_name(name)
+    except UnsafeCheckpoint:
+        return f"{name}: not a plain file name (spaces, brackets or other characters); not carried"
+    if is_dir(storage.child(name)):
+        return f"{name}: a directory; not carried"
     size = storage.size(name)
-    prefix = storage.read_bytes(name, 0, min(size, _HEAD_GUESS))
-    return parse_safetensors_header(prefix, size, storage.where(name),
-                                    lambda n: storage.read_bytes(name, 0, n))
+    if size > SIDE_FILE_CAP:
+        return f"{name}: {size} bytes, over the {SIDE_FILE_CAP >> 20} MiB side-file cap; not carried"
+    return None
 
 
 def detect(storage: Storage) -> bool:
@@ -72,7 +101,7 @@ def detect(storage: Storage) -> bool:
     parent, name = split_file(storage)
     try:
         head = parent.read_bytes(name, 0, 9)
-    except Exception:  # noqa: BLE001 - unreadable means "not this format"
+    except (FileNotFoundError, CheckpointNotFound):  # other failures (permissions, network) are real errors
         return False
     return len(head) == 9 and head[8:9] == b"{"
 
@@ -87,6 +116,8 @@ class HfReader(CheckpointReader):
     def __init__(self, storage: Storage) -> None:
         super().__init__()
         meta: dict[str, Any] = {}
+        self.side_files: list[str] = []           # config/tokenizer files that travel with the weights
+        self.skipped_side_files: list[str] = []   # one line per file left behind, saying why
         if is_dir(storage):
             self.folder = storage
             if storage.exists(INDEX_NAME):
@@ -97,15 +128,20 @@ class HfReader(CheckpointReader):
                         raise TypeError("weight_map must map names to file names")
                 except (ValueError, KeyError, TypeError) as exc:
                     raise InvalidManifest(f"{storage.where(INDEX_NAME)}: not a valid index ({exc})") from None
-                names = sorted(set(weight_map.values()))
+                names = sorted({check_name(v, storage.where(INDEX_NAME)) for v in weight_map.values()})
             else:
                 weight_map, names = None, [SINGLE_NAME]
-            self.side_files = [n for n in storage.listdir() if not n.endswith(".safetensors") and n != INDEX_NAME
-                               and not n.startswith(".") and not is_dir(storage.child(n))]
+            for n in storage.listdir():
+                if n.endswith(".safetensors") or n == INDEX_NAME or n.startswith("."):
+                    continue
+                problem = side_file_problem(storage, n)
+                if problem is None:
+                    self.side_files.append(n)
+                else:
+                    self.skipped_side_files.append(problem)
         else:
             self.folder, name = split_file(storage)
             weight_map, names = None, [name]
-            self.side_files = []
         self._entries: dict[str, TensorEntry] = {}
         for name in names:
             header = read_header(self.folder, name)
@@ -130,12 +166,7 @@ class HfReader(CheckpointReader):
         return {}
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        checked = []
-        for r in requests:
-            entry = self._entries.get(r.fqn)
-            if entry is None or r.chunk != 0 or r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
-                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
-            checked.append(entry)
+        checked = self._check_requests(requests)
         for r, entry in zip(requests, checked):
             if r.out.numel() == 0:
                 continue
@@ -185,6 +216,7 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
     written last (after ``before_index``, which copies side files): it is what
     makes the folder a checkpoint, so a failure leaves none.
     """
+    check_tensors(tensors)
     items = [(fqn[len("model."):], dtype, shape) for fqn, dtype, shape in tensors]
     shards = plan_shards(items, max_shard_size)
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
@@ -207,7 +239,7 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
                     on_bytes(block.numel() * block.element_size())
             stream.finish()
 
-        dst.write_stream(name, produce, fsync=False)
+        dst.write_stream(name, produce, fsync=dst.is_local)  # durable before the index commits it
         for i in idx:
             weight_map[items[i][0]] = name
     total = sum(nbytes_of(d, s) for _, d, s in items)
