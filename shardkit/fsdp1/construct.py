@@ -61,6 +61,7 @@ class FSDP1Args:
 
     @property
     def strategy(self) -> ShardingStrategy:
+        """``sharding_strategy`` as our enum; unset means FSDP1's default, ``FULL_SHARD``."""
         value = mapping.as_enum(self.sharding_strategy, ShardingStrategy, "sharding_strategy")
         return value or ShardingStrategy.FULL_SHARD
 

@@ -63,6 +63,7 @@ class StrategyLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The ``init_device_mesh`` shape: ``(shard,)`` or ``(replicate, shard)``."""
         return (self.shard,) if self.replicate is None else (self.replicate, self.shard)
 
 
@@ -97,6 +98,7 @@ def reshard_after_forward(strategy: ShardingStrategy | None) -> bool:
 
 
 def is_hybrid(strategy: ShardingStrategy | None) -> bool:
+    """Whether ``strategy`` needs a 2-D ``(replicate, shard)`` mesh."""
     return strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
@@ -126,6 +128,7 @@ def mixed_precision_fields(mp: MixedPrecision | Any | None, *, is_root: bool) ->
 
 
 def offload_params(cpu_offload: CPUOffload | Any | None) -> bool:
+    """Whether ``cpu_offload`` (ours or torch's ``CPUOffload``) asks for the core's ``CPUOffloadPolicy``."""
     return bool(cpu_offload is not None and getattr(cpu_offload, "offload_params", False))
 
 

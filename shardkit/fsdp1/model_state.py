@@ -74,6 +74,7 @@ def units_under(module: nn.Module) -> list[nn.Module]:
 
 
 def settings_of(unit: nn.Module) -> StateDictSettings:
+    """``unit``'s state-dict settings (FSDP1's default, ``FULL_STATE_DICT``, until set)."""
     return unit.__dict__.get(SETTINGS_ATTR, DEFAULT_SETTINGS)
 
 

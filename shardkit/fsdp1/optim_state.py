@@ -100,7 +100,6 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_typ
     return out
 
 
-
 # --------------------------------------------------------------------------
 # FQN-keyed state from the live optimizer, and back to a loadable dict
 

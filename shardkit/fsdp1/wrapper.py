@@ -122,6 +122,9 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         return self
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Refused: the core runs each unit's reduce-scatter itself and offers no
+        hook to replace it; the error names the settings that cover the usual
+        hooks (a low-precision reduction, a custom divide factor)."""
         raise ConfigurationError(
             "register_comm_hook has no equivalent on shardkit: gradients are reduce-scattered per unit "
             "in reduce_dtype; use MixedPrecision(reduce_dtype=...) or the core's "
