@@ -13,57 +13,17 @@ from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.dcp import DcpReader, read_dcp_metadata
 from shardkit.checkpoint.storage import Storage
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
-from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
-
-
-def _flat_full_state(model, optim):
-    """Flattened full (unsharded) model + optimizer state, keyed like shardkit's names."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    flat = {f"model.{k}": v.clone() for k, v in msd.items()}
-    if "state" not in osd:  # cpu_offload keeps the full state on rank 0 only
-        return flat, []
-    for param, state in osd["state"].items():
-        for name, value in state.items():
-            flat[f"optim.state.{param}.{name}"] = value.clone()
-    return flat, osd["param_groups"]
-
-
-def _save_with_torch_fully_shard(path: str):
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens, targets = make_batch(args, 2, seed=1)
-    lm_loss(model(tokens), targets).backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    flat, groups = _flat_full_state(model, optim)
-    return (flat, groups) if dist.get_rank() == 0 else None
+from tests.formats_helpers import torch_fully_shard_dcp
+from tests.models import ModelArgs, Transformer
 
 
 def _read_all(reader) -> dict[str, torch.Tensor]:
     return {k: read_box(reader, k) for k in reader.tensors()}
 
 
-@pytest.fixture(scope="module")
-def fsdp_dcp(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("dcp") / "fsdp2")
-    flat, groups = run_on_ranks(2, _save_with_torch_fully_shard, path)[0]
-    return path, flat, groups
+@pytest.fixture
+def fsdp_dcp():
+    return torch_fully_shard_dcp()
 
 
 def test_dcp_saved_by_torch_fully_shard_reads_bitwise(fsdp_dcp):
@@ -80,18 +40,30 @@ def test_dcp_saved_by_torch_fully_shard_reads_bitwise(fsdp_dcp):
     assert source.values()["optim.param_groups"][0]["lr"] == pytest.approx(1e-2)
 
 
-def test_convert_writes_dcp_that_torch_dcp_load_reads(tmp_path, fsdp_dcp):
+def test_convert_writes_dcp_that_torch_dcp_load_reads_with_optimizer_state(tmp_path, fsdp_dcp):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
-    from shardkit.checkpoint.convert import convert
+    from shardkit.checkpoint import convert
 
     path, flat, groups = fsdp_dcp
     out = str(tmp_path / "out")
     convert(path, out, to="dcp", max_memory="16MiB")
-    target = {"model": {k[len("model."):]: torch.zeros_like(v) for k, v in flat.items() if k.startswith("model.")}}
-    dcp.load(target, checkpoint_id=out, no_dist=True)
-    for key, tensor in target["model"].items():
+    torch.manual_seed(5)  # different weights: everything compared below comes from the file
+    model = Transformer(ModelArgs())
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5)
+    msd, osd = get_state_dict(model, optim)  # FQN-keyed, state initialised by torch
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    for key, tensor in model.state_dict().items():
         assert torch.equal(tensor, flat[f"model.{key}"]), key
+    names = {p: n for n, p in model.named_parameters()}
+    for param, st in optim.state.items():
+        for name, value in st.items():
+            assert torch.equal(value, flat[f"optim.state.{names[param]}.{name}"]), (names[param], name)
+    assert optim.param_groups[0]["lr"] == groups[0]["lr"] == pytest.approx(1e-2)
 
 
 def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
@@ -145,7 +117,7 @@ def test_cli_convert_of_malicious_dcp_fails_in_one_line_and_writes_nothing(tmp_p
 def test_dcp_truncated_payload_is_reported(tmp_path, fsdp_dcp):
     import shutil
 
-    from shardkit.checkpoint.convert import verify
+    from shardkit.checkpoint import verify
 
     path, _, _ = fsdp_dcp
     copy = tmp_path / "copy"
@@ -167,9 +139,8 @@ def test_dcp_zstd_transform_is_decoded(tmp_path):
     assert torch.equal(got["model.w"], sd["model"]["w"])
 
 
-
 def test_dcp_output_holds_each_block_once(tmp_path):
-    from shardkit.checkpoint.convert import convert
+    from shardkit.checkpoint import convert
     from tests.offline_helpers import write_torch_state
 
     big = {"model.w": torch.randn(2000, 300), "model.v": torch.randn(10)}
@@ -205,3 +176,43 @@ def test_dcp_rows_are_read_by_range_without_decoding_the_whole_chunk(fsdp_dcp):
     got = read_box(reader, fqn, box)
     assert torch.equal(got, flat[fqn][lo + 2:lo + 6, 3:entry.shape[1] - 2])
     assert getattr(reader._local, "cache", None) is None  # no chunk was decoded whole
+
+
+def test_dcp_relative_path_outside_the_directory_is_refused_at_open(tmp_path, fsdp_dcp):
+    import shutil
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    path, _, _ = fsdp_dcp
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    md = read_dcp_metadata((copy / ".metadata").read_bytes())
+    index = next(iter(md.storage_data))
+    info = md.storage_data[index]
+    md.storage_data[index] = _StorageInfo("../outside.distcp", info.offset, info.length)
+    (copy / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeCheckpoint, match=r"\.\./outside\.distcp"):
+        DcpReader(Storage(str(copy)))
+
+
+def test_verify_names_a_flipped_payload_byte_through_the_zip_crc(tmp_path, fsdp_dcp):
+    import shutil
+
+    from shardkit.checkpoint import verify
+
+    path, _, _ = fsdp_dcp
+    clean = verify(path)
+    assert clean.ok and clean.scope == "checksums"
+    assert clean.bytes_checked >= sum(e.nbytes for e in DcpReader(Storage(path)).tensors().values())
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    reader = DcpReader(Storage(str(copy)))
+    entry = reader.tensors()["model.output.weight"]
+    layout = reader._row_layout(entry, 0)
+    data = bytearray((copy / layout.file).read_bytes())
+    data[layout.data_start + 5] ^= 0x10  # inside the tensor bytes: shape, dtype and zip structure stay intact
+    (copy / layout.file).write_bytes(bytes(data))
+    report = verify(str(copy))
+    assert not report.ok
+    assert len(report.problems) == 1 and "model.output.weight" in report.problems[0] and \
+        "CRC" in report.problems[0], report.problems

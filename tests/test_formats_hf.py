@@ -1,5 +1,5 @@
 """Hugging Face folders: greedy shards under the cap, names that leave ``model.`` refused, side
-files allowlisted and capped, index paths kept inside the folder."""
+files allowlisted and capped, index paths kept inside the folder, verify honest about headers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardkit.checkpoint import convert
+from shardkit.checkpoint import convert, verify
 from shardkit.checkpoint.formats import hf
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.hf import INDEX_NAME, HfReader, write_hf
@@ -96,3 +96,9 @@ def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, target):
     with pytest.raises(UnsafeCheckpoint, match="outside the checkpoint"):
         HfReader(Storage(str(tmp_path)))
 
+
+def test_verify_of_hf_says_it_checked_headers_only(tmp_path):
+    save_file({"w": torch.ones(1000)}, str(tmp_path / "model.safetensors"))
+    report = verify(str(tmp_path))
+    assert report.ok and report.scope == "headers" and report.bytes_checked == 0
+    assert report.to_json()["scope"] == "headers"

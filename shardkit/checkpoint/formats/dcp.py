@@ -30,14 +30,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.codec import as_bytes
+from shardkit.checkpoint.flatten import from_json_value, to_json_value
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.formats.dcp_payload import locate_rows
+from shardkit.checkpoint.formats.dcp_payload import check_zip_records, locate_rows, payload_meta
+from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, value_path, write_archive)
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
-from shardkit.checkpoint.storage import Storage
-from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.checkpoint.storage import Storage, check_name
+from shardkit.errors import ConfigurationError, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
 
-__all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp"]
+__all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp", "check_tensors"]
 
 METADATA_NAME = ".metadata"
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -98,18 +100,6 @@ def open_reader(storage: Storage) -> "DcpReader":
     return DcpReader(storage)
 
 
-def _json_safe(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v, where) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v, where) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    raise UnsupportedFormat(f"{where}: non-tensor value of type {type(value).__name__} cannot be carried as JSON")
-
-
 def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
     """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -137,6 +127,7 @@ class DcpReader(CheckpointReader):
         self._md = read_dcp_metadata(storage.read_bytes(METADATA_NAME), storage.where(METADATA_NAME))
         where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
         for index, info in (self._md.storage_data or {}).items():
+            check_name(str(getattr(info, "relative_path", None)), storage.where(METADATA_NAME))
             offset = None if index.offset is None else tuple(int(o) for o in index.offset)
             where[(index.fqn, offset)] = info
         self._where = where
@@ -203,7 +194,10 @@ class DcpReader(CheckpointReader):
                 if info is None:
                     raise InvalidManifest(f"{self.info.url}: no storage entry for value {key!r}")
                 where = f"{self.info.url} [{key}]"
-                raw[key] = _json_safe(self._decode(info, where), where)
+                try:
+                    raw[key] = to_json_value(self._decode(info, where), key)
+                except ConfigurationError as exc:
+                    raise UnsupportedFormat(f"{where}: {exc}") from None
             self._values = _nest_param_groups(raw)
         return self._values
 
@@ -233,12 +227,11 @@ class DcpReader(CheckpointReader):
         """A tensor of a DCP file saved with ``SerializationFormat.SAFETENSORS``: the items of one file
         form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
         ``FileSystemReader`` cannot read these back; we can)."""
-        from shardkit.checkpoint.codec import code_to_dtype, parse_safetensors_header
+        from shardkit.checkpoint.codec import code_to_dtype
+        from shardkit.checkpoint.formats.hf import read_header
 
         name, base = str(info.relative_path), int(info.offset)
-        size = self.storage.size(name) - base
-        header = parse_safetensors_header(self.storage.read_bytes(name, base, base + min(size, 1 << 16)), size,
-                                          where, lambda n: self.storage.read_bytes(name, base, base + n))
+        header = read_header(self.storage, name, base=base, where=where)
         e = header.entries.get(fqn)
         if e is None:
             raise InvalidManifest(f"{where}: the safetensors payload holds no tensor {fqn!r}")
@@ -247,13 +240,7 @@ class DcpReader(CheckpointReader):
         return out.view(code_to_dtype(e.dtype)).reshape(e.shape)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        for r in requests:
-            entry = self._entries.get(r.fqn)
-            if (entry is None or not 0 <= r.chunk < len(entry.chunks) or r.out.dtype != entry.dtype
-                    or tuple(r.out.shape) != tuple(r.box[1])):
-                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
-        for r in requests:
-            entry = self._entries[r.fqn]
+        for r, entry in zip(requests, self._check_requests(requests)):
             offsets = entry.chunks[r.chunk].offsets
             r0, r1 = row_range(offsets, r.box)
             layout = self._row_layout(entry, r.chunk)
@@ -268,6 +255,33 @@ class DcpReader(CheckpointReader):
                 tensor = self.chunk_tensor(entry, r.chunk)
                 copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+
+    def check_chunk(self, entry: TensorEntry, index: int) -> int:
+        """Check stored chunk ``index`` of ``entry`` without decoding it whole; return the bytes read.
+
+        A torch.save payload is a zip archive whose records carry CRC-32s: every
+        record is streamed through ranged reads and its CRC checked, then the
+        pickled header is loaded onto the meta device to compare shape and
+        dtype with the metadata.  Other payloads (zstd transforms, safetensors
+        serialization) have no checksum and are decoded instead.
+        Raises a :class:`~shardkit.errors.ShardkitError` naming the chunk.
+        """
+        chunk = entry.chunks[index]
+        info = chunk.locator
+        name, start, length = str(info.relative_path), int(info.offset), int(info.length)
+        where = f"{self.storage.where(name)} [{entry.fqn} @ {list(chunk.offsets)}]"
+        head = self.storage.read_bytes(name, start, start + 4)
+        if head != b"PK\x03\x04" or getattr(info, "transform_descriptors", None):
+            t = self.chunk_tensor(entry, index)
+            self._local.cache = None
+            return t.numel() * t.element_size()
+        check_zip_records(self.storage, name, start, length, where)
+        meta = payload_meta(self.storage, name, start, length, where)
+        if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.shape or meta.dtype != entry.dtype:
+            raise InvalidManifest(f"{where}: holds {getattr(meta, 'dtype', type(meta).__name__)} "
+                                  f"{tuple(getattr(meta, 'shape', ()))}, the metadata records {entry.dtype} "
+                                  f"{chunk.shape}")
+        return length
 
     def _row_layout(self, entry: TensorEntry, index: int) -> Any:
         """Where the rows of a stored chunk are (``None``: decode the chunk whole); computed once."""
@@ -311,14 +325,16 @@ def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],
-              fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], *, block_bytes: int,
-              on_bytes: Callable[[int], None] = lambda n: None) -> None:
+              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
     """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
 
     ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
-    written in dim-0 blocks of at most ``block_bytes`` (one DCP chunk each) into
-    ``__0_0.distcp``.  ``.metadata`` (the commit) is written last, by torch's
-    own ``FsspecWriter.finish``.
+    cut into dim-0 chunks of at most ``block_bytes`` (DCP supports any chunking)
+    and each chunk is streamed straight into ``__0_0.distcp`` as its own
+    torch.save archive, so memory holds one block.  ``values`` are JSON-encoded
+    (flatten's form) and are decoded before torch.save sees them.  ``.metadata``
+    (the commit) is written last, by torch's own ``FsspecWriter.finish``, after
+    the payload is durable on local disks.
     """
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -326,6 +342,7 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
     from torch.distributed.checkpoint.storage import WriteResult
 
+    check_tensors(tensors)
     data_name = "__0_0.distcp"
 
     def produce(out: Any) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
@@ -334,47 +351,35 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
         planner_data: dict[str, tuple[Any, ...]] = {}
         pos = 0
 
-        def put(blob: bytes) -> tuple[int, int]:
+        def put(index: Any, root: Any, refs: list[TensorRef]) -> None:
             nonlocal pos
-            out.write(blob)
-            start, pos = pos, pos + len(blob)
-            return start, len(blob)
+            length = write_archive(out, root, refs, fetch, block_bytes=block_bytes, on_bytes=on_bytes)
+            results.append(WriteResult(index=index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(data_name, pos, length)))
+            pos += length
 
-        for key, value in _flatten_values(values).items():
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            start, length = put(buf.getvalue())
+        for key, value in _flatten_values({k: from_json_value(v) for k, v in values.items()}).items():
+            put(MetadataIndex(key), value, [])
             state_md[key] = BytesStorageMetadata()
-            results.append(WriteResult(index=MetadataIndex(key), size_in_bytes=length,
-                                       storage_data=_StorageInfo(data_name, start, length)))
-            planner_data[key] = object_path(key)
+            planner_data[key] = value_path(key)
         for fqn, dtype, shape in tensors:
             chunks = []
-            if not shape or shape[0] == 0:
-                blocks = [(0, shape[0] if shape else 0)]
+            if not shape or shape[0] == 0:  # a scalar, or no rows: one (empty) chunk
+                blocks: Any = [(0, shape[0] if shape else 0)]
             else:
-                blocks = list(iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)))
+                blocks = iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes))
             for r0, r1 in blocks:
                 offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
                 box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
-                tensor = fetch(fqn, offsets, box).contiguous()
-                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                    tensor = tensor.clone()  # torch.save writes the whole storage, not just the view
-                buf = io.BytesIO()
-                torch.save(tensor, buf)
-                payload = tensor.numel() * tensor.element_size()
-                del tensor
-                start, length = put(buf.getvalue())
-                on_bytes(payload)
+                ref = TensorRef("0", fqn, dtype, box, first_row=r0)
+                put(MetadataIndex(fqn, torch.Size(offsets)), ref, [ref])
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box)))
-                results.append(WriteResult(index=MetadataIndex(fqn, torch.Size(offsets)), size_in_bytes=length,
-                                           storage_data=_StorageInfo(data_name, start, length)))
             state_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
                                                   chunks=chunks)
             planner_data[fqn] = object_path(fqn)
         return state_md, results, planner_data
 
-    state_md, results, planner_data = dst.write_stream(data_name, produce, fsync=False)
+    state_md, results, planner_data = dst.write_stream(data_name, produce, fsync=dst.is_local)
     metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
-    writer = FsspecWriter(dst.url, sync_files=False, **dst.storage_options)
+    writer = FsspecWriter(dst.url, sync_files=dst.is_local, **dst.storage_options)
     dst._retry(f"committing {dst.where(METADATA_NAME)}", lambda: writer.finish(metadata, [results]))

@@ -13,6 +13,10 @@ reads are ranged reads of the storage.  A row-major contiguous chunk then
 serves any row range with one ranged read.  Anything else (compressed
 transforms, non-contiguous layouts) returns ``None`` and the caller decodes
 the chunk whole.
+
+The same view serves ``verify``: every record of a zip archive carries a
+CRC-32, so :func:`check_zip_records` streams the records through ranged reads
+and lets :mod:`zipfile` check them, in memory of one read step.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from typing import Any
 
 import torch
 
+from shardkit.checkpoint.formats.base import contiguous_strides
 from shardkit.checkpoint.storage import Storage
+from shardkit.errors import CorruptCheckpoint, InvalidManifest, ShardkitError
 
-__all__ = ["RangeFile", "RowLayout", "locate_rows"]
+__all__ = ["RangeFile", "RowLayout", "locate_rows", "payload_meta", "check_zip_records"]
 
 _READ_AHEAD = 1 << 16
+_CHECK_STEP = 4 << 20
 
 
 class RangeFile(io.RawIOBase):
@@ -65,9 +72,10 @@ class RangeFile(io.RawIOBase):
             end = min(self._length, max(hi, lo + _READ_AHEAD))
             self._cache = self._storage.read_bytes(self._name, self._start + lo, self._start + end)
             self._cache_at = lo
-        view[:n] = self._cache[lo - self._cache_at:hi - self._cache_at]
-        self._pos = hi
-        return n
+        got = self._cache[lo - self._cache_at:hi - self._cache_at]  # short when the file is truncated
+        view[:len(got)] = got
+        self._pos = lo + len(got)
+        return len(got)
 
 
 @dataclass(frozen=True)
@@ -79,12 +87,45 @@ class RowLayout:
     row_bytes: int
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.insert(0, acc)
-        acc *= n
-    return tuple(strides)
+def _reader(storage: Storage, name: str, start: int, length: int, buffer_size: int = _READ_AHEAD) -> io.BufferedReader:
+    return io.BufferedReader(RangeFile(storage, name, start, length), buffer_size=buffer_size)
+
+
+def payload_meta(storage: Storage, name: str, start: int, length: int, where: str) -> Any:
+    """What a torch.save payload holds, with tensors on the meta device: only ``data.pkl`` and the zip
+    directory are read (a few small ranged reads), never the storage bytes."""
+    try:
+        return torch.load(_reader(storage, name, start, length), map_location="meta", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for bad bytes
+        msg = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise InvalidManifest(f"{where}: not a readable torch.save payload ({msg})") from None
+
+
+def check_zip_records(storage: Storage, name: str, start: int, length: int, where: str) -> int:
+    """Stream every record of the zip archive at ``[start, start + length)`` of ``name`` and check its
+    CRC-32 (what torch.save files and DCP payloads carry); return the record bytes checked.
+
+    Memory is one read step, whatever the record sizes.  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming the record.
+    """
+    checked = 0
+    try:
+        with zipfile.ZipFile(_reader(storage, name, start, length)) as zf:
+            for info in zf.infolist():
+                try:
+                    with zf.open(info) as rec:
+                        while rec.read(_CHECK_STEP):
+                            pass
+                except ShardkitError:
+                    raise
+                except (zipfile.BadZipFile, EOFError, OSError, ValueError, struct.error) as exc:
+                    raise CorruptCheckpoint(f"{where}: record {info.filename}: {exc}") from None
+                checked += info.file_size
+    except ShardkitError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, struct.error) as exc:
+        raise CorruptCheckpoint(f"{where}: not a readable zip archive ({exc})") from None
+    return checked
 
 
 def locate_rows(storage: Storage, info: Any, shape: tuple[int, ...], dtype: torch.dtype) -> RowLayout | None:
@@ -93,12 +134,11 @@ def locate_rows(storage: Storage, info: Any, shape: tuple[int, ...], dtype: torc
         return None
     name, start, length = str(info.relative_path), int(info.offset), int(info.length)
     try:
-        meta = torch.load(io.BufferedReader(RangeFile(storage, name, start, length)), map_location="meta",
-                          weights_only=True)
+        meta = torch.load(_reader(storage, name, start, length), map_location="meta", weights_only=True)
         if (not isinstance(meta, torch.Tensor) or tuple(meta.shape) != tuple(shape) or meta.dtype != dtype
-                or (meta.numel() > 1 and tuple(meta.stride()) != _contiguous_strides(tuple(shape)))):
+                or (meta.numel() > 1 and tuple(meta.stride()) != contiguous_strides(shape))):
             return None
-        with zipfile.ZipFile(io.BufferedReader(RangeFile(storage, name, start, length))) as zf:
+        with zipfile.ZipFile(_reader(storage, name, start, length)) as zf:
             records = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
             if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
                 return None

@@ -17,21 +17,29 @@ Memory is one row block, whatever the model size.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import tempfile
 import zipfile
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.flatten import flatten, from_json_value
+from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
+                                              contiguous_strides)
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import IncompatibleStateDict, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, ShardkitError, UnsafeCheckpoint,
+                             UnsupportedFormat)
 
-__all__ = ["TorchSaveReader", "detect", "open_reader", "write_torch_save", "flatten_state"]
+__all__ = ["TorchSaveReader", "TensorRef", "detect", "open_reader", "write_torch_save", "write_archive",
+           "check_tensors", "flatten_state", "value_path"]
+
+Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
 _STORAGE_TYPES = {
     torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
@@ -50,7 +58,7 @@ def detect(storage: Storage) -> bool:
     try:
         parent, name = split_file(storage)
         return parent.read_bytes(name, 0, 4) == b"PK\x03\x04"
-    except Exception:  # noqa: BLE001 - unreadable means "not this format"
+    except (FileNotFoundError, CheckpointNotFound):  # other failures (permissions, network) are real errors
         return False
 
 
@@ -59,51 +67,56 @@ def open_reader(storage: Storage) -> "TorchSaveReader":
 
 
 def flatten_state(obj: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Nested state dict → (flattened tensors, JSON values), keys joined by ``.``.
+    """Nested state dict -> (flattened tensors, JSON-encoded values), keys joined by ``.``.
 
-    A top level without ``model``/``optim`` sub-dicts is a bare model state dict
-    and is placed under ``model.``.
+    The keys are the ones ``shardkit.checkpoint.save`` gives the same state dict
+    (:func:`~shardkit.checkpoint.flatten.flatten`), so a torch.save file and a
+    native checkpoint of one model can be diffed and loaded alike.  Non-finite
+    floats (a ``best_loss`` of ``inf``) use flatten's ``{"$float": ...}`` form.
+    Where the top level is placed is decided by :func:`_placed`.
     """
     if not isinstance(obj, dict):
         raise UnsupportedFormat(f"{where}: holds a {type(obj).__name__}, not a state dict")
-    if not any(k in obj and isinstance(obj[k], dict) for k in ("model", "optim")):
-        obj = {"model": obj}
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
-
-    def has_tensor(v: Any) -> bool:
-        if isinstance(v, torch.Tensor):
-            return True
-        if isinstance(v, dict):
-            return any(has_tensor(x) for x in v.values())
-        if isinstance(v, (list, tuple)):
-            return any(has_tensor(x) for x in v)
-        return False
-
-    def visit(key: str, v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            tensors[key] = v
-        elif isinstance(v, dict) and has_tensor(v):
-            for k, x in v.items():
-                visit(f"{key}.{k}" if key else str(k), x)
-        elif isinstance(v, (list, tuple)) and has_tensor(v):
-            for i, x in enumerate(v):
-                visit(f"{key}.{i}", x)
-        else:
-            values[key] = _json_value(v, f"{where} [{key}]")
-
-    visit("", obj)
-    return tensors, values
+    try:
+        flat = flatten(_plain(_placed(obj)))
+    except ConfigurationError as exc:
+        raise UnsupportedFormat(f"{where}: {exc}") from None
+    return flat.tensors, flat.values
 
 
-def _json_value(v: Any, where: str) -> Any:
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x, where) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json_value(x, where) for k, x in v.items()}
-    raise UnsupportedFormat(f"{where}: a {type(v).__name__} cannot be carried as a JSON value")
+def _placed(obj: dict) -> dict:
+    """Nest a top level that is not ``{"model": ..., "optim": ...}`` under the name it stands for.
+
+    An optimizer state dict (``state`` + ``param_groups``, e.g. FSDP1's
+    ``full_optim_state_dict`` saved alone) goes under ``optim.`` so it is never
+    exported or cast as model weights; anything else is a bare model state dict.
+    """
+    if any(isinstance(obj.get(k), dict) for k in ("model", "optim")):
+        return obj
+    if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), (list, tuple)):
+        return {"optim": obj}
+    return {"model": obj}
+
+
+def _plain(value: Any) -> Any:
+    """Dict keys as strings (torch's own optimizer state is keyed by int) and tuples as lists, so that
+    flatten can walk what ``torch.load`` returns; JSON has neither int keys nor tuples anyway."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def value_path(key: str) -> tuple[str | int, ...]:
+    """Where a flattened key lives in the nested dict a torch.save/DCP file holds.
+
+    Model and optimizer keys follow :func:`object_path` (parameter names contain
+    dots); other keys were joined by flatten from nested dicts, so their dots
+    are path separators (``extra.best_loss`` -> ``extra`` / ``best_loss``).
+    """
+    path = object_path(key)
+    return path if len(path) > 1 else tuple(key.split("."))
 
 
 class TorchSaveReader(CheckpointReader):
@@ -112,18 +125,14 @@ class TorchSaveReader(CheckpointReader):
     def __init__(self, storage: Storage) -> None:
         super().__init__()
         self._tmp: str | None = None
-        parent, name = split_file(storage)
-        path = parent.path(name) if parent.is_local else None
-        if path is None:  # remote: spool to local disk so the file can be memory-mapped
-            fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
-            os.close(fd)
-            parent._retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), self._tmp))
-            path = self._tmp
+        self._tensors: dict[str, torch.Tensor] = {}
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+            obj = torch.load(self._local_path(storage), map_location="cpu", weights_only=True, mmap=True)
+        except BaseException as exc:
+            self.close()  # a failed download or a bad file leaves no spool file behind
+            if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):
+                raise
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
-            self.close()
             if "weights_only" in str(exc) or "Unsupported global" in str(exc):
                 raise UnsafeCheckpoint(f"{storage.url}: needs unsafe unpickling to load ({msg}); refusing") from None
             raise InvalidManifest(f"{storage.url}: not a readable torch.save file ({msg})") from None
@@ -132,6 +141,17 @@ class TorchSaveReader(CheckpointReader):
                          for k, t in self._tensors.items()}
         self.info = CheckpointInfo("torch", storage.url)
 
+    def _local_path(self, storage: Storage) -> str:
+        """The file on local disk; a remote file is spooled to a temporary file first so it can be mapped."""
+        parent, name = split_file(storage)
+        if parent.is_local:
+            return parent.path(name)
+        fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
+        os.close(fd)
+        tmp = self._tmp
+        parent._retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
+        return tmp
+
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
 
@@ -139,10 +159,7 @@ class TorchSaveReader(CheckpointReader):
         return self._values
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        for r in requests:
-            entry = self._entries.get(r.fqn)
-            if entry is None or r.chunk != 0 or r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
-                raise IncompatibleStateDict(f"{r.fqn!r}: request does not match {self.info.url}")
+        self._check_requests(requests)
         for r in requests:
             t = self._tensors[r.fqn]
             r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
@@ -160,6 +177,19 @@ class TorchSaveReader(CheckpointReader):
 
 # --------------------------------------------------------------------------
 # writing: a pickle opcode stream built by hand (no pickle module)
+
+
+def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Refuse, before anything is written, a tensor whose dtype a torch.save file cannot hold here.
+
+    Called by the offline tools ahead of touching DST, so an old checkpoint
+    there is never removed for a conversion that would fail midway.
+    """
+    for fqn, dtype, _ in tensors:
+        if dtype not in _STORAGE_TYPES:
+            raise UnsupportedFormat(f"{fqn!r} is {dtype}, which torch.save/DCP output cannot hold (supported: "
+                                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in _STORAGE_TYPES))}); "
+                                    "exclude it or cast it with --dtype")
 
 
 class _Ops:
@@ -187,23 +217,23 @@ class _Ops:
         elif isinstance(v, str):
             raw = v.encode("utf-8")
             o += b"X" + struct.pack("<I", len(raw)) + raw
-        elif isinstance(v, (list, tuple)) and not isinstance(v, _Tuple):
-            o += b"]("
-            for x in v:
-                self.value(x)
-            o += b"e"
         elif isinstance(v, _Tuple):
             o += b"("
             for x in v:
                 self.value(x)
             o += b"t"
+        elif isinstance(v, (list, tuple)):
+            o += b"]("
+            for x in v:
+                self.value(x)
+            o += b"e"
         elif isinstance(v, dict):
             o += b"}("
             for k, x in v.items():
                 self.value(str(k))
                 self.value(x)
             o += b"u"
-        elif isinstance(v, _TensorRef):
+        elif isinstance(v, TensorRef):
             self.tensor(v)
         else:
             raise UnsupportedFormat(f"cannot write a {type(v).__name__} into a torch.save file")
@@ -211,22 +241,18 @@ class _Ops:
     def glob(self, module: str, name: str) -> None:
         self.out += b"c" + f"{module}\n{name}\n".encode()
 
-    def tensor(self, ref: "_TensorRef") -> None:
-        stride, acc = [], 1
-        for n in reversed(ref.shape):
-            stride.insert(0, acc)
-            acc *= n
+    def tensor(self, ref: "TensorRef") -> None:
         self.glob("torch._utils", "_rebuild_tensor_v2")
         self.out += b"(("
         self.value("storage")
         self.glob("torch", _STORAGE_TYPES[ref.dtype])
         self.value(ref.key)
         self.value("cpu")
-        self.value(ref.numel)
+        self.value(math.prod(ref.shape))
         self.out += b"tQ"
         self.value(0)
         self.value(_Tuple(ref.shape))
-        self.value(_Tuple(stride))
+        self.value(_Tuple(contiguous_strides(ref.shape)))
         self.value(False)
         self.glob("collections", "OrderedDict")
         self.out += b")Rt" + b"R"
@@ -236,23 +262,31 @@ class _Tuple(tuple):
     pass
 
 
-class _TensorRef:
-    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        if dtype not in _STORAGE_TYPES:
-            raise UnsupportedFormat(f"dtype {dtype} cannot be written to a torch.save file")
-        self.key, self.dtype, self.shape = key, dtype, tuple(shape)
-        self.numel = 1
-        for n in shape:
-            self.numel *= n
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor placeholder in the object a torch.save archive holds.
+
+    Its data is rows ``[first_row, first_row + shape[0])`` of ``fqn``, pulled
+    from ``fetch`` a block at a time when the archive's record ``key`` is
+    written (a DCP payload is one chunk of a tensor, hence ``first_row``).
+    """
+
+    key: str
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    first_row: int = 0
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     root: dict[str, Any] = {}
     for key, value in flat.items():
         node = root
-        path = object_path(key)
+        path = value_path(key)
         for part in path[:-1]:
             node = node.setdefault(str(part), {})
+            if not isinstance(node, dict):
+                raise UnsupportedFormat(f"{key!r} cannot be nested: a value already sits at one of its parents")
         node[str(path[-1])] = value
     return root
 
@@ -267,42 +301,63 @@ def _zip_info(name: str, at: int) -> zipfile.ZipInfo:
     return info
 
 
-def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                     values: dict[str, Any], fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor],
-                     *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-    """Write file ``name`` in ``dst``, readable by ``torch.load(weights_only=True)``, in bounded memory."""
-    refs = {fqn: _TensorRef(str(i), dtype, shape) for i, (fqn, dtype, shape) in enumerate(tensors)}
+def write_archive(sink: Any, root: Any, refs: Sequence[TensorRef], fetch: Fetch, *, block_bytes: int,
+                  on_bytes: Callable[[int], None] = lambda n: None) -> int:
+    """Stream one torch.save archive holding ``root`` into ``sink``; return its size in bytes.
+
+    ``root`` is any JSON-like object in which :class:`TensorRef` s stand for
+    tensors; each ref's record is filled from ``fetch`` in dim-0 blocks of at
+    most ``block_bytes``, so memory is one block whatever the tensor size.
+    Offsets inside the archive are relative to its first byte, so archives
+    can be concatenated (DCP payload files are).
+    """
     ops = _Ops()
-    ops.value(_nest({**values, **refs}))
+    ops.value(root)
     ops.out += b"."
+    raw = _Counted(sink)
+    with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def record(name: str, data: bytes) -> None:
+            with zf.open(_zip_info(f"{_ARCHIVE}/{name}", raw.tell()), "w", force_zip64=True) as f:
+                f.write(data)
 
-    def produce(sink: Any) -> None:
-        raw = _Counted(sink)
-        with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            def record(rec: str, data: bytes) -> None:
-                with zf.open(_zip_info(f"{_ARCHIVE}/{rec}", raw.tell()), "w", force_zip64=True) as f:
-                    f.write(data)
+        record("data.pkl", bytes(ops.out))
+        record(".format_version", b"1")
+        record(".storage_alignment", str(_ALIGN).encode())
+        record("byteorder", b"little")
+        for ref in refs:
+            with zf.open(_zip_info(f"{_ARCHIVE}/data/{ref.key}", raw.tell()), "w", force_zip64=True) as f:
+                rest = tuple(ref.shape[1:])
+                blocks = iter_row_blocks(ref.shape[0], rows_per_block(ref.dtype, ref.shape, block_bytes)) \
+                    if ref.shape else [(0, 1)]
+                for r0, r1 in blocks:
+                    if ref.shape:
+                        t = fetch(ref.fqn, (ref.first_row + r0,) + (0,) * len(rest), (r1 - r0,) + rest)
+                    else:
+                        t = fetch(ref.fqn, (), ())
+                    f.write(_as_bytes(t))
+                    on_bytes(t.numel() * t.element_size())
+        record("version", b"3")
+    return raw.tell()
 
-            record("data.pkl", bytes(ops.out))
-            record(".format_version", b"1")
-            record(".storage_alignment", str(_ALIGN).encode())
-            record("byteorder", b"little")
-            for fqn, dtype, shape in tensors:
-                with zf.open(_zip_info(f"{_ARCHIVE}/data/{refs[fqn].key}", raw.tell()), "w", force_zip64=True) as f:
-                    if not shape:
-                        f.write(_as_bytes(fetch(fqn, (), ())))
-                        continue
-                    for r0, r1 in iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)):
-                        t = fetch(fqn, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]))
-                        f.write(_as_bytes(t))
-                        on_bytes(t.numel() * t.element_size())
-            record("version", b"3")
 
+def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                     values: Mapping[str, Any], fetch: Fetch, *, block_bytes: int,
+                     on_bytes: Callable[[int], None] = lambda n: None) -> None:
+    """Write file ``name`` in ``dst``, readable by ``torch.load(weights_only=True)``, in bounded memory.
+
+    ``values`` are JSON-encoded (flatten's form); they are decoded here so that
+    ``inf``/``nan`` come back as floats, not as ``{"$float": ...}`` dicts.
+    """
+    check_tensors(tensors)
+    refs = {fqn: TensorRef(str(i), fqn, dtype, tuple(shape)) for i, (fqn, dtype, shape) in enumerate(tensors)}
+    root = _nest({**{k: from_json_value(v) for k, v in values.items()}, **refs})
     # The file is its own commit marker: locally write a temporary name and rename it into place;
     # on object stores (no atomic rename) write in place and delete the object on failure.
     target = f".{name}.partial-{os.getpid()}" if dst.is_local else name
     try:
-        dst.write_stream(target, produce, fsync=dst.is_local)
+        dst.write_stream(target, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
+                                                            block_bytes=block_bytes, on_bytes=on_bytes),
+                         fsync=dst.is_local)
         if dst.is_local:
             os.replace(dst.path(target), dst.path(name))
     except BaseException:
