@@ -86,7 +86,9 @@ def test_dst_holding_a_checkpoint_is_refused_unless_overwrite(tmp_path, native):
     assert result.exit_code == 0, result.stderr
     assert json.loads((dst / "manifest.json").read_text())["writer"]["world_size"] == 3
     assert all(f.name.split("-")[0] in (dst / "manifest.json").read_text() for f in (dst / "data").iterdir())
-    _one_line_error(run_cli("-q", "convert", str(src), str(src), "--to", "torch"), "--overwrite")
+    existing = tmp_path / "existing.pt"
+    shutil.copy(src, existing)
+    _one_line_error(run_cli("-q", "convert", str(src), str(existing), "--to", "torch"), "--overwrite")
 
 
 def _damage(path: Path, at: int) -> None:
@@ -214,3 +216,36 @@ def test_unreadable_src_is_one_line_error(tmp_path, native):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "permission denied" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_dst_that_is_or_lies_inside_src_is_refused_and_src_survives(tmp_path, native):
+    src, out = native
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(out, ckpt)
+    before = {p.name: p.read_bytes() for p in [ckpt / "manifest.json", *sorted((ckpt / "data").iterdir())]}
+    _one_line_error(run_cli("-q", "reshard", str(ckpt), str(ckpt), "--world-size", "3", "--overwrite"), "overlaps")
+    _one_line_error(run_cli("-q", "reshard", str(ckpt), str(ckpt) + "/", "--world-size", "3", "--overwrite"),
+                    "overlaps")
+    _one_line_error(run_cli("-q", "convert", str(ckpt), str(ckpt / "data" / "x"), "--to", "hf"), "overlaps")
+    os.symlink(ckpt, tmp_path / "alias")
+    _one_line_error(run_cli("-q", "reshard", str(tmp_path / "alias"), str(ckpt), "--world-size", "2",
+                            "--overwrite"), "overlaps")
+    after = {p.name: p.read_bytes() for p in [ckpt / "manifest.json", *sorted((ckpt / "data").iterdir())]}
+    assert after == before and not (ckpt / "data" / "x").exists()
+    copy = tmp_path / "copy.pt"
+    shutil.copy(src, copy)
+    _one_line_error(run_cli("-q", "convert", str(copy), str(copy), "--to", "torch", "--overwrite"), "overlaps")
+    assert copy.read_bytes() == src.read_bytes()
+
+
+def test_torch_output_into_a_directory_and_native_output_onto_a_file_are_refused(tmp_path, native):
+    src, out = native
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _one_line_error(run_cli("-q", "convert", str(src), str(folder), "--to", "torch", "--overwrite"),
+                    "is a directory")
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    _one_line_error(run_cli("-q", "reshard", str(out), str(existing), "--world-size", "2", "--overwrite"),
+                    "is a file")
+    assert existing.read_text() == "keep me"

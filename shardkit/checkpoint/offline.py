@@ -26,7 +26,7 @@ from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
 from shardkit.checkpoint.offline_detect import (canonical_location, exists, normalize_format, open_source,
-                                                source_fingerprint)
+                                                overlap, source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
@@ -58,6 +58,10 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
     """Refuse a DST holding a checkpoint (unless ``overwrite``); then remove its commit marker first,
     so DST is no checkpoint at all until the new one commits."""
     storage = Storage(dst, storage_options)
+    if exists(storage) and is_dir(storage) == (fmt == "torch"):
+        kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
+            ("a file", "a directory")
+        raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
     found = _existing_checkpoint(storage)
     if found is not None:
         if not overwrite:
@@ -70,6 +74,20 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
     if fmt != "torch":
         storage.makedirs()
     return storage
+
+
+def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
+                   dst_storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse a DST that is SRC, or lies inside it, or holds it.
+
+    Writing DST drops its old commit marker first and deletes stale files
+    after the commit, so with an overlap a failure (or even success) would
+    destroy the very checkpoint being read.
+    """
+    a, b = Storage(src, storage_options), Storage(dst, dst_storage_options)
+    if overlap(a, b):
+        raise ConfigurationError(f"DST {dst!r} is SRC {src!r} or overlaps it ({canonical_location(b)} vs "
+                                 f"{canonical_location(a)}); write to a separate location, then move it")
 
 
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
@@ -101,6 +119,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     budget = parse_memory(max_memory)
     if dst_storage_options is None:
         dst_storage_options = storage_options
+    check_distinct(src, dst, storage_options, dst_storage_options)
     source = open_source(src, storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
@@ -176,6 +195,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     budget = parse_memory(max_memory)
     if dst_storage_options is None:
         dst_storage_options = storage_options
+    check_distinct(src, dst, storage_options, dst_storage_options)
     source = open_source(src, storage_options)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,

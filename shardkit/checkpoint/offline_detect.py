@@ -28,7 +28,7 @@ from shardkit.checkpoint.storage import Storage
 from shardkit.errors import CheckpointNotFound, StorageError, UnsupportedFormat
 
 __all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists", "canonical_location",
-           "source_fingerprint"]
+           "overlap", "source_fingerprint"]
 
 FORMATS = ("shardkit", "hf", "torch", "dcp")
 _ALIASES = {"native": "shardkit", "shardkit": "shardkit", "hf": "hf", "huggingface": "hf", "safetensors": "hf",
@@ -85,11 +85,29 @@ def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
 
 
 def canonical_location(storage: Storage) -> str:
-    """One spelling per place: symlinks and relative paths resolved locally, no trailing slash remotely."""
+    """One spelling per place: symlinks and relative paths resolved locally, no trailing slash remotely.
+
+    Remotely the endpoint is part of the place: ``s3://ckpts/run`` on two
+    S3-compatible services are two places (a migration between them is fine).
+    """
     if storage.is_local:
         return "file://" + os.path.realpath(storage.root)
     protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
-    return f"{protocol}://{storage.root.rstrip('/')}"
+    opts = storage.storage_options
+    endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                or opts.get("project") or "")
+    return f"{protocol}://{storage.root.rstrip('/')}" + (f"@{endpoint}" if endpoint else "")
+
+
+def overlap(a: Storage, b: Storage) -> bool:
+    """Whether ``a`` and ``b`` are the same place or one lies inside the other."""
+    x, y = canonical_location(a), canonical_location(b)
+    x_path, _, x_end = x.partition("@")
+    y_path, _, y_end = y.partition("@")
+    if x_end != y_end:
+        return False
+    return (x_path == y_path or x_path.startswith(y_path.rstrip("/") + "/")
+            or y_path.startswith(x_path.rstrip("/") + "/"))
 
 
 def _stamp(info: Mapping[str, Any]) -> str:
