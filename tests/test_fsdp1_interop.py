@@ -109,13 +109,22 @@ def _shardkit_reads(root):
     skc.load(state, os.path.join(root, "native-from-pt"))
     model.load_state_dict(state["model"])
     out["converted_pt"] = _full(model)
+
+    # 5. the full_optim_state_dict file converted too (optimizer state, not weights), next to the weights
+    model, optim = _fresh()
+    state = skc.get_state_dict(model, optim)  # live DTensors; a fresh optimizer's state is created first
+    skc.load({"model": state["model"]}, os.path.join(root, "native-from-pt"))
+    skc.load({"optim": state["optim"]}, os.path.join(root, "native-from-optim-pt"))
+    skc.set_state_dict(model, optim, state)
+    out["converted_pt_and_optim_pt"] = _full(model, optim)
     return out
 
 
 def test_torch_fsdp1_checkpoints_at_two_ranks_load_into_shardkit_at_three(tmp_path):
     root = str(tmp_path)
     run_on_ranks(2, _torch_fsdp1_writes, root)
-    for src, dst in (("sharded", "native-from-dcp"), ("model.pt", "native-from-pt")):
+    for src, dst in (("sharded", "native-from-dcp"), ("model.pt", "native-from-pt"),
+                     ("optim.pt", "native-from-optim-pt")):
         with pytest.raises(SystemExit) as exited:  # the `shardkit` command, in this process
             shardkit_cli(["-q", "convert", str(tmp_path / src), str(tmp_path / dst), "--to", "shardkit"])
         assert exited.value.code == 0
