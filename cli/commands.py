@@ -42,6 +42,9 @@ def _io_options(fn):
         click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename keys (re.sub); repeatable."),
         click.option("--model-only", is_flag=True, help="Keep model weights only (drop optimizer state)."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
+        click.option("--distributed/--single-process", default=None,
+                     help="Split the work over the processes of a torchrun launch (default: on under torchrun "
+                          "only; WORLD_SIZE alone does not turn it on)."),
     ]
     for deco in reversed(opts):
         fn = deco(fn)
@@ -54,18 +57,6 @@ def _progress(ctx: click.Context):
     from shardkit.checkpoint.offline_progress import Progress
 
     return Progress(stream=sys.stderr)
-
-
-def _mesh(value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        dims = tuple(int(x) for x in value.lower().split("x"))
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: write e.g. 2x4", param_hint="--mesh") from None
-    if not 1 <= len(dims) <= 2 or min(dims) < 1:
-        raise click.BadParameter(f"{value!r}: one or two positive sizes, e.g. 8 or 2x4", param_hint="--mesh")
-    return dims
 
 
 def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
@@ -93,7 +84,7 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, dtype: str | None,
             dtype_optim: bool, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
     """Write SRC as a shardkit checkpoint laid out for N ranks, each rank's shards in its own file(s).
 
     SRC may be any format shardkit reads; optimizer state is resharded with the
@@ -110,11 +101,11 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     from shardkit.checkpoint.offline_scaleout import run_reshard
 
     so = storage_options(storage_opts)
-    result = run_reshard(src, dst, world_size=world_size, mesh=_mesh(mesh), dtype=dtype, dtype_optim=dtype_optim,
+    result = run_reshard(src, dst, world_size=world_size, mesh=mesh, dtype=dtype, dtype_optim=dtype_optim,
                          compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          overwrite=overwrite, storage_options=so,
                          dst_storage_options=storage_options(dst_opts) if dst_opts else so, max_memory=max_memory,
-                         workers=workers, progress=_progress(ctx))
+                         workers=workers, progress=_progress(ctx), distributed=distributed)
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0
@@ -136,7 +127,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | None, dtype: str | None,
             max_shard_size: str, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
     """Convert SRC (format detected) to another format at DST.
 
     HF output has size-capped shards, an index and the source's side files
@@ -156,7 +147,8 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
                          storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
-                         max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx))
+                         max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx),
+                         distributed=distributed)
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0

@@ -161,8 +161,13 @@ def test_bad_options_are_one_line_errors(tmp_path, native):
                     "--dtype")
     _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "c"), "--world-size", "2",
                             "--compression", "lz4"), "compression")
-    result = run_cli("-q", "reshard", str(out), str(tmp_path / "d"), "--mesh", "2x2x2")
-    assert result.exit_code == 2 and "--mesh" in result.stderr
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "d"), "--mesh", "2x2x2"), "--mesh")
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "e"), "--mesh", "2xq"), "--mesh")
+    _one_line_error(run_cli("-q", "convert", str(out), str(tmp_path / "f"), "--to", "hf", "--max-shard-size", "-5GB"),
+                    "--max-shard-size", "positive")
+    _one_line_error(run_cli("-q", "reshard", str(out), str(tmp_path / "g"), "--world-size", "2",
+                            "--max-memory", "lots"), "--max-memory", "lots")
+    assert not any((tmp_path / n).exists() for n in "defg")
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 from shardkit.checkpoint import diff, reshard, verify
 from shardkit.checkpoint.offline_native import FileUnit, assign_units
 from tests.dist import run_torchrun
+from tests.offline_cli import run_cli
 from tests.offline_helpers import write_torch_state
 
 
@@ -36,3 +37,32 @@ def test_torchrun_reshard_splits_work_and_matches_one_process(tmp_path):
     manifest = json.loads(open(f"{out}/manifest.json").read())
     assert manifest["writer"]["world_size"] == 4 and {f["writer"] for f in manifest["files"].values()} == {0, 1, 2, 3}
     assert sorted(manifest["files"]) == sorted(json.loads(open(f"{single}/manifest.json").read())["files"])
+
+
+def test_world_size_in_the_environment_alone_runs_one_process(tmp_path, monkeypatch):
+    """A job environment (SLURM, a training pod) sets WORLD_SIZE/RANK without torchrun: convert alone."""
+    flat = {"model.w": torch.randn(40, 8, generator=torch.Generator().manual_seed(0))}
+    src = write_torch_state(tmp_path / "src.pt", flat, [])
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    result = run_cli("-q", "reshard", str(src), str(tmp_path / "out"), "--world-size", "2")
+    assert result.exit_code == 0, result.stderr
+    assert verify(str(tmp_path / "out")).ok and diff(str(src), str(tmp_path / "out")).equal
+    result = run_cli("-q", "convert", str(src), str(tmp_path / "out2"), "--to", "shardkit", "--from", "torch")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_distributed_without_a_launcher_is_a_one_line_error(tmp_path, monkeypatch):
+    flat = {"model.w": torch.randn(40, 8, generator=torch.Generator().manual_seed(0))}
+    src = write_torch_state(tmp_path / "src.pt", flat, [])
+    for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    result = run_cli("-q", "reshard", str(src), str(tmp_path / "a"), "--world-size", "2", "--distributed")
+    assert result.exit_code == 1 and result.stderr.startswith("error: ") and "torchrun" in result.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = run_cli("-q", "reshard", str(src), str(tmp_path / "b"), "--world-size", "2", "--distributed")
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "torchrun" in result.stderr, result.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "manifest.json").exists()

@@ -107,7 +107,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             compression: str | None = None,
             overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
-            workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | None = None,
+            workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
             src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
@@ -126,7 +126,8 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
                      model_only=model_only or to == "hf", dtype=dtype)
         if to == "shardkit":
             storage = prepare_dst(dst, to, dst_storage_options, overwrite)
-            return write_native(source, sel, storage, world_size=world_size or 1, mesh=mesh,
+            mesh_t = parse_mesh(mesh) if mesh is not None else None
+            return write_native(source, sel, storage, world_size=world_size or math.prod(mesh_t or (1,)), mesh=mesh_t,
                                 source_id=source_id(src, storage_options, source.info.format),
                                 compression=compression, budget=budget, workers=workers, progress=progress)
         if world_size not in (None, 1) or mesh:
@@ -169,13 +170,15 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             rename: Sequence[str] | None = None, model_only: bool = False, overwrite: bool = False,
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
-            progress: Progress | None = None, scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
+            src_format: str | None = None, progress: Progress | None = None,
+            scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
     """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
 
     Each rank's shards land in their own data file(s), so a job of that size
     reads exactly its files.  Optimizer state is resharded with the weights;
-    ``dtype`` casts model weights only, unless ``dtype_optim``.  A rerun after
-    an interruption skips data files already written and verified.
+    ``dtype`` casts model weights only, unless ``dtype_optim``; ``src_format``
+    skips detection.  A rerun after an interruption skips data files already
+    written (from the same SRC) and verified.
     ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
     (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
 
@@ -196,7 +199,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
-    source = open_source(src, storage_options)
+    source = open_source(src, storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)

@@ -67,9 +67,9 @@ def parse_mesh(value: Any) -> tuple[int, ...]:
         else:
             dims = tuple(int(x) for x in value)
     except (TypeError, ValueError):
-        raise ConfigurationError(f"mesh {value!r}: write e.g. 8 or 2x4 (replicas x shards)") from None
+        raise ConfigurationError(f"--mesh {value!r}: write e.g. 8 or 2x4 (replicas x shards)") from None
     if not 1 <= len(dims) <= 2 or min(dims) < 1:
-        raise ConfigurationError(f"mesh {value!r}: one or two positive sizes, e.g. 8 or 2x4")
+        raise ConfigurationError(f"--mesh {value!r}: one or two positive sizes, e.g. 8 or 2x4")
     return dims
 
 
