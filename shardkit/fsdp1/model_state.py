@@ -194,9 +194,17 @@ def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], pref
 def layout_like(param: DTensor, dtype: torch.dtype) -> DTensor:
     """A ``DTensor`` with ``param``'s shape, mesh and placements in ``dtype``:
     the template the checkpoint subsystem's ``shard_full_tensor`` /
-    ``shard_state`` cut full values to.  ``param`` itself when the dtype
-    matches (nothing allocated); else an uninitialized local shard."""
-    return param.detach() if param.dtype == dtype else torch.empty_like(param, dtype=dtype)
+    ``shard_state`` cut full values to (``shard_state`` with
+    ``broadcast_from_rank0`` learns each tensor's dtype on the other ranks
+    from it alone).  Only its metadata is read, so it holds no memory:
+    ``param`` itself when the dtype matches, else one element expanded to the
+    local shard's shape."""
+    if param.dtype == dtype:
+        return param.detach()
+    local = param.to_local()
+    template = torch.empty((), dtype=dtype, device=local.device).expand(local.shape)
+    return DTensor.from_local(template, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def relayout_like(value: torch.Tensor, param: DTensor) -> DTensor:
