@@ -19,8 +19,11 @@ reader will take it for a checkpoint.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.codec import dtype_to_code
 
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
@@ -31,10 +34,10 @@ from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_native import parse_mesh, write_native
-from shardkit.checkpoint.offline_select import select
+from shardkit.checkpoint.offline_select import Selection, select
 from shardkit.checkpoint.offline_verify import VerifyReport, verify
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointError, CheckpointExists, ConfigurationError
+from shardkit.errors import CheckpointError, CheckpointExists, ConfigurationError, UnsupportedFormat
 
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
            "DEFAULT_MAX_MEMORY", "parse_memory"]
@@ -54,26 +57,85 @@ def _existing_checkpoint(storage: Storage) -> str | None:
     return None
 
 
-def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Storage:
+_CHECKPOINT_FILES = ("*.safetensors", "*.distcp", ".metadata", "manifest.json", "model.safetensors.index.json")
+
+
+def _checkpoint_files(storage: Storage) -> set[str]:
+    """Names of the checkpoint files (data and markers, any format) directly in DST and in ``data/``."""
+    names = set()
+    for name in storage.listdir():
+        if name == "data":
+            names |= {f"data/{n}" for n in storage.listdir("data") if n.endswith(".safetensors")}
+        elif any(fnmatch.fnmatchcase(name, p) for p in _CHECKPOINT_FILES):
+            names.add(name)
+    return names
+
+
+def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None,
+                overwrite: bool) -> tuple[Storage, set[str]]:
     """Refuse a DST holding a checkpoint (unless ``overwrite``); then remove its commit marker first,
-    so DST is no checkpoint at all until the new one commits."""
+    so DST is no checkpoint at all until the new one commits.
+
+    Returns DST and the checkpoint files the replaced checkpoint left there;
+    :func:`remove_stale` deletes those the new checkpoint did not rewrite once
+    it has committed (before that they are harmless, and a failure keeps them
+    for a resumed run).
+    """
     storage = Storage(dst, storage_options)
     if exists(storage) and is_dir(storage) == (fmt == "torch"):
         kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
             ("a file", "a directory")
         raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
     found = _existing_checkpoint(storage)
+    old: set[str] = set()
     if found is not None:
         if not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({found}); pass --overwrite to replace it")
         if is_dir(storage):
-            storage.delete([n for n in COMMIT_MARKERS if storage.exists(n)])
+            old = _checkpoint_files(storage)
+            storage.delete([n for n in COMMIT_MARKERS if n in old])
         else:
             parent, name = split_file(storage)
             parent.delete([name])
     if fmt != "torch":
         storage.makedirs()
-    return storage
+    return storage, old
+
+
+def remove_stale(storage: Storage, old: set[str], written: Sequence[str]) -> None:
+    """After a commit: delete what the replaced checkpoint left in DST and the new one did not write
+    (e.g. ``model-00004-of-00004.safetensors`` when the new export has three shards)."""
+    stale = sorted(old - set(written))
+    if stale:
+        storage.delete(stale)
+        if any(n.startswith("data/") for n in stale) and not storage.listdir("data"):
+            storage.delete_tree("data")  # an empty local directory left by the old native layout
+
+
+def _check_output(to: str, sel: Selection) -> None:
+    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name)."""
+    if to == "hf":
+        from shardkit.checkpoint.formats.hf import check_tensors
+
+        check_tensors(sel.triples)
+    elif to == "torch":
+        from shardkit.checkpoint.formats.torchsave import check_tensors
+
+        check_tensors(sel.triples)
+    else:  # native and DCP payloads: safetensors dtype codes
+        for t in sel.tensors:
+            try:
+                dtype_to_code(t.dtype)
+            except UnsupportedFormat:
+                raise UnsupportedFormat(f"{t.name!r} is {t.dtype}, which --to {to} cannot hold; exclude it "
+                                        "(--exclude) or cast it (--dtype)") from None
+
+
+def _notes(source: Any, progress: Progress | None) -> None:
+    """Tell the user about side files the source holds but the conversion leaves behind, and why."""
+    for line in getattr(source, "skipped_side_files", ()) or ():
+        if progress:
+            progress.note(f"note: not copied: {line}")
 
 
 def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
@@ -117,6 +179,11 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     """
     to = normalize_format(to)
     budget = parse_memory(max_memory)
+    shard_cap = parse_size(max_shard_size, "--max-shard-size")
+    if to != "shardkit" and (world_size not in (None, 1) or mesh):
+        raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
+    if to != "shardkit" and compression:
+        raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
@@ -124,44 +191,58 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype)
+        _check_output(to, sel)
+        _notes(source, progress)
+        storage, old = prepare_dst(dst, to, dst_storage_options, overwrite)
         if to == "shardkit":
-            storage = prepare_dst(dst, to, dst_storage_options, overwrite)
             mesh_t = parse_mesh(mesh) if mesh is not None else None
-            return write_native(source, sel, storage, world_size=world_size or math.prod(mesh_t or (1,)), mesh=mesh_t,
-                                source_id=source_id(src, storage_options, source.info.format),
-                                compression=compression, budget=budget, workers=workers, progress=progress)
-        if world_size not in (None, 1) or mesh:
-            raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
-        if compression:
-            raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-        storage = prepare_dst(dst, to, dst_storage_options, overwrite)
-        fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
-        block = _block_bytes(budget)
-        on_bytes = progress.update if progress else (lambda n: None)
-        if progress:
-            progress.start(f"convert → {to}", sel.nbytes)
-        if to == "hf":
-            from shardkit.checkpoint.formats.hf import write_hf
-
-            files = write_hf(storage, sel.triples, fetch, block_bytes=block,
-                             max_shard_size=parse_size(max_shard_size, "--max-shard-size"), on_bytes=on_bytes,
-                             before_index=lambda: copy_side_files(source, storage))
-        elif to == "dcp":
-            from shardkit.checkpoint.formats.dcp import write_dcp
-
-            write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
-            files = ["__0_0.distcp", ".metadata"]
+            result = write_native(source, sel, storage, world_size=world_size or math.prod(mesh_t or (1,)),
+                                  mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
+                                  compression=compression, budget=budget, workers=workers, progress=progress)
         else:
-            from shardkit.checkpoint.formats.torchsave import write_torch_save
-
-            parent, name = split_file(storage)
-            write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
-            files = [storage.url]
-        if progress:
-            progress.finish()
-        return ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+            files = _write_single(source, sel, storage, to, budget, shard_cap, progress)
+            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+        remove_stale(storage, old, result.files)
+        return result
     finally:
         source.close()
+
+
+def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget: int, shard_cap: int,
+                  progress: Progress | None) -> list[str]:
+    """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
+
+    These formats are written sequentially and start over on a rerun: their
+    files are not per-rank and record no checksums a rerun could trust (only
+    native output resumes and parallelises; see docs/cli.md).
+    """
+    fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
+    block = _block_bytes(budget)
+    on_bytes = progress.update if progress else (lambda n: None)
+    if progress:
+        progress.start(f"convert → {to}", sel.nbytes)
+    if to == "hf":
+        from shardkit.checkpoint.formats.hf import write_hf
+
+        files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
+                         on_bytes=on_bytes, before_index=lambda: copy_side_files(source, storage,
+                                                                                  fsync=storage.is_local))
+    elif to == "dcp":
+        from shardkit.checkpoint.formats.dcp import write_dcp
+
+        from shardkit.checkpoint.formats.dcp import METADATA_NAME
+
+        write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+        files = ["__0_0.distcp", METADATA_NAME]  # write_dcp's one payload file and its commit marker
+    else:
+        from shardkit.checkpoint.formats.torchsave import write_torch_save
+
+        parent, name = split_file(storage)
+        write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+        files = [name]
+    if progress:
+        progress.finish()
+    return files
 
 
 def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
@@ -204,22 +285,27 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
         rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
-        storage = Storage(dst, dst_storage_options)
+        _check_output("shardkit", sel)
+        _notes(source, progress)
+        storage, old = Storage(dst, dst_storage_options), set()
         if agree is None:
-            storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+            storage, old = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
         else:  # process 0 checks DST and drops its old commit marker before anyone writes
             try:
                 if rank == 0:
-                    storage = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+                    storage, old = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
             except BaseException:
                 agree(False)
                 raise
             if not agree(True):
                 raise CheckpointError(f"{dst}: process 0 could not prepare DST; see its error")
-        return write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
-                            source_id=source_id(src, storage_options, source.info.format),
-                            budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
-                            agree=agree)
+        result = write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
+                              source_id=source_id(src, storage_options, source.info.format),
+                              budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
+                              agree=agree)
+        if result is not None:
+            remove_stale(storage, old, result.files)
+        return result
     finally:
         source.close()
 

@@ -45,6 +45,7 @@ class Progress:
         self._lock = threading.Lock()
         self._start = time.monotonic()
         self._last = 0.0
+        self._open = False  # a terminal line drawn without its newline yet
 
     def start(self, label: str, total: int) -> None:
         with self._lock:
@@ -59,6 +60,7 @@ class Progress:
             self.skipped += n
 
     def update(self, n: int) -> None:
+        """Count ``n`` bytes moved; redraw the line at most every ``interval`` seconds."""
         with self._lock:
             self.done += n
             now = time.monotonic()
@@ -80,12 +82,24 @@ class Progress:
     def _emit(self, line: str, final: bool) -> None:
         try:
             if self._tty:
+                self._open = not final
                 self.stream.write("\r\033[K" + line + ("\n" if final else ""))
             else:
                 self.stream.write(line + "\n")
             self.stream.flush()
         except (OSError, ValueError):  # a closed stderr must not fail the job
             pass
+
+    def close(self) -> None:
+        """End a line left open on a terminal (a failed job), so the error message starts on its own line."""
+        with self._lock:
+            was_open, self._open = self._open, False
+        if was_open:
+            try:
+                self.stream.write("\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
 
     def finish(self) -> None:
         with self._lock:

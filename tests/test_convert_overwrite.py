@@ -1,0 +1,58 @@
+"""--overwrite replaces a checkpoint completely: after the commit nothing of the old one is left, and
+anything the target format cannot hold is refused before the old checkpoint is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from shardkit.checkpoint import convert, diff, reshard
+from tests.offline_cli import run_cli
+from tests.offline_helpers import write_torch_state
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.w": torch.randn(64, 64, generator=gen) for i in range(6)}
+
+
+def test_overwriting_an_hf_export_removes_shards_the_new_index_does_not_name(tmp_path):
+    src = write_torch_state(tmp_path / "src.pt", _weights(), [])
+    out = tmp_path / "hf"
+    convert(str(src), str(out), to="hf", max_shard_size="20KB")
+    assert len(list(out.glob("*.safetensors"))) == 6
+    (out / "README.md").write_text("mine")
+    convert(str(src), str(out), to="hf", max_shard_size="60KB", overwrite=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(index["weight_map"].values()))
+    assert len(set(index["weight_map"].values())) == 2
+    assert (out / "README.md").read_text() == "mine"  # not a checkpoint file: left alone
+    assert diff(str(src), str(out), only=["model.*"]).equal
+
+
+def test_overwriting_a_native_checkpoint_with_another_format_leaves_none_of_its_files(tmp_path):
+    src = write_torch_state(tmp_path / "src.pt", _weights(), [])
+    out = tmp_path / "out"
+    reshard(str(src), str(out), world_size=3)
+    convert(str(src), str(out), to="dcp", overwrite=True)
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
+    reshard(str(src), str(out), world_size=2, overwrite=True)
+    assert sorted(os.listdir(out)) == ["data", "manifest.json"] and len(os.listdir(out / "data")) == 2
+    assert diff(str(src), str(out)).equal
+
+
+def test_a_dtype_the_target_cannot_hold_is_refused_before_dst_is_touched(tmp_path):
+    flat = {"model.w": torch.randn(8, 8), "model.z": torch.randn(4, dtype=torch.complex64)}
+    src = write_torch_state(tmp_path / "src.pt", flat, [])
+    out = tmp_path / "out"
+    reshard(str(write_torch_state(tmp_path / "ok.pt", {"model.w": flat["model.w"]}, [])), str(out), world_size=1)
+    before = (out / "manifest.json").read_bytes()
+    for to in ("hf", "shardkit", "dcp"):
+        result = run_cli("-q", "convert", str(src), str(out), "--to", to, "--overwrite")
+        assert result.exit_code == 1 and "model.z" in result.stderr, (to, result.stderr)
+        assert (out / "manifest.json").read_bytes() == before
+    result = run_cli("-q", "convert", str(src), str(out), "--to", "hf", "--overwrite", "--exclude", "model.z")
+    assert result.exit_code == 0, result.stderr
+    assert not (out / "manifest.json").exists() and not (out / "data").exists()
