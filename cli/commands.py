@@ -36,7 +36,7 @@ def _io_options(fn):
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY_TEXT, show_default=True,
                      help="Memory budget for data in flight (e.g. 512MiB, 2GB)."),
         click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
-                     help="Parallel ranged reads / uploads."),
+                     help="Parallel ranged reads / uploads (shardkit output)."),
         click.option("--only", multiple=True, metavar="GLOB", help="Keep only keys matching GLOB; repeatable."),
         click.option("--exclude", multiple=True, metavar="GLOB", help="Drop keys matching GLOB; repeatable."),
         click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename keys (re.sub); repeatable."),
@@ -51,12 +51,14 @@ def _io_options(fn):
     return _storage(fn)
 
 
-def _progress(ctx: click.Context):
+def _progress(ctx: click.Context) -> "Progress | None":
     if ctx.obj.quiet:
         return None
     from shardkit.checkpoint.offline_progress import Progress
 
-    return Progress(stream=sys.stderr)
+    progress = Progress(stream=sys.stderr)
+    ctx.call_on_close(progress.close)  # runs before main() prints a failure's "error: ..." line
+    return progress
 
 
 def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
@@ -134,6 +136,9 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     (config.json, tokenizer files); DCP output is readable by torch's
     dcp.load; torch output is one torch.save file.  Keys use shardkit's
     flattened names (model.<param>, optim.state.<param>.<name>).
+
+    Only shardkit output resumes after an interruption and uses --workers;
+    hf, torch and dcp output is written sequentially and starts over when rerun.
 
     \b
     Example:
@@ -217,6 +222,9 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
     report = do_verify(src, storage_options=storage_options(storage_opts), workers=workers, progress=_progress(ctx))
     if as_json:
         echo_json(report.to_json())
+    elif report.ok and report.scope == "headers":
+        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors; headers and coverage only "
+                   f"(the format records no checksums of the data)")
     elif report.ok:
         click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors, "
                    f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f} s "
