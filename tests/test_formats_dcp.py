@@ -186,7 +186,7 @@ def test_dcp_relative_path_outside_the_directory_is_refused_at_open(tmp_path, fs
     path, _, _ = fsdp_dcp
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
-    md = read_dcp_metadata((copy / ".metadata").read_bytes())
+    md = pickle.loads((copy / ".metadata").read_bytes())  # torch's own classes, to write a hostile file
     index = next(iter(md.storage_data))
     info = md.storage_data[index]
     md.storage_data[index] = _StorageInfo("../outside.distcp", info.offset, info.length)
@@ -216,3 +216,53 @@ def test_verify_names_a_flipped_payload_byte_through_the_zip_crc(tmp_path, fsdp_
     assert not report.ok
     assert len(report.problems) == 1 and "model.output.weight" in report.problems[0] and \
         "CRC" in report.problems[0], report.problems
+
+
+def test_metadata_written_without_torch_dcp_unpickles_to_what_torch_would_write():
+    """Our opcode-by-opcode .metadata decodes (with plain pickle and torch's classes) to the object
+    torch's own writer pickles, and our restricted reader reads it back."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    from shardkit.checkpoint.formats.dcp_metadata import encode_dcp_metadata
+
+    blob = encode_dcp_metadata(
+        {"model.w": (torch.bfloat16, (5, 3), [(0, 0), (4, 0)], [(4, 3), (1, 3)]), "s": (torch.int64, (), [()], [()])},
+        ["optim.param_groups.0.lr"],
+        {("model.w", (0, 0)): ("__0_0.distcp", 0, 100), ("model.w", (4, 0)): ("__0_0.distcp", 100, 50),
+         ("s", ()): ("__0_0.distcp", 150, 9), ("optim.param_groups.0.lr", None): ("__0_0.distcp", 159, 7)},
+        {"model.w": ("model", "w"), "s": ("s",), "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr")})
+    want = Metadata(
+        state_dict_metadata={
+            "model.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([5, 3]), [
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 3])),
+                ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([1, 3]))]),
+            "s": TensorStorageMetadata(TensorProperties(dtype=torch.int64), torch.Size([]),
+                                       [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]),
+            "optim.param_groups.0.lr": BytesStorageMetadata()},
+        planner_data={"model.w": ("model", "w"), "s": ("s",), "optim.param_groups.0.lr": ("optim", "param_groups", 0,
+                                                                                          "lr")},
+        storage_data={MetadataIndex("model.w", (0, 0)): _StorageInfo("__0_0.distcp", 0, 100),
+                      MetadataIndex("model.w", (4, 0)): _StorageInfo("__0_0.distcp", 100, 50),
+                      MetadataIndex("s", ()): _StorageInfo("__0_0.distcp", 150, 9),
+                      MetadataIndex("optim.param_groups.0.lr"): _StorageInfo("__0_0.distcp", 159, 7)})
+    assert pickle.loads(blob) == want
+    ours = read_dcp_metadata(blob)
+    assert ours.state_dict_metadata["model.w"].properties.dtype == torch.bfloat16
+    assert [tuple(c.offsets) for c in ours.state_dict_metadata["model.w"].chunks] == [(0, 0), (4, 0)]
+    assert {(k.fqn, k.offset): v.length for k, v in ours.storage_data.items()}[("model.w", (4, 0))] == 50
+
+
+def test_reading_and_writing_dcp_never_imports_torch_distributed_checkpoint(tmp_path, fsdp_dcp):
+    import subprocess
+    import sys
+
+    path, _, _ = fsdp_dcp
+    code = ("import sys\n"
+            "from shardkit.checkpoint import convert, verify\n"
+            f"convert({path!r}, {str(tmp_path / 'out')!r}, to='dcp')\n"
+            f"assert verify({str(tmp_path / 'out')!r}).ok and verify({path!r}).ok\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -6,23 +6,23 @@ chunks (``TensorStorageMetadata``) and every chunk to a byte range in a payload
 file (``storage_data``).  Each tensor chunk is, by default, a ``torch.save`` blob
 of that chunk.
 
-Reading: ``.metadata`` is raw pickle, which executes whatever it names, so we
-read it with an unpickler that only constructs DCP's own metadata dataclasses,
-``torch.Size``, dtypes/layouts and a few harmless builtins; any other global
-raises :class:`~shardkit.errors.UnsafeCheckpoint`.  Payload blobs are decoded
-with ``torch.load(weights_only=True)``.  This module is the only place in
-shardkit that imports :mod:`pickle`, and only for that restricted reader.
+Reading: ``.metadata`` is raw pickle, which executes whatever it names; it is
+read by the restricted unpickler of :mod:`.dcp_metadata` (DCP's metadata
+classes, ``torch.Size``, dtypes/layouts, nothing else).  Every file name it
+holds is checked at open.  Payload rows are read by byte ranges where the
+blob allows (:mod:`.dcp_payload`), otherwise decoded with
+``torch.load(weights_only=True)``.
 
-Writing: payloads are ``torch.save`` blobs (bounded: a tensor larger than the
-block size is written as several dim-0 chunks, which DCP supports natively),
-and the ``.metadata`` object is built from torch's public DCP classes and
-handed to torch's own ``FsspecWriter.finish`` to be serialized and committed.
+Writing: every payload is streamed as its own torch.save archive by
+:func:`~shardkit.checkpoint.formats.torchsave.write_archive` (a tensor larger
+than the block size becomes several dim-0 chunks, which DCP supports), then
+``.metadata`` is committed atomically.  Neither direction imports
+``torch.distributed.checkpoint`` (see :mod:`.dcp_metadata` for why).
 """
 
 from __future__ import annotations
 
 import io
-import pickle  # restricted metadata reader only; see _MetadataUnpickler
 import re
 import threading
 from typing import Any, Callable, Mapping, Sequence
@@ -32,6 +32,8 @@ import torch
 from shardkit.checkpoint.codec import as_bytes
 from shardkit.checkpoint.flatten import from_json_value, to_json_value
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.formats.dcp_metadata import (BytesStorageMetadata, TensorStorageMetadata,
+                                                      encode_dcp_metadata, read_dcp_metadata)
 from shardkit.checkpoint.formats.dcp_payload import check_zip_records, locate_rows, payload_meta
 from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, value_path, write_archive)
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
@@ -42,54 +44,7 @@ from shardkit.errors import ConfigurationError, InvalidManifest, UnsafeCheckpoin
 __all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp", "check_tensors"]
 
 METADATA_NAME = ".metadata"
-_DCP_META = "torch.distributed.checkpoint.metadata"
-_ALLOWED: dict[str, set[str]] = {
-    _DCP_META: {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    # older torch kept TensorProperties next to ShardedTensor
-    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}
 _TRANSFORM_ZSTD = re.compile(r"^stream\.zstd/1$")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Constructs only DCP metadata classes and torch sizes/dtypes; refuses everything else."""
-
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        if name in _ALLOWED.get(module, ()):
-            if module.startswith("torch.distributed._shard"):
-                module = _DCP_META
-                name = name.lstrip("_") if name != "MEM_FORMAT_ENCODING" else "_MEM_FORMAT_ENCODING"
-            return getattr(__import__(module, fromlist=[name]), name)
-        raise UnsafeCheckpoint(
-            f"DCP metadata asks to construct {module}.{name}, which is not a DCP metadata class; "
-            "refusing to unpickle it (the file may be malicious or from an unsupported torch)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpoint("DCP metadata contains a persistent id; refusing to unpickle it")
-
-
-def read_dcp_metadata(data: bytes, where: str = METADATA_NAME) -> Any:
-    """Decode a DCP ``.metadata`` blob with the restricted unpickler."""
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except UnsafeCheckpoint:
-        raise
-    except Exception as exc:  # any malformed pickle stream
-        raise InvalidManifest(f"{where}: not a readable DCP metadata file ({type(exc).__name__}: {exc})") from exc
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise InvalidManifest(f"{where}: DCP metadata holds {type(metadata).__name__}, not Metadata")
-    return metadata
 
 
 def detect(storage: Storage) -> bool:
@@ -119,8 +74,6 @@ class DcpReader(CheckpointReader):
     """A DCP directory; each chunk's torch.save blob is fetched with one ranged read and decoded."""
 
     def __init__(self, storage: Storage) -> None:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
         super().__init__()
         self.storage = storage
         url = storage.url
@@ -332,38 +285,31 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
     cut into dim-0 chunks of at most ``block_bytes`` (DCP supports any chunking)
     and each chunk is streamed straight into ``__0_0.distcp`` as its own
     torch.save archive, so memory holds one block.  ``values`` are JSON-encoded
-    (flatten's form) and are decoded before torch.save sees them.  ``.metadata``
-    (the commit) is written last, by torch's own ``FsspecWriter.finish``, after
-    the payload is durable on local disks.
+    (flatten's form) and are decoded before they are written.  ``.metadata``
+    commits the checkpoint: it is written last, atomically, after the payload
+    is durable on local disks.
     """
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-    from torch.distributed.checkpoint.storage import WriteResult
-
     check_tensors(tensors)
     data_name = "__0_0.distcp"
+    chunk_md: dict[str, tuple[torch.dtype, tuple[int, ...], list, list]] = {}
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    planner_data: dict[str, tuple[Any, ...]] = {}
+    flat_values = _flatten_values({k: from_json_value(v) for k, v in values.items()})
 
-    def produce(out: Any) -> tuple[dict[str, Any], list[Any], dict[str, Any]]:
-        state_md: dict[str, Any] = {}
-        results: list[Any] = []
-        planner_data: dict[str, tuple[Any, ...]] = {}
+    def produce(out: Any) -> None:
         pos = 0
 
-        def put(index: Any, root: Any, refs: list[TensorRef]) -> None:
+        def put(key: tuple[str, tuple[int, ...] | None], root: Any, refs: list[TensorRef]) -> None:
             nonlocal pos
             length = write_archive(out, root, refs, fetch, block_bytes=block_bytes, on_bytes=on_bytes)
-            results.append(WriteResult(index=index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(data_name, pos, length)))
+            where[key] = (data_name, pos, length)
             pos += length
 
-        for key, value in _flatten_values({k: from_json_value(v) for k, v in values.items()}).items():
-            put(MetadataIndex(key), value, [])
-            state_md[key] = BytesStorageMetadata()
+        for key, value in flat_values.items():
+            put((key, None), value, [])
             planner_data[key] = value_path(key)
         for fqn, dtype, shape in tensors:
-            chunks = []
+            offsets_list, sizes_list = [], []
             if not shape or shape[0] == 0:  # a scalar, or no rows: one (empty) chunk
                 blocks: Any = [(0, shape[0] if shape else 0)]
             else:
@@ -372,14 +318,11 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
                 offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
                 box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
                 ref = TensorRef("0", fqn, dtype, box, first_row=r0)
-                put(MetadataIndex(fqn, torch.Size(offsets)), ref, [ref])
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box)))
-            state_md[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(shape),
-                                                  chunks=chunks)
+                put((fqn, offsets), ref, [ref])
+                offsets_list.append(offsets)
+                sizes_list.append(box)
+            chunk_md[fqn] = (dtype, tuple(shape), offsets_list, sizes_list)
             planner_data[fqn] = object_path(fqn)
-        return state_md, results, planner_data
 
-    state_md, results, planner_data = dst.write_stream(data_name, produce, fsync=dst.is_local)
-    metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
-    writer = FsspecWriter(dst.url, sync_files=dst.is_local, **dst.storage_options)
-    dst._retry(f"committing {dst.where(METADATA_NAME)}", lambda: writer.finish(metadata, [results]))
+    dst.write_stream(data_name, produce, fsync=dst.is_local)
+    dst.put_atomic(METADATA_NAME, encode_dcp_metadata(chunk_md, list(flat_values), where, planner_data))
