@@ -12,17 +12,20 @@ systems rotates from repetition to repetition):
 * at 1 process (no process group): ``load`` of the 2-rank checkpoints into
   full tensors (resharding), page-cached and uncached.
 
-Systems: shardkit (data files written with ``O_DIRECT``: a load right after a
-save reads the disk, not the page cache), shardkit with ``direct_io=False``
-(buffered: its page-cached rows load from the cache), DCP (``dcp.save``/
+Systems: shardkit (data files written with ``O_DIRECT``), shardkit with
+``direct_io=False`` (saves only: buffered writes), DCP (``dcp.save``/
 ``load``/``async_save``, its background thread on its own gloo group), and the
 raw disk (each rank writes its shards to one file with ``write`` and reads them
 back with ``readinto``).  All fsync their data before a save counts as done.
+shardkit loads run twice: the default (a checking pass over every needed
+checksum block, then the read: all or nothing) and ``verify_first=False`` (one
+pass; a checksum error may leave targets partly loaded).
 
 "cold": sleep 4 s before the op, so the VM has handed freed memory back to the
 host (a fresh process sees this); "warm": the op repeats at once, reusing the
-memory its previous run freed.  "uncached": ``drop_caches`` (then the cold
-sleep) before a load.  Every load is checked against float64 sums of the saved
+memory its previous run freed.  "page-cached": the checkpoint's files are read
+once (untimed) before the load; "uncached": ``drop_caches`` (then the cold
+sleep) before it.  Every load is checked against float64 sums of the saved
 state.  Peak RSS is sampled every 5 ms; it is reported above the RSS before
 the op, as a fraction of the state bytes the process holds.
 
@@ -43,15 +46,21 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
+from shardkit.checkpoint.flatten import flatten  # noqa: E402
+from shardkit.checkpoint.layout import shard_box  # noqa: E402
 
 SYSTEMS = ("shardkit", "dcp", "raw", "shardkit-buffered")  # the last: direct_io=False
+LOADS = ("shardkit", "shardkit-onepass", "dcp", "raw")  # shardkit-onepass: load(verify_first=False)
 COLD_SLEEP_S = 4.0
 
 
-# --------------------------------------------------------------------------
-# the state
+# -- the state -------------------------------------------------------------
 
 
 def shapes_for(gb: float) -> dict[str, tuple[int, ...]]:
@@ -72,10 +81,6 @@ def shapes_for(gb: float) -> dict[str, tuple[int, ...]]:
 
 def build_state(shapes: dict[str, tuple[int, ...]], rank: int, world: int, mesh: Any) -> dict[str, Any]:
     """``{"model", "optim"}`` with DTensor shards (``mesh``) or full plain tensors (``mesh is None``)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    from shardkit.checkpoint.layout import shard_box
-
     gen = torch.Generator().manual_seed(1234 + rank)
 
     def tensor(shape: tuple[int, ...]) -> torch.Tensor:
@@ -93,8 +98,6 @@ def build_state(shapes: dict[str, tuple[int, ...]], rank: int, world: int, mesh:
 
 
 def tensors_of(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    from shardkit.checkpoint.flatten import flatten
-
     return list(flatten(state).tensors.items())
 
 
@@ -115,26 +118,24 @@ def state_bytes(state: dict[str, Any]) -> int:
     return sum(local_of(t).numel() * local_of(t).element_size() for _, t in tensors_of(state))
 
 
-# --------------------------------------------------------------------------
-# measuring
+# -- measuring -------------------------------------------------------------
 
 
 class PeakRSS:
-    """Peak resident set size above the value at start, sampled every 5 ms."""
+    """Peak resident set size above the value at start (``delta``), sampled every 5 ms."""
 
     def __init__(self) -> None:
         import psutil
 
-        self._proc = psutil.Process()
+        proc = psutil.Process()
+        self._rss = lambda: proc.memory_info().rss
         self._stop = threading.Event()
-        self.base = self._proc.memory_info().rss
-        self.peak = self.base
+        self.base = self.peak = self._rss()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.005)
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
 
     def __enter__(self) -> "PeakRSS":
         self._thread.start()
@@ -143,11 +144,18 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self.peak = max(self.peak, self._rss())
+        self.delta = self.peak - self.base
 
-    @property
-    def delta(self) -> int:
-        return self.peak - self.base
+
+def warm_cache(path: str) -> None:
+    """Read every file under ``path`` once, so the load that follows finds it in the page cache."""
+    buf = bytearray(8 << 20)
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
 
 
 def drop_caches() -> bool:
@@ -161,15 +169,11 @@ def drop_caches() -> bool:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
 
 
 def max_over_ranks(value: float) -> float:
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.float64)
@@ -193,8 +197,7 @@ def timed(fn: Callable[[], Any], state_nbytes: int, *, cold: bool = False, uncac
     return {"s": max_over_ranks(seconds), "rss": max_over_ranks(rss.delta / state_nbytes)}
 
 
-# --------------------------------------------------------------------------
-# the three systems
+# -- the three systems -----------------------------------------------------
 
 
 def raw_save(state: dict[str, Any], path: str, rank: int) -> None:
@@ -207,12 +210,8 @@ def raw_save(state: dict[str, Any], path: str, rank: int) -> None:
         os.fsync(f.fileno())
 
 
-def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int, shapes: dict) -> None:
+def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int) -> None:
     """Read the 2-rank raw files into this process's tensors (its shards, or full tensors at world 1)."""
-    from torch.distributed.tensor import Shard
-
-    from shardkit.checkpoint.layout import shard_box
-
     keys = tensors_of(state)
     sharded = any(hasattr(t, "to_local") for _, t in keys)
     for src in ([rank] if sharded else range(world_saved)):
@@ -233,29 +232,29 @@ def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int, shap
 
 def run_save(system: str, state: dict[str, Any], path: str, rank: int) -> None:
     if system.startswith("shardkit"):
-        import shardkit.checkpoint as skc
-
+    
         skc.save(state, path, direct_io=system == "shardkit")
     elif system == "dcp":
-        import torch.distributed.checkpoint as dcp
-
+    
         dcp.save(state, checkpoint_id=path)
     else:
         raw_save(state, path, rank)
 
 
-def run_load(system: str, state: dict[str, Any], path: str, rank: int, shapes: dict) -> None:
+def run_load(system: str, state: dict[str, Any], path: str, rank: int) -> None:
     if system.startswith("shardkit"):
-        import shardkit.checkpoint as skc
-
-        skc.load(state, path)
+    
+        skc.load(state, path, verify_first=system != "shardkit-onepass")
     elif system == "dcp":
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
+        
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     else:
-        raw_load(state, path, rank, 2, shapes)
+        raw_load(state, path, rank, 2)
+
+
+def rotated(systems: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The systems in the order of repetition ``rep`` (the first one moves on each time)."""
+    return systems[rep % len(systems):] + systems[:rep % len(systems)]
 
 
 def check_sums(state: dict[str, Any], expected: dict[str, float], what: str) -> None:
@@ -265,12 +264,10 @@ def check_sums(state: dict[str, Any], expected: dict[str, float], what: str) -> 
         raise SystemExit(f"{what}: {len(bad)} tensors differ after load, e.g. {bad[:3]}")
 
 
-# --------------------------------------------------------------------------
-# the two workers
+# -- the two workers -------------------------------------------------------
 
 
 def worker_two_ranks(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -286,12 +283,10 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         totals[key] = float(t.item()) if not key.endswith(".step") else value  # plain tensors are replicated
-    order = SYSTEMS[args.rep % len(SYSTEMS):] + SYSTEMS[:args.rep % len(SYSTEMS)]
+    order = rotated(SYSTEMS, args.rep)
     out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes}
-    root = args.dir
-
     def path(system: str, tag: str) -> str:
-        return os.path.join(root, f"{system}-{tag}")
+        return os.path.join(args.dir, f"{system}-{tag}")
 
     for system in order:  # save: cold, then warm (the previous output freed just before)
         out[f"save/{system}/cold"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
@@ -302,29 +297,33 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         barrier()
         out[f"save/{system}/warm"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
                                            rank=rank)
-    for cached in ("page-cached", "uncached"):
-        for system in order:
-            zero_state(state)
-            out[f"load2/{system}/{cached}"] = timed(lambda: run_load(system, state, path(system, "main"), rank, shapes),
-                                                    nbytes, uncached=cached == "uncached", rank=rank)
-            check_sums(state, sums, f"{system} load at 2 ranks")
+    measure_loads("load2", state, sums, out, rank, args)
     measure_async(state, out, nbytes, rank, order, path)
     if rank == 0:
-        with open(os.path.join(root, "sums.json"), "w") as f:
+        with open(os.path.join(args.dir, "sums.json"), "w") as f:
             json.dump(totals, f)
-        with open(os.path.join(root, f"result-ws2-{args.rep}.json"), "w") as f:
+        with open(os.path.join(args.dir, f"result-ws2-{args.rep}.json"), "w") as f:
             json.dump(out, f)
     dist.destroy_process_group()
+
+
+def measure_loads(op: str, state: dict[str, Any], sums: dict[str, float], out: dict[str, Any], rank: int,
+                  args: argparse.Namespace) -> None:
+    """Every loader, page-cached (files read once before, untimed) then uncached, into ``out[op/system/...]``."""
+    for cached in ("page-cached", "uncached"):
+        for system in rotated(LOADS, args.rep):
+            zero_state(state)
+            src = os.path.join(args.dir, f"{system.replace('-onepass', '')}-main")
+            if cached == "page-cached" and rank == 0:
+                warm_cache(src)
+            out[f"{op}/{system}/{cached}"] = timed(lambda: run_load(system, state, src, rank), state_bytes(state),
+                                                   uncached=cached == "uncached", rank=rank)
+            check_sums(state, sums, f"{system} {op}")
 
 
 def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank: int, order: tuple,
                 path: Callable[[str, str], str]) -> None:
     """async_save blocking time (first and repeat) beside copying the shards to host memory."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    import shardkit.checkpoint as skc
-
     group = dist.new_group(backend="gloo")
     locals_ = [local_of(t) for _, t in tensors_of(state)]
     copies: list[torch.Tensor] = []
@@ -338,13 +337,9 @@ def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank:
         for attempt in ("first", "repeat"):
             target = path(system, f"async-{attempt}")
             holder: dict[str, Any] = {}
-            if system == "shardkit":
-                res = timed(lambda: holder.setdefault("f", skc.async_save(state, target, process_group=group)),
-                            nbytes, cold=True, rank=rank)
-            else:
-                res = timed(lambda: holder.setdefault("f", dcp.async_save(state, checkpoint_id=target,
-                                                                        process_group=group)), nbytes,
-                            cold=True, rank=rank)
+            start_save = (lambda: skc.async_save(state, target, process_group=group)) if system == "shardkit" else \
+                (lambda: dcp.async_save(state, checkpoint_id=target, process_group=group))
+            res = timed(lambda: holder.setdefault("f", start_save()), nbytes, cold=True, rank=rank)
             start = time.perf_counter()
             holder["f"].result()
             barrier()
@@ -357,26 +352,16 @@ def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank:
 
 def worker_one_process(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    shapes = shapes_for(args.gb)
-    state = build_state(shapes, 0, 1, None)
-    nbytes = state_bytes(state)
+    state = build_state(shapes_for(args.gb), 0, 1, None)
     with open(os.path.join(args.dir, "sums.json")) as f:
         sums = json.load(f)
-    order = SYSTEMS[args.rep % len(SYSTEMS):] + SYSTEMS[:args.rep % len(SYSTEMS)]
     out: dict[str, Any] = {}
-    for cached in ("page-cached", "uncached"):
-        for system in order:
-            zero_state(state)
-            src = os.path.join(args.dir, f"{system}-main")
-            out[f"load1/{system}/{cached}"] = timed(lambda: run_load(system, state, src, 0, shapes), nbytes,
-                                                    uncached=cached == "uncached")
-            check_sums(state, sums, f"{system} load at 1 process")
+    measure_loads("load1", state, sums, out, 0, args)
     with open(os.path.join(args.dir, f"result-ws1-{args.rep}.json"), "w") as f:
         json.dump(out, f)
 
 
-# --------------------------------------------------------------------------
-# the driver
+# -- the driver ------------------------------------------------------------
 
 
 def main() -> None:
@@ -387,11 +372,8 @@ def main() -> None:
     parser.add_argument("--worker", choices=("ws2", "ws1"))
     parser.add_argument("--rep", type=int, default=0)
     args = parser.parse_args()
-    if args.worker == "ws2":
-        worker_two_ranks(args)
-        return
-    if args.worker == "ws1":
-        worker_one_process(args)
+    if args.worker:
+        (worker_two_ranks if args.worker == "ws2" else worker_one_process)(args)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     parent = os.path.dirname(args.dir.rstrip("/")) or "."
@@ -431,19 +413,22 @@ def report(args: argparse.Namespace) -> None:
         return f"{values[0]:.2f}-{values[-1]:.2f}"
 
     print(f"\nstate: {state_gb:.2f} GB (weights + AdamW), 2 gloo ranks; {args.reps} repetitions, medians (min-max)")
-    print(f"{'op':38s} {'shardkit s':>11s} {'GB/s':>6s} {'RSS+':>6s} {'DCP s':>8s} {'raw s':>8s} "
-          f"{'vs DCP':>7s} {'vs raw':>7s}")
-    ops = [("save, 2 ranks, cold", "save", "cold"), ("save, 2 ranks, warm", "save", "warm"),
-           ("load, 2 ranks, page-cached", "load2", "page-cached"), ("load, 2 ranks, uncached", "load2", "uncached"),
-           ("load at 1 process (reshard), page-cached", "load1", "page-cached"),
-           ("load at 1 process (reshard), uncached", "load1", "uncached")]
-    for name in ("shardkit", "shardkit-buffered"):
-        print(f"-- {name}{' (save with direct_io=False: the data stays in the page cache)' if 'buf' in name else ''}")
+    print(f"{'op':32s} {'shardkit s':>17s} {'GB/s':>5s} {'RSS+':>6s} {'DCP s':>6s} {'raw s':>6s} "
+          f"{'vs DCP':>6s} {'vs raw':>6s}")
+    saves = [("save, 2 ranks, cold", "save", "cold"), ("save, 2 ranks, warm", "save", "warm")]
+    loads = [("load, 2 ranks, page-cached", "load2", "page-cached"), ("load, 2 ranks, uncached", "load2", "uncached"),
+             ("load at 1 (reshard), page-cached", "load1", "page-cached"),
+             ("load at 1 (reshard), uncached", "load1", "uncached")]
+    sections = [("shardkit", "default: checking pass, then read (all or nothing)", saves + loads),
+                ("shardkit-onepass", "load(verify_first=False): one pass", loads),
+                ("shardkit-buffered", "save(direct_io=False): buffered writes", saves)]
+    for name, what, ops in sections:
+        print(f"-- {name} ({what})")
         for label, op, variant in ops:
-            ours, dcp, raw = f"{op}/{name}/{variant}", f"{op}/dcp/{variant}", f"{op}/raw/{variant}"
-            print(f"{label:38s} {med(ours):6.2f} ({spread(ours)}) {state_gb / med(ours):5.2f} "
-                  f"{100 * med(ours, 'rss'):5.1f}% {med(dcp):8.2f} {med(raw):8.2f} "
-                  f"{med(ours) / med(dcp):6.2f}x {med(ours) / med(raw):6.2f}x")
+            ours, theirs, raw = f"{op}/{name}/{variant}", f"{op}/dcp/{variant}", f"{op}/raw/{variant}"
+            print(f"{label:32s} {med(ours):5.2f} ({spread(ours):>10s}) {state_gb / med(ours):5.2f} "
+                  f"{100 * med(ours, 'rss'):5.1f}% {med(theirs):6.2f} {med(raw):6.2f} "
+                  f"{med(ours) / med(theirs):5.2f}x {med(ours) / med(raw):5.2f}x")
     print("\nasync_save blocking time (s), 2 ranks; background = from return until committed")
     for system in ("shardkit", "dcp"):
         for attempt in ("first", "repeat"):

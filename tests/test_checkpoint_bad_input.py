@@ -159,19 +159,100 @@ def test_missing_data_file_raises_and_writes_nothing(pristine, tmp_path):
     assert _same(_snapshot(sd), before)
 
 
-def test_flipped_bytes_fail_the_checksum_and_verify_first_leaves_targets_untouched(pristine, tmp_path):
-    ckpt = _copy(pristine[0], tmp_path)
-    doc = _manifest(ckpt)
-    rec = doc["tensors"]["model.a.weight"]["chunks"][1]
+def _flip(ckpt: Path, fqn: str, chunk: int, at: int) -> dict:
+    rec = _manifest(ckpt)["tensors"][fqn]["chunks"][chunk]
     data = bytearray((ckpt / rec["file"]).read_bytes())
-    data[rec["start"] + 300] ^= 0x10
+    data[rec["start"] + at] ^= 0x10
     (ckpt / rec["file"]).write_bytes(bytes(data))
+    return rec
+
+
+def test_flipped_bytes_fail_the_checksum_and_leave_every_target_untouched(pristine, tmp_path):
+    ckpt = _copy(pristine[0], tmp_path)
+    rec = _flip(ckpt, "model.a.weight", 1, 300)
     net, opt, sd, before = _fresh_target()
-    with pytest.raises(ChecksumMismatch, match="model.a.weight.*" + Path(rec["file"]).name):
-        skc.load(sd, str(ckpt), verify_first=True)
-    assert _same(_snapshot(sd), before)
-    with pytest.raises(ChecksumMismatch, match="checksum block 1 "):
+    with pytest.raises(ChecksumMismatch, match="model.a.weight.*" + Path(rec["file"]).name + ".*block 1 "):
         skc.load(sd, str(ckpt))
+    assert _same(_snapshot(sd), before)
+    with pytest.raises(ChecksumMismatch, match="checksum block 1 "):  # the one-pass opt-out still detects it
+        skc.load(sd, str(ckpt), verify_first=False)
+
+
+def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_the_previous(tmp_path):
+    net, opt = _trained(1)
+    manager = skc.CheckpointManager(str(tmp_path / "run"))
+    manager.save(1, net, opt)
+    older = _snapshot(_state(net, opt))
+    net.a.weight.data.add_(1.0)
+    manager.save(2, net, opt, extra={"newest": True})
+    _flip(Path(manager.url_of(2)), "optim.state.b.weight.exp_avg", 0, 7)
+    target, target_opt, _, before = _fresh_target()
+    with pytest.raises(ChecksumMismatch, match="exp_avg"):
+        manager.load(2, target, target_opt)
+    assert _same(_snapshot(_state(target, target_opt)), before)
+    with pytest.warns(UserWarning, match="step 2 .* damaged"):
+        assert manager.load_latest(target, target_opt) == (1, None)
+    assert _same(_snapshot(_state(target, target_opt)), older)
+
+
+@pytest.mark.parametrize("stage_bytes", [64 << 20, 0], ids=["staged", "two-pass"])
+def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage_bytes, monkeypatch):
+    import fsspec
+
+    import shardkit.checkpoint.api as api
+
+    monkeypatch.setattr(api, "STAGE_BYTES", stage_bytes)
+    url = f"memory://flipped-{stage_bytes}"
+    fs = fsspec.filesystem("memory")
+    for path in sorted(pristine[0].rglob("*")):
+        if path.is_file():
+            fs.pipe(f"{url}/{path.relative_to(pristine[0]).as_posix()}", path.read_bytes())
+    skc.load(_fresh_target()[2], url)  # intact: loads
+    rec = _manifest(pristine[0])["tensors"]["model.b.weight"]["chunks"][-1]
+    data = bytearray(fs.cat_file(f"{url}/{rec['file']}"))
+    data[rec["start"] + rec["nbytes"] - 1] ^= 0x01
+    fs.pipe(f"{url}/{rec['file']}", bytes(data))
+    net, opt, sd, before = _fresh_target()
+    try:
+        with pytest.raises(ChecksumMismatch, match="model.b.weight"):
+            skc.load(sd, url)
+        assert _same(_snapshot(sd), before)
+    finally:
+        fs.rm(url, recursive=True)
+
+
+def _sharded_rows(fill: float | None):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) if fill is None else torch.full((64, 16), fill)
+    return {"w": distribute_tensor(full, mesh, [Shard(0)])}
+
+
+def _save_rows(url: str) -> None:
+    skc.save(_sharded_rows(None), url, chunk_bytes=1024)
+
+
+def _load_rows(url: str) -> tuple[str, bool]:
+    sd = _sharded_rows(-1.0)
+    try:
+        skc.load(sd, url)
+    except ShardkitError as exc:
+        return type(exc).__name__, bool((sd["w"].to_local() == -1.0).all())
+    return "loaded", bool((sd["w"].to_local() == -1.0).all())
+
+
+def test_a_checksum_error_on_one_rank_leaves_every_rank_untouched(tmp_path):
+    from tests.dist import run_on_ranks
+
+    url = str(tmp_path / "rows")
+    run_on_ranks(2, _save_rows, url)
+    chunks = _manifest(Path(url))["tensors"]["w"]["chunks"]
+    last = max(range(len(chunks)), key=lambda i: chunks[i]["offsets"][0])  # rows only rank 1 loads
+    _flip(Path(url), "w", last, 5)
+    assert run_on_ranks(2, _load_rows, url) == [("ChecksumMismatch", True)] * 2
 
 
 # --------------------------------------------------------------------------
@@ -310,12 +391,12 @@ def test_fuzzed_manifests_and_data_files_raise_shardkit_errors_or_load_correctly
             victim = rng.choice(_data_files(ckpt))
             victim.write_bytes(_mutate_bytes(victim.read_bytes(), rng))
         net, opt, sd, before = _fresh_target()
-        verify_first = i % 2 == 0
+        one_pass = i % 4 == 3  # the opt-out: errors are still ShardkitErrors, targets may be partly loaded
         try:
-            skc.load(sd, str(ckpt), verify_first=verify_first)
+            skc.load(sd, str(ckpt), **({"verify_first": False} if one_pass else {}))
         except ShardkitError:
             outcomes["error"] += 1
-            if verify_first:  # every check, checksums included, precedes the first write
+            if not one_pass:  # the default: every check, checksums included, precedes the first write
                 assert _same(_snapshot(sd), before), f"mutation {i} left a half-loaded state"
         else:
             outcomes["loaded"] += 1

@@ -195,3 +195,27 @@ def test_saves_fall_back_to_buffered_writes_where_direct_io_is_unavailable(tmp_p
     _write_rowwise(str(tmp_path / "ck"), tensors, 2)
     with NativeReader(str(tmp_path / "ck")) as reader:
         assert all(torch.equal(read_box(reader, k), v) for k, v in tensors.items())
+
+
+def test_the_checking_pass_reads_bounded_spans_and_each_block_once_writing_nothing(tmp_path, monkeypatch):
+    import shardkit.checkpoint as skc
+    from shardkit.checkpoint.formats import native
+
+    monkeypatch.setattr(native, "_CHECK_SPAN", 64 << 10)
+    w = torch.randn(1000, 100)  # 400 kB in chunks of 160 kB, checksum blocks of 4 kB
+    skc.save({"w": w}, str(tmp_path / "c"), chunk_bytes=160_000, block_bytes=4096)
+    reads: list[tuple[int, int]] = []
+    original = Storage.read_parts
+
+    def record(self, name, start, parts):
+        reads.append((start, sum(p.numel() for p in parts)))
+        return original(self, name, start, parts)
+
+    monkeypatch.setattr(Storage, "read_parts", record)
+    reader = NativeReader(str(tmp_path / "c"))
+    out = torch.zeros(1000, 100)
+    requests = plan_reads(reader, [("w", ((0, 0), (1000, 100)), out)])
+    reader.verify(requests)
+    assert torch.count_nonzero(out) == 0  # nothing written
+    assert max(n for _, n in reads) == 64 << 10 and len(reads) == 8  # chunks of 160, 160, 80 kB
+    assert sum(n for _, n in reads) == 400_000

@@ -48,6 +48,7 @@ REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requ
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
 _STEP_BYTES = 2 << 20  # local reads: read, then checksum, this much at a time (stays in cache)
+_CHECK_SPAN = 8 << 20  # verify pass: one ranged read (then checksum) per this many bytes of a chunk
 _MAX_GAP = 256 << 10
 _MAX_BATCH = 16 << 20
 
@@ -163,42 +164,76 @@ class NativeReader(CheckpointReader):
         self.check_files([rec.file for rec in records])
         if self.storage.is_local:
             order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
-            spans: dict[str, list[tuple[int, int]]] = {}
-            for i in order:
-                lo, hi = self._span(requests[i], records[i])
-                spans.setdefault(records[i].file, []).append((records[i].start + lo, records[i].start + hi))
-            budget = _PREFETCH_BYTES  # enough to keep the disk busy; the kernel's readahead does the rest
-            for file, ranges in spans.items():
-                merged = _merge(ranges)
-                hinted = []
-                for a, b in merged:
-                    if budget <= 0:
-                        break
-                    hinted.append((a, min(b, a + budget)))
-                    budget -= hinted[-1][1] - a
-                self.storage.prefetch(file, hinted)
+            self._prefetch([(records[i].file, records[i].start + lo, records[i].start + hi)
+                            for i in order for lo, hi in [self._span(requests[i], records[i])]])
             parallel_map(lambda i: self._read_local(requests[i], records[i]), order, self.io_threads)
             return
         batches = _batches([(r, rec, self._span(r, rec)) for r, rec in zip(requests, records)])
         parallel_map(self._read_batch, batches, max(self.io_threads, REMOTE_IO_THREADS))
 
     def verify(self, requests: Sequence[ReadRequest]) -> None:
-        """Read and check every block ``requests`` would read, writing nothing (for all-or-nothing loads)."""
+        """Read and check every checksum block ``requests`` would read, writing no ``out``.
+
+        The first pass of an all-or-nothing ``load``.  Targets are the only
+        memory big enough to hold what a load reads, so the bytes are checked
+        here and thrown away: the block ranges of all requests are merged per
+        chunk (each block read once), cut into spans of at most 8 MiB, read in
+        parallel into per-thread scratch and checksummed -- crc32c only, no
+        copy into any target.  Memory: one span per I/O thread.  On a local
+        disk the pass leaves the bytes in the page cache, so the ``read`` that
+        follows costs a cached copy, not a second trip to the disk.  zstd
+        frames are read whole (a frame is at most a chunk) and also decoded
+        into scratch, since a frame can only be checked by decoding it.
+        """
         requests = [r for r in requests if r.out.numel()]
         records = [self._validate(r) for r in requests]
         self.check_files([rec.file for rec in records])
+        spans: dict[tuple[str, int], tuple[str, ChunkRecord, list[tuple[int, int]]]] = {}
+        for r, rec in zip(requests, records):
+            spans.setdefault((rec.file, rec.start), (r.fqn, rec, []))[2].append(self._span(r, rec))
+        items: list[tuple[str, ChunkRecord, int, int]] = []
+        for fqn, rec, ranges in spans.values():
+            step = rec.nbytes if rec.codec == "zstd" else max(rec.block, _CHECK_SPAN // rec.block * rec.block)
+            for lo, hi in _merge(ranges):
+                items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
+        items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
+        self._prefetch([(rec.file, rec.start + lo, rec.start + hi) for _, rec, lo, hi in items])
 
-        def check(item: tuple[ReadRequest, ChunkRecord]) -> None:
-            r, rec = item
-            lo, hi = self._span(r, rec)
-            buf = self._scratch(0, hi - lo)
-            self.storage.read_parts(rec.file, rec.start + lo, [buf])
-            self._verify([buf], lo // rec.block, rec, self._where(r, rec))
-            if rec.codec == "zstd":  # a frame must also decode to exactly the chunk's bytes
-                raw = self._scratch(1, math.prod(rec.shape) * r.out.element_size())
-                zstd_decompress_into(buf.numpy(), raw, self._where(r, rec))
+        def check(item: tuple[str, ChunkRecord, int, int]) -> None:
+            fqn, rec, lo, hi = item
+            where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
+            # local reads go in cache-sized steps (each checksummed while still in cache); remote in one request
+            step = _STEP_BYTES if self.storage.is_local and rec.codec == "raw" else hi - lo
+            acc = BlockCrc(rec.block)
+            for a in range(lo, hi, step):
+                buf = self._scratch(0, min(hi, a + step) - a)
+                self.storage.read_parts(rec.file, rec.start + a, [buf])
+                acc.update(buf)
+            self._check(acc.finish(), lo // rec.block, rec, where)
+            if rec.codec == "zstd":
+                itemsize = torch.empty((), dtype=self._entries[fqn].dtype).element_size()
+                zstd_decompress_into(buf.numpy(), self._scratch(1, math.prod(rec.shape) * itemsize), where)
 
-        parallel_map(check, list(zip(requests, records)), self.io_threads)
+        parallel_map(check, items, self.io_threads if self.storage.is_local else max(self.io_threads,
+                                                                                     REMOTE_IO_THREADS))
+
+    def _prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Local files: ask the kernel to start reading the first ``_PREFETCH_BYTES`` of ``(file, a, b)`` ranges
+        (enough to keep the disk busy; its readahead does the rest)."""
+        if not self.storage.is_local:
+            return
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for file, a, b in ranges:
+            by_file.setdefault(file, []).append((a, b))
+        budget = _PREFETCH_BYTES
+        for file, spans in by_file.items():
+            hinted = []
+            for a, b in _merge(spans):
+                if budget <= 0:
+                    break
+                hinted.append((a, min(b, a + budget)))
+                budget -= hinted[-1][1] - a
+            self.storage.prefetch(file, hinted)
 
     # -- serving requests --------------------------------------------------
     def _scratch(self, slot: int, n: int) -> torch.Tensor:
