@@ -20,12 +20,11 @@ from __future__ import annotations
 import builtins
 import io
 import pickle  # restricted reader only; see _MetadataUnpickler
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats.torchsave import _Ops, _Tuple
+from shardkit.checkpoint.formats.pickle_ops import Call, New, PickleTuple, encode
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 
 __all__ = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex",
@@ -169,57 +168,15 @@ def read_dcp_metadata(data: bytes, where: str = ".metadata") -> Metadata:
 # writing: the opcodes pickle.dump emits for torch's classes
 
 
-@dataclass(frozen=True, eq=False)  # identity hash: _New keys of storage_data carry dict state
-class _New:
-    """``module.name`` rebuilt the way pickle rebuilds a dataclass: NEWOBJ with no args, then BUILD."""
-
-    module: str
-    name: str
-    state: Any
+def _size(shape: Any) -> Call:
+    return Call("torch", "Size", (PickleTuple(int(n) for n in shape),))
 
 
-@dataclass(frozen=True, eq=False)
-class _Call:
-    """``module.name(*args)`` (REDUCE): torch.Size, layouts, enum members."""
-
-    module: str
-    name: str
-    args: tuple
-
-
-class _MetaOps(_Ops):
-    def value(self, v: Any) -> None:
-        if isinstance(v, _New):
-            self.glob(v.module, v.name)
-            self.out += b")\x81"
-            if v.state is not None:
-                self.value(v.state)
-                self.out += b"b"
-        elif isinstance(v, _Call):
-            self.glob(v.module, v.name)
-            self.value(_Tuple(v.args))
-            self.out += b"R"
-        elif isinstance(v, torch.dtype):
-            self.glob("torch", str(v).replace("torch.", ""))
-        elif isinstance(v, dict) and not all(isinstance(k, str) for k in v):
-            self.out += b"}("
-            for k, x in v.items():
-                self.value(k)
-                self.value(x)
-            self.out += b"u"
-        else:
-            super().value(v)
-
-
-def _size(shape: Any) -> _Call:
-    return _Call("torch", "Size", (list(int(n) for n in shape),))
-
-
-def _index(fqn: str, offsets: Any) -> _New:
+def _index(fqn: str, offsets: Any) -> New:
     state = {"fqn": fqn, "index": None}
     if offsets is not None:
         state["offset"] = _size(offsets)
-    return _New(_META, "MetadataIndex", state)
+    return New(_META, "MetadataIndex", state)
 
 
 def encode_dcp_metadata(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...], list[tuple[int, ...]],
@@ -234,22 +191,19 @@ def encode_dcp_metadata(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]
     """
     state_md: dict[str, Any] = {}
     for fqn, (dtype, shape, offsets, sizes) in tensors.items():
-        props = _New(_META, "TensorProperties", _Tuple((dtype, _Call("torch.serialization", "_get_layout",
+        props = New(_META, "TensorProperties", PickleTuple((dtype, Call("torch.serialization", "_get_layout",
                                                                       ("torch.strided",)),
-                                                        False, _Call(_META, "_MEM_FORMAT_ENCODING", (0,)), False)))
-        chunks = [_New(_META, "ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)})
+                                                        False, Call(_META, "_MEM_FORMAT_ENCODING", (0,)), False)))
+        chunks = [New(_META, "ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)})
                   for o, s in zip(offsets, sizes)]
-        state_md[fqn] = _New(_META, "TensorStorageMetadata", {"properties": props, "size": _size(shape),
+        state_md[fqn] = New(_META, "TensorStorageMetadata", {"properties": props, "size": _size(shape),
                                                               "chunks": chunks})
     for fqn in values:
-        state_md[fqn] = _New(_META, "BytesStorageMetadata", None)
-    storage_data = {_index(fqn, offsets): _New(_FS, "_StorageInfo", {"relative_path": name, "offset": start,
+        state_md[fqn] = New(_META, "BytesStorageMetadata", None)
+    storage_data = {_index(fqn, offsets): New(_FS, "_StorageInfo", {"relative_path": name, "offset": start,
                                                                       "length": length})
                     for (fqn, offsets), (name, start, length) in storage.items()}
-    ops = _MetaOps()
-    ops.value(_New(_META, "Metadata", {
+    return encode(New(_META, "Metadata", {
         "state_dict_metadata": state_md,
-        "planner_data": {k: _Tuple(v) for k, v in planner_data.items()},
+        "planner_data": {k: PickleTuple(v) for k, v in planner_data.items()},
         "storage_data": storage_data, "storage_meta": None, "version": None}))
-    ops.out += b"."
-    return bytes(ops.out)

@@ -8,11 +8,12 @@ Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
 ``data.pkl`` that rebuilds every tensor from named storages, plus one stored
 (uncompressed) record per storage.  We emit ``data.pkl`` directly as a short
-sequence of pickle protocol-2 opcodes (dicts, strings, numbers and the same
-``_rebuild_tensor_v2`` calls ``torch.save`` emits — all on the allowlist of
-``torch.load(weights_only=True)``), then stream each storage record in row
-blocks, 64-byte aligned like torch's own writer so ``mmap=True`` works.
-Memory is one row block, whatever the model size.
+sequence of pickle protocol-2 opcodes (:mod:`.pickle_ops`: dicts, strings,
+numbers and the same ``_rebuild_tensor_v2`` calls ``torch.save`` emits — all on
+the allowlist of ``torch.load(weights_only=True)``), then stream each storage
+record in row blocks, 64-byte aligned like torch's own writer so ``mmap=True``
+works.  Memory is one row block, whatever the model size.  DCP payloads are
+the same archives (:func:`write_archive`), one per chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from shardkit.checkpoint.flatten import flatten, from_json_value
 from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
                                               contiguous_strides)
+from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
@@ -176,7 +178,7 @@ class TorchSaveReader(CheckpointReader):
 
 
 # --------------------------------------------------------------------------
-# writing: a pickle opcode stream built by hand (no pickle module)
+# writing: data.pkl by hand (formats/pickle_ops.py), storage records streamed in row blocks
 
 
 def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
@@ -190,76 +192,6 @@ def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -
             raise UnsupportedFormat(f"{fqn!r} is {dtype}, which torch.save/DCP output cannot hold (supported: "
                                     f"{', '.join(sorted(str(d).replace('torch.', '') for d in _STORAGE_TYPES))}); "
                                     "exclude it or cast it with --dtype")
-
-
-class _Ops:
-    """The few protocol-2 opcodes a state dict needs."""
-
-    def __init__(self) -> None:
-        self.out = bytearray(b"\x80\x02")
-
-    def value(self, v: Any) -> None:
-        o = self.out
-        if v is None:
-            o += b"N"
-        elif v is True:
-            o += b"\x88"
-        elif v is False:
-            o += b"\x89"
-        elif isinstance(v, int):
-            if -(2 ** 31) <= v < 2 ** 31:
-                o += b"J" + struct.pack("<i", v)
-            else:
-                raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
-                o += b"\x8a" + bytes([len(raw)]) + raw
-        elif isinstance(v, float):
-            o += b"G" + struct.pack(">d", v)
-        elif isinstance(v, str):
-            raw = v.encode("utf-8")
-            o += b"X" + struct.pack("<I", len(raw)) + raw
-        elif isinstance(v, _Tuple):
-            o += b"("
-            for x in v:
-                self.value(x)
-            o += b"t"
-        elif isinstance(v, (list, tuple)):
-            o += b"]("
-            for x in v:
-                self.value(x)
-            o += b"e"
-        elif isinstance(v, dict):
-            o += b"}("
-            for k, x in v.items():
-                self.value(str(k))
-                self.value(x)
-            o += b"u"
-        elif isinstance(v, TensorRef):
-            self.tensor(v)
-        else:
-            raise UnsupportedFormat(f"cannot write a {type(v).__name__} into a torch.save file")
-
-    def glob(self, module: str, name: str) -> None:
-        self.out += b"c" + f"{module}\n{name}\n".encode()
-
-    def tensor(self, ref: "TensorRef") -> None:
-        self.glob("torch._utils", "_rebuild_tensor_v2")
-        self.out += b"(("
-        self.value("storage")
-        self.glob("torch", _STORAGE_TYPES[ref.dtype])
-        self.value(ref.key)
-        self.value("cpu")
-        self.value(math.prod(ref.shape))
-        self.out += b"tQ"
-        self.value(0)
-        self.value(_Tuple(ref.shape))
-        self.value(_Tuple(contiguous_strides(ref.shape)))
-        self.value(False)
-        self.glob("collections", "OrderedDict")
-        self.out += b")Rt" + b"R"
-
-
-class _Tuple(tuple):
-    pass
 
 
 @dataclass(frozen=True)
@@ -276,6 +208,18 @@ class TensorRef:
     dtype: torch.dtype
     shape: tuple[int, ...]
     first_row: int = 0
+
+
+def _rebuild(ref: Any) -> Call | None:
+    """The ``data.pkl`` form of a tensor, as torch.save writes it: ``_rebuild_tensor_v2`` of a
+    persistent storage reference, contiguous strides, no grad, no hooks."""
+    if not isinstance(ref, TensorRef):
+        return None
+    storage = Persistent(("storage", Global("torch", _STORAGE_TYPES[ref.dtype]), ref.key, "cpu",
+                          math.prod(ref.shape)))
+    return Call("torch._utils", "_rebuild_tensor_v2", (storage, 0, PickleTuple(ref.shape),
+                                                       PickleTuple(contiguous_strides(ref.shape)), False,
+                                                       Call("collections", "OrderedDict", ())))
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -311,16 +255,14 @@ def write_archive(sink: Any, root: Any, refs: Sequence[TensorRef], fetch: Fetch,
     Offsets inside the archive are relative to its first byte, so archives
     can be concatenated (DCP payload files are).
     """
-    ops = _Ops()
-    ops.value(root)
-    ops.out += b"."
+    pickled = encode(root, _rebuild)
     raw = _Counted(sink)
     with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         def record(name: str, data: bytes) -> None:
             with zf.open(_zip_info(f"{_ARCHIVE}/{name}", raw.tell()), "w", force_zip64=True) as f:
                 f.write(data)
 
-        record("data.pkl", bytes(ops.out))
+        record("data.pkl", pickled)
         record(".format_version", b"1")
         record(".storage_alignment", str(_ALIGN).encode())
         record("byteorder", b"little")
