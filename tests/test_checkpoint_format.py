@@ -201,7 +201,7 @@ def test_the_checking_pass_reads_bounded_spans_and_each_block_once_writing_nothi
     import shardkit.checkpoint as skc
     from shardkit.checkpoint.formats import native
 
-    monkeypatch.setattr(native, "_CHECK_SPAN", 64 << 10)
+    monkeypatch.setattr(native, "CHECK_SPAN", 64 << 10)
     w = torch.randn(1000, 100)  # 400 kB in chunks of 160 kB, checksum blocks of 4 kB
     skc.save({"w": w}, str(tmp_path / "c"), chunk_bytes=160_000, block_bytes=4096)
     reads: list[tuple[int, int]] = []
@@ -219,3 +219,32 @@ def test_the_checking_pass_reads_bounded_spans_and_each_block_once_writing_nothi
     assert torch.count_nonzero(out) == 0  # nothing written
     assert max(n for _, n in reads) == 64 << 10 and len(reads) == 8  # chunks of 160, 160, 80 kB
     assert sum(n for _, n in reads) == 400_000
+
+
+def test_check_chunk_finds_the_first_bad_block_with_one_ranged_read_per_span(monkeypatch):
+    import fsspec
+
+    import shardkit.checkpoint as skc
+    from shardkit.checkpoint.formats.native import check_chunk
+
+    url = "memory://check-chunk"
+    skc.save({"w": torch.randn(100, 1000)}, url, block_bytes=4096)  # one chunk of 400 kB: 98 blocks
+    storage = Storage(url)
+    rec = NativeReader(storage).manifest.tensors["w"].chunks[0]
+    calls: list[int] = []
+    original = Storage.read_parts
+    monkeypatch.setattr(Storage, "read_parts",
+                        lambda self, name, start, parts: calls.append(sum(p.numel() for p in parts))
+                        or original(self, name, start, parts))
+    seen: list[int] = []
+    assert check_chunk(storage, rec, span=128 << 10, on_bytes=seen.append) is None
+    assert calls == [128 << 10] * 3 + [400_000 - 3 * (128 << 10)] and sum(seen) == 400_000
+    fs = fsspec.filesystem("memory")
+    data = bytearray(fs.cat_file(f"{url}/{rec.file}"))
+    data[rec.start + 50 * 4096 + 17] ^= 0x04
+    fs.pipe(f"{url}/{rec.file}", bytes(data))
+    assert check_chunk(storage, rec) == 50
+    assert check_chunk(storage, rec, 0, 50 * 4096) is None and check_chunk(storage, rec, 51 * 4096) is None
+    with pytest.raises(ValueError, match="whole checksum blocks"):
+        check_chunk(storage, rec, 100)
+    fs.rm(url, recursive=True)

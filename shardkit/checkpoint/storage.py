@@ -25,15 +25,17 @@ one place:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ import torch
 from shardkit.errors import (CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError,
                              StorageError, UnsafeCheckpoint)
 
-__all__ = ["Storage", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
+__all__ = ["Storage", "ByteBudget", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -397,6 +399,31 @@ class Storage:
                 pass
         self._retry(f"deleting {path}", rm)
         self._fresh(path)
+
+
+class ByteBudget:
+    """Blocks ``take(n)`` while more than ``limit`` bytes are taken (a single oversize take is allowed alone).
+
+    Parallel ranged reads from object stores keep many requests in flight for
+    throughput; this caps the bytes they hold at once, so memory stays bounded.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
 
 
 def _fsync_dir(directory: str) -> None:

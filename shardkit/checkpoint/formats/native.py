@@ -21,34 +21,34 @@ and the file-naming helpers), re-exported here so one import serves both sides.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import warnings
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.codec import BlockCrc, as_bytes, code_to_dtype, zstd_decompress_into
-from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.codec import BlockCrc, as_bytes, block_crcs, code_to_dtype, zstd_decompress_into
+from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
+                                             contiguous_strides)
 from shardkit.checkpoint.formats.native_write import (DATA_DIR, DEFAULT_BLOCK_BYTES,  # noqa: F401 - re-exported
                                                       DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile, chunk_key,
                                                       data_file_name, new_token)
 from shardkit.checkpoint.manifest import MANIFEST_NAME, ChunkRecord, Manifest, parse_manifest
 from shardkit.checkpoint.plan import byte_runs
-from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
+from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, ByteBudget, Storage, parallel_map
 from shardkit.errors import (ChecksumMismatch, CheckpointNotFound, CorruptCheckpoint, IncompatibleStateDict,
                              InvalidManifest)
 
 __all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeReader", "NativeWriter", "WrittenFile",
            "read_manifest", "is_committed", "data_file_name", "new_token", "chunk_key", "unreferenced_files",
-           "detect", "open_reader"]
+           "detect", "open_reader", "check_chunk", "CHECK_SPAN"]
 
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
 _STEP_BYTES = 2 << 20  # local reads: read, then checksum, this much at a time (stays in cache)
-_CHECK_SPAN = 8 << 20  # verify pass: one ranged read (then checksum) per this many bytes of a chunk
+CHECK_SPAN = 8 << 20  # check_chunk: one ranged read per this many bytes (remote); local reads go in _STEP_BYTES
 _MAX_GAP = 256 << 10
 _MAX_BATCH = 16 << 20
 
@@ -81,6 +81,58 @@ def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
             if f"{DATA_DIR}/{n}" not in manifest.files]
 
 
+def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | None = None, *,
+                span: int | None = None, scratch: torch.Tensor | None = None, keep: bool = False,
+                on_bytes: Callable[[int], None] | None = None) -> int | None:
+    """Index of the first checksum block of ``record`` that does not match the manifest, or ``None``.
+
+    The one checksum loop of the native format (load's checking pass, offline
+    verify and resume): chunk bytes ``[lo, hi)`` (default: the whole stored
+    chunk; ``lo`` on a block boundary, ``hi`` on one or at the chunk's end) are
+    fetched with one ranged read per ``span`` bytes (default ``CHECK_SPAN``) -- never one request per
+    block, which on an object store would cost a round trip per 256 KiB --
+    and crc32c'd block by block, stopping at the first bad block.  Local files
+    are read in cache-sized steps instead, so each is checksummed while still
+    in the CPU cache.  Memory: one span, in ``scratch`` (a flat uint8 tensor)
+    or a buffer reused per thread.  ``keep=True`` reads the whole range in one
+    request into ``scratch`` (which must hold it) and leaves it there, e.g. to
+    decode a zstd frame after.  ``on_bytes(n)`` is called after each read
+    (progress bars).  Missing or short files raise what :class:`Storage` raises.
+    """
+    block = record.block
+    hi = record.nbytes if hi is None else min(hi, record.nbytes)
+    if lo % block or not 0 <= lo <= hi or (hi % block and hi != record.nbytes):
+        raise ValueError(f"check_chunk: [{lo}, {hi}) is not a run of whole checksum blocks of {block} bytes")
+    if keep and (scratch is None or scratch.numel() < hi - lo):
+        raise ValueError(f"check_chunk(keep=True) needs a scratch tensor of at least {hi - lo} bytes")
+    span = CHECK_SPAN if span is None else span
+    step = hi - lo if keep else min(span, _STEP_BYTES) if storage.is_local else span
+    step = max(block, step // block * block)
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        if scratch is None or scratch.numel() < b - a:
+            scratch = _thread_scratch(b - a)
+        buf = scratch[:b - a]
+        storage.read_parts(record.file, record.start + a, [buf])
+        if on_bytes is not None:
+            on_bytes(b - a)
+        first = a // block
+        for i, got in enumerate(block_crcs(buf, block)):
+            if got != record.crc32c[first + i]:
+                return first + i
+    return None
+
+
+_scratch_local = threading.local()
+
+
+def _thread_scratch(n: int) -> torch.Tensor:
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch_local.buf = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+    return buf
+
+
 # --------------------------------------------------------------------------
 # reading
 
@@ -106,7 +158,7 @@ class NativeReader(CheckpointReader):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._inflight = _ByteBudget(REMOTE_INFLIGHT_BYTES)
+        self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
@@ -177,9 +229,9 @@ class NativeReader(CheckpointReader):
         The first pass of an all-or-nothing ``load``.  Targets are the only
         memory big enough to hold what a load reads, so the bytes are checked
         here and thrown away: the block ranges of all requests are merged per
-        chunk (each block read once), cut into spans of at most 8 MiB, read in
-        parallel into per-thread scratch and checksummed -- crc32c only, no
-        copy into any target.  Memory: one span per I/O thread.  On a local
+        chunk (each block read once), cut into spans of at most ``CHECK_SPAN``
+        and checked by :func:`check_chunk` in parallel over the I/O threads --
+        crc32c only, no copy into any target.  Memory: one span per thread.  On a local
         disk the pass leaves the bytes in the page cache, so the ``read`` that
         follows costs a cached copy, not a second trip to the disk.  zstd
         frames are read whole (a frame is at most a chunk) and also decoded
@@ -193,7 +245,7 @@ class NativeReader(CheckpointReader):
             spans.setdefault((rec.file, rec.start), (r.fqn, rec, []))[2].append(self._span(r, rec))
         items: list[tuple[str, ChunkRecord, int, int]] = []
         for fqn, rec, ranges in spans.values():
-            step = rec.nbytes if rec.codec == "zstd" else max(rec.block, _CHECK_SPAN // rec.block * rec.block)
+            step = rec.nbytes if rec.codec == "zstd" else max(rec.block, CHECK_SPAN // rec.block * rec.block)
             for lo, hi in _merge(ranges):
                 items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
         items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
@@ -202,15 +254,13 @@ class NativeReader(CheckpointReader):
         def check(item: tuple[str, ChunkRecord, int, int]) -> None:
             fqn, rec, lo, hi = item
             where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
-            # local reads go in cache-sized steps (each checksummed while still in cache); remote in one request
-            step = _STEP_BYTES if self.storage.is_local and rec.codec == "raw" else hi - lo
-            acc = BlockCrc(rec.block)
-            for a in range(lo, hi, step):
-                buf = self._scratch(0, min(hi, a + step) - a)
-                self.storage.read_parts(rec.file, rec.start + a, [buf])
-                acc.update(buf)
-            self._check(acc.finish(), lo // rec.block, rec, where)
-            if rec.codec == "zstd":
+            frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
+            buf = self._scratch(0, hi - lo if frame else min(hi - lo, CHECK_SPAN))
+            bad = check_chunk(self.storage, rec, lo, hi, scratch=buf, keep=frame)
+            if bad is not None:
+                raise ChecksumMismatch(f"{where}: checksum block {bad} does not match the manifest; the data file "
+                                       f"is damaged -- restore it or load an older checkpoint")
+            if frame:
                 itemsize = torch.empty((), dtype=self._entries[fqn].dtype).element_size()
                 zstd_decompress_into(buf.numpy(), self._scratch(1, math.prod(rec.shape) * itemsize), where)
 
@@ -320,7 +370,7 @@ class NativeReader(CheckpointReader):
         where = self._where(r, rec)
         self._verify([span], lo // rec.block, rec, where)
         item = r.out.element_size()
-        strides = _strides(rec.shape)
+        strides = contiguous_strides(rec.shape)
         first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
         if rec.codec == "zstd":
             if tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
@@ -336,27 +386,6 @@ class NativeReader(CheckpointReader):
             typed = span.view(r.out.dtype)
             r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
         self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
-
-
-class _ByteBudget:
-    """Blocks ``take(n)`` while more than ``limit`` bytes are taken (a single oversize take is allowed alone)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def take(self, n: int) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
-            self._used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._used -= n
-                self._cond.notify_all()
 
 
 def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:
@@ -402,10 +431,3 @@ def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> l
             batches.append([it])
             end = b
     return batches
-
-
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
