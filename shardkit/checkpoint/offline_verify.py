@@ -5,8 +5,9 @@ What is checked depends on what the format records:
 * shardkit (native): the manifest is parsed strictly (coverage: every tensor's
   chunks tile it, in bounds, no overlaps or holes; names stay inside), every
   data file has the recorded size, and every crc32c block of every chunk
-  matches.  Files are read front to back in large ranged reads, several files
-  in parallel: this runs at disk speed.
+  matches (``formats.native.check_chunk``, the format's one checksum loop).
+  Files are read front to back in large ranged reads, several files in
+  parallel: this runs at disk speed.
 * DCP: coverage of each tensor by its chunks; every payload is a torch.save
   zip archive, so each record's CRC-32 is checked by streaming it through
   ranged reads (memory of one read step, not of a chunk), and its pickled
@@ -24,15 +25,12 @@ damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
-
-from shardkit.checkpoint.codec import crc32c
 from shardkit.checkpoint.formats.dcp_payload import check_zip_records
+from shardkit.checkpoint.formats.native import check_chunk
 from shardkit.checkpoint.layout import check_cover
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_detect import detect
@@ -42,7 +40,6 @@ from shardkit.errors import ShardkitError
 
 __all__ = ["VerifyReport", "verify"]
 
-_SPAN = 8 << 20
 
 
 @dataclass
@@ -131,22 +128,15 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         if want is not None and size != want:
             return [f"{where}: {size} bytes, the manifest records {want} (truncated or replaced)"], 0
         done = 0
+
+        def count(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress.update(n)
+
         for fqn, rec in sorted(by_file[name], key=lambda x: x[1].start):
-            pos, end, block_index = rec.start, rec.start + rec.nbytes, 0
-            bad = None
-            while pos < end and bad is None:
-                hi = min(end, pos + max(rec.block, _SPAN // rec.block * rec.block))
-                data = _buffer(hi - pos)  # reused per thread: no fresh memory per span
-                storage.read_into(name, pos, data)
-                for b in range(0, hi - pos, rec.block):
-                    if crc32c(data[b:b + rec.block]) != rec.crc32c[block_index]:
-                        bad = block_index
-                        break
-                    block_index += 1
-                done += hi - pos
-                if progress:
-                    progress.update(hi - pos)
-                pos = hi
+            bad = check_chunk(storage, rec, on_bytes=count)
             if bad is not None:
                 found.append(f"{where}: chunk {list(rec.offsets)} of {fqn!r} fails its checksum (block {bad})")
         return found, done
@@ -156,16 +146,6 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         problems.extend(found)
         total += done
     return total
-
-
-_local = threading.local()
-
-
-def _buffer(n: int) -> torch.Tensor:
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _local.buf = torch.empty(max(n, _SPAN), dtype=torch.uint8)
-    return buf[:n]
 
 
 def _verify_dcp(reader: Any, problems: list[str], progress: Progress | None) -> int:
