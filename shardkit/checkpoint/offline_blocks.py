@@ -19,17 +19,16 @@ from typing import Any, Iterator
 
 import torch
 
+from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.storage import Storage
+from shardkit.errors import StorageError
 
 __all__ = ["rows_per_block", "iter_row_blocks", "nbytes_of", "object_path", "split_file", "is_dir",
-           "row_range", "copy_rows_into", "itemsize"]
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+           "row_range", "copy_rows_into"]
 
 
 def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a contiguous tensor of ``dtype`` and ``shape``."""
     return math.prod(shape) * itemsize(dtype)
 
 
@@ -44,6 +43,7 @@ def rows_per_block(dtype: torch.dtype, shape: tuple[int, ...], budget: int) -> i
 
 
 def iter_row_blocks(n_rows: int, block: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` dim-0 ranges of at most ``block`` rows covering ``n_rows`` (a writer's loop)."""
     start = 0
     while start < n_rows:
         stop = min(n_rows, start + block)
@@ -70,14 +70,24 @@ def object_path(fqn: str) -> tuple[str | int, ...]:
 
 
 def is_dir(storage: Storage) -> bool:
+    """Whether ``storage`` points at a directory (a folder checkpoint) rather than one file.
+
+    Only "not found" means no; any other failure (a 403, a timeout) is a
+    :class:`~shardkit.errors.StorageError`, so it is not reported as "not a
+    directory" or "unknown format".
+    """
     if storage.is_local:
         import os
 
         return os.path.isdir(storage.root)
     try:
         return bool(storage.fs.isdir(storage.root))
-    except Exception:  # noqa: BLE001 - a missing path is simply not a directory
+    except FileNotFoundError:
         return False
+    except OSError as exc:
+        raise StorageError(f"checking {storage.url} failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp) vary
+        raise StorageError(f"checking {storage.url} failed: {exc!r}") from exc
 
 
 def split_file(storage: Storage) -> tuple[Storage, str]:

@@ -27,6 +27,8 @@ __all__ = ["DiffReport", "TensorDiff", "diff"]
 
 @dataclass
 class TensorDiff:
+    """How one key compares: its status, the largest absolute and relative differences, and why."""
+
     name: str
     status: str                 # "equal", "close", "different", "only-a", "only-b", "shape", "dtype+close"...
     max_abs: float = 0.0
@@ -36,6 +38,9 @@ class TensorDiff:
 
 @dataclass
 class DiffReport:
+    """The comparison of checkpoints ``a`` and ``b``: one :class:`TensorDiff` per key, plus the
+    non-tensor values that differ; ``equal`` is the verdict ``shardkit diff`` exits on."""
+
     a: str
     b: str
     atol: float
@@ -49,6 +54,7 @@ class DiffReport:
         return not self.values and all(t.status in ("equal", "close") for t in self.tensors)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as ``shardkit diff --json`` prints it."""
         return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
                 "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values}
 

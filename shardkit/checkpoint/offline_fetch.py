@@ -27,6 +27,7 @@ from typing import Mapping
 
 import torch
 
+from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.errors import IncompatibleStateDict
 
@@ -68,7 +69,7 @@ class Fetcher:
         return buf if want == entry.dtype else buf.to(want)
 
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * itemsize(dtype)
         pool = getattr(self._local, "pool", None)
         if pool is None or pool.numel() < n:
             pool = self._local.pool = torch.empty(max(n, 1 << 16), dtype=torch.uint8)

@@ -10,12 +10,14 @@ nothing, a dtype that is not a float) are raised before DST is touched.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.formats.base import TensorEntry
 from shardkit.errors import ConfigurationError
 
@@ -27,6 +29,7 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``--dtype`` spelling (``bf16``, ``float32``...) → a floating torch dtype."""
     if name is None or isinstance(name, torch.dtype):
         return name
     try:
@@ -36,6 +39,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def parse_rename(rules: Sequence[str] | None) -> list[tuple[re.Pattern[str], str]]:
+    """``--rename REGEX=REPL`` rules → compiled patterns, applied in order to every key."""
     out = []
     for rule in rules or ():
         if "=" not in rule:
@@ -50,6 +54,8 @@ def parse_rename(rules: Sequence[str] | None) -> list[tuple[re.Pattern[str], str
 
 @dataclass(frozen=True)
 class OutputTensor:
+    """One tensor of the output: its output name, the source key it comes from, dtype and shape."""
+
     name: str
     source: str
     dtype: torch.dtype
@@ -58,6 +64,11 @@ class OutputTensor:
 
 @dataclass
 class Selection:
+    """What a conversion writes: tensors in source order, JSON values, and the keys filters dropped.
+
+    Computed once before DST is touched, so every error it can raise comes first.
+    """
+
     tensors: list[OutputTensor]
     values: dict[str, Any]
     dropped: list[str] = field(default_factory=list)
@@ -76,13 +87,8 @@ class Selection:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for t in self.tensors:
-            n = torch.empty((), dtype=t.dtype).element_size()
-            for s in t.shape:
-                n *= s
-            total += n
-        return total
+        """Bytes of every output tensor (after the dtype cast): the progress total."""
+        return sum(math.prod(t.shape) * itemsize(t.dtype) for t in self.tensors)
 
 
 def _is_model(name: str) -> bool:
