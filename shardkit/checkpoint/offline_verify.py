@@ -41,9 +41,16 @@ from shardkit.errors import ShardkitError
 __all__ = ["VerifyReport", "verify"]
 
 
-
 @dataclass
 class VerifyReport:
+    """Everything wrong with one checkpoint, gathered in one pass so a user sees all the damage at once.
+
+    ``scope`` says how deep the check went, because formats differ: with
+    "checksums" every stored data byte was read and checked; with "headers"
+    (HF, which records no checksums) only the structure was, and
+    ``bytes_checked`` is 0 rather than a figure nobody read.
+    """
+
     url: str
     format: str
     problems: list[str] = field(default_factory=list)
