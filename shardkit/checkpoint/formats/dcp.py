@@ -278,7 +278,7 @@ def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],
-              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> None:
+              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> list[str]:
     """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
 
     ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
@@ -287,7 +287,7 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
     torch.save archive, so memory holds one block.  ``values`` are JSON-encoded
     (flatten's form) and are decoded before they are written.  ``.metadata``
     commits the checkpoint: it is written last, atomically, after the payload
-    is durable on local disks.
+    is durable on local disks.  Returns the names written.
     """
     check_tensors(tensors)
     data_name = "__0_0.distcp"
@@ -326,3 +326,4 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
 
     dst.write_stream(data_name, produce, fsync=dst.is_local)
     dst.put_atomic(METADATA_NAME, encode_dcp_metadata(chunk_md, list(flat_values), where, planner_data))
+    return [data_name, METADATA_NAME]

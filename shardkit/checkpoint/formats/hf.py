@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_to_dtype,
-                                       dtype_to_code, parse_safetensors_header)
+from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_to_dtype, dtype_to_code, itemsize,
+                                       parse_safetensors_header)
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, nbytes_of, row_range,
-                                                rows_per_block, split_file)
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, row_range, rows_per_block,
+                                                split_file)
 from shardkit.checkpoint.storage import Storage, check_name
 from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, UnsafeCheckpoint,
                              UnsupportedFormat)
@@ -194,7 +194,7 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_sha
     current: list[int] = []
     size = 0
     for i, (_, dtype, shape) in enumerate(tensors):
-        n = nbytes_of(dtype, shape)
+        n = math.prod(shape) * itemsize(dtype)
         if current and size + n > max_shard_size:
             shards.append(current)
             current, size = [], 0
@@ -222,8 +222,8 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map: dict[str, str] = {}
     for name, idx in zip(names, shards):
-        entries = [(items[i][0], dtype_to_code(items[i][1]), items[i][2], nbytes_of(items[i][1], items[i][2]))
-                   for i in idx]
+        entries = [(key, dtype_to_code(dtype), shape, math.prod(shape) * itemsize(dtype))
+                   for key, dtype, shape in (items[i] for i in idx)]
 
         def produce(out: Any, idx: list[int] = idx, entries: list = entries) -> None:
             stream = SafetensorsStreamWriter(out, entries, {"format": "pt"}, block_size=1 << 30)
@@ -242,7 +242,7 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
         dst.write_stream(name, produce, fsync=dst.is_local)  # durable before the index commits it
         for i in idx:
             weight_map[items[i][0]] = name
-    total = sum(nbytes_of(d, s) for _, d, s in items)
+    total = sum(math.prod(s) * itemsize(d) for _, d, s in items)
     before_index()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     dst.put_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
