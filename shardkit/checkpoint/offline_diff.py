@@ -5,24 +5,28 @@ of rows at a time, so two checkpoints larger than memory compare in bounded
 memory whatever their sharding.  With ``atol = rtol = 0`` equality is bitwise
 (NaNs with the same bits are equal, ``-0.0`` differs from ``0.0``); otherwise a
 tensor is within tolerance when ``|a - b| <= atol + rtol * |b|`` everywhere,
-as in ``torch.allclose``.
+as in ``torch.allclose``.  Non-tensor values are compared decoded
+(:func:`~shardkit.checkpoint.flatten.from_json_value`): a native ``{"$float": "inf"}``
+equals a torch.save ``inf``, and NaN equals NaN.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import fnmatch
+import math
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.flatten import from_json_value
 from shardkit.checkpoint.offline_common import parse_memory
 from shardkit.checkpoint.offline_detect import open_source
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_blocks import iter_row_blocks, rows_per_block
 
-__all__ = ["DiffReport", "TensorDiff", "diff"]
+__all__ = ["DiffReport", "TensorDiff", "diff", "same_value"]
 
 
 @dataclass
@@ -98,8 +102,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                 continue
             report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 16, progress))
         va, vb = sa.values(), sb.values()
-        report.values = sorted(k for k in set(va) | set(vb)
-                               if wanted(k) and va.get(k, _MISSING) != vb.get(k, _MISSING))
+        report.values = sorted(k for k in set(va) | set(vb) if wanted(k) and (
+            k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))))
     finally:
         sa.close()
         sb.close()
@@ -108,7 +112,18 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
     return report
 
 
-_MISSING = object()
+def same_value(a: Any, b: Any) -> bool:
+    """Equality of decoded non-tensor values, where NaN equals NaN (a saved ``best_loss=nan`` is
+    the same state on both sides) and a tuple equals a list (JSON has only lists)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b  # True is not 1 for a flag
+    return a == b
 
 
 def _compare(name: str, ta: Any, tb: Any, fa: Fetcher, fb: Fetcher, atol: float, rtol: float, block: int,
