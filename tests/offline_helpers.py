@@ -1,12 +1,18 @@
-"""Checkpoint material for the offline-tool tests: a trained model + AdamW state, flattened."""
+"""Checkpoint material for the offline-tool tests: a trained model + AdamW state, flattened, and a
+checkpoint saved online by a 2-rank shardkit job (shared by the test files that need one)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.dist import run_on_ranks
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch
 
 
@@ -47,3 +53,51 @@ def nest(flat: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> dict[st
 def write_torch_state(path: Path, flat: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> Path:
     torch.save(nest(flat, groups), path)
     return path
+
+
+EXTRA_VALUES = {"best_loss": float("inf"), "worst_loss": float("-inf"), "last_bad_loss": float("nan"), "epoch": 2}
+
+
+def train_and_save_with_shardkit(path: str) -> dict[str, torch.Tensor] | None:
+    """On every rank: ``Transformer`` under shardkit's ``fully_shard`` (uneven dim-0 shards), two AdamW
+    steps, then ``shardkit.checkpoint.save`` with non-finite extra values; rank 0 returns the full
+    flattened state (the reference every offline hop must reproduce bitwise)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit.checkpoint as skc
+    from shardkit import fully_shard
+    from shardkit.checkpoint.flatten import flatten
+
+    torch.manual_seed(0)
+    args = ModelArgs()
+    model = Transformer(args)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        tokens, targets = make_batch(args, 2, seed=step)
+        lm_loss(model(tokens), targets).backward()
+        optim.step()
+        optim.zero_grad()
+    state = skc.get_state_dict(model, optim)
+    state["extra"] = dict(EXTRA_VALUES)
+    skc.save(state, path)
+    full = skc.get_full_state_dict(model, optim)
+    if dist.get_rank() != 0:
+        return None
+    return {k: v.clone() for k, v in flatten(full).tensors.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def shardkit_two_rank_save() -> tuple[str, dict[str, torch.Tensor]]:
+    """(path, full flat state) of a checkpoint saved online by 2 ranks, made once per test run.
+
+    Read-only: copy it before changing it.
+    """
+    root = tempfile.mkdtemp(prefix="shardkit-online-ws2-")
+    atexit.register(shutil.rmtree, root, True)
+    path = f"{root}/ws2"
+    return path, run_on_ranks(2, train_and_save_with_shardkit, path)[0]

@@ -100,3 +100,11 @@ def test_killed_migration_resumes_on_rerun_and_verifies(local_ckpt, s3_url):
     assert verify(remote, storage_options=options).ok
     assert diff(local_ckpt, remote, b_storage_options=options).equal
     assert not fs.exists(f"{remote}/.shardkit-resume")
+
+
+def test_cloud_migration_example_runs_against_a_local_s3_server():
+    done = subprocess.run([sys.executable, "examples/cloud_migration.py"], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "verify s3://" in done.stdout and ": ok (" in done.stdout
+    assert "bit-identical to the original: True" in done.stdout

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -21,37 +22,15 @@ from shardkit.checkpoint import convert, diff, reshard, verify
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
 from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.formats_helpers import torch_fully_shard_dcp
+from tests.models import ModelArgs, Transformer
 from tests.offline_cli import run_cli
+from tests.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
 
 
 def _read_all(url: str) -> dict[str, torch.Tensor]:
     with open_reader(url) as reader:
         return {k: read_box(reader, k) for k in reader.tensors()}
-
-
-def _train_and_save_with_shardkit(path: str):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import shardkit.checkpoint as skc
-    from shardkit import fully_shard
-
-    torch.manual_seed(0)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        tokens, targets = make_batch(args, 2, seed=step)
-        lm_loss(model(tokens), targets).backward()
-        optim.step()
-        optim.zero_grad()
-    skc.save(skc.get_state_dict(model, optim), path)
-    return True
 
 
 def _load_at_three_ranks(path: str):
@@ -70,15 +49,15 @@ def _load_at_three_ranks(path: str):
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sd = skc.get_state_dict(model, optim)
+    sd["extra"] = {k: 0.0 for k in EXTRA_VALUES}
     skc.load(sd, path)
     skc.set_state_dict(model, optim, sd)
     full = skc.get_full_state_dict(model)
-    return {k: v.clone() for k, v in full["model"].items()} if dist.get_rank() == 0 else None
+    return ({k: v.clone() for k, v in full["model"].items()}, sd["extra"]) if dist.get_rank() == 0 else None
 
 
 def test_two_rank_shardkit_save_reshards_offline_to_3_and_1_and_loads_at_3(tmp_path):
-    saved = str(tmp_path / "ws2")
-    assert run_on_ranks(2, _train_and_save_with_shardkit, saved) == [True, True]
+    saved, _ = shardkit_two_rank_save()
     original = _read_all(saved)
     assert any(k.startswith("optim.state.") for k in original)
     for world in (3, 1):
@@ -88,53 +67,32 @@ def test_two_rank_shardkit_save_reshards_offline_to_3_and_1_and_loads_at_3(tmp_p
         assert sorted(got) == sorted(original)
         assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in original.items())
         assert diff(saved, out).equal
-    loaded = run_on_ranks(3, _load_at_three_ranks, str(tmp_path / "ws3"))[0]
+    loaded, extra = run_on_ranks(3, _load_at_three_ranks, str(tmp_path / "ws3"))[0]
     for key, tensor in loaded.items():
         assert torch.equal(tensor, original[f"model.{key}"]), key
-
-
-def _dcp_save_with_torch_fully_shard(path: str):
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens, targets = make_batch(args, 2, seed=3)
-    lm_loss(model(tokens), targets).backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    with torch.no_grad():
-        logits = model(make_batch(args, 2, seed=9)[0]).detach().clone()
-    return logits if dist.get_rank() == 0 else None
+    assert extra["best_loss"] == math.inf and extra["worst_loss"] == -math.inf
+    assert math.isnan(extra["last_bad_loss"]) and extra["epoch"] == 2
 
 
 def test_dcp_from_torch_fully_shard_converts_to_native_and_loads(tmp_path):
     import shardkit.checkpoint as skc
 
-    src = str(tmp_path / "dcp")
-    logits = run_on_ranks(2, _dcp_save_with_torch_fully_shard, src)[0]
+    src, flat, _ = torch_fully_shard_dcp()
     out = str(tmp_path / "native")
     result = run_cli("-q", "convert", src, out, "--to", "shardkit")
     assert result.exit_code == 0, result.stderr
     assert verify(out).ok
-    args = ModelArgs()
-    model = Transformer(args)
+    model = Transformer(ModelArgs())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sd = skc.get_state_dict(model, optim)
     skc.load(sd, out)
     skc.set_state_dict(model, optim, sd)
-    with torch.no_grad():
-        assert torch.equal(model(make_batch(args, 2, seed=9)[0]), logits)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, flat[f"model.{name}"]), name
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in optim.state.items():
+        for key, value in state.items():
+            assert torch.equal(value, flat[f"optim.state.{names[id(param)]}.{key}"]), (names[id(param)], key)
     assert diff(src, out).equal
 
 
