@@ -18,6 +18,7 @@ the same archives (:func:`write_archive`), one per chunk.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -130,15 +131,15 @@ class TorchSaveReader(CheckpointReader):
         self._tensors: dict[str, torch.Tensor] = {}
         try:
             obj = torch.load(self._local_path(storage), map_location="cpu", weights_only=True, mmap=True)
+            self._tensors, self._values = flatten_state(obj, storage.url)
         except BaseException as exc:
-            self.close()  # a failed download or a bad file leaves no spool file behind
+            self.close()  # a failed download, a bad file or unreadable contents leave no spool file behind
             if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):
                 raise
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
             if "weights_only" in str(exc) or "Unsupported global" in str(exc):
                 raise UnsafeCheckpoint(f"{storage.url}: needs unsafe unpickling to load ({msg}); refusing") from None
             raise InvalidManifest(f"{storage.url}: not a readable torch.save file ({msg})") from None
-        self._tensors, self._values = flatten_state(obj, storage.url)
         self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (StoredChunk((0,) * t.dim(), tuple(t.shape), k),))
                          for k, t in self._tensors.items()}
         self.info = CheckpointInfo("torch", storage.url)
@@ -173,7 +174,8 @@ class TorchSaveReader(CheckpointReader):
     def close(self) -> None:
         self._tensors = {}
         if self._tmp:
-            os.unlink(self._tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
             self._tmp = None
 
 
