@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint import state_dict as sdm
-from tests.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train, world
+from tests.checkpoint_helpers import build_model, full_state, make_mesh, make_optimizer, mismatches, train, world
 from tests.dist import run_on_ranks
 
 
@@ -148,3 +148,54 @@ def test_get_state_dict_asks_wrappers_for_their_live_tensors(tmp_path):
     target = skc.get_state_dict(fresh)
     skc.load(target, str(tmp_path / "w"))
     assert torch.equal(fresh.inner.weight, model.inner.weight)  # loaded in place, not into a copy
+
+
+def _relayout_cases():
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardkit.errors import IncompatibleStateDict
+
+    rank = dist.get_rank()
+    mesh = make_mesh((world()[1],))
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    mine = full[3 * rank:3 * rank + 3]
+    like = distribute_tensor(torch.zeros(6, 4, dtype=torch.bfloat16), mesh, [Shard(0)])
+    out = {}
+    same = distribute_tensor(full, mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        out["same is value"] = sdm.relayout_like(same, like) is same
+        cast = sdm.relayout_like(same, like, dtype=torch.float64)
+        out["same cast"] = (cast.dtype, cast.placements == like.placements, torch.equal(cast.to_local(), mine.double()))
+        cut = sdm.relayout_like(full, like)
+        out["plain cut"] = (cut.dtype, cut.placements == like.placements, torch.equal(cut.to_local(), mine),
+                            cut.to_local().untyped_storage().data_ptr() != full.untyped_storage().data_ptr())
+        view = sdm.relayout_like(full, like, copy=False).to_local()
+        out["plain view"] = view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        out["plain like"] = sdm.relayout_like(full, torch.zeros(6, 4)) is full
+        sharded = sdm.shard_full_tensor(full, like)
+        wide = sdm.shard_full_tensor(full, like, dtype=torch.float32)
+        out["shard_full_tensor"] = (sharded.dtype, wide.dtype, torch.equal(wide.to_local(), mine))
+    out["no communication"] = comm.get_total_counts()
+    other = distribute_tensor(full, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        regathered = sdm.relayout_like(other, like)
+    out["other layout"] = (regathered.dtype, regathered.placements == like.placements,
+                           torch.equal(regathered.to_local(), mine), comm.get_total_counts() > 0)
+    try:
+        sdm.relayout_like(torch.zeros(5, 4), like)
+    except IncompatibleStateDict as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def test_relayout_like_keeps_cuts_or_gathers_and_communicates_only_for_another_layout():
+    for out in run_on_ranks(2, _relayout_cases):
+        assert out["same is value"] and out["plain like"] and out["plain view"]
+        assert out["same cast"] == (torch.float64, True, True)
+        assert out["plain cut"] == (torch.float32, True, True, True)  # the value's dtype, its own memory
+        assert out["shard_full_tensor"] == (torch.bfloat16, torch.float32, True)
+        assert out["no communication"] == 0
+        assert out["other layout"] == (torch.float32, True, True, True)
+        assert "(5, 4)" in out["mismatch"] and "(6, 4)" in out["mismatch"]

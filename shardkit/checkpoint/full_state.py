@@ -7,7 +7,7 @@ conversions here never gather the whole model at once: each tensor is gathered
 value (and, with ``broadcast_from_rank0``, broadcast first) one at a time.
 
 Per tensor: :func:`full_to_local`, :func:`shard_full_tensor`,
-:func:`gather_full_tensor`.  Per tree (nested dicts/lists, e.g. an optimizer
+:func:`relayout_like`, :func:`gather_full_tensor`.  Per tree (nested dicts/lists, e.g. an optimizer
 state): :func:`gather_full_state`, :func:`shard_state`.  For a model and
 optimizer: :func:`get_full_state_dict`, :func:`set_full_state_dict`.
 """
@@ -24,8 +24,8 @@ from shardkit.checkpoint.flatten import restore_like
 from shardkit.checkpoint.layout import is_dtensor, local_box, local_tensor
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["full_to_local", "shard_full_tensor", "gather_full_tensor", "gather_full_state", "shard_state",
-           "get_full_state_dict", "set_full_state_dict"]
+__all__ = ["full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor", "gather_full_state",
+           "shard_state", "get_full_state_dict", "set_full_state_dict"]
 
 
 def full_to_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -38,13 +38,62 @@ def full_to_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return full[tuple(slice(o, o + s) for o, s in zip(*box))]
 
 
-def shard_full_tensor(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A new DTensor with ``like``'s mesh and placements holding ``full``'s values (no communication)."""
+def shard_full_tensor(full: torch.Tensor, like: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new DTensor with ``like``'s mesh and placements holding ``full``'s values (no communication).
+
+    The result's dtype is ``dtype``, by default ``like``'s: ``dtype`` lets a
+    caller cut e.g. an fp32 optimizer moment like a bf16 parameter without
+    allocating a template in the moment's dtype.  A plain ``like`` gives a copy
+    of ``full`` (in ``dtype`` when given).  The result never shares memory with
+    ``full``.
+    """
     if not is_dtensor(like):
-        return full.detach().clone()
+        return full.detach().to(dtype or full.dtype, copy=True)
+    return _cut(full, like, dtype or like.dtype, copy=True)
+
+
+def relayout_like(value: torch.Tensor, like: torch.Tensor, *, dtype: torch.dtype | None = None,
+                  copy: bool = True) -> torch.Tensor:
+    """``value`` laid out like ``like`` (mesh, placements, shape), in ``dtype`` (default: ``value``'s own).
+
+    The one "re-cut a value to a target's layout" step of the project (loading
+    state dicts, FSDP1 model and optimizer state): a DTensor already on
+    ``like``'s mesh and placements is returned as is (cast only if ``dtype``
+    differs); a DTensor laid out otherwise is gathered (``full_tensor()``, a
+    collective every rank of its mesh must reach) and cut; a plain tensor is
+    the full value and each rank keeps its slice (no communication).  For a
+    plain ``like`` the full value is returned (a DTensor ``value`` gathered).
+    The dtype is ``value``'s by default because state such as an fp32 Adam
+    moment must keep it even when its parameter is bf16.
+
+    ``copy=True`` (default) makes a cut result own its memory (it neither
+    aliases a plain ``value`` nor keeps a gathered full tensor alive);
+    ``copy=False`` may return a view into the full value, for callers that
+    copy it on at once.  Raises :class:`~shardkit.errors.IncompatibleStateDict`
+    when the shapes differ.
+    """
+    if tuple(value.shape) != tuple(like.shape):
+        raise IncompatibleStateDict(f"cannot lay out a value of shape {tuple(value.shape)} like a tensor of "
+                                    f"shape {tuple(like.shape)}")
+    dtype = dtype or value.dtype
+    if is_dtensor(value):
+        if is_dtensor(like) and value.device_mesh == like.device_mesh \
+                and tuple(value.placements) == tuple(like.placements):
+            return value if value.dtype == dtype else value.to(dtype)
+        value = value.full_tensor()
+    if not is_dtensor(like):
+        return value if value.dtype == dtype else value.to(dtype)
+    return _cut(value, like, dtype, copy=copy)
+
+
+def _cut(full: torch.Tensor, like: torch.Tensor, dtype: torch.dtype, *, copy: bool) -> torch.Tensor:
+    """A DTensor laid out like ``like`` whose local shard is this rank's slice of ``full`` in ``dtype``."""
     from torch.distributed.tensor import DTensor
 
-    local = full_to_local(full, like).to(device=local_tensor(like).device, dtype=like.dtype).contiguous().clone()
+    local = full_to_local(full.detach(), like).to(device=local_tensor(like).device, dtype=dtype)
+    if copy:
+        shares = local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        local = local.clone(memory_format=torch.contiguous_format) if shares else local.contiguous()
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
 

@@ -17,10 +17,10 @@ Only tensors and placements are looked at: models sharded by shardkit, by
 torch's ``fully_shard``, by ``distribute_tensor`` or not at all are handled alike.
 
 The full <-> sharded conversions live in ``full_state.py`` and are re-exported
-here (:func:`full_to_local`, :func:`shard_full_tensor`, :func:`gather_full_tensor`,
-:func:`shard_state`, :func:`gather_full_state`, :func:`get_full_state_dict`,
-:func:`set_full_state_dict`): plain functions, so the FSDP1 surface builds its
-optimizer-state statics on them.
+here (:func:`full_to_local`, :func:`shard_full_tensor`, :func:`relayout_like`,
+:func:`gather_full_tensor`, :func:`shard_state`, :func:`gather_full_state`,
+:func:`get_full_state_dict`, :func:`set_full_state_dict`): plain functions, so
+the FSDP1 surface builds its optimizer-state statics on them.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ import torch.nn as nn
 
 from shardkit.checkpoint.flatten import restore_like
 from shardkit.checkpoint.full_state import (full_to_local, gather_full_state, gather_full_tensor,  # noqa: F401
-                                            get_full_state_dict, set_full_state_dict, shard_full_tensor,
-                                            shard_state)
+                                            get_full_state_dict, relayout_like, set_full_state_dict,
+                                            shard_full_tensor, shard_state)
 from shardkit.checkpoint.layout import is_dtensor, local_tensor
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 
 __all__ = [
     "get_state_dict", "set_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "init_optimizer_state", "param_fqns",
-    "to_torch_optimizer_state", "full_to_local", "shard_full_tensor", "gather_full_tensor",
+    "to_torch_optimizer_state", "full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor",
     "gather_full_state", "shard_state", "get_full_state_dict", "set_full_state_dict",
 ]
 
@@ -93,24 +93,18 @@ def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _copy_into(target: torch.Tensor, value: Any, key: str) -> None:
-    """Copy ``value`` (DTensor, full tensor or the same tensor) into ``target`` in place.
+    """Copy ``value`` (DTensor of any layout, full tensor, or the target itself) into ``target`` in place.
 
-    A DTensor with the target's mesh and placements is copied shard to shard; a
-    DTensor laid out otherwise is gathered (collective) and cut; a plain tensor
-    is taken as the full value.  Copying a tensor onto itself is skipped.
+    :func:`relayout_like` brings ``value`` to the target's layout (a DTensor
+    laid out otherwise is gathered: collective); copying a tensor onto itself
+    is skipped, so loading a state dict that holds the live tensors is free.
     """
     if not isinstance(value, torch.Tensor):
         raise IncompatibleStateDict(f"{key!r}: expected a tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(target.shape):
         raise IncompatibleStateDict(f"{key!r}: shape {tuple(value.shape)} does not match {tuple(target.shape)}")
+    src = local_tensor(relayout_like(value, target, copy=False))
     dst = local_tensor(target)
-    if is_dtensor(value) and is_dtensor(target) and value.device_mesh == target.device_mesh \
-            and tuple(value.placements) == tuple(target.placements):
-        src = local_tensor(value)
-    elif is_dtensor(value):
-        src = full_to_local(value.full_tensor(), target)
-    else:
-        src = full_to_local(value, target)
     if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride():
         return
     with torch.no_grad():
@@ -223,7 +217,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             if isinstance(current.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
                 _copy_into(current[k], v, f"optim.state.{fqn}.{k}")
             elif isinstance(v, torch.Tensor) and is_dtensor(p) and tuple(v.shape) == tuple(p.shape):
-                current[k] = shard_full_tensor(v, p)
+                current[k] = relayout_like(v, p)  # keeps the state's dtype (fp32 moments of bf16 params)
             else:
                 current[k] = v
     groups = osd.get("param_groups")
