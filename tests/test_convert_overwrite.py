@@ -49,7 +49,7 @@ def test_a_dtype_the_target_cannot_hold_is_refused_before_dst_is_touched(tmp_pat
     out = tmp_path / "out"
     reshard(str(write_torch_state(tmp_path / "ok.pt", {"model.w": flat["model.w"]}, [])), str(out), world_size=1)
     before = (out / "manifest.json").read_bytes()
-    for to in ("hf", "shardkit", "dcp"):
+    for to in ("hf", "shardkit"):  # safetensors has no complex dtype (DCP and torch.save do)
         result = run_cli("-q", "convert", str(src), str(out), "--to", to, "--overwrite")
         assert result.exit_code == 1 and "model.z" in result.stderr, (to, result.stderr)
         assert (out / "manifest.json").read_bytes() == before

@@ -73,3 +73,21 @@ def test_rerun_of_the_same_source_spelled_relative_resumes(tmp_path, monkeypatch
     result = reshard("./src.pt", "dst", world_size=2)
     assert result.skipped_bytes == sum(t.numel() * t.element_size() for t in flat.values())
     assert diff(str(src), str(dst)).equal
+
+
+def test_a_journaled_file_damaged_before_the_rerun_is_written_again(tmp_path, monkeypatch):
+    flat = {f"model.w{i}": torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    src = write_torch_state(tmp_path / "src.pt", flat, [])
+    dst = tmp_path / "dst"
+    with monkeypatch.context() as m:
+        _interrupt_before_commit(m)
+        with pytest.raises(_Interrupted):
+            reshard(str(src), str(dst), world_size=2)
+    victim = sorted((dst / "data").iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # same size, one checksum block wrong
+    victim.write_bytes(bytes(data))
+    result = reshard(str(src), str(dst), world_size=2)
+    total = sum(t.numel() * t.element_size() for t in flat.values())
+    assert 0 < result.skipped_bytes < total  # the intact file was kept, the damaged one rewritten
+    assert verify(str(dst)).ok and diff(str(src), str(dst)).equal

@@ -24,6 +24,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.codec import dtype_to_code
+from shardkit.checkpoint.formats import format_module
 
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
@@ -113,16 +114,14 @@ def remove_stale(storage: Storage, old: set[str], written: Sequence[str]) -> Non
 
 
 def _check_output(to: str, sel: Selection) -> None:
-    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name)."""
-    if to == "hf":
-        from shardkit.checkpoint.formats.hf import check_tensors
+    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name).
 
-        check_tensors(sel.triples)
-    elif to == "torch":
-        from shardkit.checkpoint.formats.torchsave import check_tensors
-
-        check_tensors(sel.triples)
-    else:  # native and DCP payloads: safetensors dtype codes
+    The writers check again, but by then ``--overwrite`` has removed the old
+    checkpoint's commit marker.
+    """
+    if to != "shardkit":
+        format_module(to).check_tensors(sel.triples)
+    else:  # native data files are safetensors: their dtype codes
         for t in sel.tensors:
             try:
                 dtype_to_code(t.dtype)
@@ -230,10 +229,7 @@ def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget
     elif to == "dcp":
         from shardkit.checkpoint.formats.dcp import write_dcp
 
-        from shardkit.checkpoint.formats.dcp import METADATA_NAME
-
-        write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
-        files = ["__0_0.distcp", METADATA_NAME]  # write_dcp's one payload file and its commit marker
+        files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
     else:
         from shardkit.checkpoint.formats.torchsave import write_torch_save
 

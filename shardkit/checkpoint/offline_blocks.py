@@ -23,13 +23,8 @@ from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.storage import Storage
 from shardkit.errors import StorageError
 
-__all__ = ["rows_per_block", "iter_row_blocks", "nbytes_of", "object_path", "split_file", "is_dir",
+__all__ = ["rows_per_block", "iter_row_blocks", "object_path", "split_file", "is_dir",
            "row_range", "copy_rows_into"]
-
-
-def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes of a contiguous tensor of ``dtype`` and ``shape``."""
-    return math.prod(shape) * itemsize(dtype)
 
 
 def rows_per_block(dtype: torch.dtype, shape: tuple[int, ...], budget: int) -> int:

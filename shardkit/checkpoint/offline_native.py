@@ -39,10 +39,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shardkit.checkpoint.codec import crc32c, itemsize, parse_compression
+from shardkit.checkpoint.codec import itemsize, parse_compression
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
-from shardkit.checkpoint.formats.native import (DATA_DIR, DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile,
-                                                data_file_name, unreferenced_files)
+from shardkit.checkpoint.formats.native import (DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile,
+                                                check_chunk, data_file_name, unreferenced_files)
 from shardkit.checkpoint.layout import split_box
 from shardkit.checkpoint.offline_common import EXTRA_DIR, ConvertResult, copy_side_files
 from shardkit.checkpoint.offline_fetch import Fetcher
@@ -159,12 +159,8 @@ def _verified_record(storage: Storage, unit: FileUnit, source_id: str,
         wf = WrittenFile.from_json(entry["file"])
         if wf.name != unit.name or storage.size(unit.name) != wf.size:
             return None
-        for _, rec in (wf.chunks if check_data else ()):
-            for b, want in enumerate(rec.crc32c):
-                lo = rec.start + b * rec.block
-                hi = min(lo + rec.block, rec.start + rec.nbytes)
-                if hi > lo and crc32c(storage.read_bytes(unit.name, lo, hi)) != want:
-                    return None
+        if check_data and any(check_chunk(storage, rec) is not None for _, rec in wf.chunks):
+            return None
         return wf
     except (ShardkitError, ValueError, KeyError, TypeError, AttributeError):
         return None
