@@ -22,9 +22,9 @@ Loading goes the other way: a pre-hook turns every plain tensor aimed at a
 placements by slicing locally (every rank holds the full tensor in FSDP1's
 full-state-dict load, so no communication is needed).  ``DTensor`` values,
 e.g. from ``torch.distributed.checkpoint``, pass through; one laid out for
-another mesh is gathered and re-cut.  :func:`relayout_like` does that re-cut
-for model and optimizer state alike, on the checkpoint subsystem's
-``shard_full_tensor``.
+another mesh is gathered and re-cut.  That re-cut is the checkpoint
+subsystem's ``relayout_like``, the same one its own loads and the FSDP1
+optimizer-state functions use.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.checkpoint.state_dict import reading_live_tensors, shard_full_tensor
+from shardkit.checkpoint.state_dict import reading_live_tensors, relayout_like
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.fsdp1.api import (
@@ -55,7 +55,7 @@ from shardkit.fsdp1.api import (
 )
 
 __all__ = ["SETTINGS_ATTR", "DEFAULT_SETTINGS", "units_under", "set_state_dict_type", "get_state_dict_type",
-           "state_dict_type", "post_state_dict_hook", "pre_load_state_dict_hook", "layout_like", "relayout_like"]
+           "state_dict_type", "post_state_dict_hook", "pre_load_state_dict_hook"]
 
 SETTINGS_ATTR = "_fsdp1_state_dict_settings"
 DEFAULT_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
@@ -170,8 +170,9 @@ def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], pref
                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                              error_msgs: list[str]) -> None:
     """Registered on every unit: lay each tensor aimed at one of the unit's
-    ``DTensor`` parameters out like that parameter (:func:`relayout_like`), so
-    ``load_state_dict``'s in-place copy runs shard to shard.
+    ``DTensor`` parameters out like that parameter (the checkpoint
+    subsystem's ``relayout_like``), so ``load_state_dict``'s in-place copy
+    runs shard to shard.
 
     Values of the wrong shape are left alone for ``load_state_dict`` to report
     with their key.  A ``DTensor`` laid out for another mesh is gathered, so
@@ -184,40 +185,7 @@ def pre_load_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], pref
             continue
         if tuple(value.shape) != tuple(param.shape):
             continue  # load_state_dict reports the size mismatch with the key
-        state_dict[key] = relayout_like(value.detach(), param)
-
-
-# --------------------------------------------------------------------------
-# laying a value out like a sharded parameter
-
-
-def layout_like(param: DTensor, dtype: torch.dtype) -> DTensor:
-    """A ``DTensor`` with ``param``'s shape, mesh and placements in ``dtype``:
-    the template the checkpoint subsystem's ``shard_full_tensor`` /
-    ``shard_state`` cut full values to (``shard_state`` with
-    ``broadcast_from_rank0`` learns each tensor's dtype on the other ranks
-    from it alone).  Only its metadata is read, so it holds no memory:
-    ``param`` itself when the dtype matches, else one element expanded to the
-    local shard's shape."""
-    if param.dtype == dtype:
-        return param.detach()
-    local = param.to_local()
-    template = torch.empty((), dtype=dtype, device=local.device).expand(local.shape)
-    return DTensor.from_local(template, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
-def relayout_like(value: torch.Tensor, param: DTensor) -> DTensor:
-    """``value`` laid out like ``param`` (same mesh and placements), keeping
-    ``value``'s own dtype (an fp32 moment of a bf16 parameter stays fp32).
-
-    A ``DTensor`` already laid out so is returned as is; one laid out
-    otherwise is gathered with ``full_tensor()`` (a collective) and re-cut; a
-    plain tensor is the full value, and each rank keeps its slice (no
-    communication).
-    """
-    if isinstance(value, DTensor):
-        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
-            return value
-        value = value.full_tensor()
-    return shard_full_tensor(value, layout_like(param, value.dtype))
+        # A plain (full) value needs no copy of its slice: load_state_dict copies the view into the
+        # parameter.  A gathered DTensor is copied, so that the full tensors of the whole subtree are
+        # not all kept alive until then (this hook runs for a unit before any of its loads).
+        state_dict[key] = relayout_like(value.detach(), param, copy=isinstance(value, DTensor))

@@ -14,10 +14,11 @@ optimizer state dicts, while ``torch.optim`` names it by integer ID:
   and ``optim_state_dict_to_load`` return): ``optim.load_state_dict``'s
   ID-keyed form with each state tensor laid out like its parameter.
 
-Gathering, sharding and broadcasting are :mod:`shardkit.checkpoint.state_dict`'s
-(``get_optimizer_state_dict``, ``gather_full_state``, ``shard_state``,
-``shard_full_tensor``, ``to_torch_optimizer_state``); this module only maps
-FSDP1's signatures and key conventions onto them.
+Gathering, sharding, re-cutting and broadcasting are
+:mod:`shardkit.checkpoint.state_dict`'s (``get_optimizer_state_dict``,
+``gather_full_state``, ``shard_state``, ``relayout_like``,
+``to_torch_optimizer_state``); this module only maps FSDP1's signatures and
+key conventions onto them.
 """
 
 from __future__ import annotations
@@ -148,8 +149,25 @@ def _like_param(value: Any, param: nn.Parameter | None) -> Any:
     """A state tensor of its parameter's shape, laid out like the parameter
     (in the state's own dtype); anything else unchanged."""
     if isinstance(value, torch.Tensor) and isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
-        return model_state.relayout_like(value, param)
+        return sd.relayout_like(value, param)
     return value
+
+
+def _template(param: DTensor, dtype: torch.dtype) -> DTensor:
+    """A ``DTensor`` with ``param``'s shape, mesh and placements in ``dtype``,
+    holding no memory (one element expanded to the local shard's shape).
+
+    ``shard_state`` cuts each full value like its template and, with
+    ``broadcast_from_rank0``, allocates the other ranks' receive buffers in
+    the template's dtype: the template is how those ranks learn that an
+    optimizer moment of a bf16 parameter is fp32.  Only its metadata is read.
+    """
+    if param.dtype == dtype:
+        return param.detach()
+    local = param.to_local()
+    empty = torch.empty((), dtype=dtype, device=local.device).expand(local.shape)
+    return DTensor.from_local(empty, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def _check_group(group: Any, function: str) -> None:
@@ -223,7 +241,7 @@ def _shard_full(full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.
                 like[fqn][key] = spec["value"]
             elif isinstance(param, DTensor) and spec["shape"] == list(param.shape):
                 # sharded like the parameter, in the state's own dtype (fp32 moments of bf16 weights stay fp32)
-                like[fqn][key] = model_state.layout_like(param, getattr(torch, spec["dtype"]))
+                like[fqn][key] = _template(param, getattr(torch, spec["dtype"]))
             else:
                 like[fqn][key] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
     sharded = sd.shard_state({"state": named["state"]} if has_full else {}, {"state": like},
