@@ -31,23 +31,29 @@ def echo_json(obj: Any) -> None:
 
 
 def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:
-    """``KEY=VALUE`` pairs → fsspec storage options.
+    """``KEY=VALUE`` / ``KEY:=JSON`` pairs → fsspec storage options.
 
-    VALUE is parsed as JSON when it is valid JSON (numbers, true/false, objects)
-    and kept as a string otherwise; dotted keys nest, so
-    ``client_kwargs.endpoint_url=http://127.0.0.1:9000`` works.
+    ``KEY=VALUE`` keeps VALUE a string, always: a secret or a bucket name made
+    of digits must not turn into a number.  ``KEY:=JSON`` parses the value as
+    JSON for typed options (``anon:=true``, ``default_block_size:=8388608``).
+    Dotted keys nest, so ``client_kwargs.endpoint_url=http://127.0.0.1:9000`` works.
     """
     if not pairs:
         return None
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise click.BadParameter(f"{pair!r}: write KEY=VALUE", param_hint="--storage-option")
+            raise click.BadParameter(f"{pair!r}: write KEY=VALUE (a string) or KEY:=JSON (typed)",
+                                     param_hint="--storage-option")
         key, raw = pair.split("=", 1)
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
+        value: Any = raw
+        if key.endswith(":"):
+            key = key[:-1]
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                raise click.BadParameter(f"{pair!r}: the value after := must be JSON (true, 8388608, "
+                                         '"text", {...})', param_hint="--storage-option") from None
         node = out
         parts = key.split(".")
         for part in parts[:-1]:

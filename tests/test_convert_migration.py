@@ -3,6 +3,7 @@ killed midway resumes on rerun, finishes, and verify passes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,9 +22,9 @@ def _cli_options(flag: str, options: dict) -> list[str]:
     out = []
     for key, value in options.items():
         if isinstance(value, dict):
-            out += [item for k, v in value.items() for item in (flag, f"{key}.{k}={v}")]
+            out += [item for k, v in value.items() for item in (flag, f"{key}.{k}={v}")]  # string values
         else:
-            out += [flag, f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+            out += [flag, f"{key}={value}" if isinstance(value, str) else f"{key}:={json.dumps(value)}"]
     return out
 
 
@@ -54,7 +55,7 @@ def test_local_to_s3_to_local_with_a_reshard_on_the_way(local_ckpt, tmp_path, s3
     assert report.ok and report.bytes_checked > 15_900_000
     back = str(tmp_path / "back")
     result = run_cli("-q", "reshard", remote, back, "--world-size", "1", "--compression", "zstd",
-                     *_cli_options("--storage-option", options), "--dst-storage-option", "auto_mkdir=true")
+                     *_cli_options("--storage-option", options), "--dst-storage-option", "auto_mkdir:=true")
     assert result.exit_code == 0, result.stderr
     assert diff(local_ckpt, back).equal
     assert diff(local_ckpt, remote, b_storage_options=options).equal
