@@ -91,3 +91,4 @@ def test_a_journaled_file_damaged_before_the_rerun_is_written_again(tmp_path, mo
     total = sum(t.numel() * t.element_size() for t in flat.values())
     assert 0 < result.skipped_bytes < total  # the intact file was kept, the damaged one rewritten
     assert verify(str(dst)).ok and diff(str(src), str(dst)).equal
+

@@ -11,9 +11,9 @@ ever see output names and output dtypes.
 Memory is the box (plus its cast, when casting), so a writer that asks for
 boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
 
-With ``reuse=True`` each thread reads into one buffer it keeps (grown to the
-largest box), and the returned tensor is a view of it, valid until that
-thread's next fetch: on VMs that hand freed memory back to the host, fresh
+With ``reuse=True`` each thread reads into one buffer it keeps and casts into a
+second one (both grown to the largest box), and the returned tensor is a view
+of one of them, valid until that thread's next fetch: on VMs that hand freed memory back to the host, fresh
 allocations per chunk run at page-fault speed (see
 research/baseline-measurements.md), reused ones at memory speed.  Writers
 consume each box before asking for the next, so this is safe for them.
@@ -66,11 +66,19 @@ class Fetcher:
         with self._lock:
             self.bytes += buf.numel() * buf.element_size()
         want = self.dtype_for.get(name, entry.dtype)
-        return buf if want == entry.dtype else buf.to(want)
+        if want == entry.dtype:
+            return buf
+        if not self.reuse:
+            return buf.to(want)
+        out = self._buffer(want, tuple(shape), slot="cast")  # the cast reuses its own buffer too
+        out.copy_(buf)
+        return out
 
-    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: str = "read") -> torch.Tensor:
+        """A view of this thread's ``slot`` buffer, grown to the largest box seen (never shrunk)."""
         n = math.prod(shape) * itemsize(dtype)
-        pool = getattr(self._local, "pool", None)
+        pool = getattr(self._local, slot, None)
         if pool is None or pool.numel() < n:
-            pool = self._local.pool = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+            pool = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+            setattr(self._local, slot, pool)
         return pool[:n].view(dtype).view(shape)
