@@ -89,9 +89,10 @@ def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | No
     The one checksum loop of the native format (load's checking pass, offline
     verify and resume): chunk bytes ``[lo, hi)`` (default: the whole stored
     chunk; ``lo`` on a block boundary, ``hi`` on one or at the chunk's end) are
-    fetched with one ranged read per ``span`` bytes (default ``CHECK_SPAN``) -- never one request per
-    block, which on an object store would cost a round trip per 256 KiB --
-    and crc32c'd block by block, stopping at the first bad block.  Local files
+    fetched with one ranged read per ``span`` bytes (default ``CHECK_SPAN``)
+    -- never one request per block, which on an object store would cost a
+    round trip per 256 KiB -- and crc32c'd block by block, stopping at the
+    first bad block.  Local files
     are read in cache-sized steps instead, so each is checksummed while still
     in the CPU cache.  Memory: one span, in ``scratch`` (a flat uint8 tensor)
     or a buffer reused per thread.  ``keep=True`` reads the whole range in one
@@ -231,9 +232,10 @@ class NativeReader(CheckpointReader):
         here and thrown away: the block ranges of all requests are merged per
         chunk (each block read once), cut into spans of at most ``CHECK_SPAN``
         and checked by :func:`check_chunk` in parallel over the I/O threads --
-        crc32c only, no copy into any target.  Memory: one span per thread.  On a local
-        disk the pass leaves the bytes in the page cache, so the ``read`` that
-        follows costs a cached copy, not a second trip to the disk.  zstd
+        crc32c only, no copy into any target.  Memory: one read step per
+        thread.  On a local disk the pass leaves the bytes in the page cache,
+        so the ``read`` that follows costs a cached copy, not a second trip to
+        the disk.  zstd
         frames are read whole (a frame is at most a chunk) and also decoded
         into scratch, since a frame can only be checked by decoding it.
         """
@@ -250,12 +252,13 @@ class NativeReader(CheckpointReader):
                 items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
         items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
         self._prefetch([(rec.file, rec.start + lo, rec.start + hi) for _, rec, lo, hi in items])
+        local = self.storage.is_local
 
         def check(item: tuple[str, ChunkRecord, int, int]) -> None:
             fqn, rec, lo, hi = item
             where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
             frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
-            buf = self._scratch(0, hi - lo if frame else min(hi - lo, CHECK_SPAN))
+            buf = self._scratch(0, hi - lo if frame else min(hi - lo, _STEP_BYTES if local else CHECK_SPAN))
             bad = check_chunk(self.storage, rec, lo, hi, scratch=buf, keep=frame)
             if bad is not None:
                 raise ChecksumMismatch(f"{where}: checksum block {bad} does not match the manifest; the data file "
@@ -264,8 +267,7 @@ class NativeReader(CheckpointReader):
                 itemsize = torch.empty((), dtype=self._entries[fqn].dtype).element_size()
                 zstd_decompress_into(buf.numpy(), self._scratch(1, math.prod(rec.shape) * itemsize), where)
 
-        parallel_map(check, items, self.io_threads if self.storage.is_local else max(self.io_threads,
-                                                                                     REMOTE_IO_THREADS))
+        parallel_map(check, items, self.io_threads if local else max(self.io_threads, REMOTE_IO_THREADS))
 
     def _prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
         """Local files: ask the kernel to start reading the first ``_PREFETCH_BYTES`` of ``(file, a, b)`` ranges
