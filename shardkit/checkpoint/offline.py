@@ -11,10 +11,13 @@ writer pull boxes of rows it is about to write from a :class:`Fetcher`, which
 reads only the overlapping rows of the saved chunks.  Memory is bounded by
 ``max_memory`` — boxes are sized from it — not by the model.
 
-DST safety: a DST that already holds a checkpoint is refused unless
-``overwrite=True``; with it, the old commit marker is removed first, so a
-failure at any point leaves DST without a manifest/index/metadata and no
-reader will take it for a checkpoint.
+DST safety: a DST that is SRC, lies inside it or holds it is refused (writing
+would destroy what is being read).  A DST that already holds a checkpoint is
+refused unless ``overwrite=True``; with it, the old commit marker is removed
+first, so a failure at any point leaves DST without a manifest/index/metadata
+and no reader will take it for a checkpoint, and the old checkpoint's files the
+new one did not rewrite are deleted after the commit.  What the target format
+cannot hold (a dtype, a name) is refused before DST is touched.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.codec import dtype_to_code
 from shardkit.checkpoint.formats import format_module
-
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
@@ -33,8 +35,8 @@ from shardkit.checkpoint.offline_detect import (canonical_location, exists, norm
                                                 overlap, source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
-from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_native import parse_mesh, write_native
+from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_select import Selection, select
 from shardkit.checkpoint.offline_verify import VerifyReport, verify
 from shardkit.checkpoint.storage import Storage
@@ -158,19 +160,25 @@ def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> 
 
 
 def _block_bytes(max_memory: int, workers: int = 1) -> int:
-    # a box, the piece read into it, and a serialized copy per worker fit in the budget
+    """Rows per block for the sequential writers: a box, the piece read into it, and the writer's
+    serialized copy, per worker, fit in the budget."""
     return max(1 << 20, max_memory // (3 * max(1, workers)))
 
 
 def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | None = None,
             exclude: Sequence[str] | None = None, rename: Sequence[str] | None = None, model_only: bool = False,
             dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            compression: str | None = None,
-            overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+            compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
             src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
+
+    ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
+    :func:`reshard`), resumable and written by ``workers`` threads; ``hf``,
+    ``torch`` and ``dcp`` output is written sequentially and starts over when
+    rerun.  Options are checked, and unsupported tensors refused, before DST is
+    touched.
 
     Example::
 
