@@ -27,6 +27,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.codec import dtype_to_code
+from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.offline_blocks import is_dir, split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
@@ -159,10 +160,10 @@ def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> 
     return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
 
 
-def _block_bytes(max_memory: int, workers: int = 1) -> int:
-    """Rows per block for the sequential writers: a box, the piece read into it, and the writer's
-    serialized copy, per worker, fit in the budget."""
-    return max(1 << 20, max_memory // (3 * max(1, workers)))
+def _block_bytes(max_memory: int) -> int:
+    """Bytes per block for the sequential writers: a box, the piece read into it and the writer's
+    serialized copy fit in the budget next to the writer's O_DIRECT staging buffer."""
+    return max(1 << 20, (max_memory - DIRECT_BUFFER_BYTES) // 3)
 
 
 def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | None = None,

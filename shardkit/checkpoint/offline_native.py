@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardkit.checkpoint.codec import itemsize, parse_compression
+from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.native import (DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile,
                                                 check_chunk, data_file_name, unreferenced_files)
@@ -206,12 +207,15 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
 
 
 def chunk_cap_for(budget: int) -> int:
+    """Output chunk size: 1/16 of the budget, between 1 MiB and the format's default cap."""
     return max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // 16))
 
 
 def concurrency_for(budget: int, workers: int) -> int:
-    """Threads that may hold a chunk each (plus its read buffers) within the budget."""
-    return max(1, min(workers, budget // (3 * chunk_cap_for(budget))))
+    """Threads that may each hold a chunk, its read buffer and its cast, plus the writer's
+    per-thread O_DIRECT staging buffer, within the budget."""
+    per_thread = 3 * chunk_cap_for(budget) + DIRECT_BUFFER_BYTES
+    return max(1, min(workers, budget // per_thread))
 
 
 def _plan(sel: Selection, world_size: int, mesh: tuple[int, ...] | None, compression: str | None, budget: int,
