@@ -248,3 +248,32 @@ def test_check_chunk_finds_the_first_bad_block_with_one_ranged_read_per_span(mon
     with pytest.raises(ValueError, match="whole checksum blocks"):
         check_chunk(storage, rec, 100)
     fs.rm(url, recursive=True)
+
+
+def test_shard_range_follows_torch_chunk_and_needs_no_torch_distributed():
+    import subprocess
+    import sys
+
+    from shardkit.checkpoint.layout import shard_range
+
+    for n in range(12):
+        for k in range(1, 5):
+            pieces = torch.arange(n).chunk(k) if n else ()
+            for i in range(k):
+                lo, hi = shard_range(n, k, i)
+                assert list(range(lo, hi)) == (pieces[i].tolist() if i < len(pieces) else []), (n, k, i)
+    probe = ("import sys, torch; from shardkit.checkpoint.layout import is_dtensor, shard_range; "
+             "assert not is_dtensor(torch.zeros(1)) and shard_range(5, 2, 1) == (3, 5); "
+             "assert 'torch.distributed.tensor' not in sys.modules")
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_group_into_files_balances_by_bytes_or_fills_up_to_the_cap():
+    from types import SimpleNamespace
+
+    from shardkit.checkpoint.formats.native_write import group_into_files
+
+    items = [SimpleNamespace(nbytes=n) for n in (5, 5, 5, 5, 30, 1)]
+    assert [[c.nbytes for c in g] for g in group_into_files(items, 2, None)] == [[5, 5, 5, 5], [30, 1]]
+    assert [[c.nbytes for c in g] for g in group_into_files(items, 99, 10)] == [[5, 5], [5, 5], [30], [1]]
+    assert group_into_files([], 3, None) == []

@@ -187,3 +187,42 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_leaves_the_previous_ch
 
     listed = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())["files"]
     assert sorted(f"data/{n}" for n in os.listdir(tmp_path / "ckpt" / "data")) == sorted(listed)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_storage_probes_its_own_url_and_retries_only_transient_failures(tmp_path, where):
+    import fsspec
+
+    from shardkit.checkpoint.storage import Storage
+    from shardkit.errors import CheckpointNotFound, StorageError
+
+    url = str(tmp_path / "ck") if where == "local" else "memory://probe-dir"
+    fs = fsspec.filesystem("file" if where == "local" else "memory")
+    fs.makedirs(f"{url}/data", exist_ok=True)
+    fs.pipe(f"{url}/data/f.bin", b"x")
+    st = Storage(url)
+    assert st.exists() and st.is_dir() and st.exists("data/f.bin") and st.is_dir("data")
+    assert not st.is_dir("data/f.bin") and not st.is_dir("nope") and not st.exists("nope")
+    assert not Storage(f"{url}/missing").exists() and not Storage(f"{url}/missing").is_dir()
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("connection reset")
+        return 7
+
+    assert st.retry("probing", flaky) == 7 and len(calls) == 3
+
+    def denied():
+        raise PermissionError("403")
+
+    def missing():
+        raise FileNotFoundError("x")
+
+    with pytest.raises(StorageError, match="probing: permission denied"):
+        st.retry("probing", denied)
+    with pytest.raises(CheckpointNotFound, match="probing: not found"):
+        st.retry("probing", missing)
+    if where == "memory":
+        st.delete_tree()

@@ -45,6 +45,7 @@ from shardkit.checkpoint.formats.base import CheckpointReader, ReadRequest, Writ
 from shardkit.checkpoint.formats.native import (DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, NativeReader, NativeWriter,
                                                 WrittenFile, data_file_name, is_committed, new_token,
                                                 unreferenced_files)
+from shardkit.checkpoint.formats.native_write import group_into_files
 from shardkit.checkpoint.layout import is_primary_replica, local_box, local_tensor, mesh_description, split_box
 from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
 from shardkit.errors import (CheckpointError, CheckpointExists, CheckpointNotFound, ConfigurationError,
@@ -96,25 +97,8 @@ def plan_save(flat: Flat, rank: int, *, chunk_bytes: int, io_threads: int,
         local = local_tensor(tensor).detach()
         for sub in split_box(box, tensor.element_size(), chunk_bytes):
             chunks.append(WriteChunk(key, tensor.dtype, sub[0], sub[1], _chunk_view(local, box[0], sub)))
-    return SavePlan(_group_into_files(chunks, io_threads, chunk_bytes if compression else None),
+    return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
                     tensors, flat.values, mesh)
-
-
-def _group_into_files(chunks: list[WriteChunk], n_files: int, cap: int | None) -> list[list[WriteChunk]]:
-    """Consecutive runs of chunks, balanced by bytes over ``n_files`` files (or at most ``cap`` bytes each)."""
-    if not chunks:
-        return []
-    total = sum(c.nbytes for c in chunks)
-    target = cap if cap is not None else max(1, -(-total // max(1, n_files)))
-    groups: list[list[WriteChunk]] = [[]]
-    filled = 0
-    for c in chunks:
-        if groups[-1] and filled + c.nbytes > target and (cap is not None or len(groups) < n_files):
-            groups.append([])
-            filled = 0
-        groups[-1].append(c)
-        filled += c.nbytes
-    return groups
 
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,

@@ -21,6 +21,7 @@ sharding the same tensor dim nest left to right; ``Replicate()`` copies.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -29,7 +30,7 @@ import torch
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = [
-    "Box", "Chunk", "intersect", "box_numel", "box_contains", "shard_box", "local_box",
+    "Box", "Chunk", "intersect", "box_numel", "box_contains", "shard_range", "shard_box", "local_box",
     "local_tensor", "is_dtensor", "is_primary_replica", "mesh_description", "split_box", "check_cover",
 ]
 
@@ -73,11 +74,19 @@ def box_contains(outer: Box, inner: Box) -> bool:
 
 
 def is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(value, DTensor)
+    """Whether ``value`` is a DTensor -- without importing ``torch.distributed.tensor`` (~40 MB of RSS,
+    which the offline tools' memory budgets feel): no DTensor can exist before its module is imported."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    return api is not None and isinstance(value, api.DTensor)
+
+
+def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of a dim of ``size`` that piece ``index`` of ``parts`` holds under ``Shard``:
+    torch's rule, ``ceil(size / parts)`` rows each, later pieces short or empty.  Pure arithmetic,
+    so tools that write sharded layouts need not import ``torch.distributed``."""
+    per = -(-size // parts) if size else 0
+    lo = min(index * per, size)
+    return lo, min(lo + per, size)
 
 
 def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
@@ -93,11 +102,7 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
         if type(placement) is not Shard:  # _StridedShard, Partial, custom: not a plain box rule
             raise IncompatibleStateDict(f"placement {placement} is not supported by the box rule")
         d = placement.dim if placement.dim >= 0 else placement.dim + len(global_shape)
-        k, i = mesh_shape[mesh_dim], coord[mesh_dim]
-        size = shape[d]
-        per = -(-size // k) if size else 0
-        lo = min(i * per, size)
-        hi = min(lo + per, size)
+        lo, hi = shard_range(shape[d], mesh_shape[mesh_dim], coord[mesh_dim])
         offsets[d] += lo
         shape[d] = hi - lo
     return tuple(offsets), tuple(shape)

@@ -15,21 +15,25 @@ Two steps, kept apart so every format can use the first and the native format
    the chunk (every dim-0 reshard), otherwise one run per leading index, and
    :func:`block_spans` widens them to whole checksum blocks and merges them, so
    a reader fetches little more than it needs and can still verify it.
+
+:class:`ByteBudget` bounds the bytes those reads hold at once.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from shardkit.checkpoint.layout import Box, box_numel, intersect
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs", "block_spans", "is_contiguous_sub_box"]
+__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs", "block_spans", "is_contiguous_sub_box", "ByteBudget"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +145,28 @@ def block_spans(runs: np.ndarray, block_size: int, limit: int) -> np.ndarray:
 
 def needed_bytes(pieces: Sequence[Piece], itemsize: int) -> int:
     return sum(math.prod(p.box[1]) for p in pieces) * itemsize
+
+
+class ByteBudget:
+    """Blocks ``take(n)`` while more than ``limit`` bytes are taken (a single oversize take is allowed alone).
+
+    Parallel ranged reads from object stores keep many requests in flight for
+    throughput; this caps the bytes they hold at once, so memory stays bounded.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()

@@ -25,17 +25,15 @@ one place:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import random
 import re
 import shutil
-import threading
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -43,7 +41,7 @@ import torch
 from shardkit.errors import (CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError,
                              StorageError, UnsafeCheckpoint)
 
-__all__ = ["Storage", "ByteBudget", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
+__all__ = ["Storage", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -121,7 +119,12 @@ class Storage:
 
     # -- names ---------------------------------------------------------
     def path(self, name: str) -> str:
+        """The filesystem path of ``name`` (checked: see :func:`check_name`)."""
         return self.root + "/" + check_name(name)
+
+    def _path_or_root(self, name: str) -> str:
+        """``""`` is the checkpoint directory (or file) itself, for the calls that take it."""
+        return self.path(name) if name else self.root
 
     def where(self, name: str) -> str:
         return join_url(self.url, name)
@@ -135,7 +138,10 @@ class Storage:
         return other
 
     # -- retries -------------------------------------------------------
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+    def retry(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with the storage rules: transient failures retried with jittered backoff, then
+        :class:`~shardkit.errors.StorageError` naming ``what``; "not found" is
+        :class:`~shardkit.errors.CheckpointNotFound` at once, permissions and a full disk are not retried."""
         for attempt in range(_RETRIES + 1):
             try:
                 return fn()
@@ -156,6 +162,8 @@ class Storage:
             time.sleep(_BACKOFF_S * (2 ** attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")  # pragma: no cover
 
+    _retry = retry  # the name older callers use
+
     # -- metadata ------------------------------------------------------
     def _fresh(self, path: str) -> None:
         try:
@@ -163,12 +171,27 @@ class Storage:
         except Exception:  # noqa: BLE001 - not every filesystem caches
             pass
 
-    def exists(self, name: str) -> bool:
-        path = self.path(name)
+    def exists(self, name: str = "") -> bool:
+        """Whether ``name`` (default: this URL itself) exists."""
+        return self._probe(name, os.path.exists, "exists")
+
+    def is_dir(self, name: str = "") -> bool:
+        """Whether ``name`` (default: this URL itself) is a directory; ``False`` when missing."""
+        return self._probe(name, os.path.isdir, "isdir")
+
+    def _probe(self, name: str, local: Callable[[str], bool], method: str) -> bool:
+        """Only "not found" means no: any other failure (a 403, a timeout) raises StorageError."""
+        path = self._path_or_root(name)
         if self.is_local:
-            return os.path.exists(path)
+            return local(path)
         self._fresh(path)
-        return self._retry(f"checking {self.where(name)}", lambda: bool(self.fs.exists(path)))
+
+        def probe() -> bool:
+            try:
+                return bool(getattr(self.fs, method)(path))
+            except FileNotFoundError:
+                return False
+        return self._retry(f"checking {self.where(name) if name else self.url}", probe)
 
     def size(self, name: str) -> int:
         path = self.path(name)
@@ -182,7 +205,7 @@ class Storage:
 
     def listdir(self, name: str = "") -> list[str]:
         """Entry names (not paths) directly under ``name``; empty when it does not exist."""
-        path = self.path(name) if name else self.root
+        path = self._path_or_root(name)
         if self.is_local:
             try:
                 return sorted(os.listdir(path))
@@ -352,7 +375,7 @@ class Storage:
         self._fresh(path)
 
     def makedirs(self, name: str = "") -> None:
-        path = self.path(name) if name else self.root
+        path = self._path_or_root(name)
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         elif not self.is_object_store:
@@ -361,7 +384,7 @@ class Storage:
     def sync_dir(self, name: str = "") -> None:
         """fsync a local directory so that new entries in it survive a power loss."""
         if self.is_local:
-            _fsync_dir(self.path(name) if name else self.root)
+            _fsync_dir(self._path_or_root(name))
 
     # -- deletes -------------------------------------------------------
     def delete(self, names: Iterable[str]) -> None:
@@ -387,7 +410,7 @@ class Storage:
 
     def delete_tree(self, name: str = "") -> None:
         """Remove a directory and everything under it (missing is fine)."""
-        path = self.path(name) if name else self.root
+        path = self._path_or_root(name)
         if self.is_local:
             shutil.rmtree(path, ignore_errors=True)
             return
@@ -399,31 +422,6 @@ class Storage:
                 pass
         self._retry(f"deleting {path}", rm)
         self._fresh(path)
-
-
-class ByteBudget:
-    """Blocks ``take(n)`` while more than ``limit`` bytes are taken (a single oversize take is allowed alone).
-
-    Parallel ranged reads from object stores keep many requests in flight for
-    throughput; this caps the bytes they hold at once, so memory stays bounded.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def take(self, n: int) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
-            self._used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._used -= n
-                self._cond.notify_all()
 
 
 def _fsync_dir(directory: str) -> None:

@@ -35,8 +35,8 @@ from shardkit.checkpoint.formats.native_write import (DATA_DIR, DEFAULT_BLOCK_BY
                                                       DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile, chunk_key,
                                                       data_file_name, new_token)
 from shardkit.checkpoint.manifest import MANIFEST_NAME, ChunkRecord, Manifest, parse_manifest
-from shardkit.checkpoint.plan import byte_runs
-from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, ByteBudget, Storage, parallel_map
+from shardkit.checkpoint.plan import ByteBudget, byte_runs
+from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
 from shardkit.errors import (ChecksumMismatch, CheckpointNotFound, CorruptCheckpoint, IncompatibleStateDict,
                              InvalidManifest)
 

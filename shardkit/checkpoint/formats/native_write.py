@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -23,12 +23,42 @@ from shardkit.checkpoint.manifest import (MANIFEST_NAME, ChunkRecord, FileRecord
 from shardkit.checkpoint.storage import Storage
 
 __all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
-           "data_file_name", "new_token", "chunk_key"]
+           "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
 DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
+
+
+class _HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=_HasNbytes)
+
+
+def group_into_files(chunks: Sequence[_Sized], n_files: int, cap: int | None) -> list[list[_Sized]]:
+    """Consecutive runs of ``chunks`` (anything with ``.nbytes``) for data files: balanced by bytes over
+    ``n_files`` files, or, with ``cap``, filled greedily up to ``cap`` bytes each (a bigger chunk alone).
+
+    Balanced files let a rank's I/O threads each stream one; capped files bound what a zstd writer
+    holds (one file's frames) and what an offline reshard keeps in flight.
+    """
+    if not chunks:
+        return []
+    total = sum(c.nbytes for c in chunks)
+    target = cap if cap is not None else max(1, -(-total // max(1, n_files)))
+    groups: list[list[_Sized]] = [[]]
+    filled = 0
+    for c in chunks:
+        if groups[-1] and filled + c.nbytes > target and (cap is not None or len(groups) < n_files):
+            groups.append([])
+            filled = 0
+        groups[-1].append(c)
+        filled += c.nbytes
+    return groups
 
 
 def new_token() -> str:
