@@ -254,3 +254,21 @@ def test_torch_output_into_a_directory_and_native_output_onto_a_file_are_refused
     _one_line_error(run_cli("-q", "reshard", str(out), str(existing), "--world-size", "2", "--overwrite"),
                     "is a file")
     assert existing.read_text() == "keep me"
+
+
+def test_a_storage_failure_is_reported_as_such_not_as_a_missing_or_unknown_checkpoint(monkeypatch):
+    from shardkit.checkpoint.offline_detect import detect
+    from shardkit.checkpoint.storage import Storage
+    from shardkit.errors import StorageError
+
+    storage = Storage("memory://engine-probe/ckpt")
+    storage.put_atomic("notes.txt", b"not a checkpoint")  # it exists: only the failing call may say otherwise
+
+    def forbidden(*args, **kwargs):
+        raise PermissionError("403 Forbidden")
+
+    for method in ("exists", "isdir"):
+        with monkeypatch.context() as m:
+            m.setattr(storage.fs, method, forbidden)
+            with pytest.raises(StorageError, match="permission denied"):
+                detect(storage)

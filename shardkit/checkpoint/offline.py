@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 from shardkit.checkpoint.codec import dtype_to_code
 from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
-from shardkit.checkpoint.offline_blocks import is_dir, split_file
+from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
 from shardkit.checkpoint.offline_detect import (canonical_location, exists, normalize_format, open_source,
@@ -53,7 +53,7 @@ def _existing_checkpoint(storage: Storage) -> str | None:
     """The URL of whatever makes ``storage`` a checkpoint (a commit marker, or the file itself)."""
     if not exists(storage):
         return None
-    if not is_dir(storage):
+    if not storage.is_dir():
         return storage.url
     for name in COMMIT_MARKERS:
         if storage.exists(name):
@@ -86,7 +86,7 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None,
     for a resumed run).
     """
     storage = Storage(dst, storage_options)
-    if exists(storage) and is_dir(storage) == (fmt == "torch"):
+    if exists(storage) and storage.is_dir() == (fmt == "torch"):
         kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
             ("a file", "a directory")
         raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
@@ -95,7 +95,7 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None,
     if found is not None:
         if not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({found}); pass --overwrite to replace it")
-        if is_dir(storage):
+        if storage.is_dir():
             old = _checkpoint_files(storage)
             storage.delete([n for n in COMMIT_MARKERS if n in old])
         else:

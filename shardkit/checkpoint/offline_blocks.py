@@ -21,7 +21,6 @@ import torch
 
 from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import StorageError
 
 __all__ = ["rows_per_block", "iter_row_blocks", "object_path", "split_file", "is_dir",
            "row_range", "copy_rows_into"]
@@ -67,22 +66,10 @@ def object_path(fqn: str) -> tuple[str | int, ...]:
 def is_dir(storage: Storage) -> bool:
     """Whether ``storage`` points at a directory (a folder checkpoint) rather than one file.
 
-    Only "not found" means no; any other failure (a 403, a timeout) is a
-    :class:`~shardkit.errors.StorageError`, so it is not reported as "not a
-    directory" or "unknown format".
+    :meth:`Storage.is_dir` itself (only "not found" means no); kept under this
+    name for the format modules that import it from here.
     """
-    if storage.is_local:
-        import os
-
-        return os.path.isdir(storage.root)
-    try:
-        return bool(storage.fs.isdir(storage.root))
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise StorageError(f"checking {storage.url} failed: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp) vary
-        raise StorageError(f"checking {storage.url} failed: {exc!r}") from exc
+    return storage.is_dir()
 
 
 def split_file(storage: Storage) -> tuple[Storage, str]:

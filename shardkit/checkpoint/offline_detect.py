@@ -23,9 +23,9 @@ from typing import Any, Mapping
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.formats import detect_format as engine_detect
 from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.offline_blocks import is_dir, split_file
+from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointNotFound, StorageError, UnsupportedFormat
+from shardkit.errors import CheckpointNotFound, UnsupportedFormat
 
 __all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists", "canonical_location",
            "overlap", "source_fingerprint"]
@@ -44,14 +44,8 @@ def normalize_format(name: str) -> str:
 
 
 def exists(storage: Storage) -> bool:
-    """Whether anything (file or directory) is at ``storage``'s own URL."""
-    if storage.is_local:
-        return os.path.exists(storage.root)
-    try:
-        storage.fs.invalidate_cache(storage.root)
-    except Exception:  # noqa: BLE001
-        pass
-    return bool(storage._retry(f"checking {storage.url}", lambda: storage.fs.exists(storage.root)))
+    """Whether anything (file or directory) is at ``storage``'s own URL (a 403 raises, not "no")."""
+    return storage.exists()
 
 
 def detect(storage: Storage) -> str:
@@ -62,7 +56,7 @@ def detect(storage: Storage) -> str:
         return engine_detect(storage)
     except CheckpointNotFound:
         pass
-    if is_dir(storage):
+    if storage.is_dir():
         names = storage.listdir()
         if "data" in names or any(n.endswith(".safetensors") or n.endswith(".distcp") for n in names):
             raise UnsupportedFormat(f"{storage.url}: holds data files but no manifest/index/metadata: an "
@@ -140,15 +134,10 @@ def _listing(storage: Storage) -> list[tuple[str, int, str]]:
         storage.fs.invalidate_cache(storage.root)
     except Exception:  # noqa: BLE001 - not every filesystem caches listings
         pass
-    try:
-        if is_dir(storage):
-            infos = storage.fs.ls(storage.root, detail=True)
-        else:
-            infos = [storage.fs.info(storage.root)]
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{storage.url}: no such file or directory") from None
-    except OSError as exc:
-        raise StorageError(f"listing {storage.url} failed: {exc}") from exc
+    if storage.is_dir():
+        infos = storage.retry(f"listing {storage.url}", lambda: storage.fs.ls(storage.root, detail=True))
+    else:
+        infos = [storage.retry(f"checking {storage.url}", lambda: storage.fs.info(storage.root))]
     return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), _stamp(i))
                   for i in infos if i.get("type", "file") == "file")
 

@@ -2,8 +2,8 @@
 
 The plan is pure arithmetic: every output tensor is split along dim 0 the way
 ``Shard(0)`` splits it over the shard dim of the target mesh (``ceil(n/S)``
-rows per rank, later ranks short or empty, the rule of
-:func:`shardkit.checkpoint.layout.shard_box`), each rank's box is cut into
+rows per rank, later ranks short or empty: :func:`~shardkit.checkpoint.layout.shard_range`,
+the rule of :func:`~shardkit.checkpoint.layout.shard_box`), each rank's box is cut into
 chunks of at most ``chunk_cap`` bytes (:func:`~shardkit.checkpoint.layout.split_box`),
 and each rank's chunks are packed into data files ("work units") of at most
 ``file_cap`` bytes.  Rank ``s`` of the replica-0 row writes file(s)
@@ -44,7 +44,8 @@ from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.native import (DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile,
                                                 check_chunk, data_file_name, unreferenced_files)
-from shardkit.checkpoint.layout import split_box
+from shardkit.checkpoint.formats.native_write import group_into_files
+from shardkit.checkpoint.layout import shard_range, split_box
 from shardkit.checkpoint.offline_common import EXTRA_DIR, ConvertResult, copy_side_files
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
@@ -84,46 +85,38 @@ class FileUnit:
     nbytes: int
 
 
-def _shard_rows(n: int, shards: int, s: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``n`` that rank ``s`` of ``shards`` holds under ``Shard(0)``.
+@dataclass(frozen=True)
+class _PlannedChunk:
+    """One output chunk of the plan: tensor name, box, and bytes (what file packing weighs)."""
 
-    The arithmetic of :func:`~shardkit.checkpoint.layout.shard_box` for one
-    dim, without its placement objects: importing ``torch.distributed.tensor``
-    costs ~42 MB of RSS, a sixth of the offline tools' memory budget.
-    """
-    per = -(-n // shards) if n else 0
-    lo = min(s * per, n)
-    return lo, min(lo + per, n)
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
 
 
 def plan_files(sel: Selection, shards: int, chunk_cap: int, file_cap: int, salt: str) -> list[FileUnit]:
     """Work units for ``shards`` ranks; names carry a token derived from the whole plan."""
-    per_rank: list[list[tuple[str, tuple[int, ...], tuple[int, ...], int]]] = [[] for _ in range(shards)]
+    per_rank: list[list[_PlannedChunk]] = [[] for _ in range(shards)]
     for t in sel.tensors:
         size = itemsize(t.dtype)
         if not t.shape:
-            per_rank[0].append((t.name, (), (), size))
+            per_rank[0].append(_PlannedChunk(t.name, (), (), size))
             continue
         for s in range(shards):
-            lo, hi = _shard_rows(t.shape[0], shards, s)
+            lo, hi = shard_range(t.shape[0], shards, s)
             if hi == lo and not (s == 0 and t.shape[0] == 0):
                 continue
             box = ((lo,) + (0,) * (len(t.shape) - 1), (hi - lo,) + tuple(t.shape[1:]))
             for offsets, shape in split_box(box, size, chunk_cap):
-                per_rank[s].append((t.name, tuple(offsets), tuple(shape), math.prod(shape) * size))
-    digest = hashlib.sha256(json.dumps([salt, per_rank, file_cap]).encode()).hexdigest()[:10]
+                per_rank[s].append(_PlannedChunk(t.name, tuple(offsets), tuple(shape), math.prod(shape) * size))
+    plan = [[[c.name, c.offsets, c.shape, c.nbytes] for c in chunks] for chunks in per_rank]
+    digest = hashlib.sha256(json.dumps([salt, plan, file_cap]).encode()).hexdigest()[:10]
     units: list[FileUnit] = []
     for s, chunks in enumerate(per_rank):
-        part: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        nbytes = part_no = 0
-        for name, offsets, shape, n in chunks:
-            if part and nbytes + n > file_cap:
-                units.append(FileUnit(data_file_name(digest, s, part_no), s, tuple(part), nbytes))
-                part, nbytes, part_no = [], 0, part_no + 1
-            part.append((name, offsets, shape))
-            nbytes += n
-        if part:
-            units.append(FileUnit(data_file_name(digest, s, part_no), s, tuple(part), nbytes))
+        for part, group in enumerate(group_into_files(chunks, 1, file_cap)):
+            units.append(FileUnit(data_file_name(digest, s, part), s,
+                                  tuple((c.name, c.offsets, c.shape) for c in group), sum(c.nbytes for c in group)))
     return units
 
 
