@@ -148,3 +148,9 @@ def test_hf_shards_are_greedy_in_key_order_under_the_cap(tiny_llama, tmp_path):
     assert placed == sorted(placed)  # greedy in key order: shard numbers never go back
     payload = [s - 8 - int.from_bytes((out / f).read_bytes()[:8], "little") for f, s in zip(files, sizes)]
     assert all(p <= 50_000 for p in payload)
+    with open_reader(str(root / "hf")) as reader:
+        nbytes = {k[len("model."):]: e.nbytes for k, e in reader.tensors().items()}
+    keys = [k[len("model."):] for k in order]
+    for shard in range(1, len(files)):  # greedy: each full shard could not take the next tensor
+        first_of_next = next(k for k in keys if index["weight_map"][k] == files[shard])
+        assert payload[shard - 1] + nbytes[first_of_next] > 50_000, files[shard - 1]
