@@ -22,7 +22,7 @@ import torch
 from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.storage import Storage
 
-__all__ = ["rows_per_block", "iter_row_blocks", "object_path", "split_file", "is_dir",
+__all__ = ["rows_per_block", "iter_row_blocks", "object_path", "split_file",
            "row_range", "copy_rows_into"]
 
 
@@ -61,15 +61,6 @@ def object_path(fqn: str) -> tuple[str | int, ...]:
     if len(parts) > 1 and parts[0] == "optim":
         return ("optim", ".".join(parts[1:]))
     return (fqn,)
-
-
-def is_dir(storage: Storage) -> bool:
-    """Whether ``storage`` points at a directory (a folder checkpoint) rather than one file.
-
-    :meth:`Storage.is_dir` itself (only "not found" means no); kept under this
-    name for the format modules that import it from here.
-    """
-    return storage.is_dir()
 
 
 def split_file(storage: Storage) -> tuple[Storage, str]:

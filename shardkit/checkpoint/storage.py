@@ -162,7 +162,6 @@ class Storage:
             time.sleep(_BACKOFF_S * (2 ** attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")  # pragma: no cover
 
-    _retry = retry  # the name older callers use
 
     # -- metadata ------------------------------------------------------
     def _fresh(self, path: str) -> None:
@@ -191,7 +190,7 @@ class Storage:
                 return bool(getattr(self.fs, method)(path))
             except FileNotFoundError:
                 return False
-        return self._retry(f"checking {self.where(name) if name else self.url}", probe)
+        return self.retry(f"checking {self.where(name) if name else self.url}", probe)
 
     def size(self, name: str) -> int:
         path = self.path(name)
@@ -201,7 +200,7 @@ class Storage:
             except FileNotFoundError:
                 raise CheckpointNotFound(f"{self.where(name)} is missing; the checkpoint is incomplete") from None
         self._fresh(path)
-        return int(self._retry(f"size of {self.where(name)}", lambda: self.fs.size(path)))
+        return int(self.retry(f"size of {self.where(name)}", lambda: self.fs.size(path)))
 
     def listdir(self, name: str = "") -> list[str]:
         """Entry names (not paths) directly under ``name``; empty when it does not exist."""
@@ -219,7 +218,7 @@ class Storage:
             except FileNotFoundError:
                 return []
 
-        return sorted(set(self._retry(f"listing {self.where(name) if name else self.url}", ls)))
+        return sorted(set(self.retry(f"listing {self.where(name) if name else self.url}", ls)))
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -231,8 +230,8 @@ class Storage:
                     if start:
                         f.seek(start)
                     return f.read() if end is None else f.read(end - (start or 0))
-            return self._retry(what, local)
-        return self._retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
+            return self.retry(what, local)
+        return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Fill the flat uint8 tensor ``out`` with bytes ``[start, start + len(out))`` of ``name``."""
@@ -295,9 +294,9 @@ class Storage:
                                 got = 0
                 finally:
                     os.close(fd)
-            self._retry(what, local)
+            self.retry(what, local)
             return
-        data = self._retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
+        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
         if len(data) != n:
             raise CorruptCheckpoint(truncated)
         flat = np.frombuffer(data, dtype=np.uint8)
@@ -343,12 +342,12 @@ class Storage:
                     if fsync:
                         os.fsync(f.fileno())
                 return result
-            return self._retry(what, local)
+            return self.retry(what, local)
 
         def remote() -> T:
             with self.fs.open(path, "wb") as f:
                 return produce(f)
-        return self._retry(what, remote)
+        return self.retry(what, remote)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         """Publish ``data`` under ``name`` in one atomic step (the commit of a checkpoint)."""
@@ -369,9 +368,9 @@ class Storage:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
                 _fsync_dir(directory)
-            self._retry(what, local)
+            self.retry(what, local)
             return
-        self._retry(what, lambda: self.fs.pipe_file(path, data))
+        self.retry(what, lambda: self.fs.pipe_file(path, data))
         self._fresh(path)
 
     def makedirs(self, name: str = "") -> None:
@@ -379,7 +378,7 @@ class Storage:
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         elif not self.is_object_store:
-            self._retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
+            self.retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
 
     def sync_dir(self, name: str = "") -> None:
         """fsync a local directory so that new entries in it survive a power loss."""
@@ -404,7 +403,7 @@ class Storage:
                 self.fs.rm(paths)
             except FileNotFoundError:
                 pass
-        self._retry(f"deleting {len(paths)} files under {self.url}", rm)
+        self.retry(f"deleting {len(paths)} files under {self.url}", rm)
         for p in paths:
             self._fresh(p)
 
@@ -420,7 +419,7 @@ class Storage:
                 self.fs.rm(path, recursive=True)
             except FileNotFoundError:
                 pass
-        self._retry(f"deleting {path}", rm)
+        self.retry(f"deleting {path}", rm)
         self._fresh(path)
 
 

@@ -36,7 +36,7 @@ from shardkit.checkpoint.formats.dcp_metadata import (BytesStorageMetadata, Tens
                                                       encode_dcp_metadata, read_dcp_metadata)
 from shardkit.checkpoint.formats.dcp_payload import check_zip_records, locate_rows, payload_meta
 from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, value_path, write_archive)
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
 from shardkit.checkpoint.storage import Storage, check_name
 from shardkit.errors import ConfigurationError, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
@@ -48,7 +48,7 @@ _TRANSFORM_ZSTD = re.compile(r"^stream\.zstd/1$")
 
 
 def detect(storage: Storage) -> bool:
-    return is_dir(storage) and storage.exists(METADATA_NAME)
+    return storage.is_dir() and storage.exists(METADATA_NAME)
 
 
 def open_reader(storage: Storage) -> "DcpReader":

@@ -34,7 +34,7 @@ import torch
 from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_to_dtype, dtype_to_code, itemsize,
                                        parse_safetensors_header)
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, row_range, rows_per_block,
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, row_range, rows_per_block,
                                                 split_file)
 from shardkit.checkpoint.storage import Storage, check_name
 from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, UnsafeCheckpoint,
@@ -85,7 +85,7 @@ def side_file_problem(storage: Storage, name: str) -> str | None:
         check_name(name)
     except UnsafeCheckpoint:
         return f"{name}: not a plain file name (spaces, brackets or other characters); not carried"
-    if is_dir(storage.child(name)):
+    if storage.child(name).is_dir():
         return f"{name}: a directory; not carried"
     size = storage.size(name)
     if size > SIDE_FILE_CAP:
@@ -94,7 +94,7 @@ def side_file_problem(storage: Storage, name: str) -> str | None:
 
 
 def detect(storage: Storage) -> bool:
-    if is_dir(storage):
+    if storage.is_dir():
         return storage.exists(INDEX_NAME) or storage.exists(SINGLE_NAME)
     if not storage.url.endswith(".safetensors"):
         return False
@@ -118,7 +118,7 @@ class HfReader(CheckpointReader):
         meta: dict[str, Any] = {}
         self.side_files: list[str] = []           # config/tokenizer files that travel with the weights
         self.skipped_side_files: list[str] = []   # one line per file left behind, saying why
-        if is_dir(storage):
+        if storage.is_dir():
             self.folder = storage
             if storage.exists(INDEX_NAME):
                 try:

@@ -33,7 +33,7 @@ from shardkit.checkpoint.flatten import flatten, from_json_value
 from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
                                               contiguous_strides)
 from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, is_dir, iter_row_blocks, object_path, row_range,
+from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
 from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, ShardkitError, UnsafeCheckpoint,
@@ -56,7 +56,7 @@ _ARCHIVE = "archive"
 
 def detect(storage: Storage) -> bool:
     """A torch.save file is a zip archive (``PK\\x03\\x04``); directories never are."""
-    if is_dir(storage):
+    if storage.is_dir():
         return False
     try:
         parent, name = split_file(storage)
@@ -152,7 +152,7 @@ class TorchSaveReader(CheckpointReader):
         fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
         os.close(fd)
         tmp = self._tmp
-        parent._retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
+        parent.retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
         return tmp
 
     def tensors(self) -> Mapping[str, TensorEntry]:
