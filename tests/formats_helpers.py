@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.models import lm_loss, make_batch, sharded_transformer
 
 
 def flat_full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
@@ -40,17 +40,9 @@ def save_with_torch_fully_shard(path: str) -> tuple[dict[str, torch.Tensor], lis
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optim, args = sharded_transformer(fully_shard)
     tokens, targets = make_batch(args, 2, seed=1)
     lm_loss(model(tokens), targets).backward()
     optim.step()

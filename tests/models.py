@@ -120,3 +120,23 @@ class MLPStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
+
+
+def sharded_transformer(fully_shard, seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer, ModelArgs]:
+    """``Transformer`` seeded with ``seed``, each block and then the root sharded by ``fully_shard``
+    (shardkit's or torch's) on a 1-D mesh over the whole default group, with an AdamW optimizer.
+
+    On every rank of a live process group; the tests that save with one system and load with the
+    other build their models here so both sides start from the same layout.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(seed)
+    args = ModelArgs()
+    model = Transformer(args)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), args

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.models import ModelArgs, Transformer, lm_loss, make_batch, sharded_transformer
 
 
 def trained_state(args: ModelArgs = ModelArgs(), seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -63,20 +63,12 @@ def train_and_save_with_shardkit(path: str) -> dict[str, torch.Tensor] | None:
     steps, then ``shardkit.checkpoint.save`` with non-finite extra values; rank 0 returns the full
     flattened state (the reference every offline hop must reproduce bitwise)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import shardkit.checkpoint as skc
     from shardkit import fully_shard
     from shardkit.checkpoint.flatten import flatten
 
-    torch.manual_seed(0)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optim, args = sharded_transformer(fully_shard)
     for step in range(2):
         tokens, targets = make_batch(args, 2, seed=step)
         lm_loss(model(tokens), targets).backward()

@@ -23,7 +23,7 @@ from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
 from tests.dist import run_on_ranks
 from tests.formats_helpers import torch_fully_shard_dcp
-from tests.models import ModelArgs, Transformer
+from tests.models import ModelArgs, Transformer, sharded_transformer
 from tests.offline_cli import run_cli
 from tests.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
 
@@ -35,19 +35,11 @@ def _read_all(url: str) -> dict[str, torch.Tensor]:
 
 def _load_at_three_ranks(path: str):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import shardkit.checkpoint as skc
     from shardkit import fully_shard
 
-    torch.manual_seed(1)
-    args = ModelArgs()
-    model = Transformer(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optim, _ = sharded_transformer(fully_shard, seed=1)
     sd = skc.get_state_dict(model, optim)
     sd["extra"] = {k: 0.0 for k in EXTRA_VALUES}
     skc.load(sd, path)

@@ -154,6 +154,19 @@ def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
                                  f"{canonical_location(a)}); write to a separate location, then move it")
 
 
+def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
+                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None) -> tuple[Any, Any]:
+    """Open SRC once DST is known not to overlap it; DST's options default to SRC's.
+
+    The overlap check comes first so that nothing is read (or, later,
+    deleted) when DST would clobber SRC.
+    """
+    if dst_storage_options is None:
+        dst_storage_options = storage_options
+    check_distinct(src, dst, storage_options, dst_storage_options)
+    return open_source(src, storage_options, src_format), dst_storage_options
+
+
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
     """Where SRC is and what it holds: a resumed run keeps only data written from the same id."""
     storage = Storage(src, storage_options)
@@ -192,10 +205,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
     if to != "shardkit" and compression:
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-    if dst_storage_options is None:
-        dst_storage_options = storage_options
-    check_distinct(src, dst, storage_options, dst_storage_options)
-    source = open_source(src, storage_options, src_format)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype)
@@ -282,10 +292,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     if ws < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
     budget = parse_memory(max_memory)
-    if dst_storage_options is None:
-        dst_storage_options = storage_options
-    check_distinct(src, dst, storage_options, dst_storage_options)
-    source = open_source(src, storage_options, src_format)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
