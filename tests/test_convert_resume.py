@@ -61,14 +61,21 @@ def test_rerun_after_native_source_was_rewritten_writes_the_new_values(tmp_path,
     assert result.skipped_bytes == 0 and diff(src, dst).equal
 
 
-def test_rerun_of_the_same_source_spelled_relative_resumes(tmp_path, monkeypatch):
-    flat = {f"model.w{i}": torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+def _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors: int):
+    """A torch.save SRC of ``tensors`` tensors and a reshard of it to 2 ranks stopped just before its
+    commit: (flat state, SRC path, DST path)."""
+    flat = {f"model.w{i}": torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(tensors)}
     src = write_torch_state(tmp_path / "src.pt", flat, [])
     dst = tmp_path / "dst"
     with monkeypatch.context() as m:
         _interrupt_before_commit(m)
         with pytest.raises(_Interrupted):
             reshard(str(src), str(dst), world_size=2)
+    return flat, src, dst
+
+
+def test_rerun_of_the_same_source_spelled_relative_resumes(tmp_path, monkeypatch):
+    flat, src, dst = _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors=3)
     monkeypatch.chdir(tmp_path)
     result = reshard("./src.pt", "dst", world_size=2)
     assert result.skipped_bytes == sum(t.numel() * t.element_size() for t in flat.values())
@@ -76,13 +83,7 @@ def test_rerun_of_the_same_source_spelled_relative_resumes(tmp_path, monkeypatch
 
 
 def test_a_journaled_file_damaged_before_the_rerun_is_written_again(tmp_path, monkeypatch):
-    flat = {f"model.w{i}": torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)}
-    src = write_torch_state(tmp_path / "src.pt", flat, [])
-    dst = tmp_path / "dst"
-    with monkeypatch.context() as m:
-        _interrupt_before_commit(m)
-        with pytest.raises(_Interrupted):
-            reshard(str(src), str(dst), world_size=2)
+    flat, src, dst = _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors=4)
     victim = sorted((dst / "data").iterdir())[0]
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF  # same size, one checksum block wrong
