@@ -47,10 +47,12 @@ class Dist:
         backend = dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def all_gather_json(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (JSON-serialisable), in group-rank order."""
-        if not self.active:
-            return [obj]
+    def _padded_json(self, obj: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``obj`` as JSON bytes zero-padded to the longest of any rank's, and every rank's length.
+
+        Collective: gathers and gathers-to-one need equal-sized buffers, so the
+        lengths travel first.
+        """
         import torch.distributed as dist
 
         data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
@@ -58,13 +60,22 @@ class Dist:
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
         dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=dev)
         if data:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        return buf, sizes
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serialisable), in group-rank order."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        buf, sizes = self._padded_json(obj)
+        dev, longest = buf.device, buf.numel()
         bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)]
         dist.all_gather(bufs, buf, group=self.group)
-        return [json.loads(bytes(b[:int(s.item())].cpu().numpy()).decode("utf-8")) for b, s in zip(bufs, sizes)]
+        return [_decode(b, s) for b, s in zip(bufs, sizes)]
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of group rank ``src`` on every rank."""
@@ -90,22 +101,15 @@ class Dist:
             return [obj]
         import torch.distributed as dist
 
-        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-        dev = self._device()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        buf, sizes = self._padded_json(obj)
+        dev, longest = buf.device, buf.numel()
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
         dist.gather(buf, bufs, dst=dst_global, group=self.group)
         if bufs is None:
             return None
-        return [json.loads(bytes(b[:int(s.item())].cpu().numpy()).decode("utf-8")) for b, s in zip(bufs, sizes)]
+        return [_decode(b, s) for b, s in zip(bufs, sizes)]
 
     def first_error(self, message: str | None) -> tuple[int, str] | None:
         """``(rank, message)`` of the lowest rank that reported an error, on every rank; else ``None``."""
@@ -137,3 +141,8 @@ class Dist:
 
 def current_dist(group: Any = None) -> Dist:
     return Dist(group)
+
+
+def _decode(buf: torch.Tensor, size: torch.Tensor) -> Any:
+    """The JSON value in the first ``size`` bytes of a gathered buffer."""
+    return json.loads(bytes(buf[:int(size.item())].cpu().numpy()).decode("utf-8"))
