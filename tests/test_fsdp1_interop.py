@@ -63,6 +63,18 @@ def _full(model, optim=None):
     return params, {fqn: {k: v.clone() for k, v in s.items()} for fqn, s in osd["state"].items()}
 
 
+def _sharded_loaded_by_shardkit(url: str):
+    """A fresh model and optimizer filled from ``url`` by shardkit's loader through FSDP1's
+    SHARDED_STATE_DICT surface (format detected: DCP or shardkit's own)."""
+    model, optim = _fresh()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+    skc.load(state, url)
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    return model, optim
+
+
 def _shardkit_reads(root):
     out = {}
     # 1. the sharded DCP checkpoint, directly with torch.distributed.checkpoint (FSDP1's own recipe)
@@ -82,12 +94,7 @@ def _shardkit_reads(root):
     out["torch_save"] = _full(model, optim)
 
     # 3. the same two, directly with shardkit's loader (format detected), in place
-    model, optim = _fresh()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
-    skc.load(state, os.path.join(root, "sharded"))
-    model.load_state_dict(state["model"])
-    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    model, optim = _sharded_loaded_by_shardkit(os.path.join(root, "sharded"))
     out["skc_dcp"] = _full(model, optim)
 
     model, _ = _fresh()
@@ -95,12 +102,7 @@ def _shardkit_reads(root):
     out["skc_torch_save"] = _full(model)
 
     # 4. both converted to shardkit's format by `shardkit convert` (in the test process), then loaded
-    model, optim = _fresh()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
-    skc.load(state, os.path.join(root, "native-from-dcp"))
-    model.load_state_dict(state["model"])
-    optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    model, optim = _sharded_loaded_by_shardkit(os.path.join(root, "native-from-dcp"))
     out["converted_dcp"] = _full(model, optim)
 
     model, _ = _fresh()

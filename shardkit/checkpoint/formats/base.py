@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.codec import itemsize
 from shardkit.checkpoint.layout import Box, box_contains
 from shardkit.checkpoint.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
@@ -79,7 +80,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * itemsize(self.dtype)
 
     @cached_property
     def index(self) -> ChunkIndex:
