@@ -71,7 +71,7 @@ def test_manager_ignores_uncommitted_steps_and_returns_none_when_empty(tmp_path)
     manager.save(1, model, extra={"note": "first"})
     partial = tmp_path / "run" / step_dir(2) / "data"
     partial.mkdir(parents=True)
-    (partial / "x-0-0.safetensors").write_bytes(b"partial upload")
+    (partial / "0123456789-0-0.safetensors").write_bytes(b"partial upload")
     assert manager.steps() == [1]
     assert manager.load_latest(build_model("plain", seed=6)) == (1, {"note": "first"})
     manager.save(3, model)  # a newer commit sweeps the older partial step

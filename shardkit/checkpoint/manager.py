@@ -9,18 +9,27 @@ listings sort).  The rules that make it crash-safe:
   what storage holds.
 * Retention (``keep_last``) runs only after a newer step has committed, deletes
   a step's manifest first (so it stops being a checkpoint at once) and its data
-  after, and never touches the newest committed step.  Uncommitted leftovers
-  older than the newest committed step are removed too.
+  after, and never touches the newest committed step.  Interrupted shardkit
+  saves older than the newest committed step are removed too.
+* The manager only ever deletes what it can prove it wrote
+  (:mod:`~shardkit.checkpoint.ownership`): a ``step-<N>`` that holds a torch DCP
+  or Hugging Face checkpoint, or any file shardkit did not write, is left alone
+  and named in a warning; inside a shardkit step only shardkit's files go.
 * ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
   the process group), so every rank loads the same one.  When the newest
   committed step turns out damaged (checksum, missing file) it falls back to
-  the next older one and says so.
+  the next older one and says so.  Finding nothing to resume is silent only on
+  a fresh root; foreign or interrupted steps, or a root that cannot be created,
+  are named in a warning, and ``required=True`` turns "nothing" into
+  :class:`~shardkit.errors.CheckpointNotFound`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
-import warnings
+import time
 from concurrent.futures import Future
 from typing import Any, Mapping
 
@@ -32,11 +41,14 @@ from shardkit.checkpoint.api import load, save
 from shardkit.checkpoint.comm import Dist
 from shardkit.checkpoint.flatten import to_json_value
 from shardkit.checkpoint.manifest import MANIFEST_NAME
+from shardkit.checkpoint.ownership import DirectorySurvey, remove_owned, survey
 from shardkit.checkpoint.state_dict import get_state_dict, set_state_dict
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import ConfigurationError, CorruptCheckpoint, ShardkitError
+from shardkit.errors import CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError
 
 __all__ = ["CheckpointManager", "step_dir"]
+
+log = logging.getLogger("shardkit.checkpoint.manager")
 
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 
@@ -69,6 +81,7 @@ class CheckpointManager:
         self.save_options = save_options
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        self._warned: set[str] = set()
 
     # -- listing ---------------------------------------------------------
     def url_of(self, step: int) -> str:
@@ -87,12 +100,18 @@ class CheckpointManager:
         return sorted(step for step, name in self._all_step_dirs().items()
                       if self.root.child(name).exists(MANIFEST_NAME))
 
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning(message)
+
     # -- saving ----------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              extra: Any = None) -> Future | None:
         """Save ``model`` (and ``optimizer``) as step ``step`` with JSON ``extra``; collective.
 
-        Returns the future of the background save with ``async_save=True``, else ``None``.
+        Returns, with ``async_save=True``, a future that completes once the
+        background save has committed *and* retention has run; else ``None``.
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
@@ -103,41 +122,69 @@ class CheckpointManager:
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
                     **self.save_options)
         if self.async_save:
-            future = _async_save(state, url, **opts)
-            self._pending, self._pending_step = future, step
-            future.add_done_callback(lambda f, s=step: self._after_commit(s, f))
-            return future
+            upload = _async_save(state, url, **opts)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
+            upload.add_done_callback(lambda f, s=step: self._after_commit(s, f, done))
+            self._pending, self._pending_step = done, step
+            return done
+        started = time.perf_counter()
         save(state, url, process_group=self.process_group, **opts)
+        log.info("step %d committed at %s in %.2f s", step, url, time.perf_counter() - started)
         self._retain(step)
         return None
 
     def wait(self) -> None:
-        """Wait for the background save in flight (re-raising its error)."""
+        """Wait for the background save in flight and the retention after it (re-raising a save's error)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            finally:
+                self._pending_step = None
 
-    def _after_commit(self, step: int, future: Future) -> None:
-        if future.exception() is None:
+    def _after_commit(self, step: int, upload: Future, done: Future) -> None:
+        """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""
+        error = upload.exception()
+        if error is None:
+            log.info("step %d committed at %s (background save)", step, self.url_of(step))
             try:
                 self._retain(step)
             except ShardkitError as exc:  # retention is housekeeping; never fail a good save over it
-                warnings.warn(f"checkpoint retention under {self.root_url} failed: {exc}", stacklevel=1)
+                log.warning("checkpoint retention under %s failed: %s", self.root_url, exc)
+            done.set_result(None)
+        else:
+            done.set_exception(error)
 
     def _retain(self, committed: int) -> None:
-        """After ``committed`` landed: drop steps beyond ``keep_last`` and older uncommitted leftovers."""
+        """After ``committed`` landed: drop steps beyond ``keep_last`` and older interrupted shardkit saves.
+
+        Only what :func:`~shardkit.checkpoint.ownership.survey` proves shardkit
+        wrote is deleted; foreign step directories are named in a warning.
+        """
         if Dist().rank != 0:
             return
         dirs = self._all_step_dirs()
         committed_steps = [s for s, name in sorted(dirs.items()) if self.root.child(name).exists(MANIFEST_NAME)]
         newest = max(committed_steps, default=committed)
-        doomed = [s for s in dirs if s < newest and s not in committed_steps and s != self._pending_step]
-        if self.keep_last is not None:
-            doomed += [s for s in committed_steps[:-self.keep_last] if s != newest]
-        for s in sorted(set(doomed)):
+        doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
+            else set()
+        for s in sorted(dirs):
+            if s in committed_steps or s >= newest or s == self._pending_step:
+                continue
+            found = survey(self.root.child(dirs[s]))
+            if found.interrupted_save:
+                doomed.add(s)
+            elif found.foreign:
+                self._warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
+                                f"wrote; move or delete it yourself")
+        for s in sorted(doomed):
             step_store = self.root.child(dirs[s])
-            step_store.delete([MANIFEST_NAME])  # stops being a checkpoint first
-            step_store.delete_tree()
+            found = survey(step_store)
+            remove_owned(step_store, found)
+            log.info("retention removed step %d at %s", s, step_store.url)
+            if found.foreign:
+                self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
 
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -151,22 +198,65 @@ class CheckpointManager:
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, strict: bool = True) -> tuple[int, Any] | None:
-        """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``."""
+                    *, strict: bool = True, required: bool = False) -> tuple[int, Any] | None:
+        """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``.
+
+        ``None`` means nothing to resume: silent on a fresh (empty or not yet
+        created) root, a logged warning naming what was found otherwise (foreign
+        checkpoints, interrupted saves, a root that cannot be created, only
+        damaged steps).  ``required=True`` raises
+        :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
+        """
         self.wait()
         dist = Dist(self.process_group)
         candidates = dist.broadcast_json(self.steps() if dist.rank == 0 else None)
         if not candidates:
-            return None
+            why = dist.broadcast_json(self._why_nothing() if dist.rank == 0 else None)
+            return self._nothing(why, required)
         state = get_state_dict(model, optimizer)
         for step in reversed(candidates):
             try:
                 meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
                             process_group=self.process_group)
             except CorruptCheckpoint as exc:
-                warnings.warn(f"step {step} under {self.root_url} is damaged ({exc}); trying an older step",
-                              stacklevel=2)
+                log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
                 continue
             set_state_dict(model, optimizer, state, strict=strict)
+            log.info("resumed from step %d at %s", step, self.url_of(step))
             return step, meta.get("extra")
+        return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged", required)
+
+    def _nothing(self, why: str | None, required: bool) -> None:
+        if required:
+            raise CheckpointNotFound(f"nothing to resume under {self.root_url}: "
+                                     f"{why or 'no committed step-<N> directory'}")
+        if why:
+            log.warning("nothing to resume under %s: %s; starting from scratch", self.root_url, why)
         return None
+
+    def _why_nothing(self) -> str | None:
+        """What the root holds instead of a committed step, or ``None`` for a fresh run's empty root."""
+        if not self.root.exists():
+            if self.root.is_local and not _creatable(self.root.root):
+                return "the root does not exist and cannot be created here (read-only or missing parent?)"
+            return None
+        dirs = self._all_step_dirs()
+        if not dirs:
+            others = [n for n in self.root.listdir() if not n.startswith(".")]
+            if not others:
+                return None
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            return f"no step-<N> directory; the root holds {shown}"
+        surveys: list[DirectorySurvey] = [survey(self.root.child(dirs[s])) for s in sorted(dirs)]
+        return "found " + "; ".join(found.describe() for found in surveys)
+
+
+def _creatable(path: str) -> bool:
+    """Whether a local directory could be created at ``path`` (its nearest existing ancestor is writable)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return False
+        parent = up
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
