@@ -234,8 +234,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
             click.echo(f"damaged: {' '.join(problem.split())}", err=True)
     if not report.ok:
         if not as_json:
-            click.echo(f"error: {src} is damaged ({len(report.problems)} problem(s)): "
-                       f"{' '.join(report.problems[0].split())}", err=True)
+            click.echo(f"error: {src} is damaged: {len(report.problems)} problem(s), listed above", err=True)
         return 1
     return 0
 
@@ -273,6 +272,8 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
     report = do_diff(a, b, atol=atol, rtol=rtol, storage_options=so,
                      b_storage_options=storage_options(b_opts) if b_opts else so, max_memory=max_memory,
                      only=only, exclude=exclude, progress=_progress(ctx))
+    if report.scope and not ctx.obj.quiet:
+        click.echo(f"note: comparing {report.scope}", err=True)
     if as_json:
         echo_json(report.to_json())
     else:

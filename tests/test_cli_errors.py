@@ -123,7 +123,12 @@ def test_truncated_data_file_is_named(tmp_path, native):
     assert not (tmp_path / "o.pt").exists()
 
 
-def test_failure_with_overwrite_leaves_dst_without_a_manifest(tmp_path, native):
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_a_failed_overwrite_leaves_the_old_checkpoint_whole_and_no_partial_files(tmp_path, native, workers):
     _, out = native
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
@@ -131,8 +136,32 @@ def test_failure_with_overwrite_leaves_dst_without_a_manifest(tmp_path, native):
     _damage(victim, victim.stat().st_size - 3)
     dst = tmp_path / "dst"
     shutil.copytree(out, dst)
-    _one_line_error(run_cli("-q", "reshard", str(bad), str(dst), "--world-size", "2", "--overwrite"))
-    assert not (dst / "manifest.json").exists()
+    before = _files(dst)
+    _one_line_error(run_cli("-q", "reshard", str(bad), str(dst), "--world-size", "2", "--overwrite",
+                            "--workers", workers))
+    after = _files(dst)
+    assert {n: after[n] for n in before} == before  # not one byte of the old checkpoint changed
+    leftovers = [n for n in after if n not in before]
+    assert all(n.startswith(".shardkit-resume/") or after[n] for n in leftovers), leftovers  # no empty files
+    assert all(f"{n}.json".replace("data/", ".shardkit-resume/") in after for n in leftovers if n.startswith("data/"))
+    assert run_cli("-q", "verify", str(dst)).exit_code == 0
+
+
+def test_a_failed_conversion_removes_the_files_it_wrote_and_nothing_else(tmp_path, native):
+    _, out = native
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    for name, tensor in manifest["tensors"].items():
+        for chunk in tensor["chunks"]:
+            if name.startswith("model.") and chunk["nbytes"]:  # fails mid-stream, once output files exist
+                _damage(bad / chunk["file"], chunk["start"] + chunk["nbytes"] // 2)
+    for to in ("hf", "dcp"):
+        dst = tmp_path / f"dst-{to}"
+        dst.mkdir()
+        (dst / "README.md").write_text("mine")
+        _one_line_error(run_cli("-q", "convert", str(bad), str(dst), "--to", to))
+        assert _files(dst) == {"README.md": b"mine"}, to
 
 
 def test_damaged_manifest_hf_header_and_torch_file_are_one_line_errors(tmp_path, native):

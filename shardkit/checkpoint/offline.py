@@ -13,17 +13,18 @@ reads only the overlapping rows of the saved chunks.  Memory is bounded by
 
 DST safety: a DST that is SRC, lies inside it or holds it is refused (writing
 would destroy what is being read).  A DST that already holds a checkpoint is
-refused unless ``overwrite=True``; with it, the old commit marker is removed
-first, so a failure at any point leaves DST without a manifest/index/metadata
-and no reader will take it for a checkpoint, and the old checkpoint's files the
-new one did not rewrite are deleted after the commit.  What the target format
-cannot hold (a dtype, a name) is refused before DST is touched.
+refused unless ``overwrite=True``; with it, the old checkpoint stays whole and
+loadable until the new one commits beside it, then its files are removed
+(:mod:`~shardkit.checkpoint.offline_replace`).  A failed run removes the files
+it created.  What the target format cannot hold (a dtype, a name) is refused
+before DST is touched.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import logging
 import math
+import time
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.codec import dtype_to_code
@@ -32,89 +33,22 @@ from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
-from shardkit.checkpoint.offline_detect import (canonical_location, exists, normalize_format, open_source,
+from shardkit.checkpoint.offline_detect import (canonical_location, normalize_format, open_source,
                                                 overlap, source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_native import parse_mesh, write_native
 from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline_replace import Destination, prepare_dst
 from shardkit.checkpoint.offline_select import Selection, select
 from shardkit.checkpoint.offline_verify import VerifyReport, verify
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointError, CheckpointExists, ConfigurationError, UnsupportedFormat
+from shardkit.errors import CheckpointError, ConfigurationError, UnsupportedFormat
 
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
            "DEFAULT_MAX_MEMORY", "parse_memory"]
 
-COMMIT_MARKERS = ("manifest.json", ".metadata", "model.safetensors.index.json", "model.safetensors")
-
-
-def _existing_checkpoint(storage: Storage) -> str | None:
-    """The URL of whatever makes ``storage`` a checkpoint (a commit marker, or the file itself)."""
-    if not exists(storage):
-        return None
-    if not storage.is_dir():
-        return storage.url
-    for name in COMMIT_MARKERS:
-        if storage.exists(name):
-            return storage.where(name)
-    return None
-
-
-_CHECKPOINT_FILES = ("*.safetensors", "*.distcp", ".metadata", "manifest.json", "model.safetensors.index.json")
-
-
-def _checkpoint_files(storage: Storage) -> set[str]:
-    """Names of the checkpoint files (data and markers, any format) directly in DST and in ``data/``."""
-    names = set()
-    for name in storage.listdir():
-        if name == "data":
-            names |= {f"data/{n}" for n in storage.listdir("data") if n.endswith(".safetensors")}
-        elif any(fnmatch.fnmatchcase(name, p) for p in _CHECKPOINT_FILES):
-            names.add(name)
-    return names
-
-
-def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None,
-                overwrite: bool) -> tuple[Storage, set[str]]:
-    """Refuse a DST holding a checkpoint (unless ``overwrite``); then remove its commit marker first,
-    so DST is no checkpoint at all until the new one commits.
-
-    Returns DST and the checkpoint files the replaced checkpoint left there;
-    :func:`remove_stale` deletes those the new checkpoint did not rewrite once
-    it has committed (before that they are harmless, and a failure keeps them
-    for a resumed run).
-    """
-    storage = Storage(dst, storage_options)
-    if exists(storage) and storage.is_dir() == (fmt == "torch"):
-        kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
-            ("a file", "a directory")
-        raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
-    found = _existing_checkpoint(storage)
-    old: set[str] = set()
-    if found is not None:
-        if not overwrite:
-            raise CheckpointExists(f"{dst}: already holds a checkpoint ({found}); pass --overwrite to replace it")
-        if storage.is_dir():
-            old = _checkpoint_files(storage)
-            storage.delete([n for n in COMMIT_MARKERS if n in old])
-        else:
-            parent, name = split_file(storage)
-            parent.delete([name])
-    if fmt != "torch":
-        storage.makedirs()
-    return storage, old
-
-
-def remove_stale(storage: Storage, old: set[str], written: Sequence[str]) -> None:
-    """After a commit: delete what the replaced checkpoint left in DST and the new one did not write
-    (e.g. ``model-00004-of-00004.safetensors`` when the new export has three shards)."""
-    stale = sorted(old - set(written))
-    if stale:
-        storage.delete(stale)
-        if any(n.startswith("data/") for n in stale) and not storage.listdir("data"):
-            storage.delete_tree("data")  # an empty local directory left by the old native layout
-
+log = logging.getLogger("shardkit.checkpoint.offline")
 
 def _check_output(to: str, sel: Selection) -> None:
     """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name).
@@ -211,22 +145,34 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
                      model_only=model_only or to == "hf", dtype=dtype)
         _check_output(to, sel)
         _notes(source, progress)
-        storage, old = prepare_dst(dst, to, dst_storage_options, overwrite)
+        started = time.perf_counter()
+        dest = prepare_dst(dst, to, dst_storage_options, overwrite)
         if to == "shardkit":
             mesh_t = parse_mesh(mesh) if mesh is not None else None
-            result = write_native(source, sel, storage, world_size=world_size or math.prod(mesh_t or (1,)),
+            result = write_native(source, sel, dest.storage, world_size=world_size or math.prod(mesh_t or (1,)),
                                   mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
-                                  compression=compression, budget=budget, workers=workers, progress=progress)
+                                  compression=compression, budget=budget, workers=workers, progress=progress,
+                                  replacing=dest.replacing, tool="convert")
         else:
-            files = _write_single(source, sel, storage, to, budget, shard_cap, progress)
+            try:
+                files = _write_single(source, sel, dest, to, budget, shard_cap, progress)
+            except BaseException:
+                dest.discard_created()
+                raise
             result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
-        remove_stale(storage, old, result.files)
+        dest.remove_stale(result.files)
+        _log_written("convert", src, result, started)
         return result
     finally:
         source.close()
 
 
-def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget: int, shard_cap: int,
+def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
+    log.info("%s %s -> %s (%s): %d tensors, %d bytes, %d files in %.2f s", tool, src, result.dst,
+             result.dst_format, result.tensors, result.bytes, len(result.files), time.perf_counter() - started)
+
+
+def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,
                   progress: Progress | None) -> list[str]:
     """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
 
@@ -234,6 +180,7 @@ def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget
     files are not per-rank and record no checksums a rerun could trust (only
     native output resumes and parallelises; see docs/cli.md).
     """
+    storage = dest.storage
     fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
     block = _block_bytes(budget)
     on_bytes = progress.update if progress else (lambda n: None)
@@ -299,24 +246,24 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
         _check_output("shardkit", sel)
         _notes(source, progress)
-        storage, old = Storage(dst, dst_storage_options), set()
+        started = time.perf_counter()
         if agree is None:
-            storage, old = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
-        else:  # process 0 checks DST and drops its old commit marker before anyone writes
+            dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        else:  # every process checks DST (the same answer: nothing is changed yet); process 0 alone cleans up
             try:
-                if rank == 0:
-                    storage, old = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+                dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
             except BaseException:
                 agree(False)
                 raise
             if not agree(True):
-                raise CheckpointError(f"{dst}: process 0 could not prepare DST; see its error")
-        result = write_native(source, sel, storage, world_size=ws, mesh=mesh_t, compression=compression,
+                raise CheckpointError(f"{dst}: a process could not prepare DST; see its error")
+        result = write_native(source, sel, dest.storage, world_size=ws, mesh=mesh_t, compression=compression,
                               source_id=source_id(src, storage_options, source.info.format),
                               budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
-                              agree=agree)
+                              agree=agree, replacing=dest.replacing, tool="reshard")
         if result is not None:
-            remove_stale(storage, old, result.files)
+            dest.remove_stale(result.files)
+            _log_written("reshard", src, result, started)
         return result
     finally:
         source.close()

@@ -8,6 +8,11 @@ tensor is within tolerance when ``|a - b| <= atol + rtol * |b|`` everywhere,
 as in ``torch.allclose``.  Non-tensor values are compared decoded
 (:func:`~shardkit.checkpoint.flatten.from_json_value`): a native ``{"$float": "inf"}``
 equals a torch.save ``inf``, and NaN equals NaN.
+
+A diff that compares nothing is no verdict: filters that keep no key are
+refused, as ``reshard``/``convert`` refuse them.  When one side holds only the
+model (an HF export) and the other a training checkpoint, and no filter was
+given, only ``model.*`` is compared and the report's ``scope`` says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from shardkit.checkpoint.offline_detect import open_source
 from shardkit.checkpoint.offline_fetch import Fetcher
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_blocks import iter_row_blocks, rows_per_block
+from shardkit.errors import ConfigurationError
 
 __all__ = ["DiffReport", "TensorDiff", "diff", "same_value"]
 
@@ -51,6 +57,7 @@ class DiffReport:
     rtol: float
     tensors: list[TensorDiff] = field(default_factory=list)
     values: list[str] = field(default_factory=list)   # names of non-tensor values that differ
+    scope: str = ""   # set when diff narrowed what it compares by itself (e.g. to the model part)
 
     @property
     def equal(self) -> bool:
@@ -60,7 +67,7 @@ class DiffReport:
     def to_json(self) -> dict[str, Any]:
         """The report as ``shardkit diff --json`` prints it."""
         return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
-                "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values}
+                "scope": self.scope, "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -76,20 +83,33 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
 
     ``only``/``exclude`` are key globs limiting what is compared (e.g. ``model.*``).
     """
+    if not (math.isfinite(atol) and atol >= 0) or not (math.isfinite(rtol) and rtol >= 0):
+        raise ConfigurationError(f"--atol/--rtol must be finite and non-negative, got atol={atol}, rtol={rtol}")
     budget = parse_memory(max_memory)
     sa = open_source(a, storage_options)
     sb = open_source(b, storage_options if b_storage_options is None else b_storage_options)
     report = DiffReport(a, b, atol, rtol)
     try:
         ea, eb = sa.tensors(), sb.tensors()
-        fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
-        if progress:
-            progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb) * 2)
+        va, vb = sa.values(), sb.values()
+        if not only and not exclude:
+            only, report.scope = _model_scope(a, b, ea, eb)
+
         def wanted(name: str) -> bool:
             return ((not only or any(fnmatch.fnmatchcase(name, g) for g in only))
                     and not (exclude and any(fnmatch.fnmatchcase(name, g) for g in exclude)))
 
-        for name in sorted(n for n in set(ea) | set(eb) if wanted(n)):
+        names = sorted(n for n in set(ea) | set(eb) if wanted(n))
+        value_names = sorted(k for k in set(va) | set(vb) if wanted(k))
+        if not names and not value_names:
+            raise ConfigurationError("the filters (--only/--exclude) keep no tensor or value of either checkpoint; "
+                                     "nothing to compare" if (only or exclude) else
+                                     f"{a} and {b} hold no tensor or value; nothing to compare")
+        shared = [n for n in names if n in ea and n in eb and ea[n].shape == eb[n].shape]
+        fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
+        if progress:
+            progress.start("diff", sum(ea[n].nbytes + eb[n].nbytes for n in shared))
+        for name in names:
             if name not in eb:
                 report.tensors.append(TensorDiff(name, "only-a"))
                 continue
@@ -101,15 +121,26 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                 report.tensors.append(TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}"))
                 continue
             report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 16, progress))
-        va, vb = sa.values(), sb.values()
-        report.values = sorted(k for k in set(va) | set(vb) if wanted(k) and (
-            k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))))
+        report.values = [k for k in value_names if
+                         k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))]
     finally:
         sa.close()
         sb.close()
     if progress:
         progress.finish()
     return report
+
+
+def _model_scope(a: str, b: str, ea: Mapping[str, Any], eb: Mapping[str, Any]) -> tuple[list[str] | None, str]:
+    """``(["model.*"], why)`` when exactly one side holds only model tensors (an HF export, a
+    model-only torch file) and the other more (optimizer state): the model part is what they share."""
+    def model_only(entries: Mapping[str, Any]) -> bool:
+        return bool(entries) and all(n.startswith("model.") for n in entries)
+
+    if model_only(ea) != model_only(eb):
+        lean = a if model_only(ea) else b
+        return ["model.*"], f"model.* only: {lean} holds only model weights (pass --only/--exclude to choose)"
+    return None, ""
 
 
 def same_value(a: Any, b: Any) -> bool:

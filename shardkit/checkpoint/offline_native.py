@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ from shardkit.checkpoint.storage import Storage, parallel_map
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR", "assign_units"]
+
+log = logging.getLogger("shardkit.checkpoint.offline")
 
 RESUME_DIR = ".shardkit-resume"
 FILE_CAP = 1 << 30
@@ -192,11 +195,24 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
 
         chunks = [WriteChunk(name, dtypes[name], offsets, shape, loader(name, offsets, shape))
                   for name, offsets, shape in unit.chunks]
-        wf = writer.write_file(unit.name, chunks, writer=unit.writer)
+        try:
+            wf = writer.write_file(unit.name, chunks, writer=unit.writer)
+        except BaseException:
+            _discard(storage, unit.name)
+            raise
         storage.put_atomic(_journal_name(unit), _journal_entry(wf, source_id))
         return wf
 
     return parallel_map(one, list(units), workers), skipped[0]
+
+
+def _discard(storage: Storage, name: str) -> None:
+    """Remove the partial file a failed unit left (this run's own name: no user file is ever called so);
+    a rerun would rewrite it anyway, and an empty or half file must not outlive the failure."""
+    try:
+        storage.delete([name])
+    except ShardkitError as exc:
+        log.debug("could not remove the partial %s: %s", storage.where(name), exc)
 
 
 def chunk_cap_for(budget: int) -> int:
@@ -212,7 +228,7 @@ def concurrency_for(budget: int, workers: int) -> int:
 
 
 def _plan(sel: Selection, world_size: int, mesh: tuple[int, ...] | None, compression: str | None, budget: int,
-          source_id: str) -> tuple[list[FileUnit], dict[str, Any]]:
+          source_id: str, replacing: str, tool: str) -> tuple[list[FileUnit], dict[str, Any]]:
     mesh = mesh if mesh else (world_size,)
     shards = mesh[-1]
     # the plan (and so the file names a rerun resumes) must not depend on --workers: chunks are sized
@@ -220,12 +236,14 @@ def _plan(sel: Selection, world_size: int, mesh: tuple[int, ...] | None, compres
     chunk_cap = chunk_cap_for(budget)
     # with zstd a file's frames are built before its header: keep each file within the per-worker budget
     file_cap = chunk_cap if compression else FILE_CAP
-    salt = json.dumps([source_id, compression, list(mesh),
+    # ``replacing`` identifies the checkpoint an --overwrite replaces: the new files never take the names
+    # of files it still references, and reruns of the interrupted replacement plan the same names.
+    salt = json.dumps([source_id, replacing, compression, list(mesh),
                        [[t.name, t.source, str(t.dtype), list(t.shape)] for t in sel.tensors]], default=str)
     units = plan_files(sel, shards, chunk_cap, file_cap, salt)
     placements = ["Shard(dim=0)"] if len(mesh) == 1 else ["Replicate()", "Shard(dim=0)"]
     writer_info = {"world_size": world_size, "mesh": {"shape": list(mesh), "dim_names": [],
-                                                      "placements": placements}, "tool": "shardkit reshard"}
+                                                      "placements": placements}, "tool": f"shardkit {tool}"}
     return units, writer_info
 
 
@@ -248,12 +266,17 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
 def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, world_size: int,
                  mesh: tuple[int, ...] | None, compression: str | None, budget: int, workers: int,
                  progress: Progress | None, source_id: str, rank: int = 0, nprocs: int = 1,
-                 agree: Callable[[bool], bool] | None = None) -> Any:
+                 agree: Callable[[bool], bool] | None = None, replacing: str = "", tool: str = "reshard") -> Any:
     """Write ``sel`` from ``reader`` as a native checkpoint for ``world_size`` ranks at ``storage``.
 
     ``source_id`` names the source's location and contents (see
     :func:`~shardkit.checkpoint.offline_detect.source_fingerprint`); resume keeps
-    only files journaled under the same id.
+    only files journaled under the same id.  ``replacing`` identifies the
+    checkpoint already at ``storage`` that this one replaces (see
+    :func:`~shardkit.checkpoint.offline_replace.prepare_dst`): it stays untouched and
+    loadable until the new manifest replaces its own in one atomic step.
+    ``tool`` ("reshard" or "convert") names the command in progress and in the
+    manifest's ``writer.tool``.
 
     With ``nprocs > 1`` (scale-out) this process writes its share of the units;
     ``agree(ok)`` is a barrier that returns whether every process succeeded.
@@ -261,10 +284,11 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     """
     if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
         raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
-    units, writer_info = _plan(sel, world_size, mesh, compression, budget, source_id)
+    units, writer_info = _plan(sel, world_size, mesh, compression, budget, source_id, replacing, tool)
     mine = assign_units(units, nprocs)[rank] if nprocs > 1 else list(range(len(units)))
     if progress:
-        progress.start(f"reshard → {world_size} ranks" if nprocs == 1 else f"reshard [{rank}/{nprocs}]",
+        progress.start((f"{tool} → {world_size} ranks" if tool == "reshard" else f"{tool} → shardkit")
+                       if nprocs == 1 else f"{tool} [{rank}/{nprocs}]",
                        sum(units[i].nbytes for i in mine))
     try:
         written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], source_id=source_id,

@@ -109,6 +109,7 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
             report.problems.append(str(exc))
     finally:
         reader.close()
+    report.problems = list(dict.fromkeys(report.problems))  # several chunks of one damaged record say the same
     report.seconds = time.monotonic() - start
     if progress and fmt in ("shardkit", "dcp"):
         progress.finish()

@@ -35,6 +35,7 @@ from shardkit.checkpoint.formats.native_write import (DATA_DIR, DEFAULT_BLOCK_BY
                                                       DEFAULT_CHUNK_BYTES, NativeWriter, WrittenFile, chunk_key,
                                                       data_file_name, new_token)
 from shardkit.checkpoint.manifest import MANIFEST_NAME, ChunkRecord, Manifest, parse_manifest
+from shardkit.checkpoint.ownership import is_native_data_name
 from shardkit.checkpoint.plan import ByteBudget, byte_runs
 from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
 from shardkit.errors import (ChecksumMismatch, CheckpointNotFound, CorruptCheckpoint, IncompatibleStateDict,
@@ -76,9 +77,10 @@ def open_reader(storage: Storage) -> "NativeReader":
 
 
 def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
-    """Data files under ``data/`` the manifest does not name (left by older or interrupted saves)."""
+    """Shardkit data files under ``data/`` the manifest does not name (left by older or interrupted
+    saves); a file shardkit did not name so is never one of them."""
     return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
-            if f"{DATA_DIR}/{n}" not in manifest.files]
+            if f"{DATA_DIR}/{n}" not in manifest.files and is_native_data_name(f"{DATA_DIR}/{n}")]
 
 
 def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | None = None, *,

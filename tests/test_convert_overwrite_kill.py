@@ -1,0 +1,79 @@
+"""``shardkit reshard SRC DST --overwrite`` killed at random moments never loses DST.
+
+After every SIGKILL, DST is either the old checkpoint or the new one, whole:
+``verify`` passes and ``diff`` finds it bitwise equal to one of the two
+sources.  The replacement is written beside the old checkpoint and committed by
+one atomic manifest replace, so there is no moment at which DST is neither.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkit.checkpoint import diff, reshard, verify
+from tests.offline_helpers import write_torch_state
+
+pytestmark = pytest.mark.slow
+
+TRIALS = 12
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.w": torch.randn(1024, 1024, generator=gen) for i in range(12)}  # 48 MiB
+
+
+def _listing(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _reshard_command(src: Path, dst: Path) -> list[str]:
+    return [sys.executable, "-m", "shardkit", "-q", "reshard", str(src), str(dst), "--world-size", "3",
+            "--overwrite", "--workers", "2"]
+
+
+def test_killing_a_reshard_with_overwrite_at_random_moments_never_loses_dst(tmp_path):
+    old_src = write_torch_state(tmp_path / "old.pt", _weights(1), [])
+    new_src = write_torch_state(tmp_path / "new.pt", _weights(2), [])
+    dst = tmp_path / "dst"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def reset_to_old() -> set[str]:
+        reshard(str(old_src), str(dst), world_size=2, overwrite=True)
+        return _listing(dst)
+
+    clean = reset_to_old()
+    started = time.monotonic()
+    subprocess.run(_reshard_command(new_src, dst), check=True, env=env, timeout=120)
+    full_run = time.monotonic() - started
+    assert diff(str(new_src), str(dst)).equal
+    clean = reset_to_old()
+
+    rng = random.Random(8)
+    outcomes = {"old": 0, "new": 0}
+    killed_while_writing = 0
+    for _ in range(TRIALS):
+        proc = subprocess.Popen(_reshard_command(new_src, dst), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.2, full_run))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        if proc.returncode == -signal.SIGKILL and _listing(dst) != clean:
+            killed_while_writing += 1
+        report = verify(str(dst))
+        assert report.ok, report.problems
+        state = "old" if diff(str(old_src), str(dst)).equal else "new"
+        assert state == "old" or diff(str(new_src), str(dst)).equal
+        outcomes[state] += 1
+        if state == "new":
+            clean = reset_to_old()
+    assert killed_while_writing >= 3, (killed_while_writing, outcomes, full_run)
