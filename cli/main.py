@@ -3,11 +3,15 @@
 The command only parses, calls :mod:`shardkit.checkpoint`, and renders.
 Messages and progress go to stderr, data to stdout.  A
 :class:`~shardkit.errors.ShardkitError` becomes one line ``error: ...`` and a
-non-zero exit; ``--debug`` shows the traceback instead.
+non-zero exit; ``--debug`` shows the traceback too, and the library's DEBUG
+log (retries, plans); ``--verbose`` its INFO log (one line per file set
+written, with bytes and seconds).  The global flags may come before or after
+the subcommand (``shardkit inspect X -q``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import traceback
 
@@ -23,17 +27,51 @@ EXIT_INTERNAL = 3      # an unexpected exception: a bug
 class Settings:
     """Global options, handed to every command through click's context object."""
 
-    def __init__(self, debug: bool = False, quiet: bool = False) -> None:
+    def __init__(self, debug: bool = False, quiet: bool = False, verbose: bool = False) -> None:
         self.debug = debug
         self.quiet = quiet
+        self.verbose = verbose
+
+
+GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """Move the global flags to the front, wherever the user typed them (up to a ``--``)."""
+    end = args.index("--") if "--" in args else len(args)
+    flags = [a for a in args[:end] if a in GLOBAL_FLAGS]
+    rest = [a for a in args[:end] if a not in GLOBAL_FLAGS]
+    return flags + rest + args[end:]
+
+
+def configure_logging(settings: Settings) -> None:
+    """The library logs under ``shardkit``; the command shows warnings, or more when asked."""
+    level = logging.DEBUG if settings.debug else logging.INFO if settings.verbose else \
+        logging.ERROR if settings.quiet else logging.WARNING
+    reset_logging()
+    logger = logging.getLogger("shardkit")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.shardkit_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def reset_logging() -> None:
+    """Undo :func:`configure_logging` (the command may run in-process, e.g. from a test or a notebook)."""
+    logger = logging.getLogger("shardkit")
+    for handler in [h for h in logger.handlers if getattr(h, "shardkit_cli", False)]:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="shardkit")
-@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors and the debug log (retries, plans).")
+@click.option("-v", "--verbose", is_flag=True, help="Log one line per file set written or read (bytes, seconds).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr (errors still print).")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool, quiet: bool) -> None:
+def cli(ctx: click.Context, debug: bool, verbose: bool, quiet: bool) -> None:
     """Inspect, verify, compare, reshard and convert checkpoints, on any storage.
 
     SRC and DST are paths or fsspec URLs (file://, memory://, s3://, gs://, ...).
@@ -44,8 +82,10 @@ def cli(ctx: click.Context, debug: bool, quiet: bool) -> None:
     Example:
       shardkit inspect ./ckpt/step-100
       shardkit reshard ./ckpt/step-100 s3://bucket/step-100-ws8 --world-size 8
+      shardkit verify s3://bucket/step-100 --debug
     """
-    ctx.obj = Settings(debug=debug, quiet=quiet)
+    ctx.obj = Settings(debug=debug, quiet=quiet, verbose=verbose)
+    configure_logging(ctx.obj)
 
 
 def _register() -> None:
@@ -64,10 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     if not _register_done:
         _register()
         _register_done = True
-    args = sys.argv[1:] if argv is None else list(argv)
+    args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
     debug = "--debug" in args
     try:
-        code = cli.main(args=args, prog_name="shardkit", standalone_mode=False)
+        try:
+            code = cli.main(args=args, prog_name="shardkit", standalone_mode=False)
+        finally:
+            reset_logging()
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         sys.exit(130)

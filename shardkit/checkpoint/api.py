@@ -31,7 +31,9 @@ on the outcome):
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
@@ -50,6 +52,8 @@ from shardkit.checkpoint.layout import is_primary_replica, local_box, local_tens
 from shardkit.checkpoint.storage import DEFAULT_IO_THREADS, Storage, parallel_map
 from shardkit.errors import (CheckpointError, CheckpointExists, CheckpointNotFound, ConfigurationError,
                              IncompatibleStateDict, ShardkitError)
+
+log = logging.getLogger("shardkit.checkpoint.api")
 
 __all__ = ["save", "async_save", "load", "check_before_writing", "SavePlan", "plan_save", "write_and_commit"]
 
@@ -108,6 +112,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
     writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
                           direct_io=direct_io)
     files: list[WrittenFile] = []
+    started = time.perf_counter()
     if local_error is None and plan is not None:
         try:
             token = new_token()
@@ -120,6 +125,9 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                "files": [f.to_json() for f in files],
                "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
                            if k in written}}
+    if local_error is None:
+        log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s", dist.rank, len(files),
+                 sum(f.size for f in files), storage.url, time.perf_counter() - started)
     gathered = dist.gather_json(payload)
     commit_error = None
     if gathered is not None:
@@ -160,6 +168,8 @@ def _commit(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathe
         if not overwrite and is_committed(storage):
             return f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
         writer.commit(manifest)
+        log.info("committed %s: %d files from %d ranks", storage.url, sum(len(g["files"]) for g in gathered),
+                 len(gathered))
         try:  # files of older saves at this URL: only now, after the new manifest is in place
             storage.delete(unreferenced_files(storage, manifest))
         except ShardkitError:
@@ -237,7 +247,7 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
 def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
          storage_options: Mapping[str, Any] | None = None, verify_first: bool = True,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
-         process_group: Any = None) -> dict[str, Any]:
+         process_group: Any = None, dtype_cast: bool = False) -> dict[str, Any]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
 
     Tensors (plain or DTensor, any mesh and placements) are filled in place,
@@ -251,6 +261,12 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     :func:`check_before_writing`): faster, but a checksum error may then leave
     targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
     ``"dcp"``) is detected when ``None``.
+
+    ``dtype_cast=True`` lets a tensor load into a target of another floating
+    dtype (a bf16 model from an fp32 checkpoint, as DCP allows): it is read in
+    the stored dtype into a host buffer of the target's local shape, then cast
+    into the target; such buffers add the stored size of the cast shards to
+    the load's memory.  Off by default, so a dtype mismatch is an error.
     """
     dist = Dist(process_group)
     local_exc: BaseException | None = None
@@ -259,7 +275,8 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         storage = Storage(url, storage_options)
         reader = _open(storage, format, io_threads)
         flat = flatten(state_dict)
-        requests, device_copies = _plan_load(reader, flat, strict)
+        started = time.perf_counter()
+        requests, device_copies = _plan_load(reader, flat, strict, dtype_cast)
         reader.prepare(requests)
         if verify_first:
             staged = check_before_writing(reader, requests)
@@ -281,6 +298,8 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     finally:
         reader.close()
     _agree(dist, local_exc, url)
+    log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
+             sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
     return dict(reader.info.meta)
 
 
@@ -353,7 +372,7 @@ def _same_kind(message: str) -> type[ShardkitError]:
     return cls if isinstance(cls, type) and issubclass(cls, ShardkitError) else CheckpointError
 
 
-def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool):
+def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False):
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)
@@ -370,15 +389,18 @@ def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool):
             continue
         check_value_kind(key, key in entries, True)
         entry = entries[key]
-        if tuple(entry.shape) != tuple(target.shape) or entry.dtype != target.dtype:
+        cast = entry.dtype != target.dtype
+        if tuple(entry.shape) != tuple(target.shape) or (cast and not (
+                dtype_cast and entry.dtype.is_floating_point and target.dtype.is_floating_point)):
+            hint = " (pass dtype_cast=True to cast floating-point values)" if cast and not dtype_cast else ""
             raise IncompatibleStateDict(f"{key!r}: checkpoint holds {entry.dtype} {list(entry.shape)}, the target "
-                                        f"is {target.dtype} {list(target.shape)}")
+                                        f"is {target.dtype} {list(target.shape)}{hint}")
         box = local_box(target, key)
         if box is None or math.prod(box[1]) == 0:
             continue
         local = local_tensor(target).detach()
-        if local.device.type != "cpu":
-            buf = torch.empty(local.shape, dtype=local.dtype)
+        if local.device.type != "cpu" or cast:  # read as stored, then copy_ (casting) into the target
+            buf = torch.empty(local.shape, dtype=entry.dtype)
             device_copies.append((buf, local))
             local = buf
         wanted.append((key, box, local))
