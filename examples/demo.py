@@ -55,7 +55,7 @@ def main() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     ckpt = OUT / "ckpt"
-    step5 = ckpt / "step-0000000004"
+    step5 = ckpt / "step-0000000005"
 
     banner("1. train 10 steps on 2 ranks, saving after steps 5 and 10")
     torchrun(2, "--checkpoint-dir", str(ckpt), "--save-every", "5", "--losses-out", str(OUT / "ws2.json"))
@@ -65,13 +65,13 @@ def main() -> int:
     shardkit("verify", str(step5))
 
     banner("3a. resume step 5 on 1 rank")
-    torchrun(1, "--checkpoint-dir", str(ckpt), "--resume-step", "4", "--losses-out", str(OUT / "ws1.json"))
+    torchrun(1, "--checkpoint-dir", str(ckpt), "--resume-step", "5", "--losses-out", str(OUT / "ws1.json"))
     banner("3b. resume step 5 on 3 ranks")
-    torchrun(3, "--checkpoint-dir", str(ckpt), "--resume-step", "4", "--losses-out", str(OUT / "ws3.json"))
+    torchrun(3, "--checkpoint-dir", str(ckpt), "--resume-step", "5", "--losses-out", str(OUT / "ws3.json"))
     banner("3c. reshard step 5 offline for 3 ranks, then resume from that copy on 3 ranks")
     resharded = OUT / "resharded"
-    shardkit("reshard", str(step5), str(resharded / "step-0000000004"), "--world-size", "3")
-    torchrun(3, "--checkpoint-dir", str(resharded), "--resume-step", "4",
+    shardkit("reshard", str(step5), str(resharded / "step-0000000005"), "--world-size", "3")
+    torchrun(3, "--checkpoint-dir", str(resharded), "--resume-step", "5",
              "--losses-out", str(OUT / "ws3_offline.json"))
 
     banner("resumed losses against the uninterrupted 2-rank run")

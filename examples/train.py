@@ -141,12 +141,15 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, args: argpar
             print(f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"({(time.perf_counter() - started) * 1e3:.0f} ms)", flush=True)
         if manager is not None and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
-            manager.save(step, model, optimizer, extra={"loss": losses[-1]})
+            manager.save(step + 1, model, optimizer, extra={"loss": losses[-1]})  # step-N: N steps done
     return losses
 
 
 def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> int:
-    """Load the requested committed step in place (any world size); return the next step to run."""
+    """Load the requested committed step in place (any world size); return the next step to run.
+
+    A checkpoint ``step-<N>`` holds the state after ``N`` steps, so the run goes on with step ``N + 1``
+    (index ``N``)."""
     manager = skc.CheckpointManager(args.checkpoint_dir)
     if args.resume_step is not None:
         manager.load(args.resume_step, model, optimizer)
@@ -157,9 +160,9 @@ def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Na
             return 0
         step = found[0]
     if dist.get_rank() == 0:
-        print(f"resumed from step {step + 1} of {args.checkpoint_dir} on {dist.get_world_size()} ranks",
+        print(f"resumed after step {step} of {args.checkpoint_dir} on {dist.get_world_size()} ranks",
               flush=True)
-    return step + 1
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,12 +23,12 @@ def test_train_example_saves_on_two_ranks_and_resumes_on_one_with_the_same_losse
     assert len(printed) == 6 and all(math.isfinite(x) for x in printed), first.stdout
     assert printed[-1] < printed[0]
     assert "FSDPTinyLM" in first.stdout and "2 ranks" in first.stdout
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000000002", "step-0000000005"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000000003", "step-0000000006"]
 
-    resumed = run_torchrun(EXAMPLE, 1, [*COMMON, "--checkpoint-dir", str(ckpt), "--resume-step", "2",
+    resumed = run_torchrun(EXAMPLE, 1, [*COMMON, "--checkpoint-dir", str(ckpt), "--resume-step", "3",
                                         "--losses-out", str(tmp_path / "ws1.json")], timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step 3" in resumed.stdout
+    assert "resumed after step 3" in resumed.stdout
     reference = json.loads((tmp_path / "ws2.json").read_text())["losses"]
     after = json.loads((tmp_path / "ws1.json").read_text())
     assert after["start"] == 3 and len(after["losses"]) == 3
