@@ -213,6 +213,8 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
             raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
         plan = plan_save(flatten(state_dict), dist.rank, chunk_bytes=chunk_bytes, io_threads=io_threads,
                          compression=comp)
+        log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),
+                  sum(len(g) for g in plan.groups), url)
         storage.makedirs()
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the collective
         error = exc
@@ -277,6 +279,7 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         flat = flatten(state_dict)
         started = time.perf_counter()
         requests, device_copies = _plan_load(reader, flat, strict, dtype_cast)
+        log.debug("rank %d plans %d reads from %s (%s)", dist.rank, len(requests), url, reader.info.format)
         reader.prepare(requests)
         if verify_first:
             staged = check_before_writing(reader, requests)

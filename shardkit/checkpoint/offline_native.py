@@ -285,6 +285,8 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
         raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
     units, writer_info = _plan(sel, world_size, mesh, compression, budget, source_id, replacing, tool)
+    log.debug("%s plans %d data files (%d bytes) for %d ranks at %s", tool, len(units),
+              sum(u.nbytes for u in units), world_size, storage.url)
     mine = assign_units(units, nprocs)[rank] if nprocs > 1 else list(range(len(units)))
     if progress:
         progress.start((f"{tool} → {world_size} ranks" if tool == "reshard" else f"{tool} → shardkit")
