@@ -93,3 +93,14 @@ def shardkit_two_rank_save() -> tuple[str, dict[str, torch.Tensor]]:
     atexit.register(shutil.rmtree, root, True)
     path = f"{root}/ws2"
     return path, run_on_ranks(2, train_and_save_with_shardkit, path)[0]
+
+
+def torch_and_native(root: Path) -> tuple[Path, Path]:
+    """A training checkpoint (model + AdamW state) as a torch.save file and as a 2-rank native layout."""
+    from shardkit.checkpoint import reshard
+
+    flat, groups = trained_state()
+    src = write_torch_state(root / "src.pt", flat, groups)
+    native = root / "native"
+    reshard(str(src), str(native), world_size=2)
+    return src, native

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.checkpoint import reshard
 from tests.offline_cli import run_cli
-from tests.offline_helpers import trained_state, write_torch_state
+from tests.offline_helpers import torch_and_native, write_torch_state
 
 COMMANDS = ["reshard", "convert", "inspect", "verify", "diff"]
 
@@ -30,12 +29,7 @@ def _one_line_error(result, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    root = tmp_path_factory.mktemp("errors")
-    flat, groups = trained_state()
-    src = write_torch_state(root / "src.pt", flat, groups)
-    out = root / "native"
-    reshard(str(src), str(out), world_size=2)
-    return src, out
+    return torch_and_native(tmp_path_factory.mktemp("errors"))
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -11,18 +11,12 @@ import pytest
 from shardkit.checkpoint import convert, diff, reshard
 from shardkit.checkpoint.offline_progress import Progress
 from tests.offline_cli import run_cli
-from tests.offline_helpers import trained_state, write_torch_state
+from tests.offline_helpers import torch_and_native
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A training checkpoint (model + AdamW state) as torch.save and as a 2-rank native layout."""
-    root = tmp_path_factory.mktemp("verdicts")
-    flat, groups = trained_state()
-    src = write_torch_state(root / "src.pt", flat, groups)
-    native = root / "native"
-    reshard(str(src), str(native), world_size=2)
-    return src, native
+    return torch_and_native(tmp_path_factory.mktemp("verdicts"))
 
 
 @pytest.mark.parametrize("filters", [["--only", "nothing.*"], ["--exclude", "*"],
