@@ -196,6 +196,9 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
                        t["chunks"]] for t in shown), ["name", "dtype", "shape", "size", "chunks"], "lllrr"))
     if len(shown) < len(info["tensors"]):
         click.echo(f"... {len(info['tensors']) - len(shown)} more")
+    tied = [f"{t['name']} = {t['alias_of']}" for t in shown if "alias_of" in t]
+    if tied:
+        click.echo("tied (stored once, under the second name): " + ", ".join(tied))
     tot = info["totals"]
     click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
                f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")

@@ -208,7 +208,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
-                     model_only=model_only or to == "hf", dtype=dtype)
+                     model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
         _check_output(to, sel)
         _notes(source, progress)
         storage, old = prepare_dst(dst, to, dst_storage_options, overwrite)
@@ -295,7 +295,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
-                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
+                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
         rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
         _check_output("shardkit", sel)
         _notes(source, progress)
@@ -325,21 +325,26 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
 
-    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).
+    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
+    stored once under another (an alias) is listed with ``alias_of`` and no
+    chunks of its own, and its bytes are not counted again in the totals.
     """
     source = open_source(src, storage_options)
     try:
         tensors = []
+        aliases = source.aliases()
         for name, e in sorted(source.tensors().items()):
             tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
-                            "bytes": e.nbytes, "chunks": len(e.chunks)})
+                            "bytes": e.nbytes, "chunks": 0 if name in aliases else len(e.chunks)}
+                           | ({"alias_of": aliases[name]} if name in aliases else {}))
+        stored = [t for t in tensors if "alias_of" not in t]
         info = source.info
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
-                "totals": {"tensors": len(tensors), "bytes": sum(t["bytes"] for t in tensors),
-                           "chunks": sum(t["chunks"] for t in tensors),
-                           "model_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("optim."))}}
+                "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
+                           "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
+                           "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}}
     finally:
         source.close()

@@ -8,6 +8,10 @@ tensor is within tolerance when ``|a - b| <= atol + rtol * |b|`` everywhere,
 as in ``torch.allclose``.  Non-tensor values are compared decoded
 (:func:`~shardkit.checkpoint.flatten.from_json_value`): a native ``{"$float": "inf"}``
 equals a torch.save ``inf``, and NaN equals NaN.
+
+A key tied to the same key on both sides (an alias in both manifests) holds
+the same bytes as that key, so it takes that key's verdict without a second
+read; tied on one side only, it is compared like any tensor.
 """
 
 from __future__ import annotations
@@ -83,13 +87,16 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
     try:
         ea, eb = sa.tensors(), sb.tensors()
         fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
-        if progress:
-            progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb) * 2)
+
         def wanted(name: str) -> bool:
             return ((not only or any(fnmatch.fnmatchcase(name, g) for g in only))
                     and not (exclude and any(fnmatch.fnmatchcase(name, g) for g in exclude)))
 
-        for name in sorted(n for n in set(ea) | set(eb) if wanted(n)):
+        ab = sb.aliases()
+        tied = {n: t for n, t in sa.aliases().items() if ab.get(n) == t and wanted(t)}
+        if progress:
+            progress.start("diff", sum(e.nbytes for n, e in ea.items() if n in eb and n not in tied) * 2)
+        for name in sorted(n for n in set(ea) | set(eb) if wanted(n) and n not in tied):
             if name not in eb:
                 report.tensors.append(TensorDiff(name, "only-a"))
                 continue
@@ -101,6 +108,11 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                 report.tensors.append(TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}"))
                 continue
             report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 16, progress))
+        verdicts = {t.name: t for t in report.tensors}
+        for name, target in tied.items():
+            t = verdicts[target]
+            report.tensors.append(TensorDiff(name, t.status, t.max_abs, t.max_rel, f"tied to {target} on both sides"))
+        report.tensors.sort(key=lambda t: t.name)
         va, vb = sa.values(), sb.values()
         report.values = sorted(k for k in set(va) | set(vb) if wanted(k) and (
             k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))))
