@@ -57,6 +57,8 @@ def test_a_tied_weight_is_stored_once_and_recorded_as_an_alias_with_one_optimize
     assert not any(k.startswith("optim.state.output.weight.") for k in optim_keys)
     groups = doc["values"]["optim.param_groups"]
     assert "tok_embeddings.weight" in groups[0]["params"] and "output.weight" not in groups[0]["params"]
+    skc.async_save(skc.get_state_dict(model), str(tmp_path / "async")).result()  # staged: still once
+    assert _manifest(tmp_path / "async")["aliases"] == {HEAD: EMBED}
     # the same state saved with the two keys untied (separate copies) stores the embedding twice
     untied = skc.get_state_dict(model)
     untied["model"]["output.weight"] = untied["model"]["output.weight"].clone()
