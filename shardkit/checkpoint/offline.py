@@ -31,11 +31,12 @@ from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
-                                                ConvertResult, copy_side_files, parse_memory, parse_size)
+                                                ConvertResult, parse_memory, parse_size)
 from shardkit.checkpoint.offline_detect import (canonical_location, exists, normalize_format, open_source,
                                                 overlap, source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_hf import HfExport, plan_hf_export
 from shardkit.checkpoint.offline_native import parse_mesh, write_native
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_select import Selection, select
@@ -133,11 +134,15 @@ def _check_output(to: str, sel: Selection) -> None:
                                         "(--exclude) or cast it (--dtype)") from None
 
 
-def _notes(source: Any, progress: Progress | None) -> None:
-    """Tell the user about side files the source holds but the conversion leaves behind, and why."""
+def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
+    """Tell the user about side files the source holds but the conversion leaves behind, and why
+    (and ``more`` lines, e.g. tied keys an HF export leaves out)."""
     for line in getattr(source, "skipped_side_files", ()) or ():
         if progress:
             progress.note(f"note: not copied: {line}")
+    for line in more:
+        if progress:
+            progress.note(line)
 
 
 def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
@@ -185,18 +190,22 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
-            src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
+            src_format: str | None = None, progress: Progress | None = None,
+            config: str | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
     ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
     :func:`reshard`), resumable and written by ``workers`` threads; ``hf``,
     ``torch`` and ``dcp`` output is written sequentially and starts over when
     rerun.  Options are checked, and unsupported tensors refused, before DST is
-    touched.
+    touched.  ``config`` (``hf`` only): a ``config.json`` or a directory whose
+    config, tokenizer and generation files go beside the weights; tied weights
+    and ``--dtype`` are then written the way ``from_pretrained`` reads them
+    (see :mod:`~shardkit.checkpoint.offline_hf`).
 
     Example::
 
-        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB")
+        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB", config="llama-3.2-1b/")
     """
     to = normalize_format(to)
     budget = parse_memory(max_memory)
@@ -205,12 +214,16 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
     if to != "shardkit" and compression:
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
+    if to != "hf" and config is not None:
+        raise ConfigurationError(f"--config applies to hf output only, not --to {to}")
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
         _check_output(to, sel)
-        _notes(source, progress)
+        export = plan_hf_export(source, sel, config, dtype) if to == "hf" else None
+        sel = export.selection if export else sel
+        _notes(source, progress, export.notes if export else ())
         storage, old = prepare_dst(dst, to, dst_storage_options, overwrite)
         if to == "shardkit":
             mesh_t = parse_mesh(mesh) if mesh is not None else None
@@ -218,7 +231,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
                                   mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
                                   compression=compression, budget=budget, workers=workers, progress=progress)
         else:
-            files = _write_single(source, sel, storage, to, budget, shard_cap, progress)
+            files = _write_single(source, sel, storage, to, budget, shard_cap, progress, export)
             result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
         remove_stale(storage, old, result.files)
         return result
@@ -227,7 +240,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
 
 
 def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget: int, shard_cap: int,
-                  progress: Progress | None) -> list[str]:
+                  progress: Progress | None, export: HfExport | None = None) -> list[str]:
     """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
 
     These formats are written sequentially and start over on a rerun: their
@@ -242,9 +255,9 @@ def _write_single(source: Any, sel: Selection, storage: Storage, to: str, budget
     if to == "hf":
         from shardkit.checkpoint.formats.hf import write_hf
 
+        assert export is not None  # planned by convert before DST was touched
         files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
-                         on_bytes=on_bytes, before_index=lambda: copy_side_files(source, storage,
-                                                                                  fsync=storage.is_local))
+                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage))
     elif to == "dcp":
         from shardkit.checkpoint.formats.dcp import write_dcp
 
