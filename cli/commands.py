@@ -124,18 +124,25 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
               help="HF output: cap per shard file.")
 @click.option("--compression", metavar="zstd[:LEVEL]", help="shardkit output: compress each chunk with zstd.")
+@click.option("--config", "config", metavar="FILE_OR_DIR",
+              help="HF output: the model's config.json, or a directory (e.g. one save_pretrained wrote) whose "
+                   "config, tokenizer and generation files go beside the weights.")
 @_io_options
 @click.pass_context
 def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | None, dtype: str | None,
-            max_shard_size: str, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
+            max_shard_size: str, compression: str | None, config: str | None, storage_opts: tuple[str, ...],
+            dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
             rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
     """Convert SRC (format detected) to another format at DST.
 
     HF output has size-capped shards, an index and the source's side files
-    (config.json, tokenizer files); DCP output is readable by torch's
-    dcp.load; torch output is one torch.save file.  Keys use shardkit's
-    flattened names (model.<param>, optim.state.<param>.<name>).
+    (config.json, tokenizer files), or those of --config; with a config, tied
+    weights are written as save_pretrained writes them (lm_head.weight left
+    out when the config ties word embeddings) and --dtype is written into
+    config.json.  DCP output is readable by torch's dcp.load; torch output is
+    one torch.save file.  Keys use shardkit's flattened names (model.<param>,
+    optim.state.<param>.<name>).
 
     Only shardkit output resumes after an interruption and uses --workers;
     hf, torch and dcp output is written sequentially and starts over when rerun.
@@ -143,7 +150,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     \b
     Example:
       shardkit convert ./llama-hf ./llama-sk --to shardkit
-      shardkit convert ./ckpt/step-100 ./export --to hf --max-shard-size 2GB --dtype bf16
+      shardkit convert ./ckpt/step-100 ./export --to hf --config ./llama-3.2-1b --dtype bf16
       shardkit convert ./dcp-ckpt model.pt --to torch --model-only --exclude '*.rotary*'
     """
     from shardkit.checkpoint.offline_scaleout import run_convert
@@ -153,7 +160,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
                          storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
                          max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx),
-                         distributed=distributed)
+                         distributed=distributed, config=config)
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0
@@ -196,6 +203,9 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
                        t["chunks"]] for t in shown), ["name", "dtype", "shape", "size", "chunks"], "lllrr"))
     if len(shown) < len(info["tensors"]):
         click.echo(f"... {len(info['tensors']) - len(shown)} more")
+    tied = [f"{t['name']} = {t['alias_of']}" for t in shown if "alias_of" in t]
+    if tied:
+        click.echo("tied (stored once, under the second name): " + ", ".join(tied))
     tot = info["totals"]
     click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
                f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")

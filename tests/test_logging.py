@@ -25,7 +25,7 @@ def test_save_and_load_log_one_info_line_each_with_bytes_seconds_and_url(tmp_pat
         skc.save(state, url)
         skc.load({"model.w": torch.empty(64, 64)}, url)
     said = _messages(caplog)
-    assert f"rank 0 wrote 1 files (16" in said and url in said and " s" in said
+    assert "rank 0 wrote 1 files (16" in said and url in said and " s" in said
     assert f"committed {url}: 1 files from 1 ranks" in said
     assert f"rank 0 loaded 1 tensors (16384 bytes) from {url}" in said
 

@@ -5,6 +5,8 @@ Save (collective when a process group exists; plain in one process):
 1. Flatten the state dict; every rank plans the chunks *it* writes -- the boxes
    of its local shards for which it is the lowest rank holding them (so HSDP
    replicas and plain tensors are written once), split at ``chunk_bytes``.
+   A key whose tensor is the same tensor as an earlier key's (tied weights)
+   is written once, under the earlier key, and recorded as an alias.
 2. Each rank streams its chunks into its own data files, in parallel threads,
    straight from the tensors' memory (``async_save``: from a reused staging
    copy), computing crc32c per block on the way; files are fsynced.
@@ -17,10 +19,11 @@ Load (each rank independently reads what it needs; collectives only to agree
 on the outcome):
 
 1. Read and validate the manifest; match keys, dtypes and global shapes of the
-   target (``strict``: missing or unexpected keys raise); plan, for every local
-   shard of the target, the pieces of stored chunks it needs and check every
-   data file it will touch has the recorded size.  Ranks agree all is well
-   *before any target tensor is written*.
+   target (``strict``: missing or unexpected keys raise; a key of a tied
+   target is present when a key it is tied to is, and only one of them is
+   read); plan, for every local shard of the target, the pieces of stored
+   chunks it needs and check every data file it will touch has the recorded
+   size.  Ranks agree all is well *before any target tensor is written*.
 2. Check the data before writing any of it (the default, see
    :func:`check_before_writing`): every checksum block the load needs is read
    and verified -- or, for a small load from remote storage, fetched once into
@@ -39,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.aliases import alias_groups, find_aliases
 from shardkit.checkpoint.codec import Compression, dtype_to_code, parse_compression
 from shardkit.checkpoint.comm import Dist
 from shardkit.checkpoint.flatten import Flat, check_value_kind, flatten, from_json_value, to_json_value
@@ -64,11 +68,12 @@ class SavePlan:
     """What one rank writes: its chunks grouped into files, and the tensors' global metadata."""
 
     def __init__(self, groups: list[list[WriteChunk]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 values: dict[str, Any], mesh: dict[str, Any] | None) -> None:
+                 values: dict[str, Any], mesh: dict[str, Any] | None, aliases: dict[str, str] | None = None) -> None:
         self.groups = groups
         self.tensors = tensors
         self.values = values
         self.mesh = mesh
+        self.aliases = aliases or {}  # tied key -> the key its data is written under
 
     @property
     def nbytes(self) -> int:
@@ -87,12 +92,15 @@ def _chunk_view(local: torch.Tensor, box_offsets: Sequence[int], sub: tuple[tupl
 
 def plan_save(flat: Flat, rank: int, *, chunk_bytes: int, io_threads: int,
               compression: Compression | None) -> SavePlan:
-    """Chunks this rank writes (primary replicas only), grouped into files balanced by bytes."""
+    """Chunks this rank writes (primary replicas only, tied tensors once), grouped into files balanced by bytes."""
     chunks: list[WriteChunk] = []
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     mesh = None
+    aliases = find_aliases(flat.tensors)
     for key, tensor in flat.tensors.items():
         dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
+        if key in aliases:
+            continue
         tensors[key] = (tensor.dtype, tuple(tensor.shape))
         mesh = mesh or mesh_description(tensor)
         box = local_box(tensor, key)
@@ -102,7 +110,7 @@ def plan_save(flat: Flat, rank: int, *, chunk_bytes: int, io_threads: int,
         for sub in split_box(box, tensor.element_size(), chunk_bytes):
             chunks.append(WriteChunk(key, tensor.dtype, sub[0], sub[1], _chunk_view(local, box[0], sub)))
     return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
-                    tensors, flat.values, mesh)
+                    tensors, flat.values, mesh, aliases)
 
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
@@ -124,7 +132,8 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
     payload = {"error": None if local_error is None else f"{type(local_error).__name__}: {local_error}",
                "files": [f.to_json() for f in files],
                "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
-                           if k in written}}
+                           if k in written},
+               "aliases": plan.aliases if plan else {}}
     if local_error is None:
         log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s", dist.rank, len(files),
                  sum(f.size for f in files), storage.url, time.perf_counter() - started)
@@ -162,9 +171,14 @@ def _commit(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathe
                 if (seen[0], tuple(seen[1])) != (code_to_dtype(code), tuple(shape)):
                     return (f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} {list(seen[1])} vs "
                             f"{code} {shape}")
+        for r, g in enumerate(gathered):
+            if g["aliases"] != plan.aliases:
+                return (f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has {plan.aliases}, "
+                        f"rank {r} {g['aliases']}; every rank must tie the same keys")
         files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
         writer_info = {"world_size": dist.world_size, "mesh": plan.mesh}
-        manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info)
+        manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
+                                         aliases=plan.aliases)
         if not overwrite and is_committed(storage):
             return f"{storage.url} already holds a committed checkpoint; pass overwrite=True to replace it"
         writer.commit(manifest)
@@ -379,7 +393,11 @@ def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: b
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)
-    missing = sorted(wanted_keys - stored)
+    tied = alias_groups(find_aliases(flat.tensors))
+    # a tied group of the target is one tensor: read the first of its keys the checkpoint holds (the others
+    # then hold the same bytes), and count every key of the group as present when one of them is stored
+    reads = {key: next((k for k in tied.get(key, [key]) if k in stored), None) for key in flat.tensors}
+    missing = sorted(k for k in wanted_keys - stored if reads.get(k) is None)
     unexpected = sorted(stored - wanted_keys)
     if strict and (missing or unexpected):
         raise IncompatibleStateDict(
@@ -398,6 +416,8 @@ def _plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: b
             hint = " (pass dtype_cast=True to cast floating-point values)" if cast and not dtype_cast else ""
             raise IncompatibleStateDict(f"{key!r}: checkpoint holds {entry.dtype} {list(entry.shape)}, the target "
                                         f"is {target.dtype} {list(target.shape)}{hint}")
+        if reads[key] != key:  # tied to a key read already: the same memory
+            continue
         box = local_box(target, key)
         if box is None or math.prod(box[1]) == 0:
             continue

@@ -10,14 +10,17 @@ Schema (version 1; docs/format.md is the full specification)::
                                    "key": "...", "start": int, "nbytes": int, "codec": "raw" | "zstd",
                                    "block": int, "crc32c": "<base64 LE uint32 per block>"}]}},
      "values": {fqn: <JSON value>},
+     "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
      "files":  {name: {"size": int, "writer": int}}}
 
 :func:`parse_manifest` trusts nothing: it bounds the document, checks every
 type, refuses unknown (future) versions, refuses file names that leave the
 checkpoint, checks every chunk lies inside its tensor and its file, that raw
 chunk lengths match shape x dtype, that checksum lists have one entry per
-block, and that the chunks of every tensor tile it exactly.  After it returns,
-readers can plan and read without further checks except the checksums.
+block, that the chunks of every tensor tile it exactly, and that every alias
+names a stored tensor (so no chains and no cycles) and no key is two things.
+After it returns, readers can plan and read without further checks except
+the checksums.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MAX_MANIFEST_BYTES = 1 << 30
 CODECS = ("raw", "zstd")
 _MAX_DIM = 1 << 48
 _MAX_NDIM = 64
+_MAX_KEY = 4096
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     writer: dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
+    aliases: dict[str, str] = field(default_factory=dict)  # tied key -> the key whose tensor it is
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
@@ -101,6 +106,7 @@ def dump_manifest(manifest: Manifest) -> bytes:
         "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.chunks]}
                     for fqn, t in manifest.tensors.items()},
         "values": manifest.values,
+        **({"aliases": dict(manifest.aliases)} if manifest.aliases else {}),
         "files": {name: {"size": f.size, "writer": f.writer} for name, f in manifest.files.items()},
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -164,9 +170,30 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     clash = set(values) & set(tensors)
     if clash:
         raise InvalidManifest(f"{where}: keys {sorted(clash)[:5]} are both tensors and values")
+    aliases = _parse_aliases(_obj(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
     meta = _obj(doc.get("meta", {}), f"{where}: meta")
     writer = _obj(doc.get("writer", {}), f"{where}: writer")
-    return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version)
+    return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version,
+                    aliases=aliases)
+
+
+def _parse_aliases(doc: dict, tensors: Mapping[str, TensorRecord], values: Mapping[str, Any],
+                   where: str) -> dict[str, str]:
+    """Each alias is a key of its own (a string, not a tensor or value key) naming a *stored* tensor:
+    an alias of an alias (a chain, or a cycle) is refused, so one lookup always reaches the data."""
+    aliases: dict[str, str] = {}
+    for alias, target in doc.items():
+        at = f"{where}: alias {alias[:200]!r}"
+        if not alias or len(alias) > _MAX_KEY:
+            raise InvalidManifest(f"{at}: a key must be a string of 1 to {_MAX_KEY} characters")
+        if alias in tensors or alias in values:
+            raise InvalidManifest(f"{at} is also a stored {'tensor' if alias in tensors else 'value'}")
+        if not isinstance(target, str) or target not in tensors:
+            kind = "another alias" if isinstance(target, str) and target in doc else "no stored tensor"
+            raise InvalidManifest(f"{at} points at {target!r:.200}, which is {kind}; an alias must name a tensor "
+                                  f"the manifest stores")
+        aliases[alias] = target
+    return aliases
 
 
 def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str) -> TensorRecord:

@@ -32,11 +32,12 @@ from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
-                                                ConvertResult, copy_side_files, parse_memory, parse_size)
+                                                ConvertResult, parse_memory, parse_size)
 from shardkit.checkpoint.offline_detect import (canonical_location, normalize_format, open_source,
                                                 overlap, source_fingerprint)
 from shardkit.checkpoint.offline_diff import DiffReport, diff
 from shardkit.checkpoint.offline_fetch import Fetcher
+from shardkit.checkpoint.offline_hf import HfExport, plan_hf_export
 from shardkit.checkpoint.offline_native import parse_mesh, write_native
 from shardkit.checkpoint.offline_progress import Progress
 from shardkit.checkpoint.offline_replace import Destination, prepare_dst
@@ -67,11 +68,15 @@ def _check_output(to: str, sel: Selection) -> None:
                                         "(--exclude) or cast it (--dtype)") from None
 
 
-def _notes(source: Any, progress: Progress | None) -> None:
-    """Tell the user about side files the source holds but the conversion leaves behind, and why."""
+def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
+    """Tell the user about side files the source holds but the conversion leaves behind, and why
+    (and ``more`` lines, e.g. tied keys an HF export leaves out)."""
     for line in getattr(source, "skipped_side_files", ()) or ():
         if progress:
             progress.note(f"note: not copied: {line}")
+    for line in more:
+        if progress:
+            progress.note(line)
 
 
 def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
@@ -119,18 +124,22 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
-            src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
+            src_format: str | None = None, progress: Progress | None = None,
+            config: str | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
     ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
     :func:`reshard`), resumable and written by ``workers`` threads; ``hf``,
     ``torch`` and ``dcp`` output is written sequentially and starts over when
     rerun.  Options are checked, and unsupported tensors refused, before DST is
-    touched.
+    touched.  ``config`` (``hf`` only): a ``config.json`` or a directory whose
+    config, tokenizer and generation files go beside the weights; tied weights
+    and ``--dtype`` are then written the way ``from_pretrained`` reads them
+    (see :mod:`~shardkit.checkpoint.offline_hf`).
 
     Example::
 
-        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB")
+        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB", config="llama-3.2-1b/")
     """
     to = normalize_format(to)
     budget = parse_memory(max_memory)
@@ -139,12 +148,16 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
     if to != "shardkit" and compression:
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
+    if to != "hf" and config is not None:
+        raise ConfigurationError(f"--config applies to hf output only, not --to {to}")
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
-                     model_only=model_only or to == "hf", dtype=dtype)
+                     model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
         _check_output(to, sel)
-        _notes(source, progress)
+        export = plan_hf_export(source, sel, config, dtype) if to == "hf" else None
+        sel = export.selection if export else sel
+        _notes(source, progress, export.notes if export else ())
         started = time.perf_counter()
         dest = prepare_dst(dst, to, dst_storage_options, overwrite)
         if to == "shardkit":
@@ -155,7 +168,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
                                   replacing=dest.replacing, tool="convert")
         else:
             try:
-                files = _write_single(source, sel, dest, to, budget, shard_cap, progress)
+                files = _write_single(source, sel, dest, to, budget, shard_cap, progress, export)
             except BaseException:
                 dest.discard_created()
                 raise
@@ -173,7 +186,7 @@ def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> 
 
 
 def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,
-                  progress: Progress | None) -> list[str]:
+                  progress: Progress | None, export: HfExport | None = None) -> list[str]:
     """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
 
     These formats are written sequentially and start over on a rerun: their
@@ -189,9 +202,9 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
     if to == "hf":
         from shardkit.checkpoint.formats.hf import write_hf
 
+        assert export is not None  # planned by convert before DST was touched
         files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
-                         on_bytes=on_bytes, before_index=lambda: copy_side_files(source, storage,
-                                                                                  fsync=storage.is_local))
+                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage))
     elif to == "dcp":
         from shardkit.checkpoint.formats.dcp import write_dcp
 
@@ -242,7 +255,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
-                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
+                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
         rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
         _check_output("shardkit", sel)
         _notes(source, progress)
@@ -272,21 +285,26 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
 
-    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).
+    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
+    stored once under another (an alias) is listed with ``alias_of`` and no
+    chunks of its own, and its bytes are not counted again in the totals.
     """
     source = open_source(src, storage_options)
     try:
         tensors = []
+        aliases = source.aliases()
         for name, e in sorted(source.tensors().items()):
             tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
-                            "bytes": e.nbytes, "chunks": len(e.chunks)})
+                            "bytes": e.nbytes, "chunks": 0 if name in aliases else len(e.chunks)}
+                           | ({"alias_of": aliases[name]} if name in aliases else {}))
+        stored = [t for t in tensors if "alias_of" not in t]
         info = source.info
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
-                "totals": {"tensors": len(tensors), "bytes": sum(t["bytes"] for t in tensors),
-                           "chunks": sum(t["chunks"] for t in tensors),
-                           "model_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in tensors if t["name"].startswith("optim."))}}
+                "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
+                           "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
+                           "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}}
     finally:
         source.close()

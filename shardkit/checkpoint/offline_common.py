@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the CLI imports its defaults from here: keep torch out of `
 
 __all__ = ["ConvertResult", "parse_size", "parse_memory", "DEFAULT_MAX_MEMORY", "DEFAULT_MAX_MEMORY_TEXT",
            "DEFAULT_WORKERS", "DEFAULT_MAX_SHARD_SIZE", "MIN_MEMORY", "EXTRA_DIR", "side_files_of",
-           "copy_side_files"]
+           "copy_side_files", "copy_files"]
 
 DEFAULT_MAX_MEMORY_TEXT = "256MiB"
 DEFAULT_MAX_MEMORY = 256 * 2 ** 20
@@ -114,12 +114,16 @@ def copy_side_files(source: Any, dst: "Storage", into: str = "", *, fsync: bool 
     the weights never has to fit the memory budget.
     """
     folder, names = side_files_of(source)
+    return copy_files([(folder, name, f"{into}{name.rsplit('/', 1)[-1]}") for name in names], dst, fsync=fsync)
+
+
+def copy_files(files: "list[tuple[Storage, str, str]]", dst: "Storage", *, fsync: bool = False) -> list[str]:
+    """Copy each ``(folder, name, target)``: ``folder``'s file ``name`` to ``dst``'s ``target``, 8 MiB at a time."""
     written = []
-    for name in names:
-        target = f"{into}{name.rsplit('/', 1)[-1]}"
+    for folder, name, target in files:
         size = folder.size(name)
 
-        def produce(f: Any, name: str = name, size: int = size) -> None:
+        def produce(f: Any, folder: "Storage" = folder, name: str = name, size: int = size) -> None:
             for start in range(0, size, SIDE_FILE_BLOCK):
                 f.write(folder.read_bytes(name, start, min(size, start + SIDE_FILE_BLOCK)))
 

@@ -13,6 +13,10 @@ A diff that compares nothing is no verdict: filters that keep no key are
 refused, as ``reshard``/``convert`` refuse them.  When one side holds only the
 model (an HF export) and the other a training checkpoint, and no filter was
 given, only ``model.*`` is compared and the report's ``scope`` says so.
+
+A key tied to the same key on both sides (an alias in both manifests) holds
+the same bytes as that key, so it takes that key's verdict without a second
+read; tied on one side only, it is compared like any tensor.
 """
 
 from __future__ import annotations
@@ -105,11 +109,13 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
             raise ConfigurationError("the filters (--only/--exclude) keep no tensor or value of either checkpoint; "
                                      "nothing to compare" if (only or exclude) else
                                      f"{a} and {b} hold no tensor or value; nothing to compare")
-        shared = [n for n in names if n in ea and n in eb and ea[n].shape == eb[n].shape]
+        ab = sb.aliases()
+        tied = {n: t for n, t in sa.aliases().items() if ab.get(n) == t and wanted(t)}
+        shared = [n for n in names if n in ea and n in eb and ea[n].shape == eb[n].shape and n not in tied]
         fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
         if progress:
             progress.start("diff", sum(ea[n].nbytes + eb[n].nbytes for n in shared))
-        for name in names:
+        for name in (n for n in names if n not in tied):
             if name not in eb:
                 report.tensors.append(TensorDiff(name, "only-a"))
                 continue
@@ -121,6 +127,11 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                 report.tensors.append(TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}"))
                 continue
             report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 16, progress))
+        verdicts = {t.name: t for t in report.tensors}
+        for name, target in tied.items():
+            t = verdicts[target]
+            report.tensors.append(TensorDiff(name, t.status, t.max_abs, t.max_rel, f"tied to {target} on both sides"))
+        report.tensors.sort(key=lambda t: t.name)
         report.values = [k for k in value_names if
                          k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))]
     finally:

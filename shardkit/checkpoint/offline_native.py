@@ -101,7 +101,7 @@ class _PlannedChunk:
 def plan_files(sel: Selection, shards: int, chunk_cap: int, file_cap: int, salt: str) -> list[FileUnit]:
     """Work units for ``shards`` ranks; names carry a token derived from the whole plan."""
     per_rank: list[list[_PlannedChunk]] = [[] for _ in range(shards)]
-    for t in sel.tensors:
+    for t in sel.stored:  # aliases are written once, as the tensor they are tied to
         size = itemsize(t.dtype)
         if not t.shape:
             per_rank[0].append(_PlannedChunk(t.name, (), (), size))
@@ -253,8 +253,8 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
     copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
     meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
-    manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.tensors}, files,
-                                     values=sel.values, meta=meta, writer_info=writer_info)
+    manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.stored}, files,
+                                     values=sel.values, meta=meta, writer_info=writer_info, aliases=sel.aliases)
     writer.commit(manifest)
     try:
         storage.delete_tree(RESUME_DIR)
@@ -323,5 +323,6 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
         agree(True)
     else:
         commit_native(reader, sel, storage, written, writer_info, compression)
-    return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors), sel.nbytes,
-                         [u.name for u in units] + ["manifest.json"], sel.dropped, skipped)
+    return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors),
+                         sum(u.nbytes for u in units), [u.name for u in units] + ["manifest.json"], sel.dropped,
+                         skipped)

@@ -103,6 +103,8 @@ def run_convert(src: str, dst: str, *, to: str, distributed: bool | None = None,
     if nprocs <= 1:
         return convert(src, dst, to=to, **kwargs)
     if to in ("shardkit", "native"):
+        if kwargs.pop("config", None) is not None:
+            raise ConfigurationError("--config applies to hf output only, not --to shardkit")
         kwargs.pop("max_shard_size", None)
         kwargs["world_size"] = kwargs.pop("world_size", None) or 1
         return run_reshard(src, dst, distributed=distributed, **kwargs)

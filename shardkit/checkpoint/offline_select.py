@@ -5,6 +5,10 @@
 the same plain list of ``(name, dtype, shape)`` and a map back to the source
 names.  Errors (a rename that makes two tensors collide, a filter that keeps
 nothing, a dtype that is not a float) are raised before DST is touched.
+
+Tied keys (a source's aliases) stay tied under their output names when both
+keys are kept in the same dtype; an alias whose key is filtered out, or cast
+differently, becomes a tensor of its own (read from the stored one).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -72,6 +76,7 @@ class Selection:
     tensors: list[OutputTensor]
     values: dict[str, Any]
     dropped: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # output name -> the output name it is tied to
 
     @property
     def rename_back(self) -> dict[str, str]:
@@ -90,6 +95,11 @@ class Selection:
         """Bytes of every output tensor (after the dtype cast): the progress total."""
         return sum(math.prod(t.shape) * itemsize(t.dtype) for t in self.tensors)
 
+    @property
+    def stored(self) -> list[OutputTensor]:
+        """The tensors a format that records aliases writes: all but the aliases."""
+        return [t for t in self.tensors if t.name not in self.aliases]
+
 
 def _is_model(name: str) -> bool:
     return name.startswith("model.")
@@ -97,8 +107,9 @@ def _is_model(name: str) -> bool:
 
 def select(entries: dict[str, TensorEntry], values: dict[str, Any], *, only: Sequence[str] | None = None,
            exclude: Sequence[str] | None = None, rename: Sequence[str] | None = None, model_only: bool = False,
-           dtype: str | torch.dtype | None = None, dtype_optim: bool = False) -> Selection:
-    """Apply filters, renames and dtype to a source's tensors and values."""
+           dtype: str | torch.dtype | None = None, dtype_optim: bool = False,
+           aliases: Mapping[str, str] | None = None) -> Selection:
+    """Apply filters, renames and dtype to a source's tensors and values (and its ``aliases``)."""
     rules = parse_rename(rename)
     want_dtype = parse_dtype(dtype)
     out: list[OutputTensor] = []
@@ -139,4 +150,10 @@ def select(entries: dict[str, TensorEntry], values: dict[str, Any], *, only: Seq
             dropped.append(name)
     if not out and entries:
         raise ConfigurationError("the filters (--only/--exclude/--model-only) keep no tensor; nothing to write")
-    return Selection(out, kept_values, dropped)
+    by_source = {t.source: t for t in out}
+    tied = {}
+    for alias, target in (aliases or {}).items():
+        a, t = by_source.get(alias), by_source.get(target)
+        if a is not None and t is not None and a.dtype == t.dtype:
+            tied[a.name] = t.name
+    return Selection(out, kept_values, dropped, tied)

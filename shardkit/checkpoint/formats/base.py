@@ -9,6 +9,7 @@ through :class:`CheckpointReader`:
   shape and the stored chunks, each a box with global offsets and a
   format-private ``locator``);
 * :meth:`CheckpointReader.values` -- non-tensor state as JSON values;
+* :meth:`CheckpointReader.aliases` -- tied keys stored once (listed by ``tensors`` too);
 * :attr:`CheckpointReader.info` -- format, writer world size/mesh, user meta (step);
 * :meth:`CheckpointReader.read` -- fill :class:`ReadRequest` s, each "this sub-box
   of this stored chunk into this tensor view".  Formats with ranged reads fetch
@@ -148,6 +149,12 @@ class CheckpointReader(abc.ABC):
     @abc.abstractmethod
     def values(self) -> Mapping[str, Any]:
         """Every non-tensor value (JSON types) by flattened fqn."""
+
+    def aliases(self) -> Mapping[str, str]:
+        """Tied keys: ``{alias: key}`` for each key of :meth:`tensors` whose data is stored once under
+        ``key`` (native checkpoints record them; other formats have none).  :meth:`tensors` lists the
+        alias too, with the chunks of ``key``, so a reader of one key needs to know nothing of this."""
+        return {}
 
     @abc.abstractmethod
     def read(self, requests: Sequence[ReadRequest]) -> None:

@@ -41,7 +41,7 @@ from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidMani
                              UnsupportedFormat)
 
 __all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "read_header",
-           "check_tensors", "side_file_problem", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
+           "check_tensors", "side_file_problem", "side_files_in", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -93,6 +93,23 @@ def side_file_problem(storage: Storage, name: str) -> str | None:
     return None
 
 
+def side_files_in(folder: Storage) -> tuple[list[str], list[str]]:
+    """The side files of an HF folder (names), and one line per other file left behind, saying why.
+
+    Weights (``*.safetensors``, the index) and hidden files are neither.
+    """
+    carried, skipped = [], []
+    for n in folder.listdir():
+        if n.endswith(".safetensors") or n == INDEX_NAME or n.startswith("."):
+            continue
+        problem = side_file_problem(folder, n)
+        if problem is None:
+            carried.append(n)
+        else:
+            skipped.append(problem)
+    return carried, skipped
+
+
 def detect(storage: Storage) -> bool:
     if storage.is_dir():
         return storage.exists(INDEX_NAME) or storage.exists(SINGLE_NAME)
@@ -131,14 +148,7 @@ class HfReader(CheckpointReader):
                 names = sorted({check_name(v, storage.where(INDEX_NAME)) for v in weight_map.values()})
             else:
                 weight_map, names = None, [SINGLE_NAME]
-            for n in storage.listdir():
-                if n.endswith(".safetensors") or n == INDEX_NAME or n.startswith("."):
-                    continue
-                problem = side_file_problem(storage, n)
-                if problem is None:
-                    self.side_files.append(n)
-                else:
-                    self.skipped_side_files.append(problem)
+            self.side_files, self.skipped_side_files = side_files_in(storage)
         else:
             self.folder, name = split_file(storage)
             weight_map, names = None, [name]

@@ -158,6 +158,9 @@ class NativeReader(CheckpointReader):
             fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
                              tuple(StoredChunk(c.offsets, c.shape, c) for c in t.chunks))
             for fqn, t in self.manifest.tensors.items()}
+        for alias, target in self.manifest.aliases.items():  # the same stored chunks under the tied key
+            t = self._entries[target]
+            self._entries[alias] = TensorEntry(alias, t.dtype, t.shape, t.chunks)
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -168,6 +171,9 @@ class NativeReader(CheckpointReader):
 
     def values(self) -> Mapping[str, Any]:
         return self.manifest.values
+
+    def aliases(self) -> Mapping[str, str]:
+        return self.manifest.aliases
 
     def close(self) -> None:
         self._local = threading.local()

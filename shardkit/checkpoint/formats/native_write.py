@@ -161,8 +161,10 @@ class NativeWriter:
 
     def build_manifest(self, tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]], files: Sequence[WrittenFile],
                        *, values: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
-                       writer_info: Mapping[str, Any] | None = None) -> Manifest:
-        """The manifest for ``tensors`` (fqn -> dtype, global shape) stored in ``files``."""
+                       writer_info: Mapping[str, Any] | None = None,
+                       aliases: Mapping[str, str] | None = None) -> Manifest:
+        """The manifest for ``tensors`` (fqn -> dtype, global shape) stored in ``files``; ``aliases``
+        (tied key -> stored key) name tensors stored once under another key."""
         chunks: dict[str, list[ChunkRecord]] = {fqn: [] for fqn in tensors}
         for wf in files:
             for fqn, rec in wf.chunks:
@@ -174,7 +176,7 @@ class NativeWriter:
                    for fqn, (dtype, shape) in tensors.items()}
         return Manifest(tensors=records, values=dict(values or {}),
                         files={wf.name: FileRecord(wf.size, wf.writer) for wf in files},
-                        meta=dict(meta or {}), writer=dict(writer_info or {}))
+                        meta=dict(meta or {}), writer=dict(writer_info or {}), aliases=dict(aliases or {}))
 
     def commit(self, manifest: Manifest) -> bytes:
         """Validate ``manifest`` as a reader would, then publish it atomically (the commit)."""
