@@ -56,3 +56,26 @@ def test_a_dtype_the_target_cannot_hold_is_refused_before_dst_is_touched(tmp_pat
     result = run_cli("-q", "convert", str(src), str(out), "--to", "hf", "--overwrite", "--exclude", "model.z")
     assert result.exit_code == 0, result.stderr
     assert not (out / "manifest.json").exists() and not (out / "data").exists()
+
+
+def test_overwriting_an_hf_export_never_writes_over_a_shard_the_old_index_names(tmp_path, monkeypatch):
+    first = write_torch_state(tmp_path / "first.pt", _weights(), [])
+    second = write_torch_state(tmp_path / "second.pt", {k: v + 1 for k, v in _weights().items()}, [])
+    out = tmp_path / "hf"
+    convert(str(first), str(out), to="hf", max_shard_size="60KB")
+    old_index = json.loads((out / "model.safetensors.index.json").read_text())
+    old_shards = {name: (out / name).read_bytes() for name in set(old_index["weight_map"].values())}
+
+    from shardkit.checkpoint.storage import Storage
+
+    def checked_put(self, name, data, _put=Storage.put_atomic):  # the commit: the old export is still whole
+        if name == "model.safetensors.index.json":
+            assert {n: (out / n).read_bytes() for n in old_shards} == old_shards
+        return _put(self, name, data)
+
+    monkeypatch.setattr(Storage, "put_atomic", checked_put)
+    convert(str(second), str(out), to="hf", max_shard_size="60KB", overwrite=True)
+    new_index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not set(new_index["weight_map"].values()) & set(old_shards)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(new_index["weight_map"].values()))
+    assert diff(str(second), str(out)).equal

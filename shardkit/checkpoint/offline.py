@@ -204,7 +204,8 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
 
         assert export is not None  # planned by convert before DST was touched
         files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
-                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage))
+                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage),
+                         avoid=dest.avoid)
     elif to == "dcp":
         from shardkit.checkpoint.formats.dcp import write_dcp
 

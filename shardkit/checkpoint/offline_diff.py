@@ -97,7 +97,7 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
         ea, eb = sa.tensors(), sb.tensors()
         va, vb = sa.values(), sb.values()
         if not only and not exclude:
-            only, report.scope = _model_scope(a, b, ea, eb)
+            only, report.scope = _model_scope(a, b, set(ea) | set(va), set(eb) | set(vb))
 
         def wanted(name: str) -> bool:
             return ((not only or any(fnmatch.fnmatchcase(name, g) for g in only))
@@ -142,14 +142,14 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
     return report
 
 
-def _model_scope(a: str, b: str, ea: Mapping[str, Any], eb: Mapping[str, Any]) -> tuple[list[str] | None, str]:
-    """``(["model.*"], why)`` when exactly one side holds only model tensors (an HF export, a
+def _model_scope(a: str, b: str, keys_a: set[str], keys_b: set[str]) -> tuple[list[str] | None, str]:
+    """``(["model.*"], why)`` when exactly one side holds only model keys (an HF export, a
     model-only torch file) and the other more (optimizer state): the model part is what they share."""
-    def model_only(entries: Mapping[str, Any]) -> bool:
-        return bool(entries) and all(n.startswith("model.") for n in entries)
+    def model_only(keys: set[str]) -> bool:
+        return bool(keys) and all(n.startswith("model.") for n in keys)
 
-    if model_only(ea) != model_only(eb):
-        lean = a if model_only(ea) else b
+    if model_only(keys_a) != model_only(keys_b):
+        lean = a if model_only(keys_a) else b
         return ["model.*"], f"model.* only: {lean} holds only model weights (pass --only/--exclude to choose)"
     return None, ""
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+import uuid
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -218,18 +219,24 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_sha
 def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
              fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor], *, block_bytes: int,
              max_shard_size: int, on_bytes: Callable[[int], None] = lambda n: None,
-             before_index: Callable[[], None] = lambda: None) -> list[str]:
+             before_index: Callable[[], None] = lambda: None, avoid: Collection[str] = ()) -> list[str]:
     """Write HF shards + index for model tensors (``model.<key>`` → ``<key>``); return file names.
 
     ``fetch(fqn, offsets, shape)`` returns a box of rows; each shard is streamed
     (header first) a block of at most ``block_bytes`` at a time.  The index is
     written last (after ``before_index``, which copies side files): it is what
-    makes the folder a checkpoint, so a failure leaves none.
+    makes the folder a checkpoint, so a failure leaves none.  Shards never take
+    a name in ``avoid`` (the files of an export being replaced, still in use
+    until this index commits): the usual ``model-0000k-of-0000N.safetensors``
+    then gets a short suffix, and the index names the files as written.
     """
     check_tensors(tensors)
     items = [(fqn[len("model."):], dtype, shape) for fqn, dtype, shape in tensors]
     shards = plan_shards(items, max_shard_size)
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    if set(names) & set(avoid):
+        suffix = uuid.uuid4().hex[:8]
+        names = [f"{n[:-len('.safetensors')]}-{suffix}.safetensors" for n in names]
     weight_map: dict[str, str] = {}
     for name, idx in zip(names, shards):
         entries = [(key, dtype_to_code(dtype), shape, math.prod(shape) * itemsize(dtype))
