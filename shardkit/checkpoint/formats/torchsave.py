@@ -3,6 +3,7 @@
 Reading uses ``torch.load(weights_only=True, mmap=True)``: tensors stay backed
 by the file, so only the rows being converted are paged in.  A remote file is
 first copied to a local temporary file (disk, not memory) so it can be mapped.
+What the unpickled object means as a state dict is :mod:`.torch_state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
@@ -29,15 +30,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.flatten import flatten, from_json_value
+from shardkit.checkpoint.flatten import from_json_value
 from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
                                               contiguous_strides)
 from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
+from shardkit.checkpoint.formats.torch_state import flatten_state
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, ShardkitError, UnsafeCheckpoint,
-                             UnsupportedFormat)
+from shardkit.errors import CheckpointNotFound, InvalidManifest, ShardkitError, UnsafeCheckpoint, UnsupportedFormat
 
 __all__ = ["TorchSaveReader", "TensorRef", "detect", "open_reader", "write_torch_save", "write_archive",
            "check_tensors", "flatten_state", "value_path"]
@@ -67,48 +68,6 @@ def detect(storage: Storage) -> bool:
 
 def open_reader(storage: Storage) -> "TorchSaveReader":
     return TorchSaveReader(storage)
-
-
-def flatten_state(obj: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Nested state dict -> (flattened tensors, JSON-encoded values), keys joined by ``.``.
-
-    The keys are the ones ``shardkit.checkpoint.save`` gives the same state dict
-    (:func:`~shardkit.checkpoint.flatten.flatten`), so a torch.save file and a
-    native checkpoint of one model can be diffed and loaded alike.  Non-finite
-    floats (a ``best_loss`` of ``inf``) use flatten's ``{"$float": ...}`` form.
-    Where the top level is placed is decided by :func:`_placed`.
-    """
-    if not isinstance(obj, dict):
-        raise UnsupportedFormat(f"{where}: holds a {type(obj).__name__}, not a state dict")
-    try:
-        flat = flatten(_plain(_placed(obj)))
-    except ConfigurationError as exc:
-        raise UnsupportedFormat(f"{where}: {exc}") from None
-    return flat.tensors, flat.values
-
-
-def _placed(obj: dict) -> dict:
-    """Nest a top level that is not ``{"model": ..., "optim": ...}`` under the name it stands for.
-
-    An optimizer state dict (``state`` + ``param_groups``, e.g. FSDP1's
-    ``full_optim_state_dict`` saved alone) goes under ``optim.`` so it is never
-    exported or cast as model weights; anything else is a bare model state dict.
-    """
-    if any(isinstance(obj.get(k), dict) for k in ("model", "optim")):
-        return obj
-    if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), (list, tuple)):
-        return {"optim": obj}
-    return {"model": obj}
-
-
-def _plain(value: Any) -> Any:
-    """Dict keys as strings (torch's own optimizer state is keyed by int) and tuples as lists, so that
-    flatten can walk what ``torch.load`` returns; JSON has neither int keys nor tuples anyway."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def value_path(key: str) -> tuple[str | int, ...]:
