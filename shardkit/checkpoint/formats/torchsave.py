@@ -3,7 +3,9 @@
 Reading uses ``torch.load(weights_only=True, mmap=True)``: tensors stay backed
 by the file, so only the rows being converted are paged in.  A remote file is
 first copied to a local temporary file (disk, not memory) so it can be mapped.
-What the unpickled object means as a state dict is :mod:`.torch_state`'s concern.
+torch.load checks no CRC-32, so the reader checks each zip record's before
+serving its bytes (:mod:`.zip_records`).  What the unpickled object means as a
+state dict is :mod:`.torch_state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
@@ -20,6 +22,7 @@ the same archives (:func:`write_archive`), one per chunk.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import struct
@@ -35,6 +38,8 @@ from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, 
                                               contiguous_strides)
 from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
 from shardkit.checkpoint.formats.torch_state import flatten_state
+from shardkit.checkpoint.formats.zip_records import (CheckedOnce, ZipRecord, carries_checksums, check_record,
+                                                     data_start, list_records)
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
@@ -42,6 +47,8 @@ from shardkit.errors import CheckpointNotFound, InvalidManifest, ShardkitError, 
 
 __all__ = ["TorchSaveReader", "TensorRef", "detect", "open_reader", "write_torch_save", "write_archive",
            "check_tensors", "flatten_state", "value_path"]
+
+log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
@@ -82,37 +89,94 @@ def value_path(key: str) -> tuple[str | int, ...]:
 
 
 class TorchSaveReader(CheckpointReader):
-    """A torch.save file, memory-mapped; tensors are served a request at a time."""
+    """A torch.save file, memory-mapped; tensors are served a request at a time.
+
+    Every zip record is checked against its CRC-32 before its bytes are used
+    (:mod:`.zip_records`): ``data.pkl`` and the other small records at open,
+    each tensor's storage record the first time one of its rows is read.
+    """
 
     def __init__(self, storage: Storage) -> None:
         super().__init__()
         self._tmp: str | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._record_of: dict[str, ZipRecord] = {}
+        self._data_at: dict[str, int] = {}
+        self._checked = CheckedOnce()
+        url = storage.url
         try:
-            obj = torch.load(self._local_path(storage), map_location="cpu", weights_only=True, mmap=True)
-            self._tensors, self._values = flatten_state(obj, storage.url)
+            self._file, self._name, path = self._local_file(storage)
+            self._size = self._file.size(self._name)
+            records = list_records(self._file, self._name, 0, self._size, url)
+            crc = carries_checksums(records)
+            if crc:  # data.pkl and the other small records, before anything is unpickled from them
+                for rec in records:
+                    if "/data/" not in rec.name:
+                        self._check(rec, url)
+            else:
+                log.warning("%s: written without CRC-32s (torch's save.compute_crc32=False); its bytes cannot be "
+                            "checked", url)
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            self._tensors, self._values = flatten_state(obj, url)
+            if crc:
+                self._map_records(url, records)
         except BaseException as exc:
             self.close()  # a failed download, a bad file or unreadable contents leave no spool file behind
             if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):
                 raise
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
             if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{storage.url}: needs unsafe unpickling to load ({msg}); refusing") from None
-            raise InvalidManifest(f"{storage.url}: not a readable torch.save file ({msg})") from None
+                raise UnsafeCheckpoint(f"{url}: needs unsafe unpickling to load ({msg}); refusing") from None
+            raise InvalidManifest(f"{url}: not a readable torch.save file ({msg})") from None
         self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (StoredChunk((0,) * t.dim(), tuple(t.shape), k),))
                          for k, t in self._tensors.items()}
-        self.info = CheckpointInfo("torch", storage.url)
+        self.info = CheckpointInfo("torch", url)
 
-    def _local_path(self, storage: Storage) -> str:
-        """The file on local disk; a remote file is spooled to a temporary file first so it can be mapped."""
+    def _local_file(self, storage: Storage) -> tuple[Storage, str, str]:
+        """(folder, name, path) of the file on local disk; a remote file is spooled to a temporary file
+        first so it can be mapped."""
         parent, name = split_file(storage)
         if parent.is_local:
-            return parent.path(name)
+            return parent, name, parent.path(name)
         fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
         os.close(fd)
         tmp = self._tmp
         parent.retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
-        return tmp
+        return Storage(os.path.dirname(tmp)), os.path.basename(tmp), tmp
+
+    def _map_records(self, url: str, records: list[ZipRecord]) -> None:
+        """Find the storage record holding each tensor's bytes, so each is checked when first read.
+
+        ``mmap=True`` maps the whole file once and makes each storage a slice
+        of that mapping starting at its record's bytes, so the storages'
+        addresses minus the records' data offsets are one constant.  When the
+        non-empty storages and records pair up one to one under that constant
+        (sizes agreeing), each tensor's record is known; anything else (a
+        torch that maps otherwise) tells us nothing, and then every record is
+        checked now, before any byte is served.
+        """
+        data = {data_start(self._file, self._name, 0, r, url): r for r in records if "/data/" in r.name and r.size}
+        by_address: dict[int, list[str]] = {}
+        for key, t in self._tensors.items():
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                by_address.setdefault(storage.data_ptr(), []).append(key)
+        if by_address and len(by_address) == len(data):
+            base = min(by_address) - min(data)
+            found = {address: data.get(address - base) for address in by_address}
+            if all(rec is not None and rec.size == self._tensors[by_address[address][0]].untyped_storage().nbytes()
+                   for address, rec in found.items()):
+                for address, rec in found.items():
+                    assert rec is not None
+                    self._data_at[rec.name] = address - base
+                    self._record_of.update((key, rec) for key in by_address[address])
+                return
+        for rec in data.values():
+            self._check(rec, url)
+
+    def _check(self, rec: ZipRecord, where: str) -> None:
+        self._checked.ensure(rec.name, lambda: check_record(self._file, self._name, 0, self._size, rec, where,
+                                                            data_at=self._data_at.get(rec.name)))
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
@@ -122,6 +186,10 @@ class TorchSaveReader(CheckpointReader):
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self._check_requests(requests)
+        for r in requests:  # every record the requests need is checked before any out is written
+            rec = self._record_of.get(r.fqn)
+            if rec is not None:
+                self._check(rec, f"{self.info.url} [{r.fqn}]")
         for r in requests:
             t = self._tensors[r.fqn]
             r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
