@@ -51,6 +51,17 @@ def _io_options(fn):
     return _storage(fn)
 
 
+def _torch_source(fn):
+    opts = [
+        click.option("--trust-pickle", is_flag=True,
+                     help="torch.save SRC: unpickle classes outside torch.load's weights_only allowlist. UNSAFE: "
+                          "runs any code the file names; only for files you trust."),
+    ]
+    for deco in reversed(opts):
+        fn = deco(fn)
+    return fn
+
+
 def _progress(ctx: click.Context) -> "Progress | None":
     if ctx.obj.quiet:
         return None
@@ -82,11 +93,13 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
 @click.option("--dtype-optim", is_flag=True, help="With --dtype, cast floating optimizer state too.")
 @click.option("--compression", metavar="zstd[:LEVEL]", help="Compress each chunk with zstd (default level 1).")
 @_io_options
+@_torch_source
 @click.pass_context
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, dtype: str | None,
             dtype_optim: bool, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None,
+            trust_pickle: bool) -> int:
     """Write SRC as a shardkit checkpoint laid out for N ranks, each rank's shards in its own file(s).
 
     SRC may be any format shardkit reads; optimizer state is resharded with the
@@ -107,7 +120,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
                          compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          overwrite=overwrite, storage_options=so,
                          dst_storage_options=storage_options(dst_opts) if dst_opts else so, max_memory=max_memory,
-                         workers=workers, progress=_progress(ctx), distributed=distributed)
+                         workers=workers, progress=_progress(ctx), distributed=distributed, trust_pickle=trust_pickle)
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0
@@ -125,11 +138,13 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
               help="HF output: cap per shard file.")
 @click.option("--compression", metavar="zstd[:LEVEL]", help="shardkit output: compress each chunk with zstd.")
 @_io_options
+@_torch_source
 @click.pass_context
 def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | None, dtype: str | None,
             max_shard_size: str, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None,
+            trust_pickle: bool) -> int:
     """Convert SRC (format detected) to another format at DST.
 
     HF output has size-capped shards, an index and the source's side files
@@ -153,7 +168,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
                          storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
                          max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx),
-                         distributed=distributed)
+                         distributed=distributed, trust_pickle=trust_pickle)
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0

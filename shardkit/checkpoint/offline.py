@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 from shardkit.checkpoint.codec import dtype_to_code
 from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
+from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, copy_side_files, parse_memory, parse_size)
@@ -155,7 +156,8 @@ def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
 
 
 def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
-                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None) -> tuple[Any, Any]:
+                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None,
+                   torch_options: TorchLoadOptions | None = None) -> tuple[Any, Any]:
     """Open SRC once DST is known not to overlap it; DST's options default to SRC's.
 
     The overlap check comes first so that nothing is read (or, later,
@@ -164,7 +166,7 @@ def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
-    return open_source(src, storage_options, src_format), dst_storage_options
+    return open_source(src, storage_options, src_format, torch_options), dst_storage_options
 
 
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
@@ -185,14 +187,17 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
-            src_format: str | None = None, progress: Progress | None = None) -> ConvertResult:
+            src_format: str | None = None, progress: Progress | None = None,
+            trust_pickle: bool = False) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
     ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
     :func:`reshard`), resumable and written by ``workers`` threads; ``hf``,
     ``torch`` and ``dcp`` output is written sequentially and starts over when
     rerun.  Options are checked, and unsupported tensors refused, before DST is
-    touched.
+    touched.  A torch.save SRC: ``trust_pickle=True`` unpickles it without the
+    ``weights_only`` allowlist -- UNSAFE, it runs any code the file names; only
+    for files you trust.
 
     Example::
 
@@ -205,7 +210,8 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
     if to != "shardkit" and compression:
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
+                                                 TorchLoadOptions(trust_pickle))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype)
@@ -267,7 +273,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
             src_format: str | None = None, progress: Progress | None = None,
-            scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
+            scaleout: tuple[int, int, Any] | None = None, trust_pickle: bool = False) -> ConvertResult:
     """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
 
     Each rank's shards land in their own data file(s), so a job of that size
@@ -277,6 +283,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     written (from the same SRC) and verified.
     ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
     (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
+    ``trust_pickle`` is :func:`convert`'s.
 
     Example::
 
@@ -292,7 +299,8 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     if ws < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
     budget = parse_memory(max_memory)
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
+                                                 TorchLoadOptions(trust_pickle))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)

@@ -38,7 +38,8 @@ from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, R
 from shardkit.checkpoint.formats.dcp_metadata import (BytesStorageMetadata, TensorStorageMetadata,
                                                       encode_dcp_metadata, read_dcp_metadata)
 from shardkit.checkpoint.formats.dcp_payload import locate_rows, payload_meta
-from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, value_path, write_archive)
+from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, refusal, value_path,
+                                                   write_archive)
 from shardkit.checkpoint.formats.zip_records import CheckedOnce, check_zip_bytes, check_zip_records
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
@@ -142,9 +143,10 @@ class DcpReader(CheckpointReader):
         except ShardkitError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for bad bytes
+            refused = refusal(exc)
+            if refused:
+                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({refused}); refusing") from None
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
-            if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({msg})") from None
             raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({msg})") from None
 
     def values(self) -> Mapping[str, Any]:

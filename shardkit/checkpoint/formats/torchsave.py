@@ -4,8 +4,10 @@ Reading uses ``torch.load(weights_only=True, mmap=True)``: tensors stay backed
 by the file, so only the rows being converted are paged in.  A remote file is
 first copied to a local temporary file (disk, not memory) so it can be mapped.
 torch.load checks no CRC-32, so the reader checks each zip record's before
-serving its bytes (:mod:`.zip_records`).  What the unpickled object means as a
-state dict is :mod:`.torch_state`'s concern.
+serving its bytes (:mod:`.zip_records`).  A file that needs classes outside
+the ``weights_only`` allowlist is refused, naming the class, unless the user
+trusts it (``trust_pickle``, :class:`TorchLoadOptions`).  What the unpickled
+object means as a state dict is :mod:`.torch_state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
@@ -25,6 +27,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import struct
 import tempfile
 import zipfile
@@ -45,8 +48,8 @@ from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks,
 from shardkit.checkpoint.storage import Storage
 from shardkit.errors import CheckpointNotFound, InvalidManifest, ShardkitError, UnsafeCheckpoint, UnsupportedFormat
 
-__all__ = ["TorchSaveReader", "TensorRef", "detect", "open_reader", "write_torch_save", "write_archive",
-           "check_tensors", "flatten_state", "value_path"]
+__all__ = ["TorchSaveReader", "TorchLoadOptions", "TensorRef", "detect", "open_reader", "refusal", "write_torch_save",
+           "write_archive", "check_tensors", "value_path"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ _STORAGE_TYPES = {
 }
 _ALIGN = 64
 _ARCHIVE = "archive"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's refusal message carries terminal bold codes
 
 
 def detect(storage: Storage) -> bool:
@@ -73,8 +77,36 @@ def detect(storage: Storage) -> bool:
         return False
 
 
-def open_reader(storage: Storage) -> "TorchSaveReader":
-    return TorchSaveReader(storage)
+@dataclass(frozen=True)
+class TorchLoadOptions:
+    """How the offline tools open a torch.save source.
+
+    ``trust_pickle``: unpickle the file without torch's ``weights_only``
+    allowlist, for a file whose origin the user trusts.  UNSAFE on anything
+    else: unpickling runs whatever code the file names.
+    """
+
+    trust_pickle: bool = False
+
+
+def open_reader(storage: Storage, options: TorchLoadOptions | None = None) -> "TorchSaveReader":
+    return TorchSaveReader(storage, options)
+
+
+def refusal(exc: BaseException) -> str | None:
+    """What ``torch.load(weights_only=True)`` refused, in one line naming the class (``GLOBAL
+    mymodule.MyClass``); ``None`` when ``exc`` is not such a refusal.  torch's message starts with a
+    paragraph on how to bypass the check; the class is named further down."""
+    text = _ANSI.sub("", str(exc))
+    if not any(s in text for s in ("weights_only", "Weights only", "WeightsUnpickler", "Unsupported global")):
+        return None
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return f"{found.group(1)} is not on torch.load's weights_only allowlist"
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 def value_path(key: str) -> tuple[str | int, ...]:
@@ -96,13 +128,15 @@ class TorchSaveReader(CheckpointReader):
     each tensor's storage record the first time one of its rows is read.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, options: TorchLoadOptions | None = None) -> None:
         super().__init__()
+        opts = options or TorchLoadOptions()
         self._tmp: str | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._record_of: dict[str, ZipRecord] = {}
         self._data_at: dict[str, int] = {}
         self._checked = CheckedOnce()
+        self.skipped_side_files: list[str] = []  # what a trusted file held that no checkpoint can (notes)
         url = storage.url
         try:
             self._file, self._name, path = self._local_file(storage)
@@ -116,17 +150,24 @@ class TorchSaveReader(CheckpointReader):
             else:
                 log.warning("%s: written without CRC-32s (torch's save.compute_crc32=False); its bytes cannot be "
                             "checked", url)
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            self._tensors, self._values = flatten_state(obj, url)
+            if opts.trust_pickle:
+                log.warning("%s: unpickling with trust_pickle=True: the weights_only allowlist is off and any "
+                            "code the file names runs; use this only on files you trust", url)
+            obj = torch.load(path, map_location="cpu", weights_only=not opts.trust_pickle, mmap=True)
+            state = flatten_state(obj, url, trusted=opts.trust_pickle)
+            self._tensors, self._values, self.skipped_side_files = state.tensors, state.values, state.notes
             if crc:
                 self._map_records(url, records)
         except BaseException as exc:
             self.close()  # a failed download, a bad file or unreadable contents leave no spool file behind
             if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):
                 raise
+            refused = refusal(exc)
+            if refused and not opts.trust_pickle:
+                raise UnsafeCheckpoint(f"{url}: refusing to unpickle it: {refused}, and loading it could run code "
+                                       "the file names; if you trust this file, pass --trust-pickle "
+                                       "(trust_pickle=True in Python; unsafe on untrusted files)") from None
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
-            if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{url}: needs unsafe unpickling to load ({msg}); refusing") from None
             raise InvalidManifest(f"{url}: not a readable torch.save file ({msg})") from None
         self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (StoredChunk((0,) * t.dim(), tuple(t.shape), k),))
                          for k, t in self._tensors.items()}
