@@ -187,8 +187,8 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
-            src_format: str | None = None, progress: Progress | None = None,
-            trust_pickle: bool = False) -> ConvertResult:
+            src_format: str | None = None, progress: Progress | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
     ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
@@ -197,7 +197,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     rerun.  Options are checked, and unsupported tensors refused, before DST is
     touched.  A torch.save SRC: ``trust_pickle=True`` unpickles it without the
     ``weights_only`` allowlist -- UNSAFE, it runs any code the file names; only
-    for files you trust.
+    for files you trust; ``model_keys`` (parameter FQNs in
+    ``named_parameters()`` order) names optimizer state keyed by number
+    (:mod:`~shardkit.checkpoint.formats.torch_state`).
 
     Example::
 
@@ -210,8 +212,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
     if to != "shardkit" and compression:
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
-                                                 TorchLoadOptions(trust_pickle))
+    source, dst_storage_options = _open_distinct(
+        src, dst, storage_options, dst_storage_options, src_format,
+        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or to == "hf")))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype)
@@ -273,7 +276,8 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
             src_format: str | None = None, progress: Progress | None = None,
-            scaleout: tuple[int, int, Any] | None = None, trust_pickle: bool = False) -> ConvertResult:
+            scaleout: tuple[int, int, Any] | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
     """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
 
     Each rank's shards land in their own data file(s), so a job of that size
@@ -283,7 +287,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     written (from the same SRC) and verified.
     ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
     (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
-    ``trust_pickle`` is :func:`convert`'s.
+    ``trust_pickle`` and ``model_keys`` are :func:`convert`'s.
 
     Example::
 
@@ -300,7 +304,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
     budget = parse_memory(max_memory)
     source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
-                                                 TorchLoadOptions(trust_pickle))
+                                                 TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim)
@@ -328,6 +332,13 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         return result
     finally:
         source.close()
+
+
+def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
+    if isinstance(model_keys, str):
+        raise ConfigurationError("model_keys is a list of parameter names; read a file with "
+                                 "shardkit.checkpoint.formats.torch_state.read_model_keys")
+    return tuple(model_keys) if model_keys is not None else None
 
 
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

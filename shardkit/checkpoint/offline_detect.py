@@ -78,15 +78,15 @@ def open_source(url: str, storage_options: Mapping[str, Any] | None = None, fmt:
     """Open ``url`` as a :class:`CheckpointReader`, detecting the format unless ``fmt`` is given.
 
     ``torch_options`` apply to a torch.save source; asking another format to
-    trust pickles is refused rather than ignored.
+    trust pickles or to take ``model_keys`` is refused rather than ignored.
     """
     storage = Storage(url, storage_options)
     fmt = normalize_format(fmt) if fmt else detect(storage)
     if fmt == "torch":
         return format_module(fmt).open_reader(storage, torch_options)
-    if torch_options is not None and torch_options.trust_pickle:
-        raise ConfigurationError(f"{url}: --trust-pickle applies to torch.save sources, and this is a {fmt} "
-                                 "checkpoint; drop it")
+    if torch_options is not None and (torch_options.trust_pickle or torch_options.model_keys is not None):
+        raise ConfigurationError(f"{url}: --trust-pickle and --model-keys apply to torch.save sources, and this is "
+                                 f"a {fmt} checkpoint; drop them")
     return format_module(fmt).open_reader(storage)
 
 

@@ -7,7 +7,8 @@ torch.load checks no CRC-32, so the reader checks each zip record's before
 serving its bytes (:mod:`.zip_records`).  A file that needs classes outside
 the ``weights_only`` allowlist is refused, naming the class, unless the user
 trusts it (``trust_pickle``, :class:`TorchLoadOptions`).  What the unpickled
-object means as a state dict is :mod:`.torch_state`'s concern.
+object means as a state dict (classic ``{"model", "optimizer"}`` files,
+optimizer state keyed by parameter number) is :mod:`.torch_state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
@@ -83,10 +84,16 @@ class TorchLoadOptions:
 
     ``trust_pickle``: unpickle the file without torch's ``weights_only``
     allowlist, for a file whose origin the user trusts.  UNSAFE on anything
-    else: unpickling runs whatever code the file names.
+    else: unpickling runs whatever code the file names.  ``model_keys``: the
+    parameter FQNs in ``model.named_parameters()`` order, naming an optimizer
+    state keyed by number; ``need_names``: refuse numbered optimizer state
+    that cannot be named (a conversion that writes it) instead of keeping the
+    numbers as keys (see :mod:`.torch_state`).
     """
 
     trust_pickle: bool = False
+    model_keys: tuple[str, ...] | None = None
+    need_names: bool = False
 
 
 def open_reader(storage: Storage, options: TorchLoadOptions | None = None) -> "TorchSaveReader":
@@ -154,7 +161,8 @@ class TorchSaveReader(CheckpointReader):
                 log.warning("%s: unpickling with trust_pickle=True: the weights_only allowlist is off and any "
                             "code the file names runs; use this only on files you trust", url)
             obj = torch.load(path, map_location="cpu", weights_only=not opts.trust_pickle, mmap=True)
-            state = flatten_state(obj, url, trusted=opts.trust_pickle)
+            state = flatten_state(obj, url, model_keys=opts.model_keys, need_names=opts.need_names,
+                                  trusted=opts.trust_pickle)
             self._tensors, self._values, self.skipped_side_files = state.tensors, state.values, state.notes
             if crc:
                 self._map_records(url, records)
