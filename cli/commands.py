@@ -51,6 +51,28 @@ def _io_options(fn):
     return _storage(fn)
 
 
+def _torch_source(fn):
+    opts = [
+        click.option("--trust-pickle", is_flag=True,
+                     help="torch.save SRC: unpickle classes outside torch.load's weights_only allowlist. UNSAFE: "
+                          "runs any code the file names; only for files you trust."),
+        click.option("--model-keys", metavar="FILE",
+                     help="torch.save SRC: parameter names in model.named_parameters() order (one per line, or a "
+                          "JSON list), naming an optimizer state keyed by number."),
+    ]
+    for deco in reversed(opts):
+        fn = deco(fn)
+    return fn
+
+
+def _model_keys(path: str | None) -> list[str] | None:
+    if path is None:
+        return None
+    from shardkit.checkpoint.formats.torch_state import read_model_keys
+
+    return read_model_keys(path)
+
+
 def _progress(ctx: click.Context) -> "Progress | None":
     if ctx.obj.quiet:
         return None
@@ -82,11 +104,13 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
 @click.option("--dtype-optim", is_flag=True, help="With --dtype, cast floating optimizer state too.")
 @click.option("--compression", metavar="zstd[:LEVEL]", help="Compress each chunk with zstd (default level 1).")
 @_io_options
+@_torch_source
 @click.pass_context
 def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh: str | None, dtype: str | None,
             dtype_optim: bool, compression: str | None, storage_opts: tuple[str, ...], dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None, trust_pickle: bool,
+            model_keys: str | None) -> int:
     """Write SRC as a shardkit checkpoint laid out for N ranks, each rank's shards in its own file(s).
 
     SRC may be any format shardkit reads; optimizer state is resharded with the
@@ -107,7 +131,8 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
                          compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          overwrite=overwrite, storage_options=so,
                          dst_storage_options=storage_options(dst_opts) if dst_opts else so, max_memory=max_memory,
-                         workers=workers, progress=_progress(ctx), distributed=distributed)
+                         workers=workers, progress=_progress(ctx), distributed=distributed, trust_pickle=trust_pickle,
+                         model_keys=_model_keys(model_keys))
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0
@@ -128,12 +153,14 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
               help="HF output: the model's config.json, or a directory (e.g. one save_pretrained wrote) whose "
                    "config, tokenizer and generation files go beside the weights.")
 @_io_options
+@_torch_source
 @click.pass_context
 def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | None, dtype: str | None,
             max_shard_size: str, compression: str | None, config: str | None, storage_opts: tuple[str, ...],
             dst_opts: tuple[str, ...],
             overwrite: bool, max_memory: str, workers: int, only: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None) -> int:
+            rename: tuple[str, ...], model_only: bool, as_json: bool, distributed: bool | None, trust_pickle: bool,
+            model_keys: str | None) -> int:
     """Convert SRC (format detected) to another format at DST.
 
     HF output has size-capped shards, an index and the source's side files
@@ -160,7 +187,8 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
                          storage_options=so, dst_storage_options=storage_options(dst_opts) if dst_opts else so,
                          max_memory=max_memory, workers=workers, src_format=src_format, progress=_progress(ctx),
-                         distributed=distributed, config=config)
+                         distributed=distributed, config=config, trust_pickle=trust_pickle,
+                         model_keys=_model_keys(model_keys))
     if result is not None:
         _report_written(ctx, result, as_json)
     return 0

@@ -51,13 +51,14 @@ def test_non_finite_values_go_torch_to_native_to_torch_and_dcp_as_floats(tmp_pat
 
 
 def test_torch_save_source_is_flattened_like_shardkit_save(tmp_path):
-    """Int-keyed optimizer state (torch's own state_dict) and tuples read; keys match flatten's."""
+    """Int-keyed optimizer state (torch's own state_dict) is named after the model's parameters, tuples
+    read; keys match flatten's."""
     torch.save({"model": {"w": torch.ones(2)}, "optim": {"state": {0: {"exp_avg": torch.zeros(2)}},
                                                         "param_groups": [{"params": [0], "betas": (0.9, 0.99)}]}},
                tmp_path / "a.pt")
     reader = TorchSaveReader(Storage(str(tmp_path / "a.pt")))
-    assert sorted(reader.tensors()) == ["model.w", "optim.state.0.exp_avg"]
-    assert reader.values() == {"optim.param_groups": [{"params": [0], "betas": [0.9, 0.99]}]}
+    assert sorted(reader.tensors()) == ["model.w", "optim.state.w.exp_avg"]
+    assert reader.values() == {"optim.param_groups": [{"params": ["w"], "betas": [0.9, 0.99]}]}
 
 
 def _torch_fsdp1_full_optim_state(path: str) -> dict | None:

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 from shardkit.checkpoint.codec import dtype_to_code
 from shardkit.checkpoint.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.formats import format_module
+from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_common import (DEFAULT_MAX_MEMORY, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS,
                                                 ConvertResult, parse_memory, parse_size)
@@ -94,7 +95,8 @@ def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
 
 
 def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
-                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None) -> tuple[Any, Any]:
+                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None,
+                   torch_options: TorchLoadOptions | None = None) -> tuple[Any, Any]:
     """Open SRC once DST is known not to overlap it; DST's options default to SRC's.
 
     The overlap check comes first so that nothing is read (or, later,
@@ -103,7 +105,7 @@ def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
-    return open_source(src, storage_options, src_format), dst_storage_options
+    return open_source(src, storage_options, src_format, torch_options), dst_storage_options
 
 
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
@@ -125,7 +127,8 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
             workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
             src_format: str | None = None, progress: Progress | None = None,
-            config: str | None = None) -> ConvertResult:
+            config: str | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
     """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
 
     ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
@@ -136,6 +139,11 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     config, tokenizer and generation files go beside the weights; tied weights
     and ``--dtype`` are then written the way ``from_pretrained`` reads them
     (see :mod:`~shardkit.checkpoint.offline_hf`).
+    A torch.save SRC: ``trust_pickle=True`` unpickles it without the
+    ``weights_only`` allowlist -- UNSAFE, it runs any code the file names; only
+    for files you trust; ``model_keys`` (parameter FQNs in
+    ``named_parameters()`` order) names optimizer state keyed by number
+    (:mod:`~shardkit.checkpoint.formats.torch_state`).
 
     Example::
 
@@ -150,7 +158,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
     if to != "hf" and config is not None:
         raise ConfigurationError(f"--config applies to hf output only, not --to {to}")
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
+    source, dst_storage_options = _open_distinct(
+        src, dst, storage_options, dst_storage_options, src_format,
+        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or to == "hf")))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
@@ -228,7 +238,8 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
             src_format: str | None = None, progress: Progress | None = None,
-            scaleout: tuple[int, int, Any] | None = None) -> ConvertResult:
+            scaleout: tuple[int, int, Any] | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
     """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
 
     Each rank's shards land in their own data file(s), so a job of that size
@@ -238,6 +249,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     written (from the same SRC) and verified.
     ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
     (see :mod:`shardkit.checkpoint.offline_scaleout`); process 0 commits.
+    ``trust_pickle`` and ``model_keys`` are :func:`convert`'s.
 
     Example::
 
@@ -253,7 +265,8 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     if ws < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
     budget = parse_memory(max_memory)
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
+                                                 TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
@@ -281,6 +294,13 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         return result
     finally:
         source.close()
+
+
+def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
+    if isinstance(model_keys, str):
+        raise ConfigurationError("model_keys is a list of parameter names; read a file with "
+                                 "shardkit.checkpoint.formats.torch_state.read_model_keys")
+    return tuple(model_keys) if model_keys is not None else None
 
 
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -18,14 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.checkpoint.formats import format_module
 from shardkit.checkpoint.formats import detect_format as engine_detect
 from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointNotFound, UnsupportedFormat
+from shardkit.errors import CheckpointNotFound, ConfigurationError, UnsupportedFormat
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
 
 __all__ = ["FORMATS", "detect", "open_source", "normalize_format", "exists", "canonical_location",
            "overlap", "source_fingerprint"]
@@ -70,11 +73,20 @@ def detect(storage: Storage) -> str:
     raise UnsupportedFormat(f"{storage.url}: unknown file format (neither safetensors nor a torch.save zip)") from None
 
 
-def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
-                fmt: str | None = None) -> CheckpointReader:
-    """Open ``url`` as a :class:`CheckpointReader`, detecting the format unless ``fmt`` is given."""
+def open_source(url: str, storage_options: Mapping[str, Any] | None = None, fmt: str | None = None,
+                torch_options: "TorchLoadOptions | None" = None) -> CheckpointReader:
+    """Open ``url`` as a :class:`CheckpointReader`, detecting the format unless ``fmt`` is given.
+
+    ``torch_options`` apply to a torch.save source; asking another format to
+    trust pickles or to take ``model_keys`` is refused rather than ignored.
+    """
     storage = Storage(url, storage_options)
     fmt = normalize_format(fmt) if fmt else detect(storage)
+    if fmt == "torch":
+        return format_module(fmt).open_reader(storage, torch_options)
+    if torch_options is not None and (torch_options.trust_pickle or torch_options.model_keys is not None):
+        raise ConfigurationError(f"{url}: --trust-pickle and --model-keys apply to torch.save sources, and this is "
+                                 f"a {fmt} checkpoint; drop them")
     return format_module(fmt).open_reader(storage)
 
 

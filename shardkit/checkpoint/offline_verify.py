@@ -17,7 +17,8 @@ What is checked depends on what the format records:
   every shard (dtypes, sizes, no overlaps or holes) and index consistency,
   done when the folder is opened.  The report says so (``scope="headers"``,
   ``bytes_checked=0``) rather than claiming data it never read.
-* torch.save: the zip CRC-32 of every record, streamed the same way.
+* torch.save: the zip CRC-32 of every record, streamed the same way (a file
+  written without CRC-32s, every one 0, gets ``scope="headers"``).
 
 Problems are collected, not raised one by one, so one run names all the
 damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.
@@ -29,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardkit.checkpoint.formats.dcp_payload import check_zip_records
 from shardkit.checkpoint.formats.native import check_chunk
+from shardkit.checkpoint.formats.zip_records import check_zip_records
 from shardkit.checkpoint.layout import check_cover
 from shardkit.checkpoint.offline_blocks import split_file
 from shardkit.checkpoint.offline_detect import detect
@@ -101,6 +102,8 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
             report.bytes_checked = _verify_dcp(reader, report.problems, progress)
         elif fmt == "torch":
             report.bytes_checked = _verify_zip(storage, report.problems)
+            if not report.bytes_checked and not report.problems:  # written without CRC-32s: nothing to check
+                report.scope = "headers"
         else:  # HF: headers were validated on open; safetensors has no checksum to check the data against
             report.scope = "headers"
         try:

@@ -11,7 +11,10 @@ read by the restricted unpickler of :mod:`.dcp_metadata` (DCP's metadata
 classes, ``torch.Size``, dtypes/layouts, nothing else).  Every file name it
 holds is checked at open.  Payload rows are read by byte ranges where the
 blob allows (:mod:`.dcp_payload`), otherwise decoded with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``.  Either way a payload's zip records are
+checked against their CRC-32s before any of its bytes is served (streamed
+once per payload for ranged reads, in memory for a decoded blob; see
+:mod:`.zip_records` for why not while reading).
 
 Writing: every payload is streamed as its own torch.save archive by
 :func:`~shardkit.checkpoint.formats.torchsave.write_archive` (a tensor larger
@@ -34,12 +37,14 @@ from shardkit.checkpoint.flatten import from_json_value, to_json_value
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
 from shardkit.checkpoint.formats.dcp_metadata import (BytesStorageMetadata, TensorStorageMetadata,
                                                       encode_dcp_metadata, read_dcp_metadata)
-from shardkit.checkpoint.formats.dcp_payload import check_zip_records, locate_rows, payload_meta
-from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, value_path, write_archive)
+from shardkit.checkpoint.formats.dcp_payload import locate_rows, payload_meta
+from shardkit.checkpoint.formats.torchsave import (Fetch, TensorRef, check_tensors, refusal, value_path,
+                                                   write_archive)
+from shardkit.checkpoint.formats.zip_records import CheckedOnce, check_zip_bytes, check_zip_records
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block)
 from shardkit.checkpoint.storage import Storage, check_name
-from shardkit.errors import ConfigurationError, InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.errors import ConfigurationError, InvalidManifest, ShardkitError, UnsafeCheckpoint, UnsupportedFormat
 
 __all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp", "check_tensors"]
 
@@ -108,12 +113,14 @@ class DcpReader(CheckpointReader):
         self._local = threading.local()  # per-thread cache of the last decoded chunk
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._checked = CheckedOnce()  # payloads whose CRC-32s were checked (ranged reads)
         self.info = CheckpointInfo("dcp", url, meta={"dcp_version": self._md.version} if self._md.version else {})
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
 
-    def _blob(self, info: Any) -> io.BytesIO:
+    def _blob(self, info: Any, where: str) -> io.BytesIO:
+        """The payload's bytes (transforms undone), its zip records' CRC-32s checked."""
         path = str(info.relative_path)
         start, length = int(info.offset), int(info.length)
         data = self.storage.read_bytes(path, start, start + length)
@@ -126,17 +133,20 @@ class DcpReader(CheckpointReader):
             import zstandard
 
             data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+        if data[:4] == b"PK\x03\x04":
+            check_zip_bytes(data, where)
         return io.BytesIO(data)
 
     def _decode(self, info: Any, where: str) -> Any:
         try:
-            return torch.load(self._blob(info), map_location="cpu", weights_only=True)
-        except (UnsafeCheckpoint, InvalidManifest, UnsupportedFormat):
+            return torch.load(self._blob(info, where), map_location="cpu", weights_only=True)
+        except ShardkitError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for bad bytes
+            refused = refusal(exc)
+            if refused:
+                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({refused}); refusing") from None
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
-            if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({msg})") from None
             raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({msg})") from None
 
     def values(self) -> Mapping[str, Any]:
@@ -146,7 +156,7 @@ class DcpReader(CheckpointReader):
                 info = self._where.get((key, None))
                 if info is None:
                     raise InvalidManifest(f"{self.info.url}: no storage entry for value {key!r}")
-                where = f"{self.info.url} [{key}]"
+                where = f"{self.storage.where(str(info.relative_path))} [{key}]"
                 try:
                     raw[key] = to_json_value(self._decode(info, where), key)
                 except ConfigurationError as exc:
@@ -161,8 +171,8 @@ class DcpReader(CheckpointReader):
         if cache is not None and cache[0] is chunk.locator:
             return cache[1]
         self._local.cache = None
-        where = f"{self.info.url} [{entry.fqn} @ {list(chunk.offsets)}]"
         info = chunk.locator
+        where = f"{self.storage.where(str(info.relative_path))} [{entry.fqn} @ {list(chunk.offsets)}]"
         head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 9)
         if head[:4] != b"PK\x03\x04" and head[8:9] == b"{" and not getattr(info, "transform_descriptors", None):
             tensor = self._safetensors_item(entry.fqn, info, where)
@@ -193,10 +203,14 @@ class DcpReader(CheckpointReader):
         return out.view(code_to_dtype(e.dtype)).reshape(e.shape)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        for r, entry in zip(requests, self._check_requests(requests)):
+        entries = self._check_requests(requests)
+        layouts = [self._row_layout(entry, r.chunk) for r, entry in zip(requests, entries)]
+        for r, entry, layout in zip(requests, entries, layouts):
+            if layout is not None:  # rows are read by range: check the whole payload first (once)
+                self._check_payload(entry, r.chunk)
+        for r, entry, layout in zip(requests, entries, layouts):
             offsets = entry.chunks[r.chunk].offsets
             r0, r1 = row_range(offsets, r.box)
-            layout = self._row_layout(entry, r.chunk)
             if layout is not None:  # read just these rows' bytes
                 full_width = tuple(r.box[1][1:]) == tuple(entry.chunks[r.chunk].shape[1:])
                 rows = r.out if full_width and r.out.is_contiguous() else torch.empty(
@@ -208,6 +222,13 @@ class DcpReader(CheckpointReader):
                 tensor = self.chunk_tensor(entry, r.chunk)
                 copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+
+    def _check_payload(self, entry: TensorEntry, index: int) -> None:
+        """Stream the payload of stored chunk ``index`` and check its records' CRC-32s, once per payload."""
+        info = entry.chunks[index].locator
+        name, start, length = str(info.relative_path), int(info.offset), int(info.length)
+        where = f"{self.storage.where(name)} [{entry.fqn} @ {list(entry.chunks[index].offsets)}]"
+        self._checked.ensure((name, start), lambda: check_zip_records(self.storage, name, start, length, where))
 
     def check_chunk(self, entry: TensorEntry, index: int) -> int:
         """Check stored chunk ``index`` of ``entry`` without decoding it whole; return the bytes read.

@@ -3,6 +3,12 @@
 Reading uses ``torch.load(weights_only=True, mmap=True)``: tensors stay backed
 by the file, so only the rows being converted are paged in.  A remote file is
 first copied to a local temporary file (disk, not memory) so it can be mapped.
+torch.load checks no CRC-32, so the reader checks each zip record's before
+serving its bytes (:mod:`.zip_records`).  A file that needs classes outside
+the ``weights_only`` allowlist is refused, naming the class, unless the user
+trusts it (``trust_pickle``, :class:`TorchLoadOptions`).  What the unpickled
+object means as a state dict (classic ``{"model", "optimizer"}`` files,
+optimizer state keyed by parameter number) is :mod:`.torch_state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
@@ -19,8 +25,10 @@ the same archives (:func:`write_archive`), one per chunk.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import re
 import struct
 import tempfile
 import zipfile
@@ -29,18 +37,22 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.flatten import flatten, from_json_value
+from shardkit.checkpoint.flatten import from_json_value
 from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
                                               contiguous_strides)
 from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
+from shardkit.checkpoint.formats.torch_state import flatten_state
+from shardkit.checkpoint.formats.zip_records import (CheckedOnce, ZipRecord, carries_checksums, check_record,
+                                                     data_start, list_records)
 from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
                                                 rows_per_block, split_file)
 from shardkit.checkpoint.storage import Storage
-from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, ShardkitError, UnsafeCheckpoint,
-                             UnsupportedFormat)
+from shardkit.errors import CheckpointNotFound, InvalidManifest, ShardkitError, UnsafeCheckpoint, UnsupportedFormat
 
-__all__ = ["TorchSaveReader", "TensorRef", "detect", "open_reader", "write_torch_save", "write_archive",
-           "check_tensors", "flatten_state", "value_path"]
+__all__ = ["TorchSaveReader", "TorchLoadOptions", "TensorRef", "detect", "open_reader", "refusal", "write_torch_save",
+           "write_archive", "check_tensors", "value_path"]
+
+log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
@@ -52,6 +64,7 @@ _STORAGE_TYPES = {
 }
 _ALIGN = 64
 _ARCHIVE = "archive"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's refusal message carries terminal bold codes
 
 
 def detect(storage: Storage) -> bool:
@@ -65,50 +78,42 @@ def detect(storage: Storage) -> bool:
         return False
 
 
-def open_reader(storage: Storage) -> "TorchSaveReader":
-    return TorchSaveReader(storage)
+@dataclass(frozen=True)
+class TorchLoadOptions:
+    """How the offline tools open a torch.save source.
 
-
-def flatten_state(obj: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Nested state dict -> (flattened tensors, JSON-encoded values), keys joined by ``.``.
-
-    The keys are the ones ``shardkit.checkpoint.save`` gives the same state dict
-    (:func:`~shardkit.checkpoint.flatten.flatten`), so a torch.save file and a
-    native checkpoint of one model can be diffed and loaded alike.  Non-finite
-    floats (a ``best_loss`` of ``inf``) use flatten's ``{"$float": ...}`` form.
-    Where the top level is placed is decided by :func:`_placed`.
+    ``trust_pickle``: unpickle the file without torch's ``weights_only``
+    allowlist, for a file whose origin the user trusts.  UNSAFE on anything
+    else: unpickling runs whatever code the file names.  ``model_keys``: the
+    parameter FQNs in ``model.named_parameters()`` order, naming an optimizer
+    state keyed by number; ``need_names``: refuse numbered optimizer state
+    that cannot be named (a conversion that writes it) instead of keeping the
+    numbers as keys (see :mod:`.torch_state`).
     """
-    if not isinstance(obj, dict):
-        raise UnsupportedFormat(f"{where}: holds a {type(obj).__name__}, not a state dict")
-    try:
-        flat = flatten(_plain(_placed(obj)))
-    except ConfigurationError as exc:
-        raise UnsupportedFormat(f"{where}: {exc}") from None
-    return flat.tensors, flat.values
+
+    trust_pickle: bool = False
+    model_keys: tuple[str, ...] | None = None
+    need_names: bool = False
 
 
-def _placed(obj: dict) -> dict:
-    """Nest a top level that is not ``{"model": ..., "optim": ...}`` under the name it stands for.
-
-    An optimizer state dict (``state`` + ``param_groups``, e.g. FSDP1's
-    ``full_optim_state_dict`` saved alone) goes under ``optim.`` so it is never
-    exported or cast as model weights; anything else is a bare model state dict.
-    """
-    if any(isinstance(obj.get(k), dict) for k in ("model", "optim")):
-        return obj
-    if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), (list, tuple)):
-        return {"optim": obj}
-    return {"model": obj}
+def open_reader(storage: Storage, options: TorchLoadOptions | None = None) -> "TorchSaveReader":
+    return TorchSaveReader(storage, options)
 
 
-def _plain(value: Any) -> Any:
-    """Dict keys as strings (torch's own optimizer state is keyed by int) and tuples as lists, so that
-    flatten can walk what ``torch.load`` returns; JSON has neither int keys nor tuples anyway."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def refusal(exc: BaseException) -> str | None:
+    """What ``torch.load(weights_only=True)`` refused, in one line naming the class (``GLOBAL
+    mymodule.MyClass``); ``None`` when ``exc`` is not such a refusal.  torch's message starts with a
+    paragraph on how to bypass the check; the class is named further down."""
+    text = _ANSI.sub("", str(exc))
+    if not any(s in text for s in ("weights_only", "Weights only", "WeightsUnpickler", "Unsupported global")):
+        return None
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return f"{found.group(1)} is not on torch.load's weights_only allowlist"
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 def value_path(key: str) -> tuple[str | int, ...]:
@@ -123,37 +128,104 @@ def value_path(key: str) -> tuple[str | int, ...]:
 
 
 class TorchSaveReader(CheckpointReader):
-    """A torch.save file, memory-mapped; tensors are served a request at a time."""
+    """A torch.save file, memory-mapped; tensors are served a request at a time.
 
-    def __init__(self, storage: Storage) -> None:
+    Every zip record is checked against its CRC-32 before its bytes are used
+    (:mod:`.zip_records`): ``data.pkl`` and the other small records at open,
+    each tensor's storage record the first time one of its rows is read.
+    """
+
+    def __init__(self, storage: Storage, options: TorchLoadOptions | None = None) -> None:
         super().__init__()
+        opts = options or TorchLoadOptions()
         self._tmp: str | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._record_of: dict[str, ZipRecord] = {}
+        self._data_at: dict[str, int] = {}
+        self._checked = CheckedOnce()
+        self.skipped_side_files: list[str] = []  # what a trusted file held that no checkpoint can (notes)
+        url = storage.url
         try:
-            obj = torch.load(self._local_path(storage), map_location="cpu", weights_only=True, mmap=True)
-            self._tensors, self._values = flatten_state(obj, storage.url)
+            self._file, self._name, path = self._local_file(storage)
+            self._size = self._file.size(self._name)
+            records = list_records(self._file, self._name, 0, self._size, url)
+            crc = carries_checksums(records)
+            if crc:  # data.pkl and the other small records, before anything is unpickled from them
+                for rec in records:
+                    if "/data/" not in rec.name:
+                        self._check(rec, url)
+            else:
+                log.warning("%s: written without CRC-32s (torch's save.compute_crc32=False); its bytes cannot be "
+                            "checked", url)
+            if opts.trust_pickle:
+                log.warning("%s: unpickling with trust_pickle=True: the weights_only allowlist is off and any "
+                            "code the file names runs; use this only on files you trust", url)
+            obj = torch.load(path, map_location="cpu", weights_only=not opts.trust_pickle, mmap=True)
+            state = flatten_state(obj, url, model_keys=opts.model_keys, need_names=opts.need_names,
+                                  trusted=opts.trust_pickle)
+            self._tensors, self._values, self.skipped_side_files = state.tensors, state.values, state.notes
+            if crc:
+                self._map_records(url, records)
         except BaseException as exc:
             self.close()  # a failed download, a bad file or unreadable contents leave no spool file behind
             if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):
                 raise
+            refused = refusal(exc)
+            if refused and not opts.trust_pickle:
+                raise UnsafeCheckpoint(f"{url}: refusing to unpickle it: {refused}, and loading it could run code "
+                                       "the file names; if you trust this file, pass --trust-pickle "
+                                       "(trust_pickle=True in Python; unsafe on untrusted files)") from None
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
-            if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-                raise UnsafeCheckpoint(f"{storage.url}: needs unsafe unpickling to load ({msg}); refusing") from None
-            raise InvalidManifest(f"{storage.url}: not a readable torch.save file ({msg})") from None
+            raise InvalidManifest(f"{url}: not a readable torch.save file ({msg})") from None
         self._entries = {k: TensorEntry(k, t.dtype, tuple(t.shape), (StoredChunk((0,) * t.dim(), tuple(t.shape), k),))
                          for k, t in self._tensors.items()}
-        self.info = CheckpointInfo("torch", storage.url)
+        self.info = CheckpointInfo("torch", url)
 
-    def _local_path(self, storage: Storage) -> str:
-        """The file on local disk; a remote file is spooled to a temporary file first so it can be mapped."""
+    def _local_file(self, storage: Storage) -> tuple[Storage, str, str]:
+        """(folder, name, path) of the file on local disk; a remote file is spooled to a temporary file
+        first so it can be mapped."""
         parent, name = split_file(storage)
         if parent.is_local:
-            return parent.path(name)
+            return parent, name, parent.path(name)
         fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
         os.close(fd)
         tmp = self._tmp
         parent.retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
-        return tmp
+        return Storage(os.path.dirname(tmp)), os.path.basename(tmp), tmp
+
+    def _map_records(self, url: str, records: list[ZipRecord]) -> None:
+        """Find the storage record holding each tensor's bytes, so each is checked when first read.
+
+        ``mmap=True`` maps the whole file once and makes each storage a slice
+        of that mapping starting at its record's bytes, so the storages'
+        addresses minus the records' data offsets are one constant.  When the
+        non-empty storages and records pair up one to one under that constant
+        (sizes agreeing), each tensor's record is known; anything else (a
+        torch that maps otherwise) tells us nothing, and then every record is
+        checked now, before any byte is served.
+        """
+        data = {data_start(self._file, self._name, 0, r, url): r for r in records if "/data/" in r.name and r.size}
+        by_address: dict[int, list[str]] = {}
+        for key, t in self._tensors.items():
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                by_address.setdefault(storage.data_ptr(), []).append(key)
+        if by_address and len(by_address) == len(data):
+            base = min(by_address) - min(data)
+            found = {address: data.get(address - base) for address in by_address}
+            if all(rec is not None and rec.size == self._tensors[by_address[address][0]].untyped_storage().nbytes()
+                   for address, rec in found.items()):
+                for address, rec in found.items():
+                    assert rec is not None
+                    self._data_at[rec.name] = address - base
+                    self._record_of.update((key, rec) for key in by_address[address])
+                return
+        for rec in data.values():
+            self._check(rec, url)
+
+    def _check(self, rec: ZipRecord, where: str) -> None:
+        self._checked.ensure(rec.name, lambda: check_record(self._file, self._name, 0, self._size, rec, where,
+                                                            data_at=self._data_at.get(rec.name)))
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries
@@ -163,6 +235,10 @@ class TorchSaveReader(CheckpointReader):
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self._check_requests(requests)
+        for r in requests:  # every record the requests need is checked before any out is written
+            rec = self._record_of.get(r.fqn)
+            if rec is not None:
+                self._check(rec, f"{self.info.url} [{r.fqn}]")
         for r in requests:
             t = self._tensors[r.fqn]
             r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
