@@ -79,3 +79,42 @@ def test_overwriting_an_hf_export_never_writes_over_a_shard_the_old_index_names(
     assert not set(new_index["weight_map"].values()) & set(old_shards)
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(new_index["weight_map"].values()))
     assert diff(str(second), str(out)).equal
+
+
+def test_overwriting_a_dcp_or_torch_output_keeps_the_old_one_whole_until_the_commit(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from shardkit.checkpoint.storage import Storage
+
+    first = write_torch_state(tmp_path / "first.pt", _weights(), [])
+    second = write_torch_state(tmp_path / "second.pt", {k: v + 1 for k, v in _weights().items()}, [])
+    out = tmp_path / "dcp"
+    convert(str(first), str(out), to="dcp")
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def checked_put(self, name, data, _put=Storage.put_atomic):
+        if name == ".metadata":  # the commit: every byte of the old checkpoint is still there
+            assert {n: (out / n).read_bytes() for n in old} == old
+        return _put(self, name, data)
+
+    monkeypatch.setattr(Storage, "put_atomic", checked_put)
+    convert(str(second), str(out), to="dcp", overwrite=True)
+    assert [p.name for p in out.glob("*.distcp")] != ["__0_0.distcp"]
+    loaded = {k: torch.empty(64, 64) for k in _weights()}
+    dcp.load({"model": {k[len("model."):]: v for k, v in loaded.items()}}, checkpoint_id=str(out), no_dist=True)
+    assert all(torch.equal(loaded[k], v + 1) for k, v in _weights().items())
+
+    torch_out = tmp_path / "model.pt"
+    convert(str(first), str(torch_out), to="torch")
+    original = torch_out.read_bytes()
+    monkeypatch.setattr("os.replace", _fail_replace)
+    try:
+        convert(str(second), str(torch_out), to="torch", overwrite=True)
+    except OSError:
+        pass
+    assert torch_out.read_bytes() == original  # a failure before the rename leaves the old file as it was
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def _fail_replace(src, dst):
+    raise OSError("disk vanished")

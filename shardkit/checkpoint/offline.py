@@ -219,7 +219,8 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
     elif to == "dcp":
         from shardkit.checkpoint.formats.dcp import write_dcp
 
-        files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+        files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes,
+                          avoid=dest.avoid)
     else:
         from shardkit.checkpoint.formats.torchsave import write_torch_save
 

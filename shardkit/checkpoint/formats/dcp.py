@@ -28,7 +28,8 @@ from __future__ import annotations
 import io
 import re
 import threading
-from typing import Any, Callable, Mapping, Sequence
+import uuid
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -299,7 +300,8 @@ def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],
-              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None) -> list[str]:
+              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None,
+              avoid: Collection[str] = ()) -> list[str]:
     """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
 
     ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
@@ -308,10 +310,13 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
     torch.save archive, so memory holds one block.  ``values`` are JSON-encoded
     (flatten's form) and are decoded before they are written.  ``.metadata``
     commits the checkpoint: it is written last, atomically, after the payload
-    is durable on local disks.  Returns the names written.
+    is durable on local disks.  Returns the names written.  The payload never
+    takes a name in ``avoid`` (a DCP checkpoint being replaced still uses it
+    until the new ``.metadata`` commits): it is then ``__0_0.<suffix>.distcp``,
+    which ``.metadata`` names, as DCP readers follow.
     """
     check_tensors(tensors)
-    data_name = "__0_0.distcp"
+    data_name = "__0_0.distcp" if "__0_0.distcp" not in avoid else f"__0_0.{uuid.uuid4().hex[:8]}.distcp"
     chunk_md: dict[str, tuple[torch.dtype, tuple[int, ...], list, list]] = {}
     where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
     planner_data: dict[str, tuple[Any, ...]] = {}

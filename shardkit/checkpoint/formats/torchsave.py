@@ -31,6 +31,7 @@ import os
 import re
 import struct
 import tempfile
+import uuid
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -371,15 +372,19 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
     check_tensors(tensors)
     refs = {fqn: TensorRef(str(i), fqn, dtype, tuple(shape)) for i, (fqn, dtype, shape) in enumerate(tensors)}
     root = _nest({**{k: from_json_value(v) for k, v in values.items()}, **refs})
-    # The file is its own commit marker: locally write a temporary name and rename it into place;
-    # on object stores (no atomic rename) write in place and delete the object on failure.
-    target = f".{name}.partial-{os.getpid()}" if dst.is_local else name
+    # The file is its own commit marker: write a temporary name beside it, then move it into place --
+    # a rename on local disks; a server-side copy on object stores, which replaces the old object only
+    # once complete.  A file already at ``name`` (what --overwrite replaces) stays whole until then.
+    target = f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         dst.write_stream(target, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
                                                             block_bytes=block_bytes, on_bytes=on_bytes),
                          fsync=dst.is_local)
         if dst.is_local:
             os.replace(dst.path(target), dst.path(name))
+        else:
+            dst.retry(f"moving {dst.where(target)} to {dst.where(name)}",
+                      lambda: dst.fs.mv(dst.path(target), dst.path(name)))
     except BaseException:
         try:
             dst.delete([target])
