@@ -45,9 +45,9 @@ def hoist_global_flags(args: list[str]) -> list[str]:
 
 
 def configure_logging(settings: Settings) -> None:
-    """The library logs under ``shardkit``; the command shows warnings, or more when asked."""
-    level = logging.DEBUG if settings.debug else logging.INFO if settings.verbose else \
-        logging.ERROR if settings.quiet else logging.WARNING
+    """The library logs under ``shardkit``; the command shows warnings (``-q`` too: a warning says
+    something is unsafe or was not checked), or more when asked."""
+    level = logging.DEBUG if settings.debug else logging.INFO if settings.verbose else logging.WARNING
     reset_logging()
     logger = logging.getLogger("shardkit")
     handler = logging.StreamHandler(sys.stderr)
