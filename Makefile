@@ -2,26 +2,42 @@
 # Both create .venv on first use and install the project into it.  torch is
 # installed first (pinned to the CPU build this machine carries) only when the
 # venv cannot import any torch, so an existing CUDA build is never replaced.
+# `make demo` needs shardkit alone; `make test` adds the test extra and, when
+# node is there, azurite (the Azure Blob emulator, from npm) under .venv/node,
+# where the test fixtures look for it.  Without node the Azure tests skip.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.shardkit-installed
+TEST_STAMP := $(VENV)/.shardkit-test-installed
+AZURITE := $(VENV)/node/node_modules/.bin/azurite-blob
 
-.PHONY: demo test install clean
+.PHONY: demo test install azurite clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e .
 	@touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -e ".[test]"
+	@touch $(TEST_STAMP)
+
+# Only when missing, and only where node and npm exist.
+azurite:
+	@if test -x $(AZURITE); then :; \
+	elif command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		npm install --prefix $(VENV)/node --no-audit --no-fund "azurite@^3.37"; \
+	else echo "node/npm not found: the Azure Blob tests will be skipped"; fi
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(TEST_STAMP) azurite
 	$(BIN)/python -m pytest
 
 clean:

@@ -8,6 +8,7 @@ difference) or failed with a one-line error.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -19,13 +20,29 @@ from shardkit.cli.render import echo_json, human_bytes, storage_options, table
 COMMON_STORAGE = [
     click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
                  help="fsspec option for SRC (and DST unless --dst-storage-option); repeatable."),
+    click.option("--retries", type=click.IntRange(0, 100), metavar="N",
+                 help="Retries of a failed storage request [default: 3; 0 on gs:// and az://, whose SDKs retry]. "
+                      "Same as --storage-option shardkit.retries:=N, for every URL."),
+    click.option("--timeout", type=click.FloatRange(0, min_open=True), metavar="SECONDS",
+                 help="Seconds a storage request may wait for an answer [default: 8]. Same as "
+                      "--storage-option shardkit.timeout:=SECONDS, for every URL."),
 ]
 
 
 def _storage(fn):
+    @functools.wraps(fn)
+    def with_retries_and_timeout(*args: Any, retries: int | None, timeout: float | None, **kwargs: Any) -> Any:
+        # --retries/--timeout are shorthands: append them to every URL's storage options (an empty
+        # --dst-storage-option / --b-storage-option list means "as SRC" and inherits them from there)
+        extra = tuple(f"shardkit.{k}:={v}" for k, v in (("retries", retries), ("timeout", timeout)) if v is not None)
+        for name in ("storage_opts", "dst_opts", "b_opts"):
+            if name in kwargs and (name == "storage_opts" or kwargs[name]):
+                kwargs[name] = tuple(kwargs[name]) + extra
+        return fn(*args, **kwargs)
+
     for deco in reversed(COMMON_STORAGE):
-        fn = deco(fn)
-    return fn
+        with_retries_and_timeout = deco(with_retries_and_timeout)
+    return with_retries_and_timeout
 
 
 def _io_options(fn):

@@ -39,6 +39,9 @@ __all__ = [
     "UnsupportedFormat",
     "IncompatibleStateDict",
     "StorageError",
+    "MissingCredentials",
+    "BucketNotFound",
+    "EndpointUnreachable",
 ]
 
 
@@ -124,3 +127,16 @@ class IncompatibleStateDict(CheckpointError, ValueError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed after bounded retries (timeout, full disk, permission)."""
+
+
+class MissingCredentials(StorageError):
+    """The object store asked for credentials and none were found; the message names the
+    environment variables and storage options that provide them."""
+
+
+class BucketNotFound(StorageError):
+    """The bucket (S3, GCS) or container (Azure) in the URL does not exist at the endpoint."""
+
+
+class EndpointUnreachable(StorageError):
+    """The storage endpoint refused the connection, did not resolve, or did not answer in time."""

@@ -107,3 +107,28 @@ def mismatches(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def rel_close(a: list[float], b: list[float], rtol: float = 1e-6) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rtol, abs_tol=0) for x, y in zip(a, b))
+
+
+def save_trained_two_steps(url: str, storage_options: dict[str, Any] | None,
+                           compression: str | None) -> dict[str, Any]:
+    """On every rank: the sharded Transformer after two steps, saved to ``url``; rank 0 returns its full state."""
+    import shardkit.checkpoint as skc
+
+    model = build_model("shardkit", seed=1)
+    opt = make_optimizer(model)
+    train(model, opt, range(2))
+    skc.save(skc.get_state_dict(model, opt), url, storage_options=storage_options, compression=compression,
+             chunk_bytes=4096)
+    return full_state(model, opt)
+
+
+def load_into_fresh(url: str, storage_options: dict[str, Any] | None, kind: str = "shardkit") -> dict[str, Any]:
+    """On every rank: a freshly initialised model and optimizer loaded from ``url``; rank 0 returns the full state."""
+    import shardkit.checkpoint as skc
+
+    model = build_model(kind, seed=99)
+    opt = make_optimizer(model)
+    sd = skc.get_state_dict(model, opt)
+    skc.load(sd, url, storage_options=storage_options)
+    skc.set_state_dict(model, opt, sd)
+    return full_state(model, opt)

@@ -12,41 +12,24 @@ import torch.distributed as dist
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.manager import step_dir
-from tests.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train
+from tests.checkpoint_helpers import (build_model, full_state, load_into_fresh, make_optimizer, mismatches,
+                                     save_trained_two_steps, train)
 from tests.dist import run_on_ranks
-
-
-def _save_two_rank(url, storage_options, compression):
-    model = build_model("shardkit", seed=1)
-    opt = make_optimizer(model)
-    train(model, opt, range(2))
-    skc.save(skc.get_state_dict(model, opt), url, storage_options=storage_options, compression=compression,
-             chunk_bytes=4096)
-    return full_state(model, opt)
-
-
-def _load_state(url, storage_options, kind="shardkit"):
-    model = build_model(kind, seed=99)
-    opt = make_optimizer(model)
-    sd = skc.get_state_dict(model, opt)
-    skc.load(sd, url, storage_options=storage_options)
-    skc.set_state_dict(model, opt, sd)
-    return full_state(model, opt)
 
 
 @pytest.mark.parametrize("compression", [None, "zstd:3"], ids=["raw", "zstd"])
 def test_two_rank_save_to_s3_loads_at_three_ranks_bitwise(s3_url, compression):
     root, options = s3_url
     url = f"{root}/run/ckpt"
-    saved = run_on_ranks(2, _save_two_rank, url, options, compression)[0]
-    loaded = run_on_ranks(3, _load_state, url, options)[0]
+    saved = run_on_ranks(2, save_trained_two_steps, url, options, compression)[0]
+    loaded = run_on_ranks(3, load_into_fresh, url, options)[0]
     assert mismatches(saved, loaded) == []
 
 
 def test_two_rank_save_to_a_local_path_loads_at_three_ranks_bitwise(tmp_path):
     url = str(tmp_path / "ckpt")
-    saved = run_on_ranks(2, _save_two_rank, url, None, None)[0]
-    assert mismatches(saved, run_on_ranks(3, _load_state, f"file://{url}", None)[0]) == []
+    saved = run_on_ranks(2, save_trained_two_steps, url, None, None)[0]
+    assert mismatches(saved, run_on_ranks(3, load_into_fresh, f"file://{url}", None)[0]) == []
 
 
 def test_memory_filesystem_round_trip_with_manager_and_async_save():

@@ -14,9 +14,13 @@ one place:
 * **No stale listings.**  s3fs/gcsfs cache directory listings; every listing and
   existence check here invalidates the cache first, so a committed step is
   never invisible and a deleted one never visible.
-* **Bounded retries.**  Transient failures are retried a few times with jittered
-  backoff; then :class:`~shardkit.errors.StorageError` names the URL.  Missing
-  files, permissions and a full disk are not retried.
+* **One bounded retry layer.**  Transient failures are retried a few times
+  (``storage_options={"shardkit": {"retries": N}}``, default 3) with jittered
+  backoff, logged at DEBUG; then :class:`~shardkit.errors.StorageError` names the
+  URL.  The backend's own retries are off and its timeouts short
+  (``"timeout"``, default 8 s): see ``storage_backends.py``.  Missing files,
+  permissions, missing credentials, a missing bucket and a full disk are not
+  retried, and each fails with its own one-line error.
 * **Local disk is special-cased** for speed: ``pread`` straight into the target
   tensor's memory, buffered writes of tensor memory with no copy, optional
   fsync.  Other filesystems use fsspec's ranged ``cat_file`` and streamed
@@ -26,6 +30,7 @@ one place:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import re
@@ -38,8 +43,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from shardkit.errors import (CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError,
-                             StorageError, UnsafeCheckpoint)
+from shardkit.checkpoint.storage_backends import Backend, classify
+from shardkit.errors import CheckpointNotFound, ConfigurationError, CorruptCheckpoint, ShardkitError, UnsafeCheckpoint
 
 __all__ = ["Storage", "check_name", "join_url", "parallel_map", "DEFAULT_IO_THREADS"]
 
@@ -47,11 +52,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_IO_THREADS = max(2, min(8, os.cpu_count() or 2))
-_RETRIES = 3
 _BACKOFF_S = 0.2
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
-_NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                  ValueError, TypeError, ShardkitError, MemoryError)
+_EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+log = logging.getLogger(__name__)
 
 
 def check_name(name: Any, where: str = "") -> str:
@@ -84,17 +88,6 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], workers: int = DEFAUL
         return [f.result() for f in futures]
 
 
-def _default_options(protocol: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    opts = dict(options)
-    if protocol in ("s3", "s3a"):
-        # per-request timeouts so a stalled upload fails in bounded time instead of hanging a job
-        cfg = dict(opts.get("config_kwargs") or {})
-        cfg.setdefault("connect_timeout", 20)
-        cfg.setdefault("read_timeout", 120)
-        opts["config_kwargs"] = cfg
-    return opts
-
-
 class Storage:
     """A checkpoint directory (``url``) on an fsspec filesystem."""
 
@@ -105,10 +98,18 @@ class Storage:
             raise ConfigurationError(f"checkpoint URL must be a string or path, got {type(url).__name__}")
         url = os.fspath(url)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
+        backend = Backend.for_url(protocol, storage_options or {})
         try:
-            fs, path = fsspec.core.url_to_fs(url, **_default_options(protocol, storage_options or {}))
-        except (ValueError, ImportError) as exc:
+            fs, path = fsspec.core.url_to_fs(url, **backend.options)
+        except ImportError as exc:
+            extra = f"; pip install 'shardkit[{_EXTRA[protocol]}]'" if protocol in _EXTRA else ""
+            raise ConfigurationError(f"cannot open checkpoint URL {url!r}: {exc}{extra}") from None
+        except ValueError as exc:
+            if backend.has_buckets and "account_name" in str(exc):  # adlfs: no account, key or connection string
+                raise backend.missing_credentials(f"opening {url}") from None
             raise ConfigurationError(f"cannot open checkpoint URL {url!r}: {exc}") from None
+        backend.tune(fs)
+        self.backend = backend
         self.url = url.rstrip("/") or url
         self.fs = fs
         self.root = path.rstrip("/") or path
@@ -139,29 +140,37 @@ class Storage:
 
     # -- retries -------------------------------------------------------
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()`` with the storage rules: transient failures retried with jittered backoff, then
-        :class:`~shardkit.errors.StorageError` naming ``what``; "not found" is
-        :class:`~shardkit.errors.CheckpointNotFound` at once, permissions and a full disk are not retried."""
-        for attempt in range(_RETRIES + 1):
+        """``fn()`` with the storage rules: transient failures retried with jittered backoff (logged at
+        DEBUG), then a :class:`~shardkit.errors.StorageError` naming ``what``; "not found" raises
+        :class:`~shardkit.errors.CheckpointNotFound` (``BucketNotFound`` for a missing bucket) at once."""
+        attempts = self.backend.retries + 1
+        for attempt in range(1, attempts + 1):
             try:
-                return fn()
+                result = fn()
             except ShardkitError:
                 raise
-            except (FileNotFoundError, NotADirectoryError):
-                raise CheckpointNotFound(f"{what}: not found") from None
-            except PermissionError as exc:
-                raise StorageError(f"{what}: permission denied ({exc}); check credentials") from None
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or attempt == _RETRIES:
-                    raise StorageError(f"{what} failed: {exc}") from exc
-            except _NOT_TRANSIENT:
-                raise
-            except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp) vary
-                if attempt == _RETRIES:
-                    raise StorageError(f"{what} failed after {_RETRIES + 1} attempts: {exc!r}") from exc
-            time.sleep(_BACKOFF_S * (2 ** attempt) * (0.5 + random.random()))
+            except Exception as exc:  # noqa: BLE001 - backend errors (botocore, aiohttp, azure) vary
+                failure = classify(exc)
+                if failure.kind == "fatal":
+                    raise
+                if failure.kind == "not_found":
+                    raise self._not_found(what) from None
+                retryable = failure.kind == "transient" or (failure.kind in ("unreachable", "no_answer") and (
+                    not self.is_object_store or self.backend.has_answered()))  # a never-answering endpoint fails fast
+                if attempt == attempts or not retryable:
+                    raise self.backend.error(failure, what, attempt) from exc
+                delay = _BACKOFF_S * 2 ** (attempt - 1) * (0.5 + random.random())
+                log.debug("%s: attempt %d of %d failed (%s); retrying in %.2f s", what, attempt, attempts,
+                          failure.detail, delay)
+                time.sleep(delay)
+            else:
+                if self.is_object_store:
+                    self.backend.answered()
+                return result
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _not_found(self, what: str) -> ShardkitError:
+        return self.backend.bucket_error(self.fs, self.root, what) or CheckpointNotFound(f"{what}: not found")
 
     # -- metadata ------------------------------------------------------
     def _fresh(self, path: str) -> None:
@@ -190,7 +199,11 @@ class Storage:
                 return bool(getattr(self.fs, method)(path))
             except FileNotFoundError:
                 return False
-        return self.retry(f"checking {self.where(name) if name else self.url}", probe)
+        what = f"checking {self.where(name) if name else self.url}"
+        found = self.retry(what, probe)
+        if not found and (missing := self.backend.bucket_error(self.fs, self.root, what)):
+            raise missing
+        return found
 
     def size(self, name: str) -> int:
         path = self.path(name)
@@ -218,7 +231,11 @@ class Storage:
             except FileNotFoundError:
                 return []
 
-        return sorted(set(self.retry(f"listing {self.where(name) if name else self.url}", ls)))
+        what = f"listing {self.where(name) if name else self.url}"
+        names = self.retry(what, ls)
+        if not names and (missing := self.backend.bucket_error(self.fs, self.root, what)):
+            raise missing
+        return sorted(set(names))
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -347,6 +364,7 @@ class Storage:
         def remote() -> T:
             with self.fs.open(path, "wb") as f:
                 return produce(f)
+        self.backend.reach(self.fs, self.root, what)
         return self.retry(what, remote)
 
     def put_atomic(self, name: str, data: bytes) -> None:
@@ -370,6 +388,7 @@ class Storage:
                 _fsync_dir(directory)
             self.retry(what, local)
             return
+        self.backend.reach(self.fs, self.root, what)
         self.retry(what, lambda: self.fs.pipe_file(path, data))
         self._fresh(path)
 
