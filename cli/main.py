@@ -53,6 +53,7 @@ def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.shardkit_cli = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(level)  # a child logger set lower elsewhere (a test, a notebook) does not leak here
     logger.addHandler(handler)
     logger.setLevel(level)
 
