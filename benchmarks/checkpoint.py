@@ -52,8 +52,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
-from shardkit.checkpoint.flatten import flatten  # noqa: E402
-from shardkit.checkpoint.layout import shard_box  # noqa: E402
+from shardkit.checkpoint.geometry.boxes import shard_box  # noqa: E402
+from shardkit.checkpoint.state.tree import flatten  # noqa: E402
 
 SYSTEMS = ("shardkit", "dcp", "raw", "shardkit-buffered")  # the last: direct_io=False
 LOADS = ("shardkit", "shardkit-onepass", "dcp", "raw")  # shardkit-onepass: load(verify_first=False)

@@ -40,8 +40,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest,  # noqa: E402
-                                              StoredChunk, TensorEntry)
+from shardkit.checkpoint.formats.base import (  # noqa: E402
+    CheckpointInfo,
+    CheckpointReader,
+    ReadRequest,
+    StoredChunk,
+    TensorEntry,
+)
 
 
 class SyntheticReader(CheckpointReader):
@@ -228,9 +233,9 @@ def main() -> None:
     args = ap.parse_args()
     CACHE["mode"] = args.cache
 
-    from shardkit.checkpoint.offline_native import write_native
-    from shardkit.checkpoint.offline_select import select
-    from shardkit.checkpoint.storage import Storage
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.offline.native_out import write_native
+    from shardkit.checkpoint.offline.select import select
 
     root = args.dir
     shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The ``shardkit`` subcommands: reshard, convert, inspect, verify, diff.
 
 Each one parses its options, calls the library function of the same name in
-:mod:`shardkit.checkpoint.offline`, and renders the result.  Exit code 0 means
+:mod:`shardkit.checkpoint.offline.convert`, and renders the result.  Exit code 0 means
 success; 1 means the command found a problem (verify: damage, diff: a
 difference) or failed with a one-line error.
 """
@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from shardkit.checkpoint.offline_common import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_MAX_SHARD_SIZE, DEFAULT_WORKERS
+from shardkit.checkpoint.offline.common import (
+    DEFAULT_MAX_MEMORY_TEXT,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_WORKERS,
+)
 from shardkit.cli.render import echo_json, human_bytes, storage_options, table
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.offline.progress import Progress
 
 COMMON_STORAGE = [
     click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
@@ -93,7 +100,7 @@ def _model_keys(path: str | None) -> list[str] | None:
 def _progress(ctx: click.Context) -> "Progress | None":
     if ctx.obj.quiet:
         return None
-    from shardkit.checkpoint.offline_progress import Progress
+    from shardkit.checkpoint.offline.progress import Progress
 
     progress = Progress(stream=sys.stderr)
     ctx.call_on_close(progress.close)  # runs before main() prints a failure's "error: ..." line
@@ -141,7 +148,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
       shardkit reshard s3://a/ckpt s3://b/ckpt --mesh 2x4 --compression zstd:3 \\
           --storage-option client_kwargs.endpoint_url=http://127.0.0.1:9000
     """
-    from shardkit.checkpoint.offline_scaleout import run_reshard
+    from shardkit.checkpoint.offline.scaleout import run_reshard
 
     so = storage_options(storage_opts)
     result = run_reshard(src, dst, world_size=world_size, mesh=mesh, dtype=dtype, dtype_optim=dtype_optim,
@@ -197,7 +204,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
       shardkit convert ./ckpt/step-100 ./export --to hf --config ./llama-3.2-1b --dtype bf16
       shardkit convert ./dcp-ckpt model.pt --to torch --model-only --exclude '*.rotary*'
     """
-    from shardkit.checkpoint.offline_scaleout import run_convert
+    from shardkit.checkpoint.offline.scaleout import run_convert
 
     so = storage_options(storage_opts)
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
@@ -225,7 +232,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
       shardkit inspect ./ckpt/step-100
       shardkit inspect s3://bucket/ckpt --json | jq .totals
     """
-    from shardkit.checkpoint.offline import inspect as do_inspect
+    from shardkit.checkpoint.offline.convert import inspect as do_inspect
 
     info = do_inspect(src, storage_options=storage_options(storage_opts))
     if as_json:
@@ -272,7 +279,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
       shardkit verify ./ckpt/step-100
       shardkit verify s3://bucket/ckpt --workers 16
     """
-    from shardkit.checkpoint.offline import verify as do_verify
+    from shardkit.checkpoint.offline.convert import verify as do_verify
 
     report = do_verify(src, storage_options=storage_options(storage_opts), workers=workers, progress=_progress(ctx))
     if as_json:
@@ -321,7 +328,7 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
       shardkit diff ./ckpt/step-100 ./export-hf
       shardkit diff ./a ./b --atol 1e-3 --rtol 1e-2 --only 'model.*'
     """
-    from shardkit.checkpoint.offline import diff as do_diff
+    from shardkit.checkpoint.offline.convert import diff as do_diff
 
     so = storage_options(storage_opts)
     report = do_diff(a, b, atol=atol, rtol=rtol, storage_options=so,

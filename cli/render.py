@@ -7,7 +7,7 @@ from typing import Any, Iterable, Sequence
 
 import click
 
-from shardkit.checkpoint.offline_progress import human_bytes
+from shardkit.checkpoint.offline.progress import human_bytes
 
 __all__ = ["table", "echo_json", "storage_options", "human_bytes"]
 

@@ -48,10 +48,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # --- the only lines that differ from the FSDP1 script -----------------------
-from shardkit import (BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig,
-                      FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy,
-                      StateDictType)
+from shardkit import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.wrap import transformer_auto_wrap_policy
+
 # ---------------------------------------------------------------------------
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 67, 48, 4, 3, 16

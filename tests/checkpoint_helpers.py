@@ -81,8 +81,8 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, alone: 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Rank 0: every tensor of the model/optimizer state gathered and flattened (others: {})."""
-    from shardkit.checkpoint.flatten import flatten
-    from shardkit.checkpoint.state_dict import get_full_state_dict
+    from shardkit.checkpoint.state.full_state_dict import get_full_state_dict
+    from shardkit.checkpoint.state.tree import flatten
 
     full = get_full_state_dict(model, opt)
     if not full:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch

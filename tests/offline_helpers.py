@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch, sharded_transformer
+from tests.models import (
+    ModelArgs,
+    Transformer,
+    lm_loss,
+    make_batch,
+    sharded_transformer,
+)
 
 
 def trained_state(args: ModelArgs = ModelArgs(), seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -66,7 +72,7 @@ def train_and_save_with_shardkit(path: str) -> dict[str, torch.Tensor] | None:
 
     import shardkit.checkpoint as skc
     from shardkit import fully_shard
-    from shardkit.checkpoint.flatten import flatten
+    from shardkit.checkpoint.state.tree import flatten
 
     model, optim, args = sharded_transformer(fully_shard)
     for step in range(2):

@@ -21,7 +21,12 @@ from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from tests.models import Transformer
-from tests.runtime_common import (ARGS, seeded_transformer, train_reference, train_sharded)
+from tests.runtime_common import (
+    ARGS,
+    seeded_transformer,
+    train_reference,
+    train_sharded,
+)
 
 STEPS = 10
 

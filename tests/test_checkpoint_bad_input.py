@@ -16,9 +16,17 @@ import torch
 import torch.nn as nn
 
 import shardkit.checkpoint as skc
-from shardkit.errors import (CheckpointNotFound, ChecksumMismatch, ConfigurationError, CorruptCheckpoint,
-                             IncompatibleStateDict, InvalidManifest, ShardkitError, UnsafeCheckpoint,
-                             UnsupportedVersion)
+from shardkit.errors import (
+    CheckpointNotFound,
+    ChecksumMismatch,
+    ConfigurationError,
+    CorruptCheckpoint,
+    IncompatibleStateDict,
+    InvalidManifest,
+    ShardkitError,
+    UnsafeCheckpoint,
+    UnsupportedVersion,
+)
 
 
 class _Net(nn.Module):
@@ -43,7 +51,7 @@ def _state(net: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
 
 
 def _snapshot(sd: dict) -> dict[str, torch.Tensor]:
-    from shardkit.checkpoint.flatten import flatten
+    from shardkit.checkpoint.state.tree import flatten
 
     return {k: v.clone() for k, v in flatten(sd).tensors.items()}
 
@@ -200,7 +208,7 @@ def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_
 def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage_bytes, monkeypatch):
     import fsspec
 
-    import shardkit.checkpoint.api as api
+    import shardkit.checkpoint.training.api as api
 
     monkeypatch.setattr(api, "STAGE_BYTES", stage_bytes)
     url = f"memory://flipped-{stage_bytes}"

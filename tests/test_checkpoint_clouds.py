@@ -28,9 +28,15 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint import diff, reshard, verify
-from shardkit.checkpoint.offline_native import RESUME_DIR
-from shardkit.checkpoint.storage import Storage
-from shardkit.errors import BucketNotFound, ConfigurationError, EndpointUnreachable, MissingCredentials, StorageError
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.offline.native_out import RESUME_DIR
+from shardkit.errors import (
+    BucketNotFound,
+    ConfigurationError,
+    EndpointUnreachable,
+    MissingCredentials,
+    StorageError,
+)
 from tests.checkpoint_helpers import load_into_fresh, mismatches, save_trained_two_steps
 from tests.dist import run_on_ranks
 from tests.offline_cli import CliResult, run_cli
@@ -254,15 +260,15 @@ def unavailable_s3(aws_test_credentials):
 def test_a_failing_request_is_retried_by_shardkit_alone_as_often_as_asked(unavailable_s3, retries, caplog):
     endpoint, requests = unavailable_s3
     url = "s3://ckpts/run"
-    caplog.set_level(logging.DEBUG, logger="shardkit.checkpoint.storage")
+    caplog.set_level(logging.DEBUG, logger="shardkit.checkpoint.io.storage")
     line, _ = _timed_cli("inspect", url, *_fresh_client(endpoint),
                          "--retries", str(retries))
     attempts = retries + 1
     assert line.startswith(f"error: checking {url} failed" + (f" after {attempts} attempts: " if retries else ": "))
     assert len(requests) == attempts  # neither botocore nor s3fs retried underneath
-    logged = [r.getMessage() for r in caplog.records if r.name == "shardkit.checkpoint.storage"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "shardkit.checkpoint.io.storage"]
     assert len(logged) == retries and all(r.levelno == logging.DEBUG for r in caplog.records
-                                          if r.name == "shardkit.checkpoint.storage")
+                                          if r.name == "shardkit.checkpoint.io.storage")
     assert all(m.startswith(f"checking {url}: attempt {i + 1} of {attempts} failed (") for i, m in enumerate(logged))
 
 

@@ -10,12 +10,32 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import Shard
 
-from shardkit.checkpoint.codec import Compression, block_crcs, crc32c, parse_safetensors_header
-from shardkit.checkpoint.formats.base import StoredChunk, WriteChunk, plan_reads, read_box
-from shardkit.checkpoint.formats.native import NativeReader, NativeWriter, data_file_name, new_token
-from shardkit.checkpoint.layout import check_cover, shard_box, split_box
-from shardkit.checkpoint.plan import ChunkIndex, block_spans, byte_runs, plan_box
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.formats.base import (
+    StoredChunk,
+    WriteChunk,
+    plan_reads,
+    read_box,
+)
+from shardkit.checkpoint.formats.codec import (
+    Compression,
+    block_crcs,
+    crc32c,
+    parse_safetensors_header,
+)
+from shardkit.checkpoint.formats.native.reader import (
+    NativeReader,
+    NativeWriter,
+    data_file_name,
+    new_token,
+)
+from shardkit.checkpoint.geometry.boxes import check_cover, shard_box, split_box
+from shardkit.checkpoint.geometry.plan import (
+    ChunkIndex,
+    block_spans,
+    byte_runs,
+    plan_box,
+)
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, IncompatibleStateDict, UnsafeCheckpoint
 
 
@@ -175,7 +195,7 @@ def test_stored_chunk_locators_do_not_affect_planning():
 
 
 def test_direct_io_writer_produces_exact_bytes_for_odd_sized_pieces(tmp_path):
-    from shardkit.checkpoint import direct_io
+    from shardkit.checkpoint.io import direct_io
 
     rng = random.Random(5)
     pieces = [bytes(rng.randrange(256) for _ in range(n)) for n in (1, 4095, 4097, 3, 9 << 20, 0, 12345)]
@@ -188,7 +208,7 @@ def test_direct_io_writer_produces_exact_bytes_for_odd_sized_pieces(tmp_path):
 
 
 def test_saves_fall_back_to_buffered_writes_where_direct_io_is_unavailable(tmp_path, monkeypatch):
-    from shardkit.checkpoint import direct_io
+    from shardkit.checkpoint.io import direct_io
 
     monkeypatch.setattr(direct_io, "open_direct", lambda path: None)
     tensors = _tensors()
@@ -199,7 +219,7 @@ def test_saves_fall_back_to_buffered_writes_where_direct_io_is_unavailable(tmp_p
 
 def test_the_checking_pass_reads_bounded_spans_and_each_block_once_writing_nothing(tmp_path, monkeypatch):
     import shardkit.checkpoint as skc
-    from shardkit.checkpoint.formats import native
+    from shardkit.checkpoint.formats.native import reader as native
 
     monkeypatch.setattr(native, "CHECK_SPAN", 64 << 10)
     w = torch.randn(1000, 100)  # 400 kB in chunks of 160 kB, checksum blocks of 4 kB
@@ -225,7 +245,7 @@ def test_check_chunk_finds_the_first_bad_block_with_one_ranged_read_per_span(mon
     import fsspec
 
     import shardkit.checkpoint as skc
-    from shardkit.checkpoint.formats.native import check_chunk
+    from shardkit.checkpoint.formats.native.reader import check_chunk
 
     url = "memory://check-chunk"
     skc.save({"w": torch.randn(100, 1000)}, url, block_bytes=4096)  # one chunk of 400 kB: 98 blocks
@@ -254,7 +274,7 @@ def test_shard_range_follows_torch_chunk_and_needs_no_torch_distributed():
     import subprocess
     import sys
 
-    from shardkit.checkpoint.layout import shard_range
+    from shardkit.checkpoint.geometry.boxes import shard_range
 
     for n in range(12):
         for k in range(1, 5):
@@ -262,7 +282,7 @@ def test_shard_range_follows_torch_chunk_and_needs_no_torch_distributed():
             for i in range(k):
                 lo, hi = shard_range(n, k, i)
                 assert list(range(lo, hi)) == (pieces[i].tolist() if i < len(pieces) else []), (n, k, i)
-    probe = ("import sys, torch; from shardkit.checkpoint.layout import is_dtensor, shard_range; "
+    probe = ("import sys, torch; from shardkit.checkpoint.geometry.boxes import is_dtensor, shard_range; "
              "assert not is_dtensor(torch.zeros(1)) and shard_range(5, 2, 1) == (3, 5); "
              "assert 'torch.distributed.tensor' not in sys.modules")
     subprocess.run([sys.executable, "-c", probe], check=True)
@@ -271,7 +291,7 @@ def test_shard_range_follows_torch_chunk_and_needs_no_torch_distributed():
 def test_group_into_files_balances_by_bytes_or_fills_up_to_the_cap():
     from types import SimpleNamespace
 
-    from shardkit.checkpoint.formats.native_write import group_into_files
+    from shardkit.checkpoint.formats.native.writer import group_into_files
 
     items = [SimpleNamespace(nbytes=n) for n in (5, 5, 5, 5, 30, 1)]
     assert [[c.nbytes for c in g] for g in group_into_files(items, 2, None)] == [[5, 5, 5, 5], [30, 1]]

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import shardkit.checkpoint as skc
-import shardkit.checkpoint.manager as manager_module
-from shardkit.checkpoint.manager import step_dir
+import shardkit.checkpoint.training.manager as manager_module
+from shardkit.checkpoint.training.manager import step_dir
 from shardkit.errors import CheckpointNotFound
 from tests.checkpoint_helpers import build_model
 

@@ -8,10 +8,17 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from tests.checkpoint_helpers import (build_model, full_state, make_mesh, make_optimizer, mismatches, rel_close,
-                                      train, world)
+from tests.checkpoint_helpers import (
+    build_model,
+    full_state,
+    make_mesh,
+    make_optimizer,
+    mismatches,
+    rel_close,
+    train,
+    world,
+)
 from tests.dist import run_on_ranks
-
 
 # --------------------------------------------------------------------------
 # must-show 1: train 5 steps at world size 2, resume anywhere
@@ -132,7 +139,7 @@ def _save_sharded(url: str, mesh_shape: tuple[int, ...], seed: int, compression)
 
 def _load_everything(urls_and_seeds, mesh_shape: tuple[int, ...]):
     """Load every checkpoint into zeroed DTensors laid out anew; return the mismatching keys per checkpoint."""
-    from shardkit.checkpoint.state_dict import gather_full_tensor
+    from shardkit.checkpoint.state.state_dict import gather_full_tensor
 
     bad = {}
     for url, seed in urls_and_seeds:
@@ -170,14 +177,14 @@ def _resharded_read_amplification(url: str):
     """Load a two-rank Shard(0) checkpoint of large-ish tensors at this world size; bytes read / needed."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from shardkit.checkpoint.formats.native import NativeReader
+    from shardkit.checkpoint.formats.native.reader import NativeReader
 
     mesh = make_mesh((world()[1],))
     shapes = {"emb": (1000, 64), "w1": (517, 128), "w2": (128, 517), "b": (517,)}
     sd = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for k, s in shapes.items()}
     reader = NativeReader(url)
-    from shardkit.checkpoint.api import _plan_load
-    from shardkit.checkpoint.flatten import flatten
+    from shardkit.checkpoint.state.tree import flatten
+    from shardkit.checkpoint.training.api import _plan_load
 
     requests, _ = _plan_load(reader, flatten(sd), True)
     reader.read(requests)

@@ -6,8 +6,17 @@ import torch
 import torch.nn as nn
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint import state_dict as sdm
-from tests.checkpoint_helpers import build_model, full_state, make_mesh, make_optimizer, mismatches, train, world
+from shardkit.checkpoint.geometry.boxes import local_tensor
+from shardkit.checkpoint.state import state_dict as sdm
+from tests.checkpoint_helpers import (
+    build_model,
+    full_state,
+    make_mesh,
+    make_optimizer,
+    mismatches,
+    train,
+    world,
+)
 from tests.dist import run_on_ranks
 
 
@@ -54,7 +63,7 @@ def _load_full_from_rank0(mesh_shape, steps):
 
 
 def _flat_copy(sd):
-    from shardkit.checkpoint.flatten import flatten
+    from shardkit.checkpoint.state.tree import flatten
 
     flat = flatten(sd)
     return {"tensors": {k: v.clone() for k, v in flat.tensors.items()}, "values": flat.values}
@@ -116,8 +125,8 @@ def _gather_then_shard():
     same = []
     for key, value in resharded["model"].items():
         same.append(type(value) is type(live["model"][key])
-                    and torch.equal(sdm.local_tensor(value), sdm.local_tensor(live["model"][key]))
-                    and sdm.local_tensor(value).data_ptr() != sdm.local_tensor(live["model"][key]).data_ptr())
+                    and torch.equal(local_tensor(value), local_tensor(live["model"][key]))
+                    and local_tensor(value).data_ptr() != local_tensor(live["model"][key]).data_ptr())
     exp_avg = resharded["optim"]["state"]["output.weight"]["exp_avg"]
     same.append(exp_avg.placements == live["optim"]["state"]["output.weight"]["exp_avg"].placements)
     return all(same)

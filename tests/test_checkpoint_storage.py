@@ -11,9 +11,16 @@ import torch
 import torch.distributed as dist
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint.manager import step_dir
-from tests.checkpoint_helpers import (build_model, full_state, load_into_fresh, make_optimizer, mismatches,
-                                     save_trained_two_steps, train)
+from shardkit.checkpoint.training.manager import step_dir
+from tests.checkpoint_helpers import (
+    build_model,
+    full_state,
+    load_into_fresh,
+    make_optimizer,
+    mismatches,
+    save_trained_two_steps,
+    train,
+)
 from tests.dist import run_on_ranks
 
 
@@ -176,7 +183,7 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_leaves_the_previous_ch
 def test_storage_probes_its_own_url_and_retries_only_transient_failures(tmp_path, where):
     import fsspec
 
-    from shardkit.checkpoint.storage import Storage
+    from shardkit.checkpoint.io.storage import Storage
     from shardkit.errors import CheckpointNotFound, StorageError
 
     url = str(tmp_path / "ck") if where == "local" else "memory://probe-dir"

@@ -11,7 +11,7 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.native import NativeReader
+from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.errors import CheckpointError, IncompatibleStateDict, InvalidManifest
 from tests.dist import run_on_ranks
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch

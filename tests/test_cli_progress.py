@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline.progress import Progress
 
 
 class _Tty(io.StringIO):

@@ -8,7 +8,7 @@ import json
 import torch
 
 from shardkit.checkpoint import diff, reshard, verify
-from shardkit.checkpoint.offline_native import FileUnit, assign_units
+from shardkit.checkpoint.offline.native_out import FileUnit, assign_units
 from tests.dist import run_torchrun
 from tests.offline_cli import run_cli
 from tests.offline_helpers import write_torch_state

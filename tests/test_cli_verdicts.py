@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from shardkit.checkpoint import convert, diff, reshard
-from shardkit.checkpoint.offline_progress import Progress
+from shardkit.checkpoint.offline.progress import Progress
 from tests.offline_cli import run_cli
 from tests.offline_helpers import torch_and_native
 

@@ -6,8 +6,13 @@ import torch
 
 
 def test_a_cast_reuses_one_buffer_per_thread():
-    from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, StoredChunk, TensorEntry
-    from shardkit.checkpoint.offline_fetch import Fetcher
+    from shardkit.checkpoint.formats.base import (
+        CheckpointInfo,
+        CheckpointReader,
+        StoredChunk,
+        TensorEntry,
+    )
+    from shardkit.checkpoint.offline.fetch import Fetcher
 
     class Ones(CheckpointReader):
         def __init__(self):

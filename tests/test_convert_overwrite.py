@@ -66,7 +66,7 @@ def test_overwriting_an_hf_export_never_writes_over_a_shard_the_old_index_names(
     old_index = json.loads((out / "model.safetensors.index.json").read_text())
     old_shards = {name: (out / name).read_bytes() for name in set(old_index["weight_map"].values())}
 
-    from shardkit.checkpoint.storage import Storage
+    from shardkit.checkpoint.io.storage import Storage
 
     def checked_put(self, name, data, _put=Storage.put_atomic):  # the commit: the old export is still whole
         if name == "model.safetensors.index.json":
@@ -84,7 +84,7 @@ def test_overwriting_an_hf_export_never_writes_over_a_shard_the_old_index_names(
 def test_overwriting_a_dcp_or_torch_output_keeps_the_old_one_whole_until_the_commit(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.storage import Storage
+    from shardkit.checkpoint.io.storage import Storage
 
     first = write_torch_state(tmp_path / "first.pt", _weights(), [])
     second = write_torch_state(tmp_path / "second.pt", {k: v + 1 for k, v in _weights().items()}, [])

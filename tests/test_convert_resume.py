@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shardkit.checkpoint.offline_native as offline_native
+import shardkit.checkpoint.offline.native_out as offline_native
 from shardkit.checkpoint import diff, reshard, verify
 from tests.offline_helpers import write_torch_state
 

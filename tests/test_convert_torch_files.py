@@ -15,8 +15,13 @@ import torch.nn as nn
 import shardkit.checkpoint as skc
 from shardkit.checkpoint import convert, reshard
 from shardkit.checkpoint.formats.torchsave import TorchSaveReader
-from shardkit.checkpoint.storage import Storage
-from shardkit.errors import ConfigurationError, IncompatibleStateDict, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import (
+    ConfigurationError,
+    IncompatibleStateDict,
+    UnsafeCheckpoint,
+    UnsupportedFormat,
+)
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch
 from tests.offline_cli import run_cli
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.dcp import DcpReader, read_dcp_metadata
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader, read_dcp_metadata
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 from tests.formats_helpers import torch_fully_shard_dcp
 from tests.models import ModelArgs, Transformer
@@ -42,7 +42,10 @@ def test_dcp_saved_by_torch_fully_shard_reads_bitwise(fsdp_dcp):
 
 def test_convert_writes_dcp_that_torch_dcp_load_reads_with_optimizer_state(tmp_path, fsdp_dcp):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from shardkit.checkpoint import convert
 
@@ -69,7 +72,7 @@ def test_convert_writes_dcp_that_torch_dcp_load_reads_with_optimizer_state(tmp_p
 def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.formats.dcp import write_dcp
+    from shardkit.checkpoint.formats.dcp.checkpoint import write_dcp
 
     big = torch.randn(1000, 64)
     out = tmp_path / "d"
@@ -222,10 +225,16 @@ def test_metadata_written_without_torch_dcp_unpickles_to_what_torch_would_write(
     """Our opcode-by-opcode .metadata decodes (with plain pickle and torch's classes) to the object
     torch's own writer pickles, and our restricted reader reads it back."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
-    from shardkit.checkpoint.formats.dcp_metadata import encode_dcp_metadata
+    from shardkit.checkpoint.formats.dcp.metadata import encode_dcp_metadata
 
     blob = encode_dcp_metadata(
         {"model.w": (torch.bfloat16, (5, 3), [(0, 0), (4, 0)], [(4, 3), (1, 3)]), "s": (torch.int64, (), [()], [()])},

@@ -13,7 +13,7 @@ from shardkit.checkpoint import convert, verify
 from shardkit.checkpoint.formats import hf
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.hf import INDEX_NAME, HfReader, write_hf
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 
 

@@ -12,8 +12,12 @@ import torch
 
 from shardkit.checkpoint import convert, diff, reshard
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.torchsave import TorchSaveReader, check_tensors, write_torch_save
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.formats.torchsave import (
+    TorchSaveReader,
+    check_tensors,
+    write_torch_save,
+)
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, StorageError, UnsupportedFormat
 from tests.dist import run_on_ranks
 from tests.models import ModelArgs, Transformer, lm_loss, make_batch
@@ -86,7 +90,7 @@ def test_torch_fsdp1_full_optim_state_dict_file_converts_as_optimizer_state(tmp_
 
     native = str(tmp_path / "native")
     reshard(path, native, world_size=2, dtype="bf16")  # --dtype casts model weights only
-    from shardkit.checkpoint.formats.native import NativeReader
+    from shardkit.checkpoint.formats.native.reader import NativeReader
 
     reader = NativeReader(native)
     keys = set(reader.tensors())

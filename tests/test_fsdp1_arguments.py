@@ -13,16 +13,21 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
-                      ShardingStrategy)
+import shardkit.wrap as sk_wrap
+from shardkit import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.runtime import sharded_params_of
-import shardkit.wrap as sk_wrap
 from shardkit.wrap import CustomPolicy, ModuleWrapPolicy, transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (CollectiveCounter, assert_close_losses, build_transformer, reference_losses,
-                                 train_steps)
+from tests.fsdp1_helpers import (
+    CollectiveCounter,
+    assert_close_losses,
+    build_transformer,
+    reference_losses,
+    train_steps,
+)
 from tests.models import Block, ModelArgs, Transformer
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})

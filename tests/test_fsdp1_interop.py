@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import shardkit.checkpoint as skc
-from shardkit import FullyShardedDataParallel as FSDP, StateDictType
+from shardkit import FullyShardedDataParallel as FSDP
+from shardkit import StateDictType
 from shardkit.cli.main import main as shardkit_cli
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks

@@ -17,10 +17,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import shardkit.wrap as sk_wrap
-from shardkit import FullyShardedDataParallel as FSDP, OptimStateKeyType, StateDictType
+from shardkit import FullyShardedDataParallel as FSDP
+from shardkit import OptimStateKeyType, StateDictType
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import assert_close_losses, build_transformer, global_batch, train_steps
+from tests.fsdp1_helpers import (
+    assert_close_losses,
+    build_transformer,
+    global_batch,
+    train_steps,
+)
 from tests.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})

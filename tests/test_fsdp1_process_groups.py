@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardkit import FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+from shardkit import FullyShardedDataParallel as FSDP
+from shardkit import ShardingStrategy, fully_shard
 from shardkit.runtime import param_groups_of
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import PG_TIMEOUT_S, run_on_ranks

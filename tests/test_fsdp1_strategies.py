@@ -11,12 +11,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardkit import FullyShardedDataParallel as FSDP, ShardingStrategy
+from shardkit import FullyShardedDataParallel as FSDP
+from shardkit import ShardingStrategy
 from shardkit.runtime import sharded_params_of
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (CollectiveCounter, assert_close_losses, build_transformer, local_batch, reference_losses,
-                                 train_steps)
+from tests.fsdp1_helpers import (
+    CollectiveCounter,
+    assert_close_losses,
+    build_transformer,
+    local_batch,
+    reference_losses,
+    train_steps,
+)
 from tests.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})

@@ -10,10 +10,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+from shardkit import FSDPModule, ShardingStrategy, StateDictType
+from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import assert_close_losses, build_transformer, reference_losses, train_steps
+from tests.fsdp1_helpers import (
+    assert_close_losses,
+    build_transformer,
+    reference_losses,
+    train_steps,
+)
 from tests.models import Block, Transformer
 
 

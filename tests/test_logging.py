@@ -42,7 +42,7 @@ def test_global_flags_work_before_or_after_the_subcommand(tmp_path, where):
     command = ["reshard", str(src), str(dst), "--world-size", "2"]
     result = run_cli(*(["-v"] + command if where == "before" else command + ["-v"]))
     assert result.exit_code == 0, result.stderr
-    assert "INFO shardkit.checkpoint.offline: reshard" in result.stderr
+    assert "INFO shardkit.checkpoint.offline.convert: reshard" in result.stderr
     quiet = run_cli("inspect", str(dst), "-q")
     assert quiet.exit_code == 0 and quiet.stderr == ""
     debug = run_cli("inspect", str(tmp_path / "missing"), "--debug")

@@ -16,8 +16,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.dist import run_on_ranks
 from tests.models import ModelArgs, Transformer, lm_loss
-from tests.runtime_common import (global_batch, local_batch, max_relative_loss_error, seeded_transformer, shard_blocks_and_root,
-                                  train_reference, train_sharded)
+from tests.runtime_common import (
+    global_batch,
+    local_batch,
+    max_relative_loss_error,
+    seeded_transformer,
+    shard_blocks_and_root,
+    train_reference,
+    train_sharded,
+)
 
 
 def _padding_intact(model) -> bool:

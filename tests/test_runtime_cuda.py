@@ -15,7 +15,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.dist import run_on_ranks
-from tests.runtime_common import max_relative_loss_error, seeded_transformer, train_reference, train_sharded
+from tests.runtime_common import (
+    max_relative_loss_error,
+    seeded_transformer,
+    train_reference,
+    train_sharded,
+)
 
 pytestmark = pytest.mark.cuda
 

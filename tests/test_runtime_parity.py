@@ -26,8 +26,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from tests.dist import run_on_ranks
-from tests.runtime_common import (max_relative_loss_error, reference_slices_mismatch,
-                                  seeded_transformer, shard_blocks_and_root, train_reference, train_sharded)
+from tests.runtime_common import (
+    max_relative_loss_error,
+    reference_slices_mismatch,
+    seeded_transformer,
+    shard_blocks_and_root,
+    train_reference,
+    train_sharded,
+)
 
 STEPS = 10
 LOSS_RTOL = 1e-6

@@ -12,9 +12,18 @@ from torch.distributed.tensor import DTensor
 
 from shardkit import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy
 from shardkit.runtime import param_groups_of
-from shardkit.wrap import apply_fully_shard, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from shardkit.wrap import (
+    apply_fully_shard,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import assert_close_losses, build_transformer, reference_losses, train_steps
+from tests.fsdp1_helpers import (
+    assert_close_losses,
+    build_transformer,
+    reference_losses,
+    train_steps,
+)
 from tests.models import Block
 
 

@@ -16,7 +16,7 @@ In a training job::
     resumed = manager.load_latest(model, optimizer)   # (step, extra) or None
 
 Offline (no process group): ``reshard``, ``convert``, ``inspect``, ``verify`` and
-``diff`` live in ``shardkit.checkpoint.offline`` and are re-exported here.
+``diff`` live in ``shardkit.checkpoint.offline.convert`` and are re-exported here.
 
 Names resolve lazily so ``import shardkit.checkpoint`` stays cheap, and this
 package never imports the sharding runtime (data flows one way).
@@ -28,22 +28,21 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "get_state_dict": "shardkit.checkpoint.state_dict",
-    "set_state_dict": "shardkit.checkpoint.state_dict",
-    "get_full_state_dict": "shardkit.checkpoint.state_dict",
-    "set_full_state_dict": "shardkit.checkpoint.state_dict",
-    "save": "shardkit.checkpoint.api",
-    "async_save": "shardkit.checkpoint.api",
-    "load": "shardkit.checkpoint.api",
-    "CheckpointManager": "shardkit.checkpoint.manager",
-    "Compression": "shardkit.checkpoint.codec",
+    "get_state_dict": "shardkit.checkpoint.state.state_dict",
+    "set_state_dict": "shardkit.checkpoint.state.state_dict",
+    "get_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
+    "set_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
+    "save": "shardkit.checkpoint.training.api",
+    "async_save": "shardkit.checkpoint.training.api",
+    "load": "shardkit.checkpoint.training.api",
+    "CheckpointManager": "shardkit.checkpoint.training.manager",
+    "Compression": "shardkit.checkpoint.formats.codec",
     "open_reader": "shardkit.checkpoint.formats",
-    # offline tools (issue 4)
-    "reshard": "shardkit.checkpoint.offline",
-    "convert": "shardkit.checkpoint.offline",
-    "inspect": "shardkit.checkpoint.offline",
-    "verify": "shardkit.checkpoint.offline",
-    "diff": "shardkit.checkpoint.offline",
+    "reshard": "shardkit.checkpoint.offline.convert",
+    "convert": "shardkit.checkpoint.offline.convert",
+    "inspect": "shardkit.checkpoint.offline.convert",
+    "verify": "shardkit.checkpoint.offline.verify",
+    "diff": "shardkit.checkpoint.offline.diff",
 }
 
 __all__ = sorted(_EXPORTS)

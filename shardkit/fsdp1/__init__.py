@@ -25,7 +25,6 @@ from shardkit.fsdp1.api import (
     StateDictSettings,
     StateDictType,
 )
-
 from shardkit.fsdp1.wrapper import FullyShardedDataParallel
 
 __all__ = [

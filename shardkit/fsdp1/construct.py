@@ -30,9 +30,26 @@ from torch.utils._pytree import tree_map
 
 from shardkit.errors import AlreadyShardedError, ConfigurationError
 from shardkit.fsdp1 import mapping
-from shardkit.fsdp1.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from shardkit.runtime import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from shardkit.wrap import CustomPolicy, WrapTarget, ignored_parameters, plan_auto_wrap, walk_modules
+from shardkit.fsdp1.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from shardkit.runtime import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from shardkit.wrap import (
+    CustomPolicy,
+    WrapTarget,
+    ignored_parameters,
+    plan_auto_wrap,
+    walk_modules,
+)
 
 __all__ = ["FSDP1Args", "construct", "unit_modules"]
 

@@ -26,7 +26,9 @@ from shardkit.fsdp1.api import (
     ShardingStrategy,
     StateDictType,
 )
-from shardkit.wrap import warn_once  # one once-per-process registry for wrap policies and FSDP1
+from shardkit.wrap import (
+    warn_once,  # one once-per-process registry for wrap policies and FSDP1
+)
 
 __all__ = ["StrategyLayout", "strategy_layout", "as_enum", "mixed_precision_fields", "offload_params",
            "build_mesh", "compute_device", "warn_once", "reshard_after_forward", "DIM_NAMES"]

@@ -15,7 +15,7 @@ optimizer state dicts, while ``torch.optim`` names it by integer ID:
   ID-keyed form with each state tensor laid out like its parameter.
 
 Gathering, sharding, re-cutting and broadcasting are
-:mod:`shardkit.checkpoint.state_dict`'s (``get_optimizer_state_dict``,
+:mod:`shardkit.checkpoint.state.state_dict`'s (``get_optimizer_state_dict``,
 ``gather_full_state``, ``shard_state``, ``relayout_like``,
 ``to_torch_optimizer_state``); this module only maps FSDP1's signatures and
 key conventions onto them.
@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.checkpoint import state_dict as sd
-from shardkit.checkpoint.comm import Dist
-from shardkit.checkpoint.flatten import restore_like
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.state import state_dict as sd
+from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 from shardkit.fsdp1 import mapping, model_state
 from shardkit.fsdp1.api import OptimStateKeyType, StateDictType

@@ -25,7 +25,11 @@ from shardkit.runtime.fully_shard import (
     register_fsdp_forward_method,
     sharded_params_of,
 )
-from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 __all__ = [
     "fully_shard",

@@ -16,12 +16,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.errors import AlreadyShardedError, ConfigurationError, TrainingStateError, UnshardableParameterError
-from shardkit.runtime.mesh_info import (default_mesh, device_from_mesh, mesh_info_for,
-                                        normalize_reshard_after_forward, post_forward_group)
+from shardkit.errors import (
+    AlreadyShardedError,
+    ConfigurationError,
+    TrainingStateError,
+    UnshardableParameterError,
+)
+from shardkit.runtime.mesh_info import (
+    default_mesh,
+    device_from_mesh,
+    mesh_info_for,
+    normalize_reshard_after_forward,
+    post_forward_group,
+)
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
-from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 
 # Original Parameter -> the class of the module whose fully_shard call owns it.

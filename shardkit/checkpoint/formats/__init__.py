@@ -21,16 +21,16 @@ import importlib
 from typing import Any, Mapping
 
 from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, UnsupportedFormat
 
 __all__ = ["FORMATS", "format_module", "detect_format", "open_reader"]
 
 FORMATS: dict[str, str] = {
-    "shardkit": "shardkit.checkpoint.formats.native",
+    "shardkit": "shardkit.checkpoint.formats.native.reader",
     "hf": "shardkit.checkpoint.formats.hf",
     "torch": "shardkit.checkpoint.formats.torchsave",
-    "dcp": "shardkit.checkpoint.formats.dcp",
+    "dcp": "shardkit.checkpoint.formats.dcp.checkpoint",
 }
 
 

@@ -36,9 +36,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.codec import itemsize
-from shardkit.checkpoint.layout import Box, box_contains
-from shardkit.checkpoint.plan import ChunkIndex, plan_box
+from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.checkpoint.geometry.boxes import Box, box_contains
+from shardkit.checkpoint.geometry.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",

@@ -32,14 +32,35 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.codec import (SafetensorsStreamWriter, as_bytes, code_to_dtype, dtype_to_code, itemsize,
-                                       parse_safetensors_header)
-from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, row_range, rows_per_block,
-                                                split_file)
-from shardkit.checkpoint.storage import Storage, check_name
-from shardkit.errors import (CheckpointNotFound, ConfigurationError, InvalidManifest, UnsafeCheckpoint,
-                             UnsupportedFormat)
+from shardkit.checkpoint.formats.base import (
+    CheckpointInfo,
+    CheckpointReader,
+    ReadRequest,
+    StoredChunk,
+    TensorEntry,
+)
+from shardkit.checkpoint.formats.codec import (
+    SafetensorsStreamWriter,
+    as_bytes,
+    code_to_dtype,
+    dtype_to_code,
+    itemsize,
+    parse_safetensors_header,
+)
+from shardkit.checkpoint.geometry.rows import (
+    copy_rows_into,
+    iter_row_blocks,
+    row_range,
+    rows_per_block,
+)
+from shardkit.checkpoint.io.storage import Storage, check_name, split_file
+from shardkit.errors import (
+    CheckpointNotFound,
+    ConfigurationError,
+    InvalidManifest,
+    UnsafeCheckpoint,
+    UnsupportedFormat,
+)
 
 __all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "read_header",
            "check_tensors", "side_file_problem", "side_files_in", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shardkit.checkpoint.flatten import flatten, to_json_value
+from shardkit.checkpoint.state.tree import flatten, to_json_value
 from shardkit.errors import ConfigurationError, IncompatibleStateDict, UnsupportedFormat
 
 __all__ = ["TorchState", "flatten_state", "name_optimizer_ids", "read_model_keys", "UNNAMED_HINT"]

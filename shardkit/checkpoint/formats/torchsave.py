@@ -38,17 +38,45 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.flatten import from_json_value
-from shardkit.checkpoint.formats.base import (CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry,
-                                              contiguous_strides)
-from shardkit.checkpoint.formats.pickle_ops import Call, Global, Persistent, PickleTuple, encode
+from shardkit.checkpoint.formats.base import (
+    CheckpointInfo,
+    CheckpointReader,
+    ReadRequest,
+    StoredChunk,
+    TensorEntry,
+    contiguous_strides,
+)
+from shardkit.checkpoint.formats.pickle_ops import (
+    Call,
+    Global,
+    Persistent,
+    PickleTuple,
+    encode,
+)
 from shardkit.checkpoint.formats.torch_state import flatten_state
-from shardkit.checkpoint.formats.zip_records import (CheckedOnce, ZipRecord, carries_checksums, check_record,
-                                                     data_start, list_records)
-from shardkit.checkpoint.offline_blocks import (copy_rows_into, iter_row_blocks, object_path, row_range,
-                                                rows_per_block, split_file)
-from shardkit.checkpoint.storage import Storage
-from shardkit.errors import CheckpointNotFound, InvalidManifest, ShardkitError, UnsafeCheckpoint, UnsupportedFormat
+from shardkit.checkpoint.formats.zip_records import (
+    CheckedOnce,
+    ZipRecord,
+    carries_checksums,
+    check_record,
+    data_start,
+    list_records,
+)
+from shardkit.checkpoint.geometry.rows import (
+    copy_rows_into,
+    iter_row_blocks,
+    row_range,
+    rows_per_block,
+)
+from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.checkpoint.state.tree import from_json_value, object_path
+from shardkit.errors import (
+    CheckpointNotFound,
+    InvalidManifest,
+    ShardkitError,
+    UnsafeCheckpoint,
+    UnsupportedFormat,
+)
 
 __all__ = ["TorchSaveReader", "TorchLoadOptions", "TensorRef", "detect", "open_reader", "refusal", "write_torch_save",
            "write_archive", "check_tensors", "value_path"]

@@ -48,7 +48,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from shardkit.checkpoint.storage import Storage
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, ShardkitError
 
 __all__ = ["RangeFile", "open_span", "ZipRecord", "list_records", "carries_checksums", "data_start", "check_record",

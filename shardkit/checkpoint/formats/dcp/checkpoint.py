@@ -1,0 +1,385 @@
+"""torch.distributed.checkpoint (DCP) directories: read safely, write for ``dcp.load``.
+
+A DCP checkpoint is a directory of ``__<rank>_<n>.distcp`` payload files plus
+one pickled ``.metadata``.  The metadata maps every flattened key to its saved
+chunks (``TensorStorageMetadata``) and every chunk to a byte range in a payload
+file (``storage_data``).  Each tensor chunk is, by default, a ``torch.save`` blob
+of that chunk.
+
+Reading: ``.metadata`` is raw pickle, which executes whatever it names; it is
+read by the restricted unpickler of :mod:`.dcp_metadata` (DCP's metadata
+classes, ``torch.Size``, dtypes/layouts, nothing else).  Every file name it
+holds is checked at open.  Payload rows are read by byte ranges where the
+blob allows (:mod:`.dcp_payload`), otherwise decoded with
+``torch.load(weights_only=True)``.  Either way a payload's zip records are
+checked against their CRC-32s before any of its bytes is served (streamed
+once per payload for ranged reads, in memory for a decoded blob; see
+:mod:`.zip_records` for why not while reading).
+
+Writing: every payload is streamed as its own torch.save archive by
+:func:`~shardkit.checkpoint.formats.torchsave.write_archive` (a tensor larger
+than the block size becomes several dim-0 chunks, which DCP supports), then
+``.metadata`` is committed atomically.  Neither direction imports
+``torch.distributed.checkpoint`` (see :mod:`.dcp_metadata` for why).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import uuid
+from typing import Any, Callable, Collection, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats.base import (
+    CheckpointInfo,
+    CheckpointReader,
+    ReadRequest,
+    StoredChunk,
+    TensorEntry,
+)
+from shardkit.checkpoint.formats.codec import as_bytes
+from shardkit.checkpoint.formats.dcp.metadata import (
+    BytesStorageMetadata,
+    TensorStorageMetadata,
+    encode_dcp_metadata,
+    read_dcp_metadata,
+)
+from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
+from shardkit.checkpoint.formats.torchsave import (
+    Fetch,
+    TensorRef,
+    check_tensors,
+    refusal,
+    value_path,
+    write_archive,
+)
+from shardkit.checkpoint.formats.zip_records import (
+    CheckedOnce,
+    check_zip_bytes,
+    check_zip_records,
+)
+from shardkit.checkpoint.geometry.rows import (
+    copy_rows_into,
+    iter_row_blocks,
+    row_range,
+    rows_per_block,
+)
+from shardkit.checkpoint.io.storage import Storage, check_name
+from shardkit.checkpoint.state.tree import from_json_value, object_path, to_json_value
+from shardkit.errors import (
+    ConfigurationError,
+    InvalidManifest,
+    ShardkitError,
+    UnsafeCheckpoint,
+    UnsupportedFormat,
+)
+
+__all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "write_dcp", "check_tensors"]
+
+METADATA_NAME = ".metadata"
+_TRANSFORM_ZSTD = re.compile(r"^stream\.zstd/1$")
+
+
+def detect(storage: Storage) -> bool:
+    return storage.is_dir() and storage.exists(METADATA_NAME)
+
+
+def open_reader(storage: Storage) -> "DcpReader":
+    return DcpReader(storage)
+
+
+def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
+    """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        m = re.match(r"^(.*param_groups)\.(\d+)\.([^.]+)$", key)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+        else:
+            out[key] = value
+    for prefix, by_index in groups.items():
+        out[prefix] = [by_index[i] for i in sorted(by_index)]
+    return out
+
+
+class DcpReader(CheckpointReader):
+    """A DCP directory; each chunk's torch.save blob is fetched with one ranged read and decoded."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
+        self.storage = storage
+        url = storage.url
+        self._md = read_dcp_metadata(storage.read_bytes(METADATA_NAME), storage.where(METADATA_NAME))
+        where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        for index, info in (self._md.storage_data or {}).items():
+            check_name(str(getattr(info, "relative_path", None)), storage.where(METADATA_NAME))
+            offset = None if index.offset is None else tuple(int(o) for o in index.offset)
+            where[(index.fqn, offset)] = info
+        self._where = where
+        self._entries: dict[str, TensorEntry] = {}
+        self._value_keys: list[str] = []
+        for fqn, md in self._md.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(int(s) for s in md.size)
+                chunks = []
+                for c in md.chunks:
+                    offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)
+                    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                            o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                        raise InvalidManifest(f"{url}: chunk {offsets}+{sizes} of {fqn!r} lies outside {shape}")
+                    info = where.get((fqn, offsets))
+                    if info is None:
+                        raise InvalidManifest(f"{url}: no storage entry for chunk {offsets} of {fqn!r}")
+                    chunks.append(StoredChunk(offsets, sizes, info))
+                self._entries[fqn] = TensorEntry(fqn, md.properties.dtype, shape, tuple(chunks))
+            elif isinstance(md, BytesStorageMetadata):
+                self._value_keys.append(fqn)
+            else:
+                raise InvalidManifest(f"{url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
+        self._values: dict[str, Any] | None = None
+        self._local = threading.local()  # per-thread cache of the last decoded chunk
+        self._lock = threading.Lock()
+        self._layouts: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._checked = CheckedOnce()  # payloads whose CRC-32s were checked (ranged reads)
+        self.info = CheckpointInfo("dcp", url, meta={"dcp_version": self._md.version} if self._md.version else {})
+
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        return self._entries
+
+    def _blob(self, info: Any, where: str) -> io.BytesIO:
+        """The payload's bytes (transforms undone), its zip records' CRC-32s checked."""
+        path = str(info.relative_path)
+        start, length = int(info.offset), int(info.length)
+        data = self.storage.read_bytes(path, start, start + length)
+        if len(data) != length:
+            raise InvalidManifest(f"{self.storage.where(path)}: {length} bytes expected at offset {start}, the file "
+                                  f"holds {len(data)} (truncated)")
+        for desc in reversed(list(getattr(info, "transform_descriptors", None) or ())):
+            if not _TRANSFORM_ZSTD.match(desc):
+                raise UnsupportedFormat(f"{self.storage.where(path)}: DCP stream transform {desc!r} is not supported")
+            import zstandard
+
+            data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+        if data[:4] == b"PK\x03\x04":
+            check_zip_bytes(data, where)
+        return io.BytesIO(data)
+
+    def _decode(self, info: Any, where: str) -> Any:
+        try:
+            return torch.load(self._blob(info, where), map_location="cpu", weights_only=True)
+        except ShardkitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for bad bytes
+            refused = refusal(exc)
+            if refused:
+                raise UnsafeCheckpoint(f"{where}: payload needs unsafe unpickling ({refused}); refusing") from None
+            msg = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({msg})") from None
+
+    def values(self) -> Mapping[str, Any]:
+        if self._values is None:
+            raw = {}
+            for key in self._value_keys:
+                info = self._where.get((key, None))
+                if info is None:
+                    raise InvalidManifest(f"{self.info.url}: no storage entry for value {key!r}")
+                where = f"{self.storage.where(str(info.relative_path))} [{key}]"
+                try:
+                    raw[key] = to_json_value(self._decode(info, where), key)
+                except ConfigurationError as exc:
+                    raise UnsupportedFormat(f"{where}: {exc}") from None
+            self._values = _nest_param_groups(raw)
+        return self._values
+
+    def chunk_tensor(self, entry: TensorEntry, index: int) -> torch.Tensor:
+        """Decode stored chunk ``index`` of ``entry`` (cached: the last one stays for the next request)."""
+        chunk = entry.chunks[index]
+        cache = getattr(self._local, "cache", None)
+        if cache is not None and cache[0] is chunk.locator:
+            return cache[1]
+        self._local.cache = None
+        info = chunk.locator
+        where = f"{self.storage.where(str(info.relative_path))} [{entry.fqn} @ {list(chunk.offsets)}]"
+        head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 9)
+        if head[:4] != b"PK\x03\x04" and head[8:9] == b"{" and not getattr(info, "transform_descriptors", None):
+            tensor = self._safetensors_item(entry.fqn, info, where)
+        else:
+            tensor = self._decode(info, where)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
+            raise InvalidManifest(f"{where}: decodes to {getattr(tensor, 'shape', type(tensor))}, expected "
+                                  f"{chunk.shape}")
+        if tensor.dtype != entry.dtype:
+            raise InvalidManifest(f"{where}: chunk is {tensor.dtype}, expected {entry.dtype}")
+        self._local.cache = (chunk.locator, tensor)
+        return tensor
+
+    def _safetensors_item(self, fqn: str, info: Any, where: str) -> torch.Tensor:
+        """A tensor of a DCP file saved with ``SerializationFormat.SAFETENSORS``: the items of one file
+        form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
+        ``FileSystemReader`` cannot read these back; we can)."""
+        from shardkit.checkpoint.formats.codec import code_to_dtype
+        from shardkit.checkpoint.formats.hf import read_header
+
+        name, base = str(info.relative_path), int(info.offset)
+        header = read_header(self.storage, name, base=base, where=where)
+        e = header.entries.get(fqn)
+        if e is None:
+            raise InvalidManifest(f"{where}: the safetensors payload holds no tensor {fqn!r}")
+        raw = bytearray(self.storage.read_bytes(name, base + e.start, base + e.end))
+        out = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return out.view(code_to_dtype(e.dtype)).reshape(e.shape)
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        entries = self._check_requests(requests)
+        layouts = [self._row_layout(entry, r.chunk) for r, entry in zip(requests, entries)]
+        for r, entry, layout in zip(requests, entries, layouts):
+            if layout is not None:  # rows are read by range: check the whole payload first (once)
+                self._check_payload(entry, r.chunk)
+        for r, entry, layout in zip(requests, entries, layouts):
+            offsets = entry.chunks[r.chunk].offsets
+            r0, r1 = row_range(offsets, r.box)
+            if layout is not None:  # read just these rows' bytes
+                full_width = tuple(r.box[1][1:]) == tuple(entry.chunks[r.chunk].shape[1:])
+                rows = r.out if full_width and r.out.is_contiguous() else torch.empty(
+                    (r1 - r0,) + tuple(entry.chunks[r.chunk].shape[1:]), dtype=entry.dtype)
+                self.storage.read_into(layout.file, layout.data_start + r0 * layout.row_bytes, as_bytes(rows))
+                if rows is not r.out:
+                    copy_rows_into(rows, offsets, r.box, r.out)
+            else:
+                tensor = self.chunk_tensor(entry, r.chunk)
+                copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
+            self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+
+    def _check_payload(self, entry: TensorEntry, index: int) -> None:
+        """Stream the payload of stored chunk ``index`` and check its records' CRC-32s, once per payload."""
+        info = entry.chunks[index].locator
+        name, start, length = str(info.relative_path), int(info.offset), int(info.length)
+        where = f"{self.storage.where(name)} [{entry.fqn} @ {list(entry.chunks[index].offsets)}]"
+        self._checked.ensure((name, start), lambda: check_zip_records(self.storage, name, start, length, where))
+
+    def check_chunk(self, entry: TensorEntry, index: int) -> int:
+        """Check stored chunk ``index`` of ``entry`` without decoding it whole; return the bytes read.
+
+        A torch.save payload is a zip archive whose records carry CRC-32s: every
+        record is streamed through ranged reads and its CRC checked, then the
+        pickled header is loaded onto the meta device to compare shape and
+        dtype with the metadata.  Other payloads (zstd transforms, safetensors
+        serialization) have no checksum and are decoded instead.
+        Raises a :class:`~shardkit.errors.ShardkitError` naming the chunk.
+        """
+        chunk = entry.chunks[index]
+        info = chunk.locator
+        name, start, length = str(info.relative_path), int(info.offset), int(info.length)
+        where = f"{self.storage.where(name)} [{entry.fqn} @ {list(chunk.offsets)}]"
+        head = self.storage.read_bytes(name, start, start + 4)
+        if head != b"PK\x03\x04" or getattr(info, "transform_descriptors", None):
+            t = self.chunk_tensor(entry, index)
+            self._local.cache = None
+            return t.numel() * t.element_size()
+        check_zip_records(self.storage, name, start, length, where)
+        meta = payload_meta(self.storage, name, start, length, where)
+        if not isinstance(meta, torch.Tensor) or tuple(meta.shape) != chunk.shape or meta.dtype != entry.dtype:
+            raise InvalidManifest(f"{where}: holds {getattr(meta, 'dtype', type(meta).__name__)} "
+                                  f"{tuple(getattr(meta, 'shape', ()))}, the metadata records {entry.dtype} "
+                                  f"{chunk.shape}")
+        return length
+
+    def _row_layout(self, entry: TensorEntry, index: int) -> Any:
+        """Where the rows of a stored chunk are (``None``: decode the chunk whole); computed once."""
+        chunk = entry.chunks[index]
+        key = (entry.fqn, chunk.offsets)
+        with self._lock:
+            if key in self._layouts:
+                return self._layouts[key]
+        info = chunk.locator
+        head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 4)
+        layout = locate_rows(self.storage, info, chunk.shape, entry.dtype) if head == b"PK\x03\x04" else None
+        with self._lock:
+            self._layouts[key] = layout
+        return layout
+
+    def close(self) -> None:
+        self._local = threading.local()
+
+
+# --------------------------------------------------------------------------
+# writing
+
+
+def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Flatten list-of-dict values the way DCP's ``flatten_state_dict`` does (``a.0.lr``)."""
+    out: dict[str, Any] = {}
+
+    def visit(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{key}.{k}", v)
+        elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+            for i, v in enumerate(value):
+                visit(f"{key}.{i}", v)
+        else:
+            out[key] = value
+
+    for key, value in values.items():
+        visit(key, value)
+    return out
+
+
+def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],
+              fetch: Fetch, *, block_bytes: int, on_bytes: Callable[[int], None] = lambda n: None,
+              avoid: Collection[str] = ()) -> list[str]:
+    """Write a DCP directory that ``torch.distributed.checkpoint.load`` reads.
+
+    ``fetch(fqn, offsets, shape)`` returns that box of the tensor; each tensor is
+    cut into dim-0 chunks of at most ``block_bytes`` (DCP supports any chunking)
+    and each chunk is streamed straight into ``__0_0.distcp`` as its own
+    torch.save archive, so memory holds one block.  ``values`` are JSON-encoded
+    (flatten's form) and are decoded before they are written.  ``.metadata``
+    commits the checkpoint: it is written last, atomically, after the payload
+    is durable on local disks.  Returns the names written.  The payload never
+    takes a name in ``avoid`` (a DCP checkpoint being replaced still uses it
+    until the new ``.metadata`` commits): it is then ``__0_0.<suffix>.distcp``,
+    which ``.metadata`` names, as DCP readers follow.
+    """
+    check_tensors(tensors)
+    data_name = "__0_0.distcp" if "__0_0.distcp" not in avoid else f"__0_0.{uuid.uuid4().hex[:8]}.distcp"
+    chunk_md: dict[str, tuple[torch.dtype, tuple[int, ...], list, list]] = {}
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    planner_data: dict[str, tuple[Any, ...]] = {}
+    flat_values = _flatten_values({k: from_json_value(v) for k, v in values.items()})
+
+    def produce(out: Any) -> None:
+        pos = 0
+
+        def put(key: tuple[str, tuple[int, ...] | None], root: Any, refs: list[TensorRef]) -> None:
+            nonlocal pos
+            length = write_archive(out, root, refs, fetch, block_bytes=block_bytes, on_bytes=on_bytes)
+            where[key] = (data_name, pos, length)
+            pos += length
+
+        for key, value in flat_values.items():
+            put((key, None), value, [])
+            planner_data[key] = value_path(key)
+        for fqn, dtype, shape in tensors:
+            offsets_list, sizes_list = [], []
+            if not shape or shape[0] == 0:  # a scalar, or no rows: one (empty) chunk
+                blocks: Any = [(0, shape[0] if shape else 0)]
+            else:
+                blocks = iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes))
+            for r0, r1 in blocks:
+                offsets = (r0,) + (0,) * (len(shape) - 1) if shape else ()
+                box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
+                ref = TensorRef("0", fqn, dtype, box, first_row=r0)
+                put((fqn, offsets), ref, [ref])
+                offsets_list.append(offsets)
+                sizes_list.append(box)
+            chunk_md[fqn] = (dtype, tuple(shape), offsets_list, sizes_list)
+            planner_data[fqn] = object_path(fqn)
+
+    dst.write_stream(data_name, produce, fsync=dst.is_local)
+    dst.put_atomic(METADATA_NAME, encode_dcp_metadata(chunk_md, list(flat_values), where, planner_data))
+    return [data_name, METADATA_NAME]

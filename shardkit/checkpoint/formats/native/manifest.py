@@ -1,0 +1,247 @@
+"""The native manifest: the one JSON document that describes, and commits, a checkpoint.
+
+Schema (version 1; docs/format.md is the full specification)::
+
+    {"format": "shardkit", "version": 1,
+     "meta":   {...user metadata, e.g. "step"...},
+     "writer": {"world_size": 2, "mesh": {"shape": [2], "dim_names": [], "placements": [...]} | null},
+     "tensors": {fqn: {"dtype": "F32", "shape": [...],
+                       "chunks": [{"offsets": [...], "shape": [...], "file": "data/...safetensors",
+                                   "key": "...", "start": int, "nbytes": int, "codec": "raw" | "zstd",
+                                   "block": int, "crc32c": "<base64 LE uint32 per block>"}]}},
+     "values": {fqn: <JSON value>},
+     "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
+     "files":  {name: {"size": int, "writer": int}}}
+
+:func:`parse_manifest` trusts nothing: it bounds the document, checks every
+type, refuses unknown (future) versions, refuses file names that leave the
+checkpoint, checks every chunk lies inside its tensor and its file, that raw
+chunk lengths match shape x dtype, that checksum lists have one entry per
+block, that the chunks of every tensor tile it exactly, and that every alias
+names a stored tensor (so no chains and no cycles) and no key is two things.
+After it returns, readers can plan and read without further checks except
+the checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from shardkit.checkpoint.formats.codec import (
+    code_to_dtype,
+    itemsize,
+    pack_crcs,
+    unpack_crcs,
+)
+from shardkit.checkpoint.geometry.boxes import check_cover
+from shardkit.checkpoint.io.storage import check_name
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion
+
+__all__ = ["FORMAT_NAME", "VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "CODECS",
+           "ChunkRecord", "TensorRecord", "FileRecord", "Manifest", "parse_manifest", "dump_manifest"]
+
+FORMAT_NAME = "shardkit"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 30
+CODECS = ("raw", "zstd")
+_MAX_DIM = 1 << 48
+_MAX_NDIM = 64
+_MAX_KEY = 4096
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored chunk: a box of a tensor, and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    file: str
+    key: str
+    start: int                 # absolute byte offset of the stored bytes in ``file``
+    nbytes: int                # stored (possibly compressed) length
+    codec: str                 # "raw" or "zstd"
+    block: int                 # checksum block size in bytes (over the stored bytes)
+    crc32c: tuple[int, ...]    # one crc32c per block
+
+    @property
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.offsets, self.shape
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "shape": list(self.shape), "file": self.file, "key": self.key,
+                "start": self.start, "nbytes": self.nbytes, "codec": self.codec, "block": self.block,
+                "crc32c": pack_crcs(self.crc32c)}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    dtype: str                 # safetensors dtype code
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    writer: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tensors: dict[str, TensorRecord]
+    values: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    writer: dict[str, Any] = field(default_factory=dict)
+    version: int = VERSION
+    aliases: dict[str, str] = field(default_factory=dict)  # tied key -> the key whose tensor it is
+
+
+def dump_manifest(manifest: Manifest) -> bytes:
+    """Serialise (deterministic key order within each tensor, compact)."""
+    doc = {
+        "format": FORMAT_NAME,
+        "version": manifest.version,
+        "meta": manifest.meta,
+        "writer": manifest.writer,
+        "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.chunks]}
+                    for fqn, t in manifest.tensors.items()},
+        "values": manifest.values,
+        **({"aliases": dict(manifest.aliases)} if manifest.aliases else {}),
+        "files": {name: {"size": f.size, "writer": f.writer} for name, f in manifest.files.items()},
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _int(value: Any, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise InvalidManifest(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _ints(value: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_NDIM or (ndim is not None and len(value) != ndim):
+        raise InvalidManifest(f"{where} must be a list of {ndim if ndim is not None else 'at most 64'} integers, "
+                              f"got {value!r:.200}")
+    return tuple(_int(v, where, 0, _MAX_DIM) for v in value)
+
+
+def _obj(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidManifest(f"{where} must be a JSON object")
+    return value
+
+
+def _name(value: Any, where: str) -> str:
+    try:
+        return check_name(value, where)
+    except UnsafeCheckpoint:
+        raise
+    except Exception:  # pragma: no cover - check_name raises only UnsafeCheckpoint
+        raise InvalidManifest(f"{where}: bad file name {value!r}") from None
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where`` (a URL, for messages)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidManifest(f"{where} is {len(data)} bytes, larger than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidManifest(f"{where} is not valid JSON ({exc}); the checkpoint is damaged") from None
+    doc = _obj(doc, where)
+    if doc.get("format") != FORMAT_NAME:
+        raise InvalidManifest(f"{where} is not a shardkit manifest (format {doc.get('format')!r})")
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise InvalidManifest(f"{where} has an invalid version {version!r}")
+    if version > VERSION:
+        raise UnsupportedVersion(f"{where} was written by format version {version}; this shardkit reads up to "
+                                 f"version {VERSION}. Upgrade shardkit to load it.")
+    files: dict[str, FileRecord] = {}
+    for name, info in _obj(doc.get("files", {}), f"{where}: files").items():
+        _name(name, f"{where}: files")
+        info = _obj(info, f"{where}: files[{name!r}]")
+        files[name] = FileRecord(_int(info.get("size"), f"{where}: size of {name}"),
+                                 _int(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
+    tensors: dict[str, TensorRecord] = {}
+    for fqn, info in _obj(doc.get("tensors", {}), f"{where}: tensors").items():
+        tensors[fqn] = _parse_tensor(fqn, _obj(info, f"{where}: tensor {fqn!r}"), files, where)
+    values = _obj(doc.get("values", {}), f"{where}: values")
+    clash = set(values) & set(tensors)
+    if clash:
+        raise InvalidManifest(f"{where}: keys {sorted(clash)[:5]} are both tensors and values")
+    aliases = _parse_aliases(_obj(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
+    meta = _obj(doc.get("meta", {}), f"{where}: meta")
+    writer = _obj(doc.get("writer", {}), f"{where}: writer")
+    return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version,
+                    aliases=aliases)
+
+
+def _parse_aliases(doc: dict, tensors: Mapping[str, TensorRecord], values: Mapping[str, Any],
+                   where: str) -> dict[str, str]:
+    """Each alias is a key of its own (a string, not a tensor or value key) naming a *stored* tensor:
+    an alias of an alias (a chain, or a cycle) is refused, so one lookup always reaches the data."""
+    aliases: dict[str, str] = {}
+    for alias, target in doc.items():
+        at = f"{where}: alias {alias[:200]!r}"
+        if not alias or len(alias) > _MAX_KEY:
+            raise InvalidManifest(f"{at}: a key must be a string of 1 to {_MAX_KEY} characters")
+        if alias in tensors or alias in values:
+            raise InvalidManifest(f"{at} is also a stored {'tensor' if alias in tensors else 'value'}")
+        if not isinstance(target, str) or target not in tensors:
+            kind = "another alias" if isinstance(target, str) and target in doc else "no stored tensor"
+            raise InvalidManifest(f"{at} points at {target!r:.200}, which is {kind}; an alias must name a tensor "
+                                  f"the manifest stores")
+        aliases[alias] = target
+    return aliases
+
+
+def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str) -> TensorRecord:
+    at = f"{where}: tensor {fqn!r}"
+    code = info.get("dtype")
+    size = itemsize(code_to_dtype(code, at))
+    shape = _ints(info.get("shape"), f"{at} shape")
+    if math.prod(shape) * size >= 1 << 62:
+        raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
+    raw_chunks = info.get("chunks")
+    if not isinstance(raw_chunks, list):
+        raise InvalidManifest(f"{at}: chunks must be a list")
+    chunks = []
+    for i, c in enumerate(raw_chunks):
+        cat = f"{at} chunk {i}"
+        c = _obj(c, cat)
+        offsets = _ints(c.get("offsets"), f"{cat} offsets", len(shape))
+        cshape = _ints(c.get("shape"), f"{cat} shape", len(shape))
+        if any(o + s > n for o, s, n in zip(offsets, cshape, shape)):
+            raise InvalidManifest(f"{cat}: offsets {list(offsets)} + shape {list(cshape)} exceed the tensor's "
+                                  f"shape {list(shape)}")
+        file = _name(c.get("file"), cat)
+        if file not in files:
+            raise InvalidManifest(f"{cat} names file {file!r}, which the manifest's file list does not hold")
+        key = c.get("key")
+        if not isinstance(key, str) or len(key) > 4096:
+            raise InvalidManifest(f"{cat}: key must be a string")
+        codec = c.get("codec")
+        if codec not in CODECS:
+            raise InvalidManifest(f"{cat}: unknown codec {codec!r} (known: {list(CODECS)})")
+        start = _int(c.get("start"), f"{cat} start")
+        nbytes = _int(c.get("nbytes"), f"{cat} nbytes")
+        raw = math.prod(cshape) * size
+        if codec == "raw" and nbytes != raw:
+            raise InvalidManifest(f"{cat}: {nbytes} stored bytes, shape {list(cshape)} x {code} needs {raw}")
+        if start + nbytes > files[file].size:
+            raise InvalidManifest(f"{cat}: bytes [{start}, {start + nbytes}) lie beyond the end of {file} "
+                                  f"({files[file].size} bytes)")
+        block = _int(c.get("block"), f"{cat} block", 1)
+        count = max(1, -(-nbytes // block))
+        crcs = tuple(unpack_crcs(c.get("crc32c"), count, cat))
+        chunks.append(ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs))
+    problem = check_cover(shape, [c.box for c in chunks])
+    if problem:
+        raise InvalidManifest(f"{at}: {problem}")
+    return TensorRecord(code, shape, tuple(chunks))

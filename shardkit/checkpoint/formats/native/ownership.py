@@ -1,0 +1,131 @@
+"""What in a directory shardkit can prove it wrote, and so may ever delete.
+
+The rule of trust: nothing a user already has is deleted unless shardkit can
+prove it wrote it.  Retention in :class:`~shardkit.checkpoint.training.manager.CheckpointManager`,
+the cleanup after a failed offline run and the removal of a replaced checkpoint
+all ask this module first, so a torch DCP ``step-4``, a Hugging Face export or
+a user's notes that happen to sit under a checkpoint root are never touched.
+
+A name is shardkit's when it has the exact shape shardkit gives its files:
+
+* ``manifest.json`` (the commit marker) and its temporary ``manifest.json.tmp-<12 hex>``;
+* ``data/<10 hex>-<writer>-<part>.safetensors`` (data files, see ``native_write.data_file_name``);
+* ``.shardkit-resume/<data file>.json`` (the offline resume journal);
+* ``extra/...`` (side files an offline convert copied), only beside shardkit
+  data or a shardkit manifest.
+
+Anything else is foreign.  A directory is an *interrupted shardkit save* when it
+holds shardkit data and no manifest, and nothing foreign.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.storage import Storage
+
+__all__ = ["DirectorySurvey", "survey", "is_native_data_name", "FOREIGN_MARKERS"]
+
+DATA_DIR = "data"
+RESUME_DIR = ".shardkit-resume"
+EXTRA_DIR = "extra"
+_DATA_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors$")
+_MANIFEST_TMP = re.compile(r"^" + re.escape(MANIFEST_NAME) + r"\.tmp-[0-9a-f]{12}$")
+_JOURNAL_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors\.json$")
+
+# What makes a directory some other tool's checkpoint: named in warnings so the user knows what was left alone.
+FOREIGN_MARKERS = {".metadata": "torch.distributed.checkpoint", "model.safetensors.index.json": "Hugging Face",
+                   "model.safetensors": "Hugging Face", "pytorch_model.bin": "Hugging Face (torch.save)",
+                   "config.json": "Hugging Face config"}
+
+
+def is_native_data_name(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint directory) has the shape of a shardkit data file."""
+    head, _, tail = name.partition("/")
+    return head == DATA_DIR and bool(_DATA_NAME.match(tail))
+
+
+@dataclass
+class DirectorySurvey:
+    """The contents of one directory, split into what shardkit wrote and what it did not."""
+
+    url: str
+    committed: bool = False
+    owned: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.committed or self.owned or self.foreign)
+
+    @property
+    def interrupted_save(self) -> bool:
+        """Shardkit data without a commit, and nothing else: safe to delete whole."""
+        return not self.committed and bool(self.owned) and not self.foreign
+
+    def foreign_kind(self) -> str | None:
+        """The other tool whose checkpoint this looks like, if any (for warnings)."""
+        for marker, kind in FOREIGN_MARKERS.items():
+            if marker in self.foreign:
+                return kind
+        if any(n.endswith(".distcp") for n in self.foreign):
+            return "torch.distributed.checkpoint"
+        return None
+
+    def describe(self) -> str:
+        kind = self.foreign_kind()
+        if kind:
+            return f"{self.url} (a {kind} checkpoint, not shardkit's)"
+        if self.foreign:
+            shown = ", ".join(self.foreign[:3]) + (", ..." if len(self.foreign) > 3 else "")
+            return f"{self.url} (files shardkit did not write: {shown})"
+        if not self.committed and self.owned:
+            return f"{self.url} (an interrupted shardkit save: no {MANIFEST_NAME})"
+        return self.url
+
+
+def survey(storage: Storage) -> DirectorySurvey:
+    """List ``storage`` (two levels: the directory, ``data/``, the journal and ``extra/``) and sort
+    every name into shardkit's or foreign."""
+    found = DirectorySurvey(storage.url)
+    extra: list[str] = []
+    for name in storage.listdir():
+        if name == MANIFEST_NAME:
+            found.committed = True
+            found.owned.append(name)
+        elif _MANIFEST_TMP.match(name):
+            found.owned.append(name)
+        elif name in (DATA_DIR, RESUME_DIR, EXTRA_DIR) and storage.is_dir(name):
+            pattern = {DATA_DIR: _DATA_NAME, RESUME_DIR: _JOURNAL_NAME, EXTRA_DIR: None}[name]
+            for inner in storage.listdir(name):
+                path = f"{name}/{inner}"
+                if pattern is None:
+                    extra.append(path)
+                elif pattern.match(inner) and not storage.is_dir(path):
+                    found.owned.append(path)
+                else:
+                    found.foreign.append(path)
+        else:
+            found.foreign.append(name)
+    # Side files are shardkit's only where shardkit data or a shardkit manifest vouches for them.
+    (found.owned if found.owned else found.foreign).extend(extra)
+    return found
+
+
+def remove_owned(storage: Storage, found: DirectorySurvey) -> None:
+    """Delete what ``found`` says shardkit wrote, the commit marker first (so the directory stops
+    being a checkpoint at once), then the directories it leaves empty; foreign names stay."""
+    if found.committed:
+        storage.delete([MANIFEST_NAME])
+    files = [n for n in found.owned if n != MANIFEST_NAME]
+    trees = [n for n in files if n.startswith(f"{EXTRA_DIR}/") and storage.is_dir(n)]
+    storage.delete([n for n in files if n not in trees])
+    for tree in trees:
+        storage.delete_tree(tree)
+    for sub in (DATA_DIR, RESUME_DIR, EXTRA_DIR):
+        if storage.is_dir(sub) and not storage.listdir(sub):
+            storage.delete_tree(sub)
+    if not found.foreign and not storage.listdir():
+        storage.delete_tree()

@@ -1,0 +1,477 @@
+"""The native format: ``manifest.json`` + safetensors data files, read by byte ranges.
+
+Reading (:class:`NativeReader`): the manifest is parsed and validated once;
+before any destination tensor is touched, every data file a batch of requests
+needs is checked to exist with the size the manifest records.  Each request is
+then served with the fewest bytes that still verify:
+
+* *direct*: the piece is one contiguous run of the stored chunk and the
+  destination is contiguous -- the run is read with one ``preadv`` straight into
+  the destination's memory, plus the partial checksum blocks at its two ends
+  into a small scratch buffer; every covered block is verified.
+* *staged*: otherwise (e.g. a column slice of a row-stored chunk) the covering
+  block span is read into a per-thread scratch buffer, verified, then copied
+  with one strided ``copy_``.
+* *zstd*: the frame is read whole, verified, and decompressed straight into the
+  destination when the piece is the whole chunk, else into scratch.
+
+Writing lives in ``native_write.py`` (:class:`NativeWriter`, :class:`WrittenFile`
+and the file-naming helpers), re-exported here so one import serves both sides.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats.base import (
+    CheckpointInfo,
+    CheckpointReader,
+    ReadRequest,
+    StoredChunk,
+    TensorEntry,
+    contiguous_strides,
+)
+from shardkit.checkpoint.formats.codec import (
+    BlockCrc,
+    as_bytes,
+    block_crcs,
+    code_to_dtype,
+    zstd_decompress_into,
+)
+from shardkit.checkpoint.formats.native.manifest import (
+    MANIFEST_NAME,
+    ChunkRecord,
+    Manifest,
+    parse_manifest,
+)
+from shardkit.checkpoint.formats.native.ownership import is_native_data_name
+from shardkit.checkpoint.formats.native.writer import (  # noqa: F401 - re-exported
+    DATA_DIR,
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    NativeWriter,
+    WrittenFile,
+    chunk_key,
+    data_file_name,
+    new_token,
+)
+from shardkit.checkpoint.geometry.plan import byte_runs
+from shardkit.checkpoint.io.concurrency import (
+    DEFAULT_IO_THREADS,
+    ByteBudget,
+    parallel_map,
+)
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import (
+    CheckpointNotFound,
+    ChecksumMismatch,
+    CorruptCheckpoint,
+    IncompatibleStateDict,
+    InvalidManifest,
+)
+
+__all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeReader", "NativeWriter", "WrittenFile",
+           "read_manifest", "is_committed", "data_file_name", "new_token", "chunk_key", "unreferenced_files",
+           "detect", "open_reader", "check_chunk", "CHECK_SPAN"]
+
+REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
+REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
+_PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
+_STEP_BYTES = 2 << 20  # local reads: read, then checksum, this much at a time (stays in cache)
+CHECK_SPAN = 8 << 20  # check_chunk: one ranged read per this many bytes (remote); local reads go in _STEP_BYTES
+_MAX_GAP = 256 << 10
+_MAX_BATCH = 16 << 20
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """Read and validate ``manifest.json``; a directory without one is not a checkpoint."""
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except CheckpointNotFound:
+        raise CheckpointNotFound(f"{storage.url} holds no {MANIFEST_NAME}: not a committed shardkit checkpoint "
+                                 f"(the save may have been interrupted, or the URL is wrong)") from None
+    return parse_manifest(data, storage.where(MANIFEST_NAME))
+
+
+def is_committed(storage: Storage) -> bool:
+    return storage.exists(MANIFEST_NAME)
+
+
+def detect(storage: Storage) -> bool:
+    return is_committed(storage)
+
+
+def open_reader(storage: Storage) -> "NativeReader":
+    return NativeReader(storage)
+
+
+def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
+    """Shardkit data files under ``data/`` the manifest does not name (left by older or interrupted
+    saves); a file shardkit did not name so is never one of them."""
+    return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
+            if f"{DATA_DIR}/{n}" not in manifest.files and is_native_data_name(f"{DATA_DIR}/{n}")]
+
+
+def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | None = None, *,
+                span: int | None = None, scratch: torch.Tensor | None = None, keep: bool = False,
+                on_bytes: Callable[[int], None] | None = None) -> int | None:
+    """Index of the first checksum block of ``record`` that does not match the manifest, or ``None``.
+
+    The one checksum loop of the native format (load's checking pass, offline
+    verify and resume): chunk bytes ``[lo, hi)`` (default: the whole stored
+    chunk; ``lo`` on a block boundary, ``hi`` on one or at the chunk's end) are
+    fetched with one ranged read per ``span`` bytes (default ``CHECK_SPAN``)
+    -- never one request per block, which on an object store would cost a
+    round trip per 256 KiB -- and crc32c'd block by block, stopping at the
+    first bad block.  Local files
+    are read in cache-sized steps instead, so each is checksummed while still
+    in the CPU cache.  Memory: one span, in ``scratch`` (a flat uint8 tensor)
+    or a buffer reused per thread.  ``keep=True`` reads the whole range in one
+    request into ``scratch`` (which must hold it) and leaves it there, e.g. to
+    decode a zstd frame after.  ``on_bytes(n)`` is called after each read
+    (progress bars).  Missing or short files raise what :class:`Storage` raises.
+    """
+    block = record.block
+    hi = record.nbytes if hi is None else min(hi, record.nbytes)
+    if lo % block or not 0 <= lo <= hi or (hi % block and hi != record.nbytes):
+        raise ValueError(f"check_chunk: [{lo}, {hi}) is not a run of whole checksum blocks of {block} bytes")
+    if keep and (scratch is None or scratch.numel() < hi - lo):
+        raise ValueError(f"check_chunk(keep=True) needs a scratch tensor of at least {hi - lo} bytes")
+    span = CHECK_SPAN if span is None else span
+    step = hi - lo if keep else min(span, _STEP_BYTES) if storage.is_local else span
+    step = max(block, step // block * block)
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        if scratch is None or scratch.numel() < b - a:
+            scratch = _thread_scratch(b - a)
+        buf = scratch[:b - a]
+        storage.read_parts(record.file, record.start + a, [buf])
+        if on_bytes is not None:
+            on_bytes(b - a)
+        first = a // block
+        for i, got in enumerate(block_crcs(buf, block)):
+            if got != record.crc32c[first + i]:
+                return first + i
+    return None
+
+
+_scratch_local = threading.local()
+
+
+def _thread_scratch(n: int) -> torch.Tensor:
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch_local.buf = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+    return buf
+
+
+# --------------------------------------------------------------------------
+# reading
+
+
+class NativeReader(CheckpointReader):
+    """A committed native checkpoint, opened for ranged, verified reads."""
+
+    def __init__(self, storage: Storage | str, storage_options: Mapping[str, Any] | None = None, *,
+                 io_threads: int = DEFAULT_IO_THREADS, manifest: Manifest | None = None) -> None:
+        super().__init__()
+        self.storage = storage if isinstance(storage, Storage) else Storage(storage, storage_options)
+        self.manifest = manifest if manifest is not None else read_manifest(self.storage)
+        writer = self.manifest.writer
+        self.info = CheckpointInfo("shardkit", self.storage.url, self.manifest.version,
+                                   writer.get("world_size") if isinstance(writer.get("world_size"), int) else None,
+                                   writer.get("mesh") if isinstance(writer.get("mesh"), dict) else None,
+                                   self.manifest.meta)
+        self.io_threads = io_threads
+        self._entries = {
+            fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
+                             tuple(StoredChunk(c.offsets, c.shape, c) for c in t.chunks))
+            for fqn, t in self.manifest.tensors.items()}
+        for alias, target in self.manifest.aliases.items():  # the same stored chunks under the tied key
+            t = self._entries[target]
+            self._entries[alias] = TensorEntry(alias, t.dtype, t.shape, t.chunks)
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
+
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        return self._entries
+
+    def values(self) -> Mapping[str, Any]:
+        return self.manifest.values
+
+    def aliases(self) -> Mapping[str, str]:
+        return self.manifest.aliases
+
+    def close(self) -> None:
+        self._local = threading.local()
+
+    # -- validation before any write -----------------------------------
+    def check_files(self, names: Sequence[str]) -> None:
+        """Every named data file exists with exactly the size the manifest records."""
+        todo = sorted(set(names) - self._checked)
+
+        def check(name: str) -> None:
+            want = self.manifest.files[name].size
+            try:
+                got = self.storage.size(name)
+            except CheckpointNotFound:
+                raise CorruptCheckpoint(f"{self.storage.where(name)} is missing; the checkpoint is incomplete "
+                                        f"-- restore the file or load another checkpoint") from None
+            if got != want:
+                raise CorruptCheckpoint(f"{self.storage.where(name)} has {got} bytes, the manifest records {want}: "
+                                        f"the file is truncated or was replaced")
+
+        parallel_map(check, todo, 1 if self.storage.is_local else self.io_threads)
+        with self._lock:
+            self._checked.update(todo)
+
+    def _validate(self, r: ReadRequest) -> ChunkRecord:
+        entry = self._entries.get(r.fqn)
+        if entry is None:
+            raise IncompatibleStateDict(f"{r.fqn!r} is not a tensor in {self.storage.url}")
+        if not 0 <= r.chunk < len(entry.chunks):
+            raise IncompatibleStateDict(f"{r.fqn!r} has no stored chunk {r.chunk}")
+        rec: ChunkRecord = entry.chunks[r.chunk].locator
+        if r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
+            raise IncompatibleStateDict(f"{r.fqn!r}: destination {tuple(r.out.shape)} {r.out.dtype} does not match "
+                                        f"the requested box {tuple(r.box[1])} {entry.dtype}")
+        if not all(co <= o and o + s <= co + cs for co, cs, o, s in zip(rec.offsets, rec.shape, *r.box)):
+            raise IncompatibleStateDict(f"{r.fqn!r}: requested box lies outside stored chunk {r.chunk}")
+        if rec.codec == "raw" and rec.block % r.out.element_size():
+            raise InvalidManifest(f"{r.fqn!r} chunk {r.chunk}: checksum block {rec.block} is not a multiple of "
+                                  f"the item size")
+        return rec
+
+    def prepare(self, requests: Sequence[ReadRequest]) -> None:
+        """Validate every request and check the size of every data file they touch."""
+        self.check_files([self._validate(r).file for r in requests if r.out.numel()])
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        requests = [r for r in requests if r.out.numel()]
+        records = [self._validate(r) for r in requests]
+        self.check_files([rec.file for rec in records])
+        if self.storage.is_local:
+            order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
+            self._prefetch([(records[i].file, records[i].start + lo, records[i].start + hi)
+                            for i in order for lo, hi in [self._span(requests[i], records[i])]])
+            parallel_map(lambda i: self._read_local(requests[i], records[i]), order, self.io_threads)
+            return
+        batches = _batches([(r, rec, self._span(r, rec)) for r, rec in zip(requests, records)])
+        parallel_map(self._read_batch, batches, max(self.io_threads, REMOTE_IO_THREADS))
+
+    def verify(self, requests: Sequence[ReadRequest]) -> None:
+        """Read and check every checksum block ``requests`` would read, writing no ``out``.
+
+        The first pass of an all-or-nothing ``load``.  Targets are the only
+        memory big enough to hold what a load reads, so the bytes are checked
+        here and thrown away: the block ranges of all requests are merged per
+        chunk (each block read once), cut into spans of at most ``CHECK_SPAN``
+        and checked by :func:`check_chunk` in parallel over the I/O threads --
+        crc32c only, no copy into any target.  Memory: one read step per
+        thread.  On a local disk the pass leaves the bytes in the page cache,
+        so the ``read`` that follows costs a cached copy, not a second trip to
+        the disk.  zstd
+        frames are read whole (a frame is at most a chunk) and also decoded
+        into scratch, since a frame can only be checked by decoding it.
+        """
+        requests = [r for r in requests if r.out.numel()]
+        records = [self._validate(r) for r in requests]
+        self.check_files([rec.file for rec in records])
+        spans: dict[tuple[str, int], tuple[str, ChunkRecord, list[tuple[int, int]]]] = {}
+        for r, rec in zip(requests, records):
+            spans.setdefault((rec.file, rec.start), (r.fqn, rec, []))[2].append(self._span(r, rec))
+        items: list[tuple[str, ChunkRecord, int, int]] = []
+        for fqn, rec, ranges in spans.values():
+            step = rec.nbytes if rec.codec == "zstd" else max(rec.block, CHECK_SPAN // rec.block * rec.block)
+            for lo, hi in _merge(ranges):
+                items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
+        items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
+        self._prefetch([(rec.file, rec.start + lo, rec.start + hi) for _, rec, lo, hi in items])
+        local = self.storage.is_local
+
+        def check(item: tuple[str, ChunkRecord, int, int]) -> None:
+            fqn, rec, lo, hi = item
+            where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
+            frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
+            buf = self._scratch(0, hi - lo if frame else min(hi - lo, _STEP_BYTES if local else CHECK_SPAN))
+            bad = check_chunk(self.storage, rec, lo, hi, scratch=buf, keep=frame)
+            if bad is not None:
+                raise ChecksumMismatch(f"{where}: checksum block {bad} does not match the manifest; the data file "
+                                       f"is damaged -- restore it or load an older checkpoint")
+            if frame:
+                itemsize = torch.empty((), dtype=self._entries[fqn].dtype).element_size()
+                zstd_decompress_into(buf.numpy(), self._scratch(1, math.prod(rec.shape) * itemsize), where)
+
+        parallel_map(check, items, self.io_threads if local else max(self.io_threads, REMOTE_IO_THREADS))
+
+    def _prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Local files: ask the kernel to start reading the first ``_PREFETCH_BYTES`` of ``(file, a, b)`` ranges
+        (enough to keep the disk busy; its readahead does the rest)."""
+        if not self.storage.is_local:
+            return
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for file, a, b in ranges:
+            by_file.setdefault(file, []).append((a, b))
+        budget = _PREFETCH_BYTES
+        for file, spans in by_file.items():
+            hinted = []
+            for a, b in _merge(spans):
+                if budget <= 0:
+                    break
+                hinted.append((a, min(b, a + budget)))
+                budget -= hinted[-1][1] - a
+            self.storage.prefetch(file, hinted)
+
+    # -- serving requests --------------------------------------------------
+    def _scratch(self, slot: int, n: int) -> torch.Tensor:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[slot]
+        if buf is None or buf.numel() < n:
+            buf = bufs[slot] = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+        return buf[:n]
+
+    def _verify(self, segments: Sequence[torch.Tensor], first_block: int, rec: ChunkRecord, where: str) -> None:
+        acc = BlockCrc(rec.block)
+        for seg in segments:
+            acc.update(seg)
+        self._check(acc.finish(), first_block, rec, where)
+
+    @staticmethod
+    def _check(got: Sequence[int], first_block: int, rec: ChunkRecord, where: str) -> None:
+        want = rec.crc32c[first_block:first_block + len(got)]
+        if tuple(got) != tuple(want):
+            bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
+            raise ChecksumMismatch(f"{where}: checksum block {first_block + bad} does not match the manifest; "
+                                   f"the data file is damaged -- restore it or load an older checkpoint")
+
+    def _where(self, r: ReadRequest, rec: ChunkRecord) -> str:
+        return f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
+
+    @staticmethod
+    def _span(r: ReadRequest, rec: ChunkRecord) -> tuple[int, int]:
+        """Chunk-local byte range ``[lo, hi)`` to fetch: the runs ``r`` needs, widened to whole blocks."""
+        if rec.codec == "zstd":
+            return 0, rec.nbytes
+        runs = byte_runs(rec.box, r.box, r.out.element_size())
+        lo = int(runs[0, 0]) // rec.block * rec.block
+        return lo, min(-(-int(runs[-1, 1]) // rec.block) * rec.block, rec.nbytes)
+
+    def _read_local(self, r: ReadRequest, rec: ChunkRecord) -> None:
+        """Local file: a contiguous piece goes straight into ``out``; anything else via scratch."""
+        item = r.out.element_size()
+        needed = math.prod(r.box[1]) * item
+        lo, hi = self._span(r, rec)
+        if rec.codec == "raw" and r.out.is_contiguous():
+            runs = byte_runs(rec.box, r.box, item)
+            if len(runs) == 1:
+                a, b = int(runs[0, 0]), int(runs[0, 1])
+                head = self._scratch(0, (a - lo) + (hi - b))
+                parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
+                acc = BlockCrc(rec.block)
+                pos = rec.start + lo
+                for step in _steps(parts, _STEP_BYTES):  # checksum each step while it is still in cache
+                    self.storage.read_parts(rec.file, pos, step)
+                    for seg in step:
+                        acc.update(seg)
+                    pos += sum(seg.numel() for seg in step)
+                self._check(acc.finish(), lo // rec.block, rec, self._where(r, rec))
+                self.stats.add(read=hi - lo, needed=needed, requests=1)
+                return
+        buf = self._scratch(0, hi - lo)
+        self.storage.read_parts(rec.file, rec.start + lo, [buf])
+        self._deliver(r, rec, buf, lo)
+
+    def _read_batch(self, batch: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> None:
+        """Remote file: one ranged request for neighbouring pieces, then verify and copy each.
+
+        The response is used in place (no scratch copy), and the bytes in flight
+        over all threads are bounded by ``REMOTE_INFLIGHT_BYTES``.
+        """
+        file = batch[0][1].file
+        start = min(rec.start + lo for _, rec, (lo, _) in batch)
+        end = max(rec.start + hi for _, rec, (_, hi) in batch)
+        with self._inflight.take(end - start):
+            data = self.storage.read_bytes(file, start, end)
+            if len(data) != end - start:
+                raise CorruptCheckpoint(f"{self.storage.where(file)} ends before byte {end}; the file is truncated")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: we only read from it
+                buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            for r, rec, (lo, hi) in batch:
+                self._deliver(r, rec, buf[rec.start + lo - start:rec.start + hi - start], lo)
+
+    def _deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
+        """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
+        where = self._where(r, rec)
+        self._verify([span], lo // rec.block, rec, where)
+        item = r.out.element_size()
+        strides = contiguous_strides(rec.shape)
+        first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
+        if rec.codec == "zstd":
+            if tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
+                zstd_decompress_into(span.numpy(), as_bytes(r.out), where)
+            else:
+                raw = self._scratch(1, math.prod(rec.shape) * item)
+                zstd_decompress_into(span.numpy(), raw, where)
+                typed = raw.view(r.out.dtype)
+                r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first))
+        else:
+            if span.storage_offset() % item:  # a piece of a batch may start off the item grid
+                span = self._scratch(1, span.numel()).copy_(span)
+            typed = span.view(r.out.dtype)
+            r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
+        self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
+
+
+def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive pieces of ``parts`` (flat byte tensors) covering at most ``step`` bytes each."""
+    parts = [p for p in parts if p.numel()]
+    i, off = 0, 0
+    while i < len(parts):
+        out, room = [], step
+        while i < len(parts) and room:
+            take = min(room, parts[i].numel() - off)
+            out.append(parts[i][off:off + take])
+            off += take
+            room -= take
+            if off == parts[i].numel():
+                i, off = i + 1, 0
+        yield out
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:
+    """Group pieces of the same file whose byte spans nearly touch (gap <= 256 KiB, batch <= 64 MiB)."""
+    items = sorted(items, key=lambda it: (it[1].file, it[1].start + it[2][0]))
+    batches: list[list] = []
+    end = -1
+    for it in items:
+        _, rec, (lo, hi) = it
+        a, b = rec.start + lo, rec.start + hi
+        cur = batches[-1] if batches else None
+        if (cur is not None and cur[0][1].file == rec.file and a - end <= _MAX_GAP
+                and b - (cur[0][1].start + cur[0][2][0]) <= _MAX_BATCH):
+            cur.append(it)
+            end = max(end, b)
+        else:
+            batches.append([it])
+            end = b
+    return batches

@@ -1,0 +1,199 @@
+"""The native format's write side: stream chunks into data files, commit the manifest.
+
+:meth:`NativeWriter.write_file` streams the chunks it is given into one
+safetensors file (header first, then bytes; crc32c per block computed on the
+way; ``O_DIRECT`` on local disks) and returns their manifest records;
+:meth:`NativeWriter.commit` validates the manifest as a reader would and
+writes it atomically, last.  Used by ``save``/``async_save`` (one writer per
+rank) and by the offline reshard/convert (one process writing every file).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence, TypeVar
+
+import torch
+
+from shardkit.checkpoint.formats.base import WriteChunk
+from shardkit.checkpoint.formats.codec import (
+    Compression,
+    as_bytes,
+    dtype_to_code,
+    zstd_compress,
+)
+from shardkit.checkpoint.formats.native.manifest import (
+    MANIFEST_NAME,
+    ChunkRecord,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+    dump_manifest,
+    parse_manifest,
+)
+from shardkit.checkpoint.io.storage import Storage
+
+__all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
+           "data_file_name", "new_token", "chunk_key", "group_into_files"]
+
+DATA_DIR = "data"
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_BLOCK_BYTES = 256 << 10
+_FILE_METADATA = {"format": "shardkit-data", "version": "1"}
+
+
+class _HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=_HasNbytes)
+
+
+def group_into_files(chunks: Sequence[_Sized], n_files: int, cap: int | None) -> list[list[_Sized]]:
+    """Consecutive runs of ``chunks`` (anything with ``.nbytes``) for data files: balanced by bytes over
+    ``n_files`` files, or, with ``cap``, filled greedily up to ``cap`` bytes each (a bigger chunk alone).
+
+    Balanced files let a rank's I/O threads each stream one; capped files bound what a zstd writer
+    holds (one file's frames) and what an offline reshard keeps in flight.
+    """
+    if not chunks:
+        return []
+    total = sum(c.nbytes for c in chunks)
+    target = cap if cap is not None else max(1, -(-total // max(1, n_files)))
+    groups: list[list[_Sized]] = [[]]
+    filled = 0
+    for c in chunks:
+        if groups[-1] and filled + c.nbytes > target and (cap is not None or len(groups) < n_files):
+            groups.append([])
+            filled = 0
+        groups[-1].append(c)
+        filled += c.nbytes
+    return groups
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def data_file_name(token: str, writer: int, part: int) -> str:
+    return f"{DATA_DIR}/{token}-{writer}-{part}.safetensors"
+
+
+def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A data file on storage and the manifest records of the chunks it holds."""
+
+    name: str
+    size: int
+    writer: int
+    chunks: tuple[tuple[str, ChunkRecord], ...]  # (fqn, record)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "writer": self.writer,
+                "chunks": [[fqn, rec.to_json()] for fqn, rec in self.chunks]}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "WrittenFile":
+        """Inverse of :meth:`to_json` (for records sent between ranks; validated again at commit)."""
+        from shardkit.checkpoint.formats.codec import unpack_crcs
+
+        chunks = []
+        for fqn, c in doc["chunks"]:
+            count = max(1, -(-c["nbytes"] // c["block"]))
+            chunks.append((fqn, ChunkRecord(tuple(c["offsets"]), tuple(c["shape"]), c["file"], c["key"], c["start"],
+                                            c["nbytes"], c["codec"], c["block"],
+                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])))))
+        return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks))
+
+
+class NativeWriter:
+    """Streams chunks into native data files and commits the manifest.
+
+    ``compression`` (a :class:`~shardkit.checkpoint.formats.codec.Compression`) stores
+    every chunk as one zstd frame (safetensors dtype ``U8``); the frames of one
+    file are built before its header, so with compression a file should hold a
+    bounded amount of data (the save path uses one chunk cap per file).
+    ``fsync`` makes each data file durable before :meth:`commit` can reference it.
+    ``direct_io`` writes local files with ``O_DIRECT`` (see ``direct_io.py``).
+    """
+
+    def __init__(self, storage: Storage, *, compression: Compression | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True, direct_io: bool = True) -> None:
+        if block_bytes <= 0 or block_bytes % 8:
+            raise ValueError("block_bytes must be a positive multiple of 8")
+        self.storage = storage
+        self.compression = compression
+        self.block_bytes = block_bytes
+        self.fsync = fsync
+        self.direct_io = direct_io
+
+    def write_file(self, name: str, chunks: Sequence[WriteChunk], writer: int = 0) -> WrittenFile:
+        """Write ``chunks`` (in order) into data file ``name``; return their records."""
+        from shardkit.checkpoint.formats.codec import SafetensorsStreamWriter
+
+        keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
+        frames: list[bytes] | None = None
+        if self.compression is not None:
+            level = self.compression.level
+            frames = [zstd_compress(as_bytes(c.materialize()), level) for c in chunks]
+            entries = [(k, "U8", (len(f),), len(f)) for k, f in zip(keys, frames)]
+        else:
+            entries = [(k, dtype_to_code(c.dtype), c.shape, c.nbytes) for k, c in zip(keys, chunks)]
+
+        def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
+            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for)
+            for i, (key, chunk) in enumerate(zip(keys, chunks)):
+                if frames is not None:
+                    stream.write(key, torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8)
+                                 if frames[i] else torch.empty(0, dtype=torch.uint8))
+                else:
+                    stream.write(key, as_bytes(chunk.materialize()))
+            return stream, stream.finish()
+
+        stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync, direct=self.direct_io)
+        records = []
+        for placed, chunk in zip(stream.entries, chunks):
+            nbytes = placed.end - placed.start
+            block = self.block_bytes if frames is None else max(nbytes, 1)
+            records.append((chunk.fqn, ChunkRecord(tuple(chunk.offsets), tuple(chunk.shape), name, placed.key,
+                                                   placed.start, nbytes, "raw" if frames is None else "zstd",
+                                                   block, tuple(crcs[placed.key]))))
+        return WrittenFile(name, stream.size, writer, tuple(records))
+
+    @property
+    def _block_for(self) -> int:
+        # compressed entries are checked as one block: the frame is always read whole
+        return self.block_bytes if self.compression is None else 1 << 62
+
+    def build_manifest(self, tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]], files: Sequence[WrittenFile],
+                       *, values: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+                       writer_info: Mapping[str, Any] | None = None,
+                       aliases: Mapping[str, str] | None = None) -> Manifest:
+        """The manifest for ``tensors`` (fqn -> dtype, global shape) stored in ``files``; ``aliases``
+        (tied key -> stored key) name tensors stored once under another key."""
+        chunks: dict[str, list[ChunkRecord]] = {fqn: [] for fqn in tensors}
+        for wf in files:
+            for fqn, rec in wf.chunks:
+                if fqn not in chunks:
+                    raise ValueError(f"file {wf.name} holds chunks of {fqn!r}, which is not a planned tensor")
+                chunks[fqn].append(rec)
+        records = {fqn: TensorRecord(dtype_to_code(dtype), tuple(int(s) for s in shape),
+                                     tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
+                   for fqn, (dtype, shape) in tensors.items()}
+        return Manifest(tensors=records, values=dict(values or {}),
+                        files={wf.name: FileRecord(wf.size, wf.writer) for wf in files},
+                        meta=dict(meta or {}), writer=dict(writer_info or {}), aliases=dict(aliases or {}))
+
+    def commit(self, manifest: Manifest) -> bytes:
+        """Validate ``manifest`` as a reader would, then publish it atomically (the commit)."""
+        data = dump_manifest(manifest)
+        parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
+        self.storage.sync_dir(DATA_DIR)
+        self.storage.put_atomic(MANIFEST_NAME, data)
+        return data

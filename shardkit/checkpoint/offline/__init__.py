@@ -1,0 +1,39 @@
+"""Offline checkpoint tools as library calls: reshard, convert, inspect, verify, diff.
+
+None of these needs a process group or a GPU (``reshard``/``convert`` to native
+can split the work over a torchrun launch, see ``scaleout``).  The ``shardkit``
+command is a thin shell over them.  Names resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "reshard": "shardkit.checkpoint.offline.convert",
+    "convert": "shardkit.checkpoint.offline.convert",
+    "inspect": "shardkit.checkpoint.offline.convert",
+    "verify": "shardkit.checkpoint.offline.verify",
+    "diff": "shardkit.checkpoint.offline.diff",
+    "ConvertResult": "shardkit.checkpoint.offline.common",
+    "VerifyReport": "shardkit.checkpoint.offline.verify",
+    "DiffReport": "shardkit.checkpoint.offline.diff",
+    "DEFAULT_MAX_MEMORY": "shardkit.checkpoint.offline.common",
+    "parse_memory": "shardkit.checkpoint.offline.common",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit.checkpoint.offline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))

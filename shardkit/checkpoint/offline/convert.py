@@ -1,0 +1,342 @@
+"""Offline checkpoint tools as library calls: reshard, convert, inspect, verify, diff.
+
+None of these needs a process group or a GPU; they run in one process
+(optionally split across ranks under torchrun for ``reshard``/``convert`` to
+native, see :mod:`shardkit.checkpoint.offline.scaleout`).  The ``shardkit``
+command is a thin shell over them.
+
+Every conversion is the same pipeline: open the source (format detected),
+select/rename/cast the tensors (:mod:`offline_select`), then let the target
+writer pull boxes of rows it is about to write from a :class:`Fetcher`, which
+reads only the overlapping rows of the saved chunks.  Memory is bounded by
+``max_memory`` — boxes are sized from it — not by the model.
+
+DST safety: a DST that is SRC, lies inside it or holds it is refused (writing
+would destroy what is being read).  A DST that already holds a checkpoint is
+refused unless ``overwrite=True``; with it, the old checkpoint stays whole and
+loadable until the new one commits beside it, then its files are removed
+(:mod:`~shardkit.checkpoint.offline.replace`).  A failed run removes the files
+it created.  What the target format cannot hold (a dtype, a name) is refused
+before DST is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.formats import format_module
+from shardkit.checkpoint.formats.codec import dtype_to_code
+from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
+from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
+from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.checkpoint.offline.common import (
+    DEFAULT_MAX_MEMORY,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_WORKERS,
+    ConvertResult,
+    parse_memory,
+    parse_size,
+)
+from shardkit.checkpoint.offline.detect import (
+    canonical_location,
+    normalize_format,
+    open_source,
+    overlap,
+    source_fingerprint,
+)
+from shardkit.checkpoint.offline.diff import DiffReport, diff
+from shardkit.checkpoint.offline.fetch import Fetcher
+from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
+from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
+from shardkit.checkpoint.offline.progress import Progress
+from shardkit.checkpoint.offline.replace import Destination, prepare_dst
+from shardkit.checkpoint.offline.select import Selection, select
+from shardkit.checkpoint.offline.verify import VerifyReport, verify
+from shardkit.errors import CheckpointError, ConfigurationError, UnsupportedFormat
+
+__all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
+           "DEFAULT_MAX_MEMORY", "parse_memory"]
+
+log = logging.getLogger("shardkit.checkpoint.offline.convert")
+
+def _check_output(to: str, sel: Selection) -> None:
+    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name).
+
+    The writers check again, but by then ``--overwrite`` has removed the old
+    checkpoint's commit marker.
+    """
+    if to != "shardkit":
+        format_module(to).check_tensors(sel.triples)
+    else:  # native data files are safetensors: their dtype codes
+        for t in sel.tensors:
+            try:
+                dtype_to_code(t.dtype)
+            except UnsupportedFormat:
+                raise UnsupportedFormat(f"{t.name!r} is {t.dtype}, which --to {to} cannot hold; exclude it "
+                                        "(--exclude) or cast it (--dtype)") from None
+
+
+def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
+    """Tell the user about side files the source holds but the conversion leaves behind, and why
+    (and ``more`` lines, e.g. tied keys an HF export leaves out)."""
+    for line in getattr(source, "skipped_side_files", ()) or ():
+        if progress:
+            progress.note(f"note: not copied: {line}")
+    for line in more:
+        if progress:
+            progress.note(line)
+
+
+def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
+                   dst_storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse a DST that is SRC, or lies inside it, or holds it.
+
+    Writing DST drops its old commit marker first and deletes stale files
+    after the commit, so with an overlap a failure (or even success) would
+    destroy the very checkpoint being read.
+    """
+    a, b = Storage(src, storage_options), Storage(dst, dst_storage_options)
+    if overlap(a, b):
+        raise ConfigurationError(f"DST {dst!r} is SRC {src!r} or overlaps it ({canonical_location(b)} vs "
+                                 f"{canonical_location(a)}); write to a separate location, then move it")
+
+
+def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
+                   dst_storage_options: Mapping[str, Any] | None, src_format: str | None,
+                   torch_options: TorchLoadOptions | None = None) -> tuple[Any, Any]:
+    """Open SRC once DST is known not to overlap it; DST's options default to SRC's.
+
+    The overlap check comes first so that nothing is read (or, later,
+    deleted) when DST would clobber SRC.
+    """
+    if dst_storage_options is None:
+        dst_storage_options = storage_options
+    check_distinct(src, dst, storage_options, dst_storage_options)
+    return open_source(src, storage_options, src_format, torch_options), dst_storage_options
+
+
+def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
+    """Where SRC is and what it holds: a resumed run keeps only data written from the same id."""
+    storage = Storage(src, storage_options)
+    return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
+
+
+def _block_bytes(max_memory: int) -> int:
+    """Bytes per block for the sequential writers: a box, the piece read into it and the writer's
+    serialized copy fit in the budget next to the writer's O_DIRECT staging buffer."""
+    return max(1 << 20, (max_memory - DIRECT_BUFFER_BYTES) // 3)
+
+
+def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | None = None,
+            exclude: Sequence[str] | None = None, rename: Sequence[str] | None = None, model_only: bool = False,
+            dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+            compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+            dst_storage_options: dict[str, Any] | None = None, max_memory: int | str | None = None,
+            workers: int = DEFAULT_WORKERS, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
+            src_format: str | None = None, progress: Progress | None = None,
+            config: str | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
+    """Convert ``src`` (any supported format, detected) to ``to`` at ``dst``.
+
+    ``to="shardkit"`` writes a native checkpoint (``world_size``/``mesh``, as
+    :func:`reshard`), resumable and written by ``workers`` threads; ``hf``,
+    ``torch`` and ``dcp`` output is written sequentially and starts over when
+    rerun.  Options are checked, and unsupported tensors refused, before DST is
+    touched.  ``config`` (``hf`` only): a ``config.json`` or a directory whose
+    config, tokenizer and generation files go beside the weights; tied weights
+    and ``--dtype`` are then written the way ``from_pretrained`` reads them
+    (see :mod:`~shardkit.checkpoint.offline.hf_export`).
+    A torch.save SRC: ``trust_pickle=True`` unpickles it without the
+    ``weights_only`` allowlist -- UNSAFE, it runs any code the file names; only
+    for files you trust; ``model_keys`` (parameter FQNs in
+    ``named_parameters()`` order) names optimizer state keyed by number
+    (:mod:`~shardkit.checkpoint.formats.torch_state`).
+
+    Example::
+
+        convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB", config="llama-3.2-1b/")
+    """
+    to = normalize_format(to)
+    budget = parse_memory(max_memory)
+    shard_cap = parse_size(max_shard_size, "--max-shard-size")
+    if to != "shardkit" and (world_size not in (None, 1) or mesh):
+        raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
+    if to != "shardkit" and compression:
+        raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
+    if to != "hf" and config is not None:
+        raise ConfigurationError(f"--config applies to hf output only, not --to {to}")
+    source, dst_storage_options = _open_distinct(
+        src, dst, storage_options, dst_storage_options, src_format,
+        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or to == "hf")))
+    try:
+        sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
+                     model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
+        _check_output(to, sel)
+        export = plan_hf_export(source, sel, config, dtype) if to == "hf" else None
+        sel = export.selection if export else sel
+        _notes(source, progress, export.notes if export else ())
+        started = time.perf_counter()
+        dest = prepare_dst(dst, to, dst_storage_options, overwrite)
+        if to == "shardkit":
+            mesh_t = parse_mesh(mesh) if mesh is not None else None
+            result = write_native(source, sel, dest.storage, world_size=world_size or math.prod(mesh_t or (1,)),
+                                  mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
+                                  compression=compression, budget=budget, workers=workers, progress=progress,
+                                  replacing=dest.replacing, tool="convert")
+        else:
+            try:
+                files = _write_single(source, sel, dest, to, budget, shard_cap, progress, export)
+            except BaseException:
+                dest.discard_created()
+                raise
+            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+        dest.remove_stale(result.files)
+        _log_written("convert", src, result, started)
+        return result
+    finally:
+        source.close()
+
+
+def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
+    log.info("%s %s -> %s (%s): %d tensors, %d bytes, %d files in %.2f s", tool, src, result.dst,
+             result.dst_format, result.tensors, result.bytes, len(result.files), time.perf_counter() - started)
+
+
+def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,
+                  progress: Progress | None, export: HfExport | None = None) -> list[str]:
+    """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
+
+    These formats are written sequentially and start over on a rerun: their
+    files are not per-rank and record no checksums a rerun could trust (only
+    native output resumes and parallelises; see docs/cli.md).
+    """
+    storage = dest.storage
+    fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
+    block = _block_bytes(budget)
+    on_bytes = progress.update if progress else (lambda n: None)
+    if progress:
+        progress.start(f"convert → {to}", sel.nbytes)
+    if to == "hf":
+        from shardkit.checkpoint.formats.hf import write_hf
+
+        assert export is not None  # planned by convert before DST was touched
+        files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
+                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage),
+                         avoid=dest.avoid)
+    elif to == "dcp":
+        from shardkit.checkpoint.formats.dcp.checkpoint import write_dcp
+
+        files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes,
+                          avoid=dest.avoid)
+    else:
+        from shardkit.checkpoint.formats.torchsave import write_torch_save
+
+        parent, name = split_file(storage)
+        write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
+        files = [name]
+    if progress:
+        progress.finish()
+    return files
+
+
+def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
+            dtype: str | None = None, dtype_optim: bool = False, compression: str | None = None,
+            only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+            rename: Sequence[str] | None = None, model_only: bool = False, overwrite: bool = False,
+            storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
+            max_memory: int | str | None = None, workers: int = DEFAULT_WORKERS,
+            src_format: str | None = None, progress: Progress | None = None,
+            scaleout: tuple[int, int, Any] | None = None, trust_pickle: bool = False,
+            model_keys: Sequence[str] | None = None) -> ConvertResult:
+    """Write ``src`` as a shardkit checkpoint laid out for ``world_size`` ranks (or a 2-D ``mesh``).
+
+    Each rank's shards land in their own data file(s), so a job of that size
+    reads exactly its files.  Optimizer state is resharded with the weights;
+    ``dtype`` casts model weights only, unless ``dtype_optim``; ``src_format``
+    skips detection.  A rerun after an interruption skips data files already
+    written (from the same SRC) and verified.
+    ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
+    (see :mod:`shardkit.checkpoint.offline.scaleout`); process 0 commits.
+    ``trust_pickle`` and ``model_keys`` are :func:`convert`'s.
+
+    Example::
+
+        reshard("s3://bucket/ckpt", "s3://bucket/ckpt-ws8", world_size=8,
+                storage_options={"anon": False})
+    """
+    mesh_t = parse_mesh(mesh) if mesh is not None else None
+    if world_size is None and mesh_t is None:
+        raise ConfigurationError("reshard needs --world-size N or --mesh AxB")
+    if mesh_t is not None and world_size is not None and world_size != math.prod(mesh_t):
+        raise ConfigurationError(f"--world-size {world_size} disagrees with --mesh {mesh} ({math.prod(mesh_t)} ranks)")
+    ws = world_size if world_size is not None else math.prod(mesh_t)
+    if ws < 1:
+        raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
+    budget = parse_memory(max_memory)
+    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
+                                                 TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only))
+    try:
+        sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
+                     model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
+        rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
+        _check_output("shardkit", sel)
+        _notes(source, progress)
+        started = time.perf_counter()
+        if agree is None:
+            dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+        else:  # every process checks DST (the same answer: nothing is changed yet); process 0 alone cleans up
+            try:
+                dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+            except BaseException:
+                agree(False)
+                raise
+            if not agree(True):
+                raise CheckpointError(f"{dst}: a process could not prepare DST; see its error")
+        result = write_native(source, sel, dest.storage, world_size=ws, mesh=mesh_t, compression=compression,
+                              source_id=source_id(src, storage_options, source.info.format),
+                              budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
+                              agree=agree, replacing=dest.replacing, tool="reshard")
+        if result is not None:
+            dest.remove_stale(result.files)
+            _log_written("reshard", src, result, started)
+        return result
+    finally:
+        source.close()
+
+
+def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
+    if isinstance(model_keys, str):
+        raise ConfigurationError("model_keys is a list of parameter names; read a file with "
+                                 "shardkit.checkpoint.formats.torch_state.read_model_keys")
+    return tuple(model_keys) if model_keys is not None else None
+
+
+def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
+
+    Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
+    stored once under another (an alias) is listed with ``alias_of`` and no
+    chunks of its own, and its bytes are not counted again in the totals.
+    """
+    source = open_source(src, storage_options)
+    try:
+        tensors = []
+        aliases = source.aliases()
+        for name, e in sorted(source.tensors().items()):
+            tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
+                            "bytes": e.nbytes, "chunks": 0 if name in aliases else len(e.chunks)}
+                           | ({"alias_of": aliases[name]} if name in aliases else {}))
+        stored = [t for t in tensors if "alias_of" not in t]
+        info = source.info
+        layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
+        return {"url": src, "format": info.format, "version": info.version, "layout": layout,
+                "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
+                "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
+                           "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
+                           "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}}
+    finally:
+        source.close()

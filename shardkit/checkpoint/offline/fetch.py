@@ -1,0 +1,84 @@
+"""Boxes of source tensors on demand: the read half of every offline conversion.
+
+A writer asks for the box ``(offsets, shape)`` it is about to write (one output
+chunk, or a block of rows of one), and :class:`Fetcher` plans it with the
+engine's :func:`~shardkit.checkpoint.formats.base.plan_reads` (overlap of the
+stored chunks with the box) and lets the source's reader fill it -- ranged,
+checksum-verified reads for native, header-addressed ranges for safetensors.
+Renames and dtype casts of the selection are applied here, so writers only
+ever see output names and output dtypes.
+
+Memory is the box (plus its cast, when casting), so a writer that asks for
+boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
+
+With ``reuse=True`` each thread reads into one buffer it keeps and casts into a
+second one (both grown to the largest box), and the returned tensor is a view
+of one of them, valid until that thread's next fetch: on VMs that hand freed memory back to the host, fresh
+allocations per chunk run at page-fault speed (see
+research/baseline-measurements.md), reused ones at memory speed.  Writers
+consume each box before asking for the next, so this is safe for them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
+from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.errors import IncompatibleStateDict
+
+__all__ = ["Fetcher"]
+
+
+class Fetcher:
+    """``fetch(name, offsets, shape)`` → tensor, reading from ``reader`` (thread-safe if the reader is)."""
+
+    def __init__(self, reader: CheckpointReader, dtype_for: Mapping[str, torch.dtype] | None = None,
+                 rename_back: Mapping[str, str] | None = None, *, reuse: bool = False) -> None:
+        self.reader = reader
+        self.entries = reader.tensors()
+        self.dtype_for = dict(dtype_for or {})
+        self.rename_back = dict(rename_back or {})
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.reuse = reuse
+        self.bytes = 0
+
+    def entry(self, name: str) -> TensorEntry:
+        source = self.rename_back.get(name, name)
+        try:
+            return self.entries[source]
+        except KeyError:
+            raise IncompatibleStateDict(f"{self.reader.info.url}: no tensor {source!r}") from None
+
+    def __call__(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        return self.fetch(name, offsets, shape)
+
+    def fetch(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        entry = self.entry(name)
+        buf = self._buffer(entry.dtype, tuple(shape)) if self.reuse else torch.empty(tuple(shape), dtype=entry.dtype)
+        if buf.numel():
+            self.reader.read(plan_reads(self.reader, [(entry.fqn, (tuple(offsets), tuple(shape)), buf)]))
+        with self._lock:
+            self.bytes += buf.numel() * buf.element_size()
+        want = self.dtype_for.get(name, entry.dtype)
+        if want == entry.dtype:
+            return buf
+        if not self.reuse:
+            return buf.to(want)
+        out = self._buffer(want, tuple(shape), slot="cast")  # the cast reuses its own buffer too
+        out.copy_(buf)
+        return out
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: str = "read") -> torch.Tensor:
+        """A view of this thread's ``slot`` buffer, grown to the largest box seen (never shrunk)."""
+        n = math.prod(shape) * itemsize(dtype)
+        pool = getattr(self._local, slot, None)
+        if pool is None or pool.numel() < n:
+            pool = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+            setattr(self._local, slot, pool)
+        return pool[:n].view(dtype).view(shape)

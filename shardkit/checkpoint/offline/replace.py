@@ -1,0 +1,150 @@
+"""DST for the offline writers: refuse, replace without losing, clean up after a failure.
+
+The rule: nothing a user already has is deleted or overwritten before its
+replacement is committed.  So ``--overwrite`` works like ``save(overwrite=True)``:
+
+1. the checkpoint already at DST is left whole and loadable while the new one
+   is written *beside* it -- new files never take a name the old checkpoint
+   still uses (the writers get those names as ``avoid``);
+2. the new commit marker replaces the old in one atomic step (a rename on local
+   disks, a single PUT on object stores): at every instant DST is either the
+   old checkpoint or the new one;
+3. only then are the old checkpoint's files the new one does not use removed.
+
+A run that fails removes the files it created itself (names that were not in
+DST before it started and have the shape of checkpoint files), never anything
+else; native output keeps its complete, journaled files for the rerun to resume.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.formats.native.ownership import survey
+from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.checkpoint.offline.detect import exists
+from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
+
+__all__ = ["Destination", "prepare_dst", "COMMIT_MARKERS"]
+
+log = logging.getLogger("shardkit.checkpoint.offline.convert")
+
+COMMIT_MARKERS = ("manifest.json", ".metadata", "model.safetensors.index.json", "model.safetensors")
+_CREATED_PATTERNS = ("*.safetensors", "*.distcp", "*.partial-*", ".metadata", "manifest.json",
+                     "model.safetensors.index.json")
+
+
+@dataclass
+class Destination:
+    """Where an offline run writes, and what was there before it.
+
+    ``old`` names the files of the checkpoint being replaced (removed after the
+    new commit); ``replacing`` identifies a native checkpoint being replaced
+    (a digest of its manifest; "" when none), so native output plans file
+    names that differ from the ones it still references; ``before`` is every
+    name DST held when the run started, which failure cleanup never touches.
+    """
+
+    storage: Storage
+    fmt: str
+    old: set[str] = field(default_factory=set)
+    replacing: str = ""
+    before: set[str] = field(default_factory=set)
+
+    @property
+    def avoid(self) -> set[str]:
+        """Names the new checkpoint must not write to: the old one still uses them until the commit."""
+        return set(self.old)
+
+    def remove_stale(self, written: Sequence[str]) -> None:
+        """After the commit: delete the replaced checkpoint's files the new one did not write."""
+        # commit markers first: a half-finished cleanup must never leave the old format detectable
+        stale = sorted(self.old - set(written), key=lambda n: (n not in COMMIT_MARKERS, n))
+        if not stale:
+            return
+        try:
+            self.storage.delete(stale)
+            if any(n.startswith("data/") for n in stale) and not self.storage.listdir("data"):
+                self.storage.delete_tree("data")  # an empty local directory left by the old native layout
+        except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless
+            log.warning("could not remove %d files of the replaced checkpoint at %s: %s",
+                        len(stale), self.storage.url, exc)
+        log.info("removed %d files of the replaced checkpoint at %s", len(stale), self.storage.url)
+
+    def discard_created(self) -> None:
+        """After a failure of a non-resumable writer: delete the checkpoint files this run created."""
+        try:
+            created = sorted(n for n in _names(self.storage) - self.before
+                             if any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in _CREATED_PATTERNS))
+            if created:
+                self.storage.delete(created)
+                log.info("removed %d files the failed run wrote at %s", len(created), self.storage.url)
+        except ShardkitError as exc:
+            log.warning("could not remove what the failed run wrote at %s: %s", self.storage.url, exc)
+
+
+def _names(storage: Storage) -> set[str]:
+    """Names directly in ``storage`` and in its ``data/`` folder."""
+    names = set()
+    for name in storage.listdir():
+        names.add(name)
+        if name == "data":
+            names |= {f"data/{n}" for n in storage.listdir("data")}
+    return names
+
+
+def _old_checkpoint(storage: Storage) -> tuple[set[str], str]:
+    """The files of the checkpoint in directory ``storage`` (by its format), and a native one's identity."""
+    if storage.exists("manifest.json"):
+        manifest = storage.read_bytes("manifest.json")
+        found = survey(storage)  # side files under extra/ stay: the new checkpoint rewrites them in place
+        return {n for n in found.owned if not n.startswith("extra/")}, hashlib.sha256(manifest).hexdigest()[:16]
+    if storage.exists(".metadata"):
+        return {".metadata"} | {n for n in storage.listdir() if n.endswith(".distcp")}, ""
+    if storage.exists("model.safetensors.index.json"):
+        try:
+            index = json.loads(storage.read_bytes("model.safetensors.index.json"))
+            shards = {v for v in index.get("weight_map", {}).values() if isinstance(v, str) and "/" not in v}
+        except (ValueError, AttributeError):
+            shards = set()
+        return {"model.safetensors.index.json"} | {n for n in shards if storage.exists(n)}, ""
+    if storage.exists("model.safetensors"):
+        return {"model.safetensors"}, ""
+    return set(), ""
+
+
+def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Destination:
+    """Check DST for ``fmt`` output and describe what is there; nothing is deleted here.
+
+    A DST holding a checkpoint is refused unless ``overwrite``.  A torch file
+    DST needs no plan: its writer renames the finished file over the old one.
+    """
+    storage = Storage(dst, storage_options)
+    present = exists(storage)
+    if present and storage.is_dir() == (fmt == "torch"):
+        kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
+            ("a file", "a directory")
+        raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
+    if not present:
+        dest = Destination(storage, fmt)
+    elif fmt == "torch":
+        if not overwrite:
+            raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.url}); pass --overwrite to "
+                                   f"replace it")
+        parent, name = split_file(storage)
+        dest = Destination(storage, fmt, before=_names(parent))
+    else:
+        old, replacing = _old_checkpoint(storage)
+        marker = next((n for n in COMMIT_MARKERS if n in old), None)
+        if marker is not None and not overwrite:
+            raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.where(marker)}); pass --overwrite "
+                                   f"to replace it")
+        dest = Destination(storage, fmt, old if marker else set(), replacing, _names(storage))
+    if fmt != "torch":
+        storage.makedirs()
+    return dest

@@ -1,0 +1,278 @@
+"""Model and optimizer <-> FQN-keyed state dicts; full <-> sharded, one tensor at a time.
+
+``get_state_dict(model, optimizer)`` returns::
+
+    {"model": {fqn: DTensor | Tensor},
+     "optim": {"state": {fqn: {"step": Tensor, "exp_avg": DTensor, ...}},
+               "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}}
+
+The tensors are the live parameters, buffers and optimizer states themselves
+(detached views), so ``load`` fills them in place and a sharded model needs no
+extra memory to resume.  Optimizer state is keyed by parameter FQN, so it
+reshards exactly like the weights.  A fresh optimizer that never stepped gets
+its state created first (one step with learning rate 0 on zero gradients, as
+torch's DCP does), so a new job has tensors to load into.
+
+Only tensors and placements are looked at: models sharded by shardkit, by
+torch's ``fully_shard``, by ``distribute_tensor`` or not at all are handled alike.
+
+The full <-> sharded conversions live in ``full_state.py`` and are re-exported
+here (:func:`full_to_local`, :func:`shard_full_tensor`, :func:`relayout_like`,
+:func:`gather_full_tensor`, :func:`shard_state`, :func:`gather_full_state`,
+:func:`get_full_state_dict`, :func:`set_full_state_dict`): plain functions, so
+the FSDP1 surface builds its optimizer-state statics on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from shardkit.checkpoint.geometry.boxes import is_dtensor
+from shardkit.checkpoint.state.relayout import (  # noqa: F401
+    copy_into,
+    full_to_local,
+    gather_full_state,
+    gather_full_tensor,
+    relayout_like,
+    shard_full_tensor,
+    shard_state,
+)
+from shardkit.checkpoint.state.tree import restore_like
+from shardkit.errors import ConfigurationError, IncompatibleStateDict
+
+__all__ = [
+    "get_state_dict", "set_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
+    "set_model_state_dict", "set_optimizer_state_dict", "init_optimizer_state", "param_fqns",
+    "to_torch_optimizer_state", "full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor",
+    "gather_full_state", "shard_state",
+]
+
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_dp_wrapped_module")
+
+
+def clean_fqn(name: str) -> str:
+    """Drop wrapper path parts (``torch.compile``, activation checkpointing) from an FQN."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+_LIVE = contextvars.ContextVar("shardkit_live_state_dict", default=False)
+
+
+@contextlib.contextmanager
+def live_tensors() -> Iterator[None]:
+    """Within this block, ``model.state_dict()`` must return the live (sharded) tensors.
+
+    Wrappers whose ``state_dict`` gathers by default (the FSDP1 surface's
+    FULL_STATE_DICT) check :func:`reading_live_tensors` and return their
+    DTensors untouched, so checkpoints stay sharded and loads land in place.
+    """
+    token = _LIVE.set(True)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def reading_live_tensors() -> bool:
+    return _LIVE.get()
+
+
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> FQN`` (the first name of a shared parameter)."""
+    return {id(p): clean_fqn(name) for name, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------
+# model
+
+
+def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with clean FQNs; values share storage with the model."""
+    with live_tensors():
+        state = model.state_dict()
+    return {clean_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+    """Copy ``state_dict`` into the model in place (skips values that already are the model's tensors)."""
+    current = get_model_state_dict(model)
+    _check_keys(set(current), set(state_dict), "model", strict)
+    for key, target in current.items():
+        if key in state_dict:
+            copy_into(target, state_dict[key], f"model.{key}")
+
+
+def _check_keys(have: set[str], given: set[str], what: str, strict: bool) -> None:
+    missing, unexpected = sorted(have - given), sorted(given - have)
+    if strict and (missing or unexpected):
+        raise IncompatibleStateDict(f"{what} state dict mismatch: missing keys {missing[:10]}"
+                                    f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+                                    f"{' ...' if len(unexpected) > 10 else ''}")
+
+
+# --------------------------------------------------------------------------
+# optimizer
+
+
+def _params_needing_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of a fresh optimizer without changing any parameter.
+
+    Runs one ``step`` with every learning rate set to 0 on zero gradients
+    (existing gradients are kept aside and restored).  Parameters are
+    unchanged bitwise: every update is scaled by ``lr == 0``.  Step counters
+    (state ``"step"``) are then reset to 0, so for the Adam family (zero
+    moments, step 0) the next real step is exactly a fresh optimizer's first.
+    """
+    params = _params_needing_state(optimizer)
+    if not params:
+        return
+    saved_grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+        for p in params:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif isinstance(step, (int, float)):
+                optimizer.state[p]["step"] = type(step)(0)
+    finally:
+        i = 0
+        for g, lr in zip(optimizer.param_groups, saved_lrs):
+            g["lr"] = lr
+            for p in g["params"]:
+                p.grad = saved_grads[i]
+                i += 1
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                             init_fresh: bool = True) -> dict[str, Any]:
+    """``{"state": {fqn: {...}}, "param_groups": [...]}`` with live state tensors.
+
+    ``init_fresh`` creates the state of parameters that have none yet (see
+    :func:`init_optimizer_state`), so a fresh job has tensors to load into;
+    ``False`` leaves the optimizer untouched and reports only existing state.
+    """
+    if init_fresh:
+        init_optimizer_state(optimizer)
+    names = param_fqns(model)
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        fqns = []
+        for p in group["params"]:
+            fqn = names.get(id(p))
+            if fqn is None:
+                raise ConfigurationError("the optimizer holds a parameter that is not in the model; build the "
+                                         "optimizer from model.parameters()")
+            fqns.append(fqn)
+            if p in optimizer.state:
+                state[fqn] = {k: v.detach() if isinstance(v, torch.Tensor) else v
+                              for k, v in optimizer.state[p].items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": groups}
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any],
+                             *, strict: bool = True) -> None:
+    """Copy an FQN-keyed optimizer state into ``optimizer`` in place (hyper-parameters included)."""
+    init_optimizer_state(optimizer)
+    by_fqn = {fqn: p for p, fqn in ((p, param_fqns(model).get(id(p))) for g in optimizer.param_groups
+                                    for p in g["params"])}
+    state = osd.get("state", {})
+    _check_keys({f for f, p in by_fqn.items() if optimizer.state.get(p)}, set(state), "optimizer", strict)
+    for fqn, values in state.items():
+        p = by_fqn.get(fqn)
+        if p is None:
+            continue
+        current = optimizer.state[p]
+        for k, v in values.items():
+            if isinstance(current.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
+                copy_into(current[k], v, f"optim.state.{fqn}.{k}")
+            elif isinstance(v, torch.Tensor) and is_dtensor(p) and tuple(v.shape) == tuple(p.shape):
+                current[k] = relayout_like(v, p)  # keeps the state's dtype (fp32 moments of bf16 params)
+            else:
+                current[k] = v
+    groups = osd.get("param_groups")
+    if groups is not None:
+        _set_param_groups(optimizer, groups, by_fqn)
+
+
+def _set_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+                      by_fqn: dict[str, torch.Tensor]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise IncompatibleStateDict(f"the checkpoint has {len(groups)} optimizer param groups, the optimizer has "
+                                    f"{len(optimizer.param_groups)}")
+    ids = {id(p): fqn for fqn, p in by_fqn.items()}
+    for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
+        have = [ids[id(p)] for p in group["params"]]
+        if sorted(saved.get("params", [])) != sorted(have):
+            raise IncompatibleStateDict(f"optimizer param group {i} holds different parameters in the checkpoint "
+                                        f"({len(saved.get('params', []))}) and in the optimizer ({len(have)})")
+        for k, v in saved.items():
+            if k == "params":
+                continue
+            if isinstance(group.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
+                group[k].fill_(v)
+            else:
+                group[k] = restore_like(v, group[k]) if k in group else v
+
+
+def to_torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             osd: dict[str, Any]) -> dict[str, Any]:
+    """The dict ``optimizer.load_state_dict`` takes (integer param ids), built from an FQN-keyed one."""
+    names = param_fqns(model)
+    index: dict[str, int] = {}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, osd.get("param_groups", optimizer.param_groups)):
+        ids = []
+        for p in group["params"]:
+            index[names[id(p)]] = len(index)
+            ids.append(index[names[id(p)]])
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    state = {index[fqn]: dict(values) for fqn, values in osd.get("state", {}).items() if fqn in index}
+    return {"state": state, "param_groups": groups}
+
+
+# --------------------------------------------------------------------------
+# both
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` (``"optim"`` only with an optimizer); values share storage."""
+    out: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        out["optim"] = get_optimizer_state_dict(model, optimizer)
+    return out
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, Any],
+                   *, strict: bool = True) -> None:
+    """Apply a state dict (e.g. one ``load`` filled) to the model and optimizer.
+
+    Tensors that already are the live ones are skipped, so after an in-place
+    ``load`` this only applies optimizer hyper-parameters and non-tensor state.
+    """
+    if "model" in state_dict:
+        set_model_state_dict(model, state_dict["model"], strict=strict)
+    elif strict:
+        raise IncompatibleStateDict("state dict has no 'model' entry")
+    if optimizer is not None:
+        if "optim" in state_dict:
+            set_optimizer_state_dict(model, optimizer, state_dict["optim"], strict=strict)
+        elif strict:
+            raise IncompatibleStateDict("state dict has no 'optim' entry but an optimizer was given")

@@ -1,0 +1,156 @@
+"""Nested state dicts <-> flat keys, and the JSON allowlist for non-tensor values.
+
+A state dict is nested dicts (and lists) whose leaves are tensors or plain
+values.  The checkpoint stores it flat: keys join the path with ``.``
+(``model.layers.0.w.weight``, ``optim.state.layers.0.w.weight.exp_avg``,
+``optim.param_groups``).  Every dict is walked (an empty one contributes no
+key); a list is a leaf value unless it holds tensors, in which case it is
+walked with its indices as path parts.
+
+Non-tensor leaves must be JSON: ``None``, ``bool``, ``int``, ``float``, ``str``,
+and lists/tuples/str-keyed dicts of those.  Non-finite floats, which JSON
+cannot spell, are stored as ``{"$float": "nan" | "inf" | "-inf"}``.  Anything
+else (a torch.dtype, an object) raises :class:`ConfigurationError` naming the
+key: we refuse to save what we could not load without pickle.
+
+Loading writes values back with :func:`restore_like`, which re-creates tuples
+where the target had tuples (JSON has only lists), so ``betas=(0.9, 0.999)``
+comes back as a tuple.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardkit.errors import ConfigurationError, IncompatibleStateDict
+
+__all__ = ["object_path", "Flat", "flatten", "to_json_value", "from_json_value", "restore_like"]
+
+
+@dataclass
+class Flat:
+    """A flattened state dict: tensors and values by key, and where each value lives."""
+
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]              # JSON-encoded
+    slots: dict[str, tuple[Any, Any]]   # key -> (container, index) of every value, for writing back
+
+    def set_value(self, key: str, decoded: Any) -> None:
+        container, index = self.slots[key]
+        container[index] = restore_like(decoded, container[index])
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def flatten(state_dict: dict[str, Any]) -> Flat:
+    """Flatten ``state_dict``; raise on key collisions and on values JSON cannot hold."""
+    if not isinstance(state_dict, dict):
+        raise ConfigurationError(f"a state dict must be a dict, got {type(state_dict).__name__}")
+    flat = Flat({}, {}, {})
+
+    def visit(prefix: str, container: Any, index: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            add(prefix, flat.tensors, value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigurationError(f"state dict key {k!r} under {prefix or '<root>'!r} is not a string")
+                visit(f"{prefix}.{k}" if prefix else k, value, k, v)
+        elif isinstance(value, (list, tuple)) and _has_tensor(value):
+            if isinstance(value, tuple):
+                raise ConfigurationError(f"{prefix!r}: tensors inside a tuple cannot be loaded in place; use a list")
+            for i, v in enumerate(value):
+                visit(f"{prefix}.{i}", value, i, v)
+        else:
+            add(prefix, flat.values, to_json_value(value, prefix))
+            flat.slots[prefix] = (container, index)
+
+    def add(key: str, table: dict, value: Any) -> None:
+        if key in flat.tensors or key in flat.values:
+            raise ConfigurationError(f"two entries of the state dict flatten to the same key {key!r}; rename one")
+        table[key] = value
+
+    visit("", None, None, state_dict)
+    return flat
+
+
+def to_json_value(value: Any, key: str) -> Any:
+    """``value`` as JSON types, or :class:`ConfigurationError` naming ``key``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigurationError(f"{key!r}: dict key {k!r} is not a string; JSON values need string keys")
+            out[k] = to_json_value(v, f"{key}.{k}")
+        return out
+    raise ConfigurationError(f"{key!r} holds a {type(value).__name__}, which a checkpoint cannot store without "
+                             f"pickle; store it as a tensor or as JSON types (None, bool, int, float, str, "
+                             f"list, dict)")
+
+
+def from_json_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [from_json_value(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
+            return float(value["$float"])
+        return {k: from_json_value(v) for k, v in value.items()}
+    return value
+
+
+def restore_like(loaded: Any, like: Any) -> Any:
+    """``loaded`` (decoded JSON) with tuples where ``like`` had tuples."""
+    if isinstance(like, tuple) and isinstance(loaded, list) and len(like) == len(loaded):
+        return tuple(restore_like(a, b) for a, b in zip(loaded, like))
+    if isinstance(like, list) and isinstance(loaded, list) and len(like) == len(loaded):
+        return [restore_like(a, b) for a, b in zip(loaded, like)]
+    if isinstance(like, dict) and isinstance(loaded, dict):
+        return {k: restore_like(v, like[k]) if k in like else v for k, v in loaded.items()}
+    return loaded
+
+
+def check_value_kind(key: str, in_checkpoint_as_tensor: bool, target_is_tensor: bool) -> None:
+    if in_checkpoint_as_tensor != target_is_tensor:
+        raise IncompatibleStateDict(
+            f"{key!r} is a {'tensor' if in_checkpoint_as_tensor else 'non-tensor value'} in the checkpoint but a "
+            f"{'tensor' if target_is_tensor else 'non-tensor value'} in the target state dict")
+
+
+def object_path(fqn: str) -> tuple[str | int, ...]:
+    """The nested path of a flattened key: ``model.<param>``, ``optim.state.<param>.<name>``.
+
+    Flattened keys are unambiguous only with this rule, because parameter names
+    themselves contain dots.  torch.save and DCP outputs nest by it.
+    """
+    parts = fqn.split(".")
+    if parts[0] == "model" and len(parts) > 1:
+        return ("model", ".".join(parts[1:]))
+    if parts[:2] == ["optim", "state"] and len(parts) > 3:
+        return ("optim", "state", ".".join(parts[2:-1]), parts[-1])
+    if parts[:2] == ["optim", "param_groups"] and len(parts) > 3:
+        return ("optim", "param_groups", int(parts[2]) if parts[2].isdigit() else parts[2], ".".join(parts[3:]))
+    if len(parts) > 1 and parts[0] == "optim":
+        return ("optim", ".".join(parts[1:]))
+    return (fqn,)

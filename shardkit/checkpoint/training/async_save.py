@@ -1,0 +1,136 @@
+"""Host staging for ``async_save``: one reused buffer, one background writer, one private group.
+
+Why this shape:
+
+* **Flat host memory.**  The state must be copied before training changes it,
+  but the copy lands in a :class:`StagingPool` buffer that is kept and reused:
+  the second and later saves of the same state allocate nothing (on these VMs
+  a fresh allocation also costs a page fault per page; a reused one runs at
+  memcpy speed).  The buffer grows only if the state grows.
+* **One save in flight.**  A new save waits for the previous one, so the
+  buffer is never overwritten while it is being uploaded.
+* **Its own process group.**  The background thread gathers chunk records and
+  commits through a gloo group created for it; gloo aborts when two threads run
+  collectives on one group, and the training thread owns the default group.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.base import WriteChunk
+from shardkit.checkpoint.formats.codec import Compression, as_bytes
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
+
+__all__ = ["StagingPool", "BackgroundSaver", "background_saver"]
+
+_ALIGN = 64
+
+
+class StagingPool:
+    """A grow-only host buffer that staged chunks are copied into."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def stage(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
+        """Copy every chunk's data into the pool; return chunks that point at the copies."""
+        sizes = [-(-c.nbytes // _ALIGN) * _ALIGN for g in groups for c in g]
+        total = sum(sizes)
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # let the old one go before taking the new one
+            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8)
+        out: list[list[WriteChunk]] = []
+        pos = 0
+        with torch.no_grad():
+            for group in groups:
+                staged_group = []
+                for chunk in group:
+                    dst = self._buffer[pos:pos + chunk.nbytes]
+                    src = chunk.materialize()
+                    dst.copy_(as_bytes(src))
+                    staged = dst.view(chunk.dtype).view(chunk.shape) if chunk.shape else dst.view(chunk.dtype)[0]
+                    staged_group.append(WriteChunk(chunk.fqn, chunk.dtype, chunk.offsets, chunk.shape, staged))
+                    pos += -(-chunk.nbytes // _ALIGN) * _ALIGN
+                out.append(staged_group)
+        return out
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+class BackgroundSaver:
+    """The per-process async save machinery (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.pool = StagingPool()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-async-save")
+        self._pending: Future | None = None
+        self._group: tuple[Any, Any] | None = None  # (default group it was made under, private group)
+        self._lock = threading.Lock()
+
+    def _private_group(self) -> Any:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        world = dist.group.WORLD
+        if self._group is None or self._group[0] is not world:  # first use, or the default group was re-created
+            self._group = (world, dist.new_group(backend="gloo"))  # collective: every rank's first async_save
+        return self._group[1]
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has finished; its errors stay in its future."""
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:  # noqa: BLE001 - reported through that save's own future
+                pass
+
+    def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
+               meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
+               io_threads: int, process_group: Any = None, direct_io: bool = True) -> Future:
+        from shardkit.checkpoint.state.tree import flatten
+        from shardkit.checkpoint.training.api import plan_save, write_and_commit
+
+        with self._lock:
+            self.wait()
+            group = process_group if process_group is not None else self._private_group()
+            dist = Dist(group)
+            plan, error = None, None
+            try:
+                plan = plan_save(flatten(state_dict), dist.rank, chunk_bytes=chunk_bytes, io_threads=io_threads,
+                                 compression=compression)
+                plan.groups = self.pool.stage(plan.groups)
+                plan.values = dict(plan.values)
+                storage.makedirs()
+            except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
+                error = exc
+            meta_copy = dict(meta) if meta else None
+            future = self._executor.submit(write_and_commit, storage, plan, error, dist, compression=compression,
+                                           block_bytes=block_bytes, fsync=fsync, io_threads=io_threads,
+                                           meta=meta_copy, overwrite=overwrite, direct_io=direct_io)
+            self._pending = future
+            return future
+
+
+_saver: BackgroundSaver | None = None
+_saver_lock = threading.Lock()
+
+
+def background_saver() -> BackgroundSaver:
+    global _saver
+    with _saver_lock:
+        if _saver is None:
+            _saver = BackgroundSaver()
+        return _saver

@@ -1,0 +1,271 @@
+"""``CheckpointManager``: numbered steps under one root URL, newest committed wins.
+
+Layout: ``<root>/step-<N>/`` is one native checkpoint (``N`` zero-padded so
+listings sort).  The rules that make it crash-safe:
+
+* A step exists only once its ``manifest.json`` is committed; a directory
+  without one (an interrupted save) is never chosen, and listings are fresh
+  (object-store listing caches are invalidated), so what ``steps()`` shows is
+  what storage holds.
+* Retention (``keep_last``) runs only after a newer step has committed, deletes
+  a step's manifest first (so it stops being a checkpoint at once) and its data
+  after, and never touches the newest committed step.  Interrupted shardkit
+  saves older than the newest committed step are removed too.
+* The manager only ever deletes what it can prove it wrote
+  (:mod:`~shardkit.checkpoint.formats.native.ownership`): a ``step-<N>`` that holds a torch DCP
+  or Hugging Face checkpoint, or any file shardkit did not write, is left alone
+  and named in a warning; inside a shardkit step only shardkit's files go.
+* ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
+  the process group), so every rank loads the same one.  When the newest
+  committed step turns out damaged (checksum, missing file) it falls back to
+  the next older one and says so.  Finding nothing to resume is silent only on
+  a fresh root; foreign or interrupted steps, or a root that cannot be created,
+  are named in a warning, and ``required=True`` turns "nothing" into
+  :class:`~shardkit.errors.CheckpointNotFound`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.formats.native.ownership import (
+    DirectorySurvey,
+    remove_owned,
+    survey,
+)
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
+from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.training.api import async_save as _async_save
+from shardkit.checkpoint.training.api import load, save
+from shardkit.errors import (
+    CheckpointNotFound,
+    ConfigurationError,
+    CorruptCheckpoint,
+    ShardkitError,
+)
+
+__all__ = ["CheckpointManager", "step_dir"]
+
+log = logging.getLogger("shardkit.checkpoint.training.manager")
+
+_STEP_RE = re.compile(r"^step-(\d{1,19})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+class CheckpointManager:
+    """Save numbered steps under ``root_url``, resume from the newest committed one.
+
+    ``keep_last``: keep only the newest ``keep_last`` committed steps (``None``
+    keeps all).  ``async_save``: ``save`` returns once the state is on the host
+    and uploads in the background (the next ``save`` or :meth:`wait` waits for
+    it).  ``compression`` and ``storage_options`` are passed to every save/load.
+    """
+
+    def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
+                 compression: Any = None, storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None, **save_options: Any) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigurationError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        self.root = Storage(root_url, storage_options)
+        self.root_url = self.root.url
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.compression = compression
+        self.storage_options = dict(storage_options or {})
+        self.process_group = process_group
+        self.save_options = save_options
+        self._pending: Future | None = None
+        self._pending_step: int | None = None
+        self._warned: set[str] = set()
+
+    # -- listing ---------------------------------------------------------
+    def url_of(self, step: int) -> str:
+        return self.root.child(step_dir(step)).url
+
+    def _all_step_dirs(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for name in self.root.listdir():
+            m = _STEP_RE.match(name)
+            if m:
+                found[int(m.group(1))] = name
+        return found
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (read fresh from storage on each call)."""
+        return sorted(step for step, name in self._all_step_dirs().items()
+                      if self.root.child(name).exists(MANIFEST_NAME))
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning(message)
+
+    # -- saving ----------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             extra: Any = None) -> Future | None:
+        """Save ``model`` (and ``optimizer``) as step ``step`` with JSON ``extra``; collective.
+
+        Returns, with ``async_save=True``, a future that completes once the
+        background save has committed *and* retention has run; else ``None``.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
+        meta = {"step": step, "extra": to_json_value(extra, "extra")}
+        self.wait()
+        state = get_state_dict(model, optimizer)
+        url = self.url_of(step)
+        opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
+                    **self.save_options)
+        if self.async_save:
+            upload = _async_save(state, url, **opts)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
+            upload.add_done_callback(lambda f, s=step: self._after_commit(s, f, done))
+            self._pending, self._pending_step = done, step
+            return done
+        started = time.perf_counter()
+        save(state, url, process_group=self.process_group, **opts)
+        log.info("step %d committed at %s in %.2f s", step, url, time.perf_counter() - started)
+        self._retain(step)
+        return None
+
+    def wait(self) -> None:
+        """Wait for the background save in flight and the retention after it (re-raising a save's error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:
+                self._pending_step = None
+
+    def _after_commit(self, step: int, upload: Future, done: Future) -> None:
+        """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""
+        error = upload.exception()
+        if error is None:
+            log.info("step %d committed at %s (background save)", step, self.url_of(step))
+            try:
+                self._retain(step)
+            except ShardkitError as exc:  # retention is housekeeping; never fail a good save over it
+                log.warning("checkpoint retention under %s failed: %s", self.root_url, exc)
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def _retain(self, committed: int) -> None:
+        """After ``committed`` landed: drop steps beyond ``keep_last`` and older interrupted shardkit saves.
+
+        Only what :func:`~shardkit.checkpoint.formats.native.ownership.survey` proves shardkit
+        wrote is deleted; foreign step directories are named in a warning.
+        """
+        if Dist().rank != 0:
+            return
+        dirs = self._all_step_dirs()
+        committed_steps = [s for s, name in sorted(dirs.items()) if self.root.child(name).exists(MANIFEST_NAME)]
+        newest = max(committed_steps, default=committed)
+        doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
+            else set()
+        for s in sorted(dirs):
+            if s in committed_steps or s >= newest or s == self._pending_step:
+                continue
+            found = survey(self.root.child(dirs[s]))
+            if found.interrupted_save:
+                doomed.add(s)
+            elif found.foreign:
+                self._warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
+                                f"wrote; move or delete it yourself")
+        for s in sorted(doomed):
+            step_store = self.root.child(dirs[s])
+            found = survey(step_store)
+            remove_owned(step_store, found)
+            log.info("retention removed step %d at %s", s, step_store.url)
+            if found.foreign:
+                self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
+
+    # -- loading ---------------------------------------------------------
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             *, strict: bool = True) -> Any:
+        """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``."""
+        self.wait()
+        state = get_state_dict(model, optimizer)
+        meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
+                    process_group=self.process_group)
+        set_state_dict(model, optimizer, state, strict=strict)
+        return meta.get("extra")
+
+    def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, strict: bool = True, required: bool = False) -> tuple[int, Any] | None:
+        """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``.
+
+        ``None`` means nothing to resume: silent on a fresh (empty or not yet
+        created) root, a logged warning naming what was found otherwise (foreign
+        checkpoints, interrupted saves, a root that cannot be created, only
+        damaged steps).  ``required=True`` raises
+        :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
+        """
+        self.wait()
+        dist = Dist(self.process_group)
+        candidates = dist.broadcast_json(self.steps() if dist.rank == 0 else None)
+        if not candidates:
+            why = dist.broadcast_json(self._why_nothing() if dist.rank == 0 else None)
+            return self._nothing(why, required)
+        state = get_state_dict(model, optimizer)
+        for step in reversed(candidates):
+            try:
+                meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
+                            process_group=self.process_group)
+            except CorruptCheckpoint as exc:
+                log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
+                continue
+            set_state_dict(model, optimizer, state, strict=strict)
+            log.info("resumed from step %d at %s", step, self.url_of(step))
+            return step, meta.get("extra")
+        return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged", required)
+
+    def _nothing(self, why: str | None, required: bool) -> None:
+        if required:
+            raise CheckpointNotFound(f"nothing to resume under {self.root_url}: "
+                                     f"{why or 'no committed step-<N> directory'}")
+        if why:
+            log.warning("nothing to resume under %s: %s; starting from scratch", self.root_url, why)
+        return None
+
+    def _why_nothing(self) -> str | None:
+        """What the root holds instead of a committed step, or ``None`` for a fresh run's empty root."""
+        if not self.root.exists():
+            if self.root.is_local and not _creatable(self.root.root):
+                return "the root does not exist and cannot be created here (read-only or missing parent?)"
+            return None
+        dirs = self._all_step_dirs()
+        if not dirs:
+            others = [n for n in self.root.listdir() if not n.startswith(".")]
+            if not others:
+                return None
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            return f"no step-<N> directory; the root holds {shown}"
+        surveys: list[DirectorySurvey] = [survey(self.root.child(dirs[s])) for s in sorted(dirs)]
+        return "found " + "; ".join(found.describe() for found in surveys)
+
+
+def _creatable(path: str) -> bool:
+    """Whether a local directory could be created at ``path`` (its nearest existing ancestor is writable)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return False
+        parent = up
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
