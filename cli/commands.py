@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from shardkit.checkpoint.formats import FORMATS
 from shardkit.checkpoint.offline.common import (
     DEFAULT_MAX_MEMORY_TEXT,
     DEFAULT_MAX_SHARD_SIZE,
@@ -92,7 +93,7 @@ def _torch_source(fn):
 def _model_keys(path: str | None) -> list[str] | None:
     if path is None:
         return None
-    from shardkit.checkpoint.formats.torch_state import read_model_keys
+    from shardkit.checkpoint.formats.torchsave.state import read_model_keys
 
     return read_model_keys(path)
 
@@ -165,9 +166,9 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", required=True, type=click.Choice(["shardkit", "hf", "torch", "dcp"]),
+@click.option("--to", "to", required=True, type=click.Choice(list(FORMATS)),
               help="Output format.")
-@click.option("--from", "src_format", type=click.Choice(["shardkit", "hf", "torch", "dcp"]),
+@click.option("--from", "src_format", type=click.Choice(list(FORMATS)),
               help="Source format (detected when omitted).")
 @click.option("--dtype", help="Cast model weights to bf16/fp16/fp32 on the way.")
 @click.option("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,

@@ -42,6 +42,8 @@ __all__ = [
     "MissingCredentials",
     "BucketNotFound",
     "EndpointUnreachable",
+    "error_record",
+    "from_record",
 ]
 
 
@@ -140,3 +142,18 @@ class BucketNotFound(StorageError):
 
 class EndpointUnreachable(StorageError):
     """The storage endpoint refused the connection, did not resolve, or did not answer in time."""
+
+
+def error_record(exc: BaseException) -> dict[str, str]:
+    """The wire form of an error sent to other ranks (JSON): its class name and message, so every
+    rank can raise the same kind of error without parsing text."""
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def from_record(record: dict[str, str], message: str | None = None) -> ShardkitError:
+    """The error another rank reported (:func:`error_record`): the same shardkit class when it is
+    one, else :class:`CheckpointError`; ``message`` replaces the text (e.g. to name the rank)."""
+    cls = globals().get(str(record.get("type")))
+    if not (isinstance(cls, type) and issubclass(cls, ShardkitError)):
+        cls = CheckpointError
+    return cls(message if message is not None else str(record.get("message")))

@@ -208,9 +208,9 @@ def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_
 def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage_bytes, monkeypatch):
     import fsspec
 
-    import shardkit.checkpoint.training.api as api
+    import shardkit.checkpoint.training.load as load_module
 
-    monkeypatch.setattr(api, "STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(load_module, "STAGE_BYTES", stage_bytes)
     url = f"memory://flipped-{stage_bytes}"
     fs = fsspec.filesystem("memory")
     for path in sorted(pristine[0].rglob("*")):

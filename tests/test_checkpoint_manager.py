@@ -54,8 +54,8 @@ def test_manager_never_deletes_a_step_directory_it_did_not_write(tmp_path, caplo
     assert {kind: _tree_digest(path) for kind, path in foreign.items()} == before
     assert manager.steps() == ([6, 7] if keep_last is None else [7])
     said = _warnings(caplog)
-    assert f"{step_dir(4)} (a torch.distributed.checkpoint checkpoint" in said
-    assert f"{step_dir(5)} (a Hugging Face checkpoint" in said
+    assert f"{step_dir(4)} (a torch.distributed.checkpoint directory, not a shardkit checkpoint)" in said
+    assert f"{step_dir(5)} (a Hugging Face safetensors file or folder, not a shardkit checkpoint)" in said
 
 
 def test_an_interrupted_shardkit_save_is_swept_but_one_holding_a_users_file_is_kept(tmp_path):

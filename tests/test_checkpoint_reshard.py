@@ -184,9 +184,9 @@ def _resharded_read_amplification(url: str):
     sd = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for k, s in shapes.items()}
     reader = NativeReader(url)
     from shardkit.checkpoint.state.tree import flatten
-    from shardkit.checkpoint.training.api import _plan_load
+    from shardkit.checkpoint.training.load import plan_load
 
-    requests, _ = _plan_load(reader, flatten(sd), True)
+    requests, _ = plan_load(reader, flatten(sd), True)
     reader.read(requests)
     return reader.stats.bytes_read, reader.stats.bytes_needed
 

@@ -280,8 +280,8 @@ def test_torch_output_into_a_directory_and_native_output_onto_a_file_are_refused
 
 
 def test_a_storage_failure_is_reported_as_such_not_as_a_missing_or_unknown_checkpoint(monkeypatch):
+    from shardkit.checkpoint.formats import detect_format as detect
     from shardkit.checkpoint.io.storage import Storage
-    from shardkit.checkpoint.offline.detect import detect
     from shardkit.errors import StorageError
 
     storage = Storage("memory://engine-probe/ckpt")

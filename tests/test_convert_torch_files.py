@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint import convert, reshard
-from shardkit.checkpoint.formats.torchsave import TorchSaveReader
+from shardkit.checkpoint.formats.torchsave.reader import TorchSaveReader
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import (
     ConfigurationError,
@@ -57,9 +57,9 @@ def test_trust_pickle_converts_a_trusted_file_with_a_warning_and_leaves_out_what
     src = tmp_path / "run.pt"
     weights = _trusted_file(src)
     out = tmp_path / "out"
-    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint.formats.torchsave"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint.formats.torchsave.reader"):
         result = convert(str(src), str(out), to="shardkit", trust_pickle=True)
-    warned = [r for r in caplog.records if r.name == "shardkit.checkpoint.formats.torchsave"]
+    warned = [r for r in caplog.records if r.name == "shardkit.checkpoint.formats.torchsave.reader"]
     assert warned and warned[0].levelno == logging.WARNING and "trust_pickle" in warned[0].getMessage()
     assert result.tensors == 1
     state = {"model": {"w": torch.zeros(5, 3)}, "step": 0}
@@ -84,7 +84,7 @@ def test_trust_pickle_and_model_keys_are_refused_for_a_source_that_is_not_a_torc
 
 
 def _options(**kwargs):
-    from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
+    from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 
     return TorchLoadOptions(**kwargs)
 

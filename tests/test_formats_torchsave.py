@@ -12,11 +12,8 @@ import torch
 
 from shardkit.checkpoint import convert, diff, reshard
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.torchsave import (
-    TorchSaveReader,
-    check_tensors,
-    write_torch_save,
-)
+from shardkit.checkpoint.formats.torchsave.reader import TorchSaveReader
+from shardkit.checkpoint.formats.torchsave.writer import check_tensors, write_torch_save
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, StorageError, UnsupportedFormat
 from tests.dist import run_on_ranks

@@ -1,67 +1,126 @@
-"""Checkpoint formats behind one reader interface (see ``formats/base.py``).
+"""The format registry and the one door to read any checkpoint.
 
-Each format module exposes ``detect(storage) -> bool`` and
-``open_reader(storage) -> CheckpointReader``.  :func:`open_reader` here picks
-the format of a URL (or takes ``format=``) so that ``load``, ``reshard``,
-``convert``, ``inspect``, ``verify`` and ``diff`` accept any of them.
+Adding a format means one :class:`Format` entry here and the format's own
+module(s); nothing else names formats (the CLI's choices, detection, commit
+markers and the aliases a user may type all come from :data:`FORMATS`).
 
-=========  ==========================================  =================
-name       what                                         module
-=========  ==========================================  =================
-shardkit   native: manifest.json + safetensors chunks   ``native``
-hf         Hugging Face safetensors file or folder      ``hf``
-torch      ``torch.save`` file (``weights_only=True``)  ``torchsave``
-dcp        torch.distributed.checkpoint directory       ``dcp``
-=========  ==========================================  =================
+A format's *reader* module has ``detect(storage) -> bool`` and
+``open_reader(storage, **options) -> CheckpointReader``; its *writer* module has
+``check_tensors(triples)`` (what it cannot hold is refused before DST is
+touched) and its write function.  :func:`open_reader` is how everything opens
+a checkpoint: ``load``, ``reshard``, ``convert``, ``inspect``, ``verify`` and
+``diff``.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import CheckpointNotFound, UnsupportedFormat
+from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.errors import CheckpointNotFound, ConfigurationError, UnsupportedFormat
 
-__all__ = ["FORMATS", "format_module", "detect_format", "open_reader"]
-
-FORMATS: dict[str, str] = {
-    "shardkit": "shardkit.checkpoint.formats.native.reader",
-    "hf": "shardkit.checkpoint.formats.hf",
-    "torch": "shardkit.checkpoint.formats.torchsave",
-    "dcp": "shardkit.checkpoint.formats.dcp.checkpoint",
-}
+__all__ = ["Format", "FORMATS", "COMMIT_MARKERS", "normalize_format", "format_module", "detect_format",
+           "open_reader"]
 
 
-def format_module(name: str) -> Any:
-    if name not in FORMATS:
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint format: where its code is and how a user and a directory name it."""
+
+    name: str
+    description: str
+    reader: str                       # module: detect(), open_reader()
+    writer: str                       # module: check_tensors(), the write function
+    aliases: tuple[str, ...] = ()     # other spellings a user may type (--from/--to)
+    markers: tuple[str, ...] = ()     # files whose presence makes a directory this format's checkpoint
+    open_options: tuple[str, ...] = ()  # keyword options its open_reader takes
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("shardkit", "native: manifest.json + safetensors chunks", "shardkit.checkpoint.formats.native.reader",
+           "shardkit.checkpoint.formats.native.writer", ("native",), ("manifest.json",), ("io_threads",)),
+    Format("hf", "Hugging Face safetensors file or folder", "shardkit.checkpoint.formats.hf",
+           "shardkit.checkpoint.formats.hf", ("huggingface", "safetensors"),
+           ("model.safetensors.index.json", "model.safetensors")),
+    Format("torch", "torch.save file (weights_only)", "shardkit.checkpoint.formats.torchsave.reader",
+           "shardkit.checkpoint.formats.torchsave.writer", ("pt", "torch.save"), (), ("torch_options",)),
+    Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.checkpoint",
+           "shardkit.checkpoint.formats.dcp.checkpoint", (), (".metadata",)),
+)}
+
+COMMIT_MARKERS: tuple[str, ...] = tuple(m for f in FORMATS.values() for m in f.markers)
+
+
+def normalize_format(name: str) -> str:
+    """The canonical format name for a user's spelling (``native``, ``pt``, ``safetensors``...)."""
+    lowered = name.lower()
+    for f in FORMATS.values():
+        if lowered == f.name or lowered in f.aliases:
+            return f.name
+    raise UnsupportedFormat(f"format {name!r} is unknown; use one of {', '.join(FORMATS)}")
+
+
+def format_module(name: str, role: str = "reader") -> Any:
+    """The ``reader`` or ``writer`` module of format ``name``."""
+    fmt = FORMATS.get(name)
+    if fmt is None:
         raise UnsupportedFormat(f"unknown checkpoint format {name!r}; known: {sorted(FORMATS)}")
     try:
-        return importlib.import_module(FORMATS[name])
+        return importlib.import_module(getattr(fmt, role))
     except ImportError as exc:
         raise UnsupportedFormat(f"format {name!r} is not available in this installation ({exc})") from None
 
 
 def detect_format(storage: Storage) -> str:
-    """The name of the first format that recognises ``storage`` (native first)."""
+    """The first format that recognises ``storage`` (native first); a path with no checkpoint gets an
+    error that says what is there (nothing, data without a commit, or other files)."""
+    if not storage.exists():
+        raise CheckpointNotFound(f"{storage.url}: no such file or directory")
     for name in FORMATS:
         try:
             module = format_module(name)
         except UnsupportedFormat:
             continue
-        detect = getattr(module, "detect", None)
-        if detect is not None and detect(storage):
+        if module.detect(storage):
             return name
-    raise CheckpointNotFound(f"{storage.url} is not a checkpoint in any known format ({', '.join(FORMATS)}): "
-                             f"no manifest.json, *.safetensors, .metadata or torch.save file found")
+    if storage.is_dir():
+        names = storage.listdir()
+        if "data" in names or any(n.endswith(".safetensors") or n.endswith(".distcp") for n in names):
+            raise CheckpointNotFound(f"{storage.url}: holds data files but no manifest/index/metadata: not a "
+                                     "committed checkpoint (an interrupted write?); rerun the command that wrote it")
+        shown = (", ".join(names[:5]) + (", ..." if len(names) > 5 else "")) if names else "an empty directory"
+        raise UnsupportedFormat(f"{storage.url}: not a checkpoint shardkit reads (found {shown}); expected "
+                                + ", ".join(f"a {f.description}" for f in FORMATS.values()))
+    parent, name = split_file(storage)
+    parent.read_bytes(name, 0, 8)  # an unreadable file says so (permission denied) instead of "unknown format"
+    raise UnsupportedFormat(f"{storage.url}: unknown file format (neither safetensors nor a torch.save zip)")
 
 
 def open_reader(url: str | Storage, storage_options: Mapping[str, Any] | None = None, *,
-                format: str | None = None) -> CheckpointReader:
-    """Open ``url`` for reading in ``format`` (detected when ``None``)."""
+                format: str | None = None, **options: Any) -> CheckpointReader:
+    """Open ``url`` in ``format`` (detected when ``None``): the one way every tool opens a checkpoint.
+
+    ``options`` go to the format's reader when it takes them (``io_threads``
+    for native, ``torch_options`` for torch.save).  A request the format cannot
+    honour (``torch_options`` asking to trust pickles for a DCP directory) is
+    refused, never silently ignored; a mere hint (``io_threads``) is dropped.
+    """
     storage = url if isinstance(url, Storage) else Storage(url, storage_options)
-    module = format_module(format or detect_format(storage))
-    if not hasattr(module, "open_reader"):
-        raise UnsupportedFormat(f"format {format!r} has no reader for {storage.url}")
-    return module.open_reader(storage)
+    name = normalize_format(format) if format else detect_format(storage)
+    fmt = FORMATS[name]
+    given = {k: v for k, v in options.items() if v is not None}
+    foreign = sorted(k for k in given if k not in fmt.open_options)
+    if any(_is_set(given[k]) for k in foreign):
+        raise ConfigurationError(f"{storage.url}: {', '.join(foreign)} do not apply to a {name} checkpoint "
+                                 f"({fmt.description}); drop them")
+    return format_module(name).open_reader(storage, **{k: v for k, v in given.items() if k in fmt.open_options})
+
+
+def _is_set(value: Any) -> bool:
+    """Whether an option asks for something (an object with ``is_set()``, e.g. ``TorchLoadOptions``);
+    plain values are hints."""
+    is_set = getattr(value, "is_set", None)
+    return bool(is_set()) if callable(is_set) else False

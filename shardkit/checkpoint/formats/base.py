@@ -41,8 +41,11 @@ from shardkit.checkpoint.geometry.boxes import Box, box_contains
 from shardkit.checkpoint.geometry.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",
+__all__ = ["Fetch", "StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",
            "WriteChunk", "plan_reads", "read_box", "contiguous_strides"]
+
+# what a writer pulls the data through: ``fetch(fqn, offsets, shape)`` returns that box of the tensor
+Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -129,10 +132,6 @@ class ReadStats:
             self.bytes_needed += needed
             self.requests += requests
 
-    @property
-    def amplification(self) -> float:
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
-
 
 class CheckpointReader(abc.ABC):
     """A checkpoint opened for reading.  Use as a context manager or call :meth:`close`."""
@@ -189,20 +188,6 @@ class CheckpointReader(abc.ABC):
         for r in requests:
             self.read([ReadRequest(r.fqn, r.chunk, r.box, torch.empty_like(r.out))])
 
-    def read_rows(self, entry: TensorEntry, chunk: StoredChunk, start: int, stop: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` (chunk-local, dim 0) of a stored chunk, shaped like the chunk.
-
-        The streaming primitive of bounded-memory tools: a chunk bigger than the
-        memory budget is read a block of rows at a time.
-        """
-        offsets = (chunk.offsets[0] + start,) + tuple(chunk.offsets[1:]) if chunk.shape else ()
-        shape = (stop - start,) + tuple(chunk.shape[1:]) if chunk.shape else ()
-        if out is None:
-            out = torch.empty(shape, dtype=entry.dtype)
-        index = entry.chunks.index(chunk)
-        self.read([ReadRequest(entry.fqn, index, (offsets, shape), out)])
-        return out
 
     def close(self) -> None:  # noqa: B027 - optional for formats without resources
         pass

@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Mapping, Sequence
+from typing import Any, BinaryIO, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,6 @@ from shardkit.checkpoint.geometry.boxes import (
     itemsize,  # re-exported: dtype codes and sizes go together
 )
 from shardkit.errors import (
-    ChecksumMismatch,
     CorruptCheckpoint,
     InvalidManifest,
     UnsupportedFormat,
@@ -46,8 +45,7 @@ from shardkit.errors import (
 
 __all__ = [
     "DTYPE_CODES", "dtype_to_code", "code_to_dtype", "itemsize",
-    "as_bytes", "crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs", "verify_blocks",
-    "zstd_compress", "zstd_decompress_into", "Compression", "parse_compression",
+    "as_bytes", "crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs", "zstd_compress", "zstd_decompress_into", "Compression", "parse_compression",
     "SafetensorsEntry", "SafetensorsHeader", "build_safetensors_header", "parse_safetensors_header",
     "SafetensorsStreamWriter", "MAX_HEADER_BYTES",
 ]
@@ -195,18 +193,6 @@ def unpack_crcs(text: Any, count: int, where: str) -> list[int]:
         raise InvalidManifest(f"{where} records {len(raw) // 4} block checksums, expected {count}")
     return np.frombuffer(raw, dtype="<u4").tolist()
 
-
-def verify_blocks(data: torch.Tensor, first_block: int, block_size: int, expected: Sequence[int],
-                  where: str) -> None:
-    """Check whole blocks ``first_block, first_block+1, ...`` held contiguously in ``data``."""
-    data = data.reshape(-1)
-    for i, start in enumerate(range(0, data.numel(), block_size)):
-        got = crc32c(data[start:start + block_size])
-        want = expected[first_block + i]
-        if got != want:
-            raise ChecksumMismatch(
-                f"{where}: block {first_block + i} has crc32c {got:08x}, the manifest recorded {want:08x}; "
-                f"the data file is damaged -- restore it or load an older checkpoint")
 
 
 # --------------------------------------------------------------------------
@@ -435,9 +421,6 @@ class SafetensorsStreamWriter:
             self._crc, self._written = None, 0
             self._index += 1
 
-    def write_all(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for key, piece in pieces:
-            self.write(key, piece)
 
     def finish(self) -> dict[str, list[int]]:
         """Check every entry was written in full; return block checksums per key."""

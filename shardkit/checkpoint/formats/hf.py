@@ -53,7 +53,8 @@ from shardkit.checkpoint.geometry.rows import (
     row_range,
     rows_per_block,
 )
-from shardkit.checkpoint.io.storage import Storage, check_name, split_file
+from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,

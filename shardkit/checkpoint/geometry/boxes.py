@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -30,27 +29,12 @@ import torch
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["itemsize", 
-    "Box", "Chunk", "intersect", "box_numel", "box_contains", "shard_range", "shard_box", "local_box",
+    "Box", "intersect", "box_numel", "box_contains", "shard_range", "shard_box", "local_box",
     "local_tensor", "is_dtensor", "is_primary_replica", "mesh_description", "split_box", "check_cover",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
-
-@dataclass(frozen=True)
-class Chunk:
-    """One box of one tensor, as planned for writing or found in storage."""
-
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def box(self) -> Box:
-        return self.offsets, self.shape
 
 
 def itemsize(dtype: torch.dtype) -> int:

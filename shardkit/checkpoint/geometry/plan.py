@@ -12,17 +12,14 @@ Two steps, kept apart so every format can use the first and the native format
 
 2. :func:`byte_runs` turns a piece (a sub-box of one row-major stored chunk)
    into byte ranges of that chunk: one range when the sub-box is contiguous in
-   the chunk (every dim-0 reshard), otherwise one run per leading index, and
-   :func:`block_spans` widens them to whole checksum blocks and merges them, so
-   a reader fetches little more than it needs and can still verify it.
-
-:class:`ByteBudget` bounds the bytes those reads hold at once.
+   the chunk (every dim-0 reshard), otherwise one run per leading index; the
+   native reader widens them to whole checksum blocks, so it fetches little
+   more than it needs and can still verify it.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,7 +28,7 @@ import numpy as np
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, intersect
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs", "block_spans", "is_contiguous_sub_box"]
+__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs"]
 
 
 @dataclass(frozen=True)
@@ -84,15 +81,6 @@ def plan_box(index: ChunkIndex, box: Box, what: str) -> list[Piece]:
     return pieces
 
 
-def is_contiguous_sub_box(outer_shape: Sequence[int], sub_offsets: Sequence[int], sub_shape: Sequence[int]) -> bool:
-    """True when a sub-box (local offsets) is one contiguous run of its row-major outer box."""
-    ndim = len(outer_shape)
-    k = ndim - 1
-    while k >= 0 and sub_shape[k] == outer_shape[k]:
-        k -= 1
-    # dims after k are full; dims before k must have extent 1
-    return all(sub_shape[j] == 1 for j in range(k)) if k > 0 else True
-
 
 def byte_runs(chunk_box: Box, sub: Box, itemsize: int) -> np.ndarray:
     """Byte ranges ``[[start, end), ...]`` of the chunk that hold ``sub`` (both global boxes).
@@ -122,24 +110,4 @@ def byte_runs(chunk_box: Box, sub: Box, itemsize: int) -> np.ndarray:
     return np.stack([starts, starts + run_len], axis=1)
 
 
-def block_spans(runs: np.ndarray, block_size: int, limit: int) -> np.ndarray:
-    """Widen runs to whole ``block_size`` blocks (clipped at ``limit``) and merge touching ones."""
-    if len(runs) == 0:
-        return runs
-    lo = (runs[:, 0] // block_size) * block_size
-    hi = np.minimum(-(-runs[:, 1] // block_size) * block_size, limit)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    # merge: a new span starts where lo exceeds the running max of previous his
-    run_max = np.maximum.accumulate(hi)
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = lo[1:] > run_max[:-1]
-    starts = lo[new]
-    group = np.cumsum(new) - 1
-    ends = np.zeros(len(starts), dtype=np.int64)
-    np.maximum.at(ends, group, hi)
-    return np.stack([starts, ends], axis=1)
 
-
-def needed_bytes(pieces: Sequence[Piece], itemsize: int) -> int:
-    return sum(math.prod(p.box[1]) for p in pieces) * itemsize

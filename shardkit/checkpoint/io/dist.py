@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Dist", "current_dist"]
+__all__ = ["Dist"]
 
 
 class Dist:
@@ -111,8 +111,9 @@ class Dist:
             return None
         return [_decode(b, s) for b, s in zip(bufs, sizes)]
 
-    def first_error(self, message: str | None) -> tuple[int, str] | None:
-        """``(rank, message)`` of the lowest rank that reported an error, on every rank; else ``None``."""
+    def first_error(self, message: Any) -> tuple[int, Any] | None:
+        """``(rank, message)`` of the lowest rank that reported an error (any JSON value, e.g. an
+        :func:`~shardkit.errors.error_record`), on every rank; else ``None``."""
         if not self.active:
             return (self.rank, message) if message is not None else None
         if not self.any_failed(message is not None):
@@ -138,9 +139,6 @@ class Dist:
 
             dist.barrier(group=self.group)
 
-
-def current_dist(group: Any = None) -> Dist:
-    return Dist(group)
 
 
 def _decode(buf: torch.Tensor, size: torch.Tensor) -> Any:

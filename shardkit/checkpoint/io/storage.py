@@ -33,7 +33,6 @@ import errno
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import uuid
@@ -48,32 +47,17 @@ from shardkit.errors import (
     ConfigurationError,
     CorruptCheckpoint,
     ShardkitError,
-    UnsafeCheckpoint,
 )
 
-__all__ = ["Storage", "check_name", "join_url", "split_file"]
+__all__ = ["Storage", "split_file"]
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 _BACKOFF_S = 0.2
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+from shardkit.checkpoint.io.names import check_name, join_url
+
 log = logging.getLogger(__name__)
-
-
-def check_name(name: Any, where: str = "") -> str:
-    """Validate a relative name inside a checkpoint; return it unchanged."""
-    ok = (isinstance(name, str) and 0 < len(name) <= 1024 and _NAME_RE.match(name) is not None
-          and not any(part in (".", "..") for part in name.split("/")))
-    if not ok:
-        raise UnsafeCheckpoint(f"file name {name!r}{' in ' + where if where else ''} points outside the "
-                               f"checkpoint or is not a plain relative path; refusing to touch it")
-    return name
-
-
-def join_url(url: str, name: str) -> str:
-    return url.rstrip("/") + "/" + name
 
 
 class Storage:

@@ -27,9 +27,8 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.formats import format_module
-from shardkit.checkpoint.formats.codec import dtype_to_code
-from shardkit.checkpoint.formats.torchsave import TorchLoadOptions
+from shardkit.checkpoint.formats import format_module, normalize_format, open_reader
+from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.common import (
@@ -40,13 +39,6 @@ from shardkit.checkpoint.offline.common import (
     parse_memory,
     parse_size,
 )
-from shardkit.checkpoint.offline.detect import (
-    canonical_location,
-    normalize_format,
-    open_source,
-    overlap,
-    source_fingerprint,
-)
 from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
@@ -54,8 +46,9 @@ from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
 from shardkit.checkpoint.offline.select import Selection, select
+from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
 from shardkit.checkpoint.offline.verify import VerifyReport, verify
-from shardkit.errors import CheckpointError, ConfigurationError, UnsupportedFormat
+from shardkit.errors import CheckpointError, ConfigurationError
 
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
            "DEFAULT_MAX_MEMORY", "parse_memory"]
@@ -63,20 +56,8 @@ __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "
 log = logging.getLogger("shardkit.checkpoint.offline.convert")
 
 def _check_output(to: str, sel: Selection) -> None:
-    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name).
-
-    The writers check again, but by then ``--overwrite`` has removed the old
-    checkpoint's commit marker.
-    """
-    if to != "shardkit":
-        format_module(to).check_tensors(sel.triples)
-    else:  # native data files are safetensors: their dtype codes
-        for t in sel.tensors:
-            try:
-                dtype_to_code(t.dtype)
-            except UnsupportedFormat:
-                raise UnsupportedFormat(f"{t.name!r} is {t.dtype}, which --to {to} cannot hold; exclude it "
-                                        "(--exclude) or cast it (--dtype)") from None
+    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name)."""
+    format_module(to, "writer").check_tensors(sel.triples)
 
 
 def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
@@ -115,7 +96,7 @@ def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
-    return open_source(src, storage_options, src_format, torch_options), dst_storage_options
+    return open_reader(src, storage_options, format=src_format, torch_options=torch_options), dst_storage_options
 
 
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
@@ -153,7 +134,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
     ``weights_only`` allowlist -- UNSAFE, it runs any code the file names; only
     for files you trust; ``model_keys`` (parameter FQNs in
     ``named_parameters()`` order) names optimizer state keyed by number
-    (:mod:`~shardkit.checkpoint.formats.torch_state`).
+    (:mod:`~shardkit.checkpoint.formats.torchsave.state`).
 
     Example::
 
@@ -232,7 +213,7 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
         files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes,
                           avoid=dest.avoid)
     else:
-        from shardkit.checkpoint.formats.torchsave import write_torch_save
+        from shardkit.checkpoint.formats.torchsave.writer import write_torch_save
 
         parent, name = split_file(storage)
         write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
@@ -310,7 +291,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
 def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
     if isinstance(model_keys, str):
         raise ConfigurationError("model_keys is a list of parameter names; read a file with "
-                                 "shardkit.checkpoint.formats.torch_state.read_model_keys")
+                                 "shardkit.checkpoint.formats.torchsave.state.read_model_keys")
     return tuple(model_keys) if model_keys is not None else None
 
 
@@ -321,7 +302,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     stored once under another (an alias) is listed with ``alias_of`` and no
     chunks of its own, and its bytes are not counted again in the totals.
     """
-    source = open_source(src, storage_options)
+    source = open_reader(src, storage_options)
     try:
         tensors = []
         aliases = source.aliases()

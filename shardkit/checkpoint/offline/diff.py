@@ -28,9 +28,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.geometry.rows import iter_row_blocks, rows_per_block
 from shardkit.checkpoint.offline.common import parse_memory
-from shardkit.checkpoint.offline.detect import open_source
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.checkpoint.state.tree import from_json_value
@@ -90,8 +90,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
     if not (math.isfinite(atol) and atol >= 0) or not (math.isfinite(rtol) and rtol >= 0):
         raise ConfigurationError(f"--atol/--rtol must be finite and non-negative, got atol={atol}, rtol={rtol}")
     budget = parse_memory(max_memory)
-    sa = open_source(a, storage_options)
-    sb = open_source(b, storage_options if b_storage_options is None else b_storage_options)
+    sa = open_reader(a, storage_options)
+    sb = open_reader(b, storage_options if b_storage_options is None else b_storage_options)
     report = DiffReport(a, b, atol, rtol)
     try:
         ea, eb = sa.tensors(), sb.tensors()

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.checkpoint.formats.hf import SIDE_FILE_CAP, side_files_in
-from shardkit.checkpoint.io.storage import Storage, check_name, split_file
+from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.common import copy_files, side_files_of
 from shardkit.checkpoint.offline.select import Selection, parse_dtype
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint

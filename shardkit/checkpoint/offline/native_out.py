@@ -18,7 +18,7 @@ time, so memory is one chunk per worker.  Units run on ``workers`` threads.
 
 Resume: the token is a hash of the plan and of the source's identity (its
 canonical location and a fingerprint of its contents, see
-:func:`~shardkit.checkpoint.offline.detect.source_fingerprint`), so a rerun of
+:func:`~shardkit.checkpoint.offline.source.source_fingerprint`), so a rerun of
 the same command on the same SRC plans the same file names.  After each unit,
 its manifest records are journaled under ``.shardkit-resume/`` together with
 that identity; a rerun keeps a journaled file only when the identity matches
@@ -42,15 +42,14 @@ import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.codec import itemsize, parse_compression
-from shardkit.checkpoint.formats.native.reader import (
+from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.writer import (
     DEFAULT_CHUNK_BYTES,
     NativeWriter,
     WrittenFile,
-    check_chunk,
     data_file_name,
-    unreferenced_files,
+    group_into_files,
 )
-from shardkit.checkpoint.formats.native.writer import group_into_files
 from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
@@ -262,12 +261,7 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
     meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
     manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.stored}, files,
                                      values=sel.values, meta=meta, writer_info=writer_info, aliases=sel.aliases)
-    writer.commit(manifest)
-    try:
-        storage.delete_tree(RESUME_DIR)
-        storage.delete(unreferenced_files(storage, manifest))
-    except ShardkitError:  # cleanup is best effort: the checkpoint is committed and complete
-        pass
+    writer.commit(manifest, leftovers=[RESUME_DIR])
 
 
 def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, world_size: int,
@@ -277,7 +271,7 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     """Write ``sel`` from ``reader`` as a native checkpoint for ``world_size`` ranks at ``storage``.
 
     ``source_id`` names the source's location and contents (see
-    :func:`~shardkit.checkpoint.offline.detect.source_fingerprint`); resume keeps
+    :func:`~shardkit.checkpoint.offline.source.source_fingerprint`); resume keeps
     only files journaled under the same id.  ``replacing`` identifies the
     checkpoint already at ``storage`` that this one replaces (see
     :func:`~shardkit.checkpoint.offline.replace.prepare_dst`): it stays untouched and

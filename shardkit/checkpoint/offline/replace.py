@@ -25,16 +25,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from shardkit.checkpoint.formats import COMMIT_MARKERS
 from shardkit.checkpoint.formats.native.ownership import survey
 from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.checkpoint.offline.detect import exists
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
-__all__ = ["Destination", "prepare_dst", "COMMIT_MARKERS"]
+__all__ = ["Destination", "prepare_dst"]
 
 log = logging.getLogger("shardkit.checkpoint.offline.convert")
 
-COMMIT_MARKERS = ("manifest.json", ".metadata", "model.safetensors.index.json", "model.safetensors")
 _CREATED_PATTERNS = ("*.safetensors", "*.distcp", "*.partial-*", ".metadata", "manifest.json",
                      "model.safetensors.index.json")
 
@@ -125,7 +124,7 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
     DST needs no plan: its writer renames the finished file over the old one.
     """
     storage = Storage(dst, storage_options)
-    present = exists(storage)
+    present = storage.exists()
     if present and storage.is_dir() == (fmt == "torch"):
         kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
             ("a file", "a directory")

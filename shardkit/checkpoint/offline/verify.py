@@ -30,12 +30,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardkit.checkpoint.formats.native.reader import check_chunk
-from shardkit.checkpoint.formats.zip_records import check_zip_records
+from shardkit.checkpoint.formats import detect_format
+from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.geometry.boxes import check_cover
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.checkpoint.offline.detect import detect
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.errors import ShardkitError
 
@@ -81,7 +81,7 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
 
     start = time.monotonic()
     storage = Storage(src, storage_options)
-    fmt = detect(storage)
+    fmt = detect_format(storage)
     report = VerifyReport(src, fmt)
     try:
         reader = format_module(fmt).open_reader(storage)

@@ -4,9 +4,8 @@ Why this shape:
 
 * **Flat host memory.**  The state must be copied before training changes it,
   but the copy lands in a :class:`StagingPool` buffer that is kept and reused:
-  the second and later saves of the same state allocate nothing (on these VMs
-  a fresh allocation also costs a page fault per page; a reused one runs at
-  memcpy speed).  The buffer grows only if the state grows.
+  the second and later saves of the same state allocate nothing (a fresh
+  allocation costs a page fault per page; a reused one runs at memcpy speed).  The buffer grows only if the state grows.
 * **One save in flight.**  A new save waits for the previous one, so the
   buffer is never overwritten while it is being uploaded.
 * **Its own process group.**  The background thread gathers chunk records and
@@ -24,10 +23,14 @@ import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.codec import Compression, as_bytes
+from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
+from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.tree import flatten, to_json_value
+from shardkit.checkpoint.training.save import plan_save, save_options, write_and_commit
 
-__all__ = ["StagingPool", "BackgroundSaver", "background_saver"]
+__all__ = ["async_save", "StagingPool", "BackgroundSaver", "background_saver"]
 
 _ALIGN = 64
 
@@ -100,9 +103,6 @@ class BackgroundSaver:
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
                io_threads: int, process_group: Any = None, direct_io: bool = True) -> Future:
-        from shardkit.checkpoint.state.tree import flatten
-        from shardkit.checkpoint.training.api import plan_save, write_and_commit
-
         with self._lock:
             self.wait()
             group = process_group if process_group is not None else self._private_group()
@@ -134,3 +134,25 @@ def background_saver() -> BackgroundSaver:
         if _saver is None:
             _saver = BackgroundSaver()
         return _saver
+
+
+def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
+               storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+               overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
+               io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> Future:
+    """Like :func:`save`, but return once the state is copied to host memory.
+
+    The upload and commit run on a background thread with its own gloo process
+    group (never the training thread's): ``process_group`` if given (it must
+    not be used by anything else while a save runs), else one created on the
+    first call (a collective).  Staging buffers are reused from save to save,
+    so host memory stays flat; a new ``async_save`` first waits for the
+    previous one.  The returned future raises what the save raised.
+    """
+    comp = save_options(compression, chunk_bytes, block_bytes)
+    meta = to_json_value(dict(meta), "meta") if meta else None
+    return background_saver().submit(state_dict, Storage(url, storage_options), compression=comp, meta=meta,
+                                     overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
+                                     block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
+                                     direct_io=direct_io)

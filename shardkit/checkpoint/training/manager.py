@@ -46,8 +46,9 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
 from shardkit.checkpoint.state.tree import to_json_value
-from shardkit.checkpoint.training.api import async_save as _async_save
-from shardkit.checkpoint.training.api import load, save
+from shardkit.checkpoint.training.async_save import async_save as _async_save
+from shardkit.checkpoint.training.load import load
+from shardkit.checkpoint.training.save import save
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,

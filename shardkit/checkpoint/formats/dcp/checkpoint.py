@@ -36,6 +36,7 @@ import torch
 from shardkit.checkpoint.formats.base import (
     CheckpointInfo,
     CheckpointReader,
+    Fetch,
     ReadRequest,
     StoredChunk,
     TensorEntry,
@@ -48,15 +49,9 @@ from shardkit.checkpoint.formats.dcp.metadata import (
     read_dcp_metadata,
 )
 from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
-from shardkit.checkpoint.formats.torchsave import (
-    Fetch,
-    TensorRef,
-    check_tensors,
-    refusal,
-    value_path,
-    write_archive,
-)
-from shardkit.checkpoint.formats.zip_records import (
+from shardkit.checkpoint.formats.torchsave.reader import refusal, value_path
+from shardkit.checkpoint.formats.torchsave.writer import TensorRef, check_tensors, write_archive
+from shardkit.checkpoint.formats.torchsave.zip_records import (
     CheckedOnce,
     check_zip_bytes,
     check_zip_records,
@@ -67,7 +62,8 @@ from shardkit.checkpoint.geometry.rows import (
     row_range,
     rows_per_block,
 )
-from shardkit.checkpoint.io.storage import Storage, check_name
+from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value, object_path, to_json_value
 from shardkit.errors import (
     ConfigurationError,

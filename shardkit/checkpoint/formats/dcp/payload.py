@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from shardkit.checkpoint.formats.base import contiguous_strides
-from shardkit.checkpoint.formats.zip_records import open_span
+from shardkit.checkpoint.formats.torchsave.zip_records import open_span
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
 

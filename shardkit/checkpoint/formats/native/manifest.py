@@ -37,7 +37,7 @@ from shardkit.checkpoint.formats.codec import (
     unpack_crcs,
 )
 from shardkit.checkpoint.geometry.boxes import check_cover
-from shardkit.checkpoint.io.storage import check_name
+from shardkit.checkpoint.io.names import check_name
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion
 
 __all__ = ["FORMAT_NAME", "VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "CODECS",

@@ -23,10 +23,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from shardkit.checkpoint.formats import FORMATS
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["DirectorySurvey", "survey", "is_native_data_name", "FOREIGN_MARKERS"]
+__all__ = ["DirectorySurvey", "survey", "is_native_data_name", "remove_owned"]
 
 DATA_DIR = "data"
 RESUME_DIR = ".shardkit-resume"
@@ -35,10 +36,6 @@ _DATA_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors$")
 _MANIFEST_TMP = re.compile(r"^" + re.escape(MANIFEST_NAME) + r"\.tmp-[0-9a-f]{12}$")
 _JOURNAL_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors\.json$")
 
-# What makes a directory some other tool's checkpoint: named in warnings so the user knows what was left alone.
-FOREIGN_MARKERS = {".metadata": "torch.distributed.checkpoint", "model.safetensors.index.json": "Hugging Face",
-                   "model.safetensors": "Hugging Face", "pytorch_model.bin": "Hugging Face (torch.save)",
-                   "config.json": "Hugging Face config"}
 
 
 def is_native_data_name(name: str) -> bool:
@@ -67,17 +64,17 @@ class DirectorySurvey:
 
     def foreign_kind(self) -> str | None:
         """The other tool whose checkpoint this looks like, if any (for warnings)."""
-        for marker, kind in FOREIGN_MARKERS.items():
-            if marker in self.foreign:
-                return kind
+        for fmt in FORMATS.values():  # what makes a directory another tool's checkpoint (the registry's markers)
+            if fmt.name != "shardkit" and any(marker in self.foreign for marker in fmt.markers):
+                return fmt.description
         if any(n.endswith(".distcp") for n in self.foreign):
-            return "torch.distributed.checkpoint"
+            return FORMATS["dcp"].description
         return None
 
     def describe(self) -> str:
         kind = self.foreign_kind()
         if kind:
-            return f"{self.url} (a {kind} checkpoint, not shardkit's)"
+            return f"{self.url} (a {kind}, not a shardkit checkpoint)"
         if self.foreign:
             shown = ", ".join(self.foreign[:3]) + (", ..." if len(self.foreign) > 3 else "")
             return f"{self.url} (files shardkit did not write: {shown})"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -39,26 +39,15 @@ from shardkit.checkpoint.formats.base import (
 from shardkit.checkpoint.formats.codec import (
     BlockCrc,
     as_bytes,
-    block_crcs,
     code_to_dtype,
     zstd_decompress_into,
 )
+from shardkit.checkpoint.formats.native.checksums import CHECK_SPAN, STEP_BYTES, check_chunk
 from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
     Manifest,
     parse_manifest,
-)
-from shardkit.checkpoint.formats.native.ownership import is_native_data_name
-from shardkit.checkpoint.formats.native.writer import (  # noqa: F401 - re-exported
-    DATA_DIR,
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    NativeWriter,
-    WrittenFile,
-    chunk_key,
-    data_file_name,
-    new_token,
 )
 from shardkit.checkpoint.geometry.plan import byte_runs
 from shardkit.checkpoint.io.concurrency import (
@@ -75,15 +64,11 @@ from shardkit.errors import (
     InvalidManifest,
 )
 
-__all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeReader", "NativeWriter", "WrittenFile",
-           "read_manifest", "is_committed", "data_file_name", "new_token", "chunk_key", "unreferenced_files",
-           "detect", "open_reader", "check_chunk", "CHECK_SPAN"]
+__all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader"]
 
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
-_STEP_BYTES = 2 << 20  # local reads: read, then checksum, this much at a time (stays in cache)
-CHECK_SPAN = 8 << 20  # check_chunk: one ranged read per this many bytes (remote); local reads go in _STEP_BYTES
 _MAX_GAP = 256 << 10
 _MAX_BATCH = 16 << 20
 
@@ -106,68 +91,8 @@ def detect(storage: Storage) -> bool:
     return is_committed(storage)
 
 
-def open_reader(storage: Storage) -> "NativeReader":
-    return NativeReader(storage)
-
-
-def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
-    """Shardkit data files under ``data/`` the manifest does not name (left by older or interrupted
-    saves); a file shardkit did not name so is never one of them."""
-    return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
-            if f"{DATA_DIR}/{n}" not in manifest.files and is_native_data_name(f"{DATA_DIR}/{n}")]
-
-
-def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | None = None, *,
-                span: int | None = None, scratch: torch.Tensor | None = None, keep: bool = False,
-                on_bytes: Callable[[int], None] | None = None) -> int | None:
-    """Index of the first checksum block of ``record`` that does not match the manifest, or ``None``.
-
-    The one checksum loop of the native format (load's checking pass, offline
-    verify and resume): chunk bytes ``[lo, hi)`` (default: the whole stored
-    chunk; ``lo`` on a block boundary, ``hi`` on one or at the chunk's end) are
-    fetched with one ranged read per ``span`` bytes (default ``CHECK_SPAN``)
-    -- never one request per block, which on an object store would cost a
-    round trip per 256 KiB -- and crc32c'd block by block, stopping at the
-    first bad block.  Local files
-    are read in cache-sized steps instead, so each is checksummed while still
-    in the CPU cache.  Memory: one span, in ``scratch`` (a flat uint8 tensor)
-    or a buffer reused per thread.  ``keep=True`` reads the whole range in one
-    request into ``scratch`` (which must hold it) and leaves it there, e.g. to
-    decode a zstd frame after.  ``on_bytes(n)`` is called after each read
-    (progress bars).  Missing or short files raise what :class:`Storage` raises.
-    """
-    block = record.block
-    hi = record.nbytes if hi is None else min(hi, record.nbytes)
-    if lo % block or not 0 <= lo <= hi or (hi % block and hi != record.nbytes):
-        raise ValueError(f"check_chunk: [{lo}, {hi}) is not a run of whole checksum blocks of {block} bytes")
-    if keep and (scratch is None or scratch.numel() < hi - lo):
-        raise ValueError(f"check_chunk(keep=True) needs a scratch tensor of at least {hi - lo} bytes")
-    span = CHECK_SPAN if span is None else span
-    step = hi - lo if keep else min(span, _STEP_BYTES) if storage.is_local else span
-    step = max(block, step // block * block)
-    for a in range(lo, hi, step):
-        b = min(hi, a + step)
-        if scratch is None or scratch.numel() < b - a:
-            scratch = _thread_scratch(b - a)
-        buf = scratch[:b - a]
-        storage.read_parts(record.file, record.start + a, [buf])
-        if on_bytes is not None:
-            on_bytes(b - a)
-        first = a // block
-        for i, got in enumerate(block_crcs(buf, block)):
-            if got != record.crc32c[first + i]:
-                return first + i
-    return None
-
-
-_scratch_local = threading.local()
-
-
-def _thread_scratch(n: int) -> torch.Tensor:
-    buf = getattr(_scratch_local, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _scratch_local.buf = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
-    return buf
+def open_reader(storage: Storage, io_threads: int = DEFAULT_IO_THREADS) -> "NativeReader":
+    return NativeReader(storage, io_threads=io_threads)
 
 
 # --------------------------------------------------------------------------
@@ -300,7 +225,7 @@ class NativeReader(CheckpointReader):
             fqn, rec, lo, hi = item
             where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
             frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
-            buf = self._scratch(0, hi - lo if frame else min(hi - lo, _STEP_BYTES if local else CHECK_SPAN))
+            buf = self._scratch(0, hi - lo if frame else min(hi - lo, STEP_BYTES if local else CHECK_SPAN))
             bad = check_chunk(self.storage, rec, lo, hi, scratch=buf, keep=frame)
             if bad is not None:
                 raise ChecksumMismatch(f"{where}: checksum block {bad} does not match the manifest; the data file "
@@ -378,7 +303,7 @@ class NativeReader(CheckpointReader):
                 parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
                 acc = BlockCrc(rec.block)
                 pos = rec.start + lo
-                for step in _steps(parts, _STEP_BYTES):  # checksum each step while it is still in cache
+                for step in _steps(parts, STEP_BYTES):  # checksum each step while it is still in cache
                     self.storage.read_parts(rec.file, pos, step)
                     for seg in step:
                         acc.update(seg)
@@ -459,7 +384,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:
-    """Group pieces of the same file whose byte spans nearly touch (gap <= 256 KiB, batch <= 64 MiB)."""
+    """Group pieces of the same file whose byte spans nearly touch (gap <= ``_MAX_GAP``, batch <= ``_MAX_BATCH``)."""
     items = sorted(items, key=lambda it: (it[1].file, it[1].start + it[2][0]))
     batches: list[list] = []
     end = -1

@@ -10,9 +10,10 @@ rank) and by the offline reshard/convert (one process writing every file).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -32,15 +33,19 @@ from shardkit.checkpoint.formats.native.manifest import (
     dump_manifest,
     parse_manifest,
 )
+from shardkit.checkpoint.formats.native.ownership import is_native_data_name
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import ShardkitError, UnsupportedFormat
 
-__all__ = ["DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
+__all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
            "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
 DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
+
+log = logging.getLogger(__name__)
 
 
 class _HasNbytes(Protocol):
@@ -190,10 +195,40 @@ class NativeWriter:
                         files={wf.name: FileRecord(wf.size, wf.writer) for wf in files},
                         meta=dict(meta or {}), writer=dict(writer_info or {}), aliases=dict(aliases or {}))
 
-    def commit(self, manifest: Manifest) -> bytes:
-        """Validate ``manifest`` as a reader would, then publish it atomically (the commit)."""
+    def commit(self, manifest: Manifest, *, leftovers: Sequence[str] = ()) -> bytes:
+        """The one native commit, for ``save`` and the offline writers alike: validate ``manifest``
+        as a reader would, publish it atomically, then remove what the new checkpoint does not use.
+
+        Removal comes only after the commit (a crash before it leaves the old
+        checkpoint whole) and takes only shardkit's own names: data files the
+        manifest does not reference and the ``leftovers`` folders (e.g. a
+        resume journal).  It is best effort: the checkpoint is complete without it.
+        """
         data = dump_manifest(manifest)
         parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
         self.storage.sync_dir(DATA_DIR)
         self.storage.put_atomic(MANIFEST_NAME, data)
+        try:
+            for folder in leftovers:
+                self.storage.delete_tree(folder)
+            self.storage.delete(unreferenced_files(self.storage, manifest))
+        except ShardkitError as exc:
+            log.warning("committed %s, but could not remove older files: %s", self.storage.url, exc)
         return data
+
+
+def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
+    """Shardkit data files under ``data/`` the manifest does not name (left by older or interrupted
+    saves); a file shardkit did not name so is never one of them."""
+    return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
+            if f"{DATA_DIR}/{n}" not in manifest.files and is_native_data_name(f"{DATA_DIR}/{n}")]
+
+
+def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Refuse, before anything is written, a tensor whose dtype a safetensors data file cannot hold."""
+    for name, dtype, _ in tensors:
+        try:
+            dtype_to_code(dtype)
+        except UnsupportedFormat:
+            raise UnsupportedFormat(f"{name!r} is {dtype}, which --to shardkit cannot hold; exclude it "
+                                    "(--exclude) or cast it (--dtype)") from None

@@ -176,7 +176,7 @@ _LOCAL = threading.local()
 
 
 def _scratch(n: int) -> torch.Tensor:
-    """This thread's reused scratch buffer (fresh memory per read runs at page-fault speed on these VMs)."""
+    """This thread's reused scratch buffer (fresh memory per read would run at page-fault speed)."""
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.numel() < n:
         buf = torch.empty(n, dtype=torch.uint8)

@@ -1,0 +1,99 @@
+"""Which source a run read, for resume and for the SRC/DST overlap check: :func:`canonical_location`
+(one spelling per place, so ``./ckpt`` and ``/abs/ckpt`` are the same source)
+and :func:`source_fingerprint` (changes when the source's contents change, so
+a rerun never keeps data written from an older version of SRC).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any, Mapping
+
+from shardkit.checkpoint.io.storage import Storage
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["canonical_location", "overlap", "source_fingerprint"]
+
+def canonical_location(storage: Storage) -> str:
+    """One spelling per place: symlinks and relative paths resolved locally, no trailing slash remotely.
+
+    Remotely the endpoint is part of the place: ``s3://ckpts/run`` on two
+    S3-compatible services are two places (a migration between them is fine).
+    """
+    if storage.is_local:
+        return "file://" + os.path.realpath(storage.root)
+    protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
+    opts = storage.storage_options
+    endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                or opts.get("project") or "")
+    return f"{protocol}://{storage.root.rstrip('/')}" + (f"@{endpoint}" if endpoint else "")
+
+
+def overlap(a: Storage, b: Storage) -> bool:
+    """Whether ``a`` and ``b`` are the same place or one lies inside the other."""
+    x, y = canonical_location(a), canonical_location(b)
+    x_path, _, x_end = x.partition("@")
+    y_path, _, y_end = y.partition("@")
+    if x_end != y_end:
+        return False
+    return (x_path == y_path or x_path.startswith(y_path.rstrip("/") + "/")
+            or y_path.startswith(x_path.rstrip("/") + "/"))
+
+
+def _stamp(info: Mapping[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag/generation remotely, else its mtime."""
+    for key in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+def _local_stamp(st: os.stat_result) -> str:
+    # inode and ctime too: a file replaced by rename, or rewritten within one mtime tick, still differs
+    return f"ino={st.st_ino},mtime_ns={st.st_mtime_ns},ctime_ns={st.st_ctime_ns}"
+
+
+def _listing(storage: Storage) -> list[tuple[str, int, str]]:
+    """(name, size, change stamp) of the files directly at ``storage`` (or of the file itself)."""
+    if storage.is_local:
+        if not os.path.isdir(storage.root):
+            st = os.stat(storage.root)
+            return [(os.path.basename(storage.root), st.st_size, _local_stamp(st))]
+        out = []
+        with os.scandir(storage.root) as entries:
+            for e in entries:
+                if e.is_file():
+                    st = e.stat()
+                    out.append((e.name, st.st_size, _local_stamp(st)))
+        return sorted(out)
+    try:
+        storage.fs.invalidate_cache(storage.root)
+    except Exception:  # noqa: BLE001 - not every filesystem caches listings
+        pass
+    if storage.is_dir():
+        infos = storage.retry(f"listing {storage.url}", lambda: storage.fs.ls(storage.root, detail=True))
+    else:
+        infos = [storage.retry(f"checking {storage.url}", lambda: storage.fs.info(storage.root))]
+    return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), _stamp(i))
+                  for i in infos if i.get("type", "file") == "file")
+
+
+def source_fingerprint(storage: Storage, fmt: str) -> str:
+    """A digest that changes whenever the checkpoint at ``storage`` changes.
+
+    A native checkpoint is pinned by its manifest (which holds every chunk's
+    crc32c), so the manifest's bytes are hashed.  Other formats record no
+    checksums, so their files' names, sizes and change stamps (mtime locally,
+    ETag/generation on object stores) stand in: a file replaced in place with
+    the same shapes but new values still changes the digest.
+    """
+    digest = hashlib.sha256(fmt.encode())
+    if fmt == "shardkit":
+        digest.update(storage.read_bytes("manifest.json"))
+    else:
+        digest.update(json.dumps(_listing(storage)).encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,213 @@
+"""``load``: fill a state dict in place from a checkpoint of any layout and format.
+
+Each rank independently reads what it needs; collectives only to agree
+on the outcome (each rank independently reads what it needs; collectives only to agree
+on the outcome):
+
+1. Read and validate the manifest; match keys, dtypes and global shapes of the
+   target (``strict``: missing or unexpected keys raise; a key of a tied
+   target is present when a key it is tied to is, and only one of them is
+   read); plan, for every local shard of the target, the pieces of stored
+   chunks it needs and check every data file it will touch has the recorded
+   size.  Ranks agree all is well *before any target tensor is written*.
+2. Check the data before writing any of it (the default, see
+   :func:`check_before_writing`): every checksum block the load needs is read
+   and verified -- or, for a small load from remote storage, fetched once into
+   staging -- and the ranks agree again.
+3. Read in place: contiguous runs go straight into the target's memory; every
+   byte read is verified against its checksum block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats import open_reader
+from shardkit.checkpoint.formats.base import (
+    CheckpointReader,
+    ReadRequest,
+    plan_reads,
+)
+from shardkit.checkpoint.formats.native.reader import (
+    NativeReader,
+)
+from shardkit.checkpoint.geometry.boxes import (
+    local_box,
+    local_tensor,
+)
+from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.aliases import alias_groups, find_aliases
+from shardkit.checkpoint.state.tree import (
+    Flat,
+    check_value_kind,
+    flatten,
+    from_json_value,
+)
+from shardkit.errors import (
+    IncompatibleStateDict,
+    error_record,
+    from_record,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load", "plan_load", "check_before_writing", "STAGE_BYTES"]
+
+STAGE_BYTES = 64 << 20  # a load needing at most this much from remote storage is fetched once, into staging
+
+
+def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
+         storage_options: Mapping[str, Any] | None = None, verify_first: bool = True,
+         format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
+         process_group: Any = None, dtype_cast: bool = False) -> dict[str, Any]:
+    """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
+
+    Tensors (plain or DTensor, any mesh and placements) are filled in place,
+    each rank reading only the byte ranges its shards need; non-tensor values
+    are replaced in ``state_dict``.  ``strict``: missing and unexpected keys
+    raise; shape and dtype mismatches always raise.  Works without a process group.
+
+    All or nothing: a damaged checkpoint (missing or truncated files, checksum
+    mismatches, undecodable frames) raises on every rank before any target is
+    written.  ``verify_first=False`` skips the checking pass (see
+    :func:`check_before_writing`): faster, but a checksum error may then leave
+    targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
+    ``"dcp"``) is detected when ``None``.
+
+    ``dtype_cast=True`` lets a tensor load into a target of another floating
+    dtype (a bf16 model from an fp32 checkpoint, as DCP allows): it is read in
+    the stored dtype into a host buffer of the target's local shape, then cast
+    into the target; such buffers add the stored size of the cast shards to
+    the load's memory.  Off by default, so a dtype mismatch is an error.
+    """
+    dist = Dist(process_group)
+    local_exc: BaseException | None = None
+    staged = None
+    try:
+        storage = Storage(url, storage_options)
+        reader = open_reader(storage, format=format, io_threads=io_threads)
+        flat = flatten(state_dict)
+        started = time.perf_counter()
+        requests, device_copies = plan_load(reader, flat, strict, dtype_cast)
+        log.debug("rank %d plans %d reads from %s (%s)", dist.rank, len(requests), url, reader.info.format)
+        reader.prepare(requests)
+        if verify_first:
+            staged = check_before_writing(reader, requests)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+        local_exc = exc
+    _agree(dist, local_exc, url)
+    try:
+        if staged is None:
+            reader.read(requests)
+        for out, buf in staged or ():
+            out.copy_(buf)
+        for buf, target in device_copies:
+            target.copy_(buf)
+        for key in flat.values:
+            if key in reader.values():
+                flat.set_value(key, from_json_value(reader.values()[key]))
+    except Exception as exc:  # noqa: BLE001
+        local_exc = exc
+    finally:
+        reader.close()
+    _agree(dist, local_exc, url)
+    log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
+             sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
+    return dict(reader.info.meta)
+
+
+def check_before_writing(reader: CheckpointReader,
+                         requests: Sequence[ReadRequest]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Check every byte ``requests`` need without writing any ``out``; return staged copies or ``None``.
+
+    Checksums are known only once the bytes are read, and the targets are the
+    only memory big enough to hold what a load reads: a second copy of the
+    state would break the bounded-memory promise.  So the default is two
+    passes -- ``reader.verify`` reads and checks every needed checksum block
+    through small per-thread buffers, then ``load`` reads into the targets.  On
+    a local disk the first pass leaves the bytes in the page cache, so the
+    price is one extra memory-speed pass, not a second disk read (unless the
+    checkpoint outgrows the free page cache).
+
+    One pass is cheaper when everything fits a small buffer and re-reading is
+    expensive: from remote storage (a second pass would fetch every byte over
+    the network twice) or from a format without ranged, checksummed reads, a
+    load needing at most ``STAGE_BYTES`` is read once into staging tensors
+    (checked by the read), and ``load`` copies them into the targets after the
+    ranks agree; the list of ``(out, staged)`` pairs is returned.  Native
+    checkpoints on a local disk are never staged: touching fresh memory can
+    be slower than a second read from the page cache (docs/checkpoint.md has
+    the figures).  Larger remote loads are fetched twice; ``load(verify_first=False)``
+    fetches once at the price of all or nothing.
+    """
+    needed = sum(r.out.numel() * r.out.element_size() for r in requests)
+    local_native = isinstance(reader, NativeReader) and reader.storage.is_local
+    if needed > STAGE_BYTES or local_native:
+        reader.verify(requests)
+        return None
+    staged = [(r.out, torch.empty(r.out.shape, dtype=r.out.dtype)) for r in requests]
+    reader.read([ReadRequest(r.fqn, r.chunk, r.box, buf) for r, (_, buf) in zip(requests, staged)])
+    return staged
+
+
+def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
+    """Raise on every rank when any rank failed (the failing rank re-raises its own exception; the
+    others raise the same kind, learnt from its structured record)."""
+    first = dist.first_error(None if local_exc is None else error_record(local_exc))
+    if first is None:
+        return
+    if local_exc is not None:
+        raise local_exc
+    rank, record = first
+    raise from_record(record, f"loading {url} failed on rank {rank} ({record['type']}: {record['message']})")
+
+
+def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False):
+    entries, values = reader.tensors(), reader.values()
+    stored = set(entries) | set(values)
+    wanted_keys = set(flat.tensors) | set(flat.values)
+    tied = alias_groups(find_aliases(flat.tensors))
+    # a tied group of the target is one tensor: read the first of its keys the checkpoint holds (the others
+    # then hold the same bytes), and count every key of the group as present when one of them is stored
+    reads = {key: next((k for k in tied.get(key, [key]) if k in stored), None) for key in flat.tensors}
+    missing = sorted(k for k in wanted_keys - stored if reads.get(k) is None)
+    unexpected = sorted(stored - wanted_keys)
+    if strict and (missing or unexpected):
+        raise IncompatibleStateDict(
+            f"{reader.info.url} does not match the state dict: missing keys {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}; unexpected keys {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}. Pass strict=False to load the common keys.")
+    wanted, device_copies = [], []
+    for key, target in flat.tensors.items():
+        if key not in stored:
+            continue
+        check_value_kind(key, key in entries, True)
+        entry = entries[key]
+        cast = entry.dtype != target.dtype
+        if tuple(entry.shape) != tuple(target.shape) or (cast and not (
+                dtype_cast and entry.dtype.is_floating_point and target.dtype.is_floating_point)):
+            hint = " (pass dtype_cast=True to cast floating-point values)" if cast and not dtype_cast else ""
+            raise IncompatibleStateDict(f"{key!r}: checkpoint holds {entry.dtype} {list(entry.shape)}, the target "
+                                        f"is {target.dtype} {list(target.shape)}{hint}")
+        if reads[key] != key:  # tied to a key read already: the same memory
+            continue
+        box = local_box(target, key)
+        if box is None or math.prod(box[1]) == 0:
+            continue
+        local = local_tensor(target).detach()
+        if local.device.type != "cpu" or cast:  # read as stored, then copy_ (casting) into the target
+            buf = torch.empty(local.shape, dtype=entry.dtype)
+            device_copies.append((buf, local))
+            local = buf
+        wanted.append((key, box, local))
+    for key in flat.values:
+        if key in stored:
+            check_value_kind(key, key in entries, False)
+    return plan_reads(reader, wanted), device_copies

@@ -1,0 +1,250 @@
+"""``save``: write a state dict as a native checkpoint (collective when a process group exists;
+plain in one process).
+
+1. Flatten the state dict; every rank plans the chunks *it* writes -- the boxes
+   of its local shards for which it is the lowest rank holding them (so HSDP
+   replicas and plain tensors are written once), split at ``chunk_bytes``.
+   A key whose tensor is the same tensor as an earlier key's (tied weights)
+   is written once, under the earlier key, and recorded as an alias.
+2. Each rank streams its chunks into its own data files, in parallel threads,
+   straight from the tensors' memory (``async_save``: from a reused staging
+   copy), computing crc32c per block on the way; files are fsynced.
+3. Rank 0 gathers the chunk records (JSON, no pickle), validates the whole
+   manifest as a reader would and commits it atomically.  Files of older saves
+   at the same URL are removed only after that.  Every rank learns the outcome,
+   so a failure anywhere raises everywhere and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats.base import (
+    WriteChunk,
+)
+from shardkit.checkpoint.formats.codec import (
+    Compression,
+    code_to_dtype,
+    dtype_to_code,
+    parse_compression,
+)
+from shardkit.checkpoint.formats.native.reader import is_committed
+from shardkit.checkpoint.formats.native.writer import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    NativeWriter,
+    WrittenFile,
+    data_file_name,
+    group_into_files,
+    new_token,
+)
+from shardkit.checkpoint.geometry.boxes import (
+    is_primary_replica,
+    local_box,
+    local_tensor,
+    mesh_description,
+    split_box,
+)
+from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.aliases import find_aliases
+from shardkit.checkpoint.state.tree import (
+    Flat,
+    flatten,
+    to_json_value,
+)
+from shardkit.errors import (
+    CheckpointError,
+    CheckpointExists,
+    ConfigurationError,
+    ShardkitError,
+    error_record,
+    from_record,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["save", "SavePlan", "plan_save", "write_and_commit", "save_options"]
+
+
+class SavePlan:
+    """What one rank writes: its chunks grouped into files, and the tensors' global metadata."""
+
+    def __init__(self, groups: list[list[WriteChunk]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 values: dict[str, Any], mesh: dict[str, Any] | None, aliases: dict[str, str] | None = None) -> None:
+        self.groups = groups
+        self.tensors = tensors
+        self.values = values
+        self.mesh = mesh
+        self.aliases = aliases or {}  # tied key -> the key its data is written under
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for g in self.groups for c in g)
+
+
+def _chunk_view(local: torch.Tensor, box_offsets: Sequence[int], sub: tuple[tuple[int, ...], tuple[int, ...]]):
+    index = tuple(slice(o - bo, o - bo + s) for o, bo, s in zip(sub[0], box_offsets, sub[1]))
+    view = local[index]
+    if view.device.type != "cpu":
+        return lambda: view.to("cpu")
+    if not view.is_contiguous():
+        return lambda: view.contiguous()
+    return view
+
+
+def plan_save(flat: Flat, rank: int, *, chunk_bytes: int, io_threads: int,
+              compression: Compression | None) -> SavePlan:
+    """Chunks this rank writes (primary replicas only, tied tensors once), grouped into files balanced by bytes."""
+    chunks: list[WriteChunk] = []
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    mesh = None
+    aliases = find_aliases(flat.tensors)
+    for key, tensor in flat.tensors.items():
+        dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
+        if key in aliases:
+            continue
+        tensors[key] = (tensor.dtype, tuple(tensor.shape))
+        mesh = mesh or mesh_description(tensor)
+        box = local_box(tensor, key)
+        if box is None or math.prod(box[1]) == 0 or not is_primary_replica(tensor, rank):
+            continue
+        local = local_tensor(tensor).detach()
+        for sub in split_box(box, tensor.element_size(), chunk_bytes):
+            chunks.append(WriteChunk(key, tensor.dtype, sub[0], sub[1], _chunk_view(local, box[0], sub)))
+    return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
+                    tensors, flat.values, mesh, aliases)
+
+
+def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
+                     compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
+                     meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True) -> None:
+    """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``)."""
+    writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
+                          direct_io=direct_io)
+    files: list[WrittenFile] = []
+    started = time.perf_counter()
+    if local_error is None and plan is not None:
+        try:
+            token = new_token()
+            jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(plan.groups)]
+            files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            local_error = exc
+    written = {fqn for f in files for fqn, _ in f.chunks}
+    payload = {"error": None if local_error is None else error_record(local_error),
+               "files": [f.to_json() for f in files],
+               "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
+                           if k in written},
+               "aliases": plan.aliases if plan else {}}
+    if local_error is None:
+        log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s", dist.rank, len(files),
+                 sum(f.size for f in files), storage.url, time.perf_counter() - started)
+    gathered = dist.gather_json(payload)
+    commit_error = None
+    if gathered is not None:
+        commit_error = _commit(storage, writer, plan, gathered, dist, meta, overwrite)
+    commit_error = dist.broadcast_json(commit_error)
+    if commit_error is not None or local_error is not None:
+        try:  # nothing will reference this rank's new files: remove them (never anything older)
+            storage.delete([f.name for f in files])
+        except ShardkitError:
+            pass
+    if local_error is not None:
+        raise local_error
+    if commit_error is not None:
+        raise from_record(commit_error)
+
+
+def _commit(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathered: list[dict], dist: Dist,
+            meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
+    """On rank 0: build, validate and publish the manifest; return an error record or ``None``."""
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        rank, record = failed[0]
+        return {"type": record["type"], "message": f"save to {storage.url} failed on rank {rank}: "
+                f"{record['type']}: {record['message']}; nothing was committed"}
+    try:
+        _publish(storage, writer, plan, gathered, dist, meta, overwrite)
+        return None
+    except Exception as exc:  # noqa: BLE001 - turned into a record every rank raises
+        if not isinstance(exc, ShardkitError):
+            exc = CheckpointError(f"save to {storage.url} could not commit: {type(exc).__name__}: {exc}")
+        return error_record(exc)
+
+
+def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathered: list[dict], dist: Dist,
+             meta: Mapping[str, Any] | None, overwrite: bool) -> None:
+    """Rank 0's part once every rank wrote its files: check that the ranks agree, then commit."""
+    if plan is None:
+        raise CheckpointError(f"save to {storage.url}: rank 0 has no plan")
+    tensors = dict(plan.tensors)
+    for g in gathered:
+        for key, (code, shape) in g["tensors"].items():
+            seen = tensors.setdefault(key, (code_to_dtype(code), tuple(shape)))
+            if (seen[0], tuple(seen[1])) != (code_to_dtype(code), tuple(shape)):
+                raise CheckpointError(f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} "
+                                      f"{list(seen[1])} vs {code} {shape}")
+    for r, g in enumerate(gathered):
+        if g["aliases"] != plan.aliases:
+            raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
+                                  f"{plan.aliases}, rank {r} {g['aliases']}; every rank must tie the same keys")
+    files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
+    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh}
+    manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
+                                     aliases=plan.aliases)
+    if not overwrite and is_committed(storage):
+        raise CheckpointExists(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to "
+                               f"replace it")
+    writer.commit(manifest)
+    log.info("committed %s: %d files from %d ranks", storage.url, sum(len(g["files"]) for g in gathered),
+             len(gathered))
+
+
+def save_options(compression: Any, chunk_bytes: int, block_bytes: int) -> Compression | None:
+    if chunk_bytes < 1024 or block_bytes < 8 or block_bytes % 8:
+        raise ConfigurationError("chunk_bytes must be >= 1024 and block_bytes a positive multiple of 8")
+    return parse_compression(compression)
+
+
+def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
+         storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+         overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
+         io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> None:
+    """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
+
+    ``compression``: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (per chunk).
+    ``meta``: JSON metadata stored in the manifest (e.g. ``{"step": 100}``).
+    ``overwrite=False`` refuses a URL that already holds a committed checkpoint;
+    with ``True`` the old checkpoint stays intact until the new one commits.
+    ``fsync`` makes data durable before the manifest commits it (as DCP does).
+    ``direct_io`` writes local data files with ``O_DIRECT``: no page-cache pages
+    to allocate and no second copy of the checkpoint in memory, at the price of
+    a load right after the save reading from the disk instead of the cache.
+    """
+    comp = save_options(compression, chunk_bytes, block_bytes)
+    meta = to_json_value(dict(meta), "meta") if meta else None
+    dist = Dist(process_group)
+    storage = Storage(url, storage_options)
+    plan, error = None, None
+    try:
+        if not overwrite and is_committed(storage):
+            raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
+        plan = plan_save(flatten(state_dict), dist.rank, chunk_bytes=chunk_bytes, io_threads=io_threads,
+                         compression=comp)
+        log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),
+                  sum(len(g) for g in plan.groups), url)
+        storage.makedirs()
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the collective
+        error = exc
+    write_and_commit(storage, plan, error, dist, compression=comp, block_bytes=block_bytes, fsync=fsync,
+                     io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io)
+
+
