@@ -12,14 +12,20 @@ documented rules (docs/checkpoint.md, "Data position and RNG").
                     position is global (epoch, global batches consumed)
 ``loader``          ``ElasticLoader``: a ``DataLoader`` that reports what the
                     loop received, so prefetching workers cannot skew the position
+``rng``             ``capture_rng_state`` / ``restore_rng_state``: Python, numpy,
+                    torch CPU and CUDA generators
 ==================  ==========================================================
 """
 
 from shardkit.data.loader import ElasticLoader
+from shardkit.data.rng import capture_rng_state, reseeded_seeds, restore_rng_state
 from shardkit.data.sampler import ElasticSampler, share_bounds
 
 __all__ = [
     "ElasticSampler",
     "ElasticLoader",
     "share_bounds",
+    "capture_rng_state",
+    "restore_rng_state",
+    "reseeded_seeds",
 ]
