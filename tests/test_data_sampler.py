@@ -140,11 +140,18 @@ def test_two_prefetching_workers_neither_skip_nor_repeat_batches_after_resume_at
     assert after[0].state_dict()["epoch"] == 2 and after[0].state_dict()["batches"] == 0
 
 
-def test_breaking_out_and_iterating_again_continues_at_the_first_batch_not_received():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_breaking_out_and_iterating_the_same_loader_again_continues_at_the_first_batch_not_received(persistent):
     sampler = ElasticSampler(40, global_batch_size=4, seed=2, rank=0, world_size=1)
-    first = _received_through_loader(sampler, IndexDataset(40), 3, num_workers=2)
-    rest = _received_through_loader(sampler, IndexDataset(40), 100, num_workers=2)
+    loader = ElasticLoader(IndexDataset(40), batch_sampler=sampler, num_workers=2, persistent_workers=persistent)
+    first = []
+    for batch in loader:
+        first.append(batch.tolist())
+        if len(first) == 3:
+            break
+    rest = [batch.tolist() for batch in loader]
     assert first + rest == expected_global_batches(40, 4, 2, 0, True)
+    assert [batch.tolist() for batch in loader] == expected_global_batches(40, 4, 2, 1, True)
 
 
 def test_a_save_inside_the_loop_body_counts_the_batch_being_trained_on():
