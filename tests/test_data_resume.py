@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 import shardkit.checkpoint as skc
 from shardkit.data import (ElasticLoader, ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest)
-from shardkit.errors import PerRankStateError
+from shardkit.errors import DataStateError, PerRankStateError
 from tests.dist import run_on_ranks
 
 NUM_SAMPLES, GLOBAL_BATCH, SEED = 40, 5, 3          # 8 global batches per epoch, split 3+2 on 2 ranks
@@ -164,3 +164,24 @@ def test_the_saved_form_goes_through_a_real_checkpoint_and_resumes_from_it(two_r
     resumed = run_on_ranks(2, _resume, back)
     for (_, record, _), original in zip(resumed, (after0, after1)):
         assert all(torch.equal(a[1], b[1]) and a[0] == b[0] for a, b in zip(record, original))
+
+
+def _save_with_another_object_on_rank_one():
+    import torch.distributed as dist
+
+    objects = {"reader": Stateful(ShardReader(), "per_rank")}
+    if dist.get_rank() == 1:
+        objects["extra"] = Stateful(ShardReader())
+    try:
+        data_state_dict(objects=objects, rng=False)
+    except DataStateError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_about_what_to_save_all_get_the_same_clear_error():
+    said = run_on_ranks(2, _save_with_another_object_on_rank_one)
+    assert said[0] == ("data_state_dict was called with other arguments on rank 1 than on this rank: every rank "
+                       "must pass a sampler or none, the same object names (['reader'] here, ['extra', 'reader'] "
+                       "there) and the same rng flag")
+    assert said[1] is not None and said[1].startswith("data_state_dict was called with other arguments on rank 0")

@@ -171,3 +171,17 @@ def test_the_checkpoint_form_flattens_to_named_keys_of_json_values_and_tensors_a
     assert flatten_like_the_checkpoint(rebuilt).keys() == flat.keys()
     assert rebuilt["data"] == saved["data"] and torch.equal(rebuilt["rng"]["rank0"]["torch"],
                                                             saved["rng"]["rank0"]["torch"])
+
+
+def test_a_refused_load_leaves_the_sampler_and_the_rngs_as_they_were():
+    sampler = ElasticSampler(10, global_batch_size=2, rank=0, world_size=2)
+    checkpoint = per_rank_checkpoint("reader", SAVED)
+    checkpoint["data"]["sampler"] = {**sampler.state_dict(), "epoch": 4, "batches": 3}
+    checkpoint["rng"] = {"world_size": 1, "rank0": {"python": {"version": 3, "state": [], "gauss": None},
+                                                    "torch": torch.zeros(5056, dtype=torch.uint8)}}
+    rng_before = torch.get_rng_state()
+    with pytest.raises(PerRankStateError):
+        load_data_state_dict(checkpoint, sampler, {"reader": Stateful(ShardReader(), "per_rank")},
+                             rank=0, world_size=2)
+    assert (sampler.epoch, sampler.batches_consumed) == (0, 0)
+    assert torch.equal(torch.get_rng_state(), rng_before)

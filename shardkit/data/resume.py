@@ -109,6 +109,13 @@ def data_state_dict(sampler: ElasticSampler | None = None, objects: Mapping[str,
     }
     gathered = all_gather_trees(local, "input state", group)
     world = len(gathered)
+    for rank, g in enumerate(gathered):
+        if (g["sampler"] is None) != (sampler is None) or sorted(g["objects"]) != sorted(wrapped) or \
+                (g["rng"] is None) != (not rng):
+            raise DataStateError(
+                f"data_state_dict was called with other arguments on rank {rank} than on this rank: every rank "
+                f"must pass a sampler or none, the same object names ({sorted(wrapped)} here, "
+                f"{sorted(g['objects'])} there) and the same rng flag")
     data: dict[str, Any] = {}
     if sampler is not None:
         data["sampler"] = _agreed("the ElasticSampler position", [g["sampler"] for g in gathered])
@@ -152,7 +159,7 @@ def load_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | Non
     they were saved with (:func:`shardkit.data.select_state`); RNGs are
     restored last, exactly at the same world size and by the documented
     re-seed rule otherwise.  Anything asked for that the checkpoint lacks
-    raises :class:`DataStateError` naming it.
+    raises :class:`DataStateError` naming it, before anything is restored.
     """
     if rank is None or world_size is None:
         default_rank, default_world = dist_rank_world()
@@ -160,39 +167,46 @@ def load_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | Non
         world_size = default_world if world_size is None else world_size
     wrapped = _checked_objects(objects)
     data = state.get("data", {})
-    if sampler is not None:
-        if "sampler" not in data:
-            raise DataStateError("the checkpoint holds no ElasticSampler position (data.sampler); it was saved "
-                                 "without a sampler")
-        sampler.load_state_dict(dict(data["sampler"]))
+    if sampler is not None and "sampler" not in data:
+        raise DataStateError("the checkpoint holds no ElasticSampler position (data.sampler); it was saved "
+                             "without a sampler")
     saved_objects = data.get("objects", {})
-    for name, w in wrapped.items():
-        what = _describe(name, w)
-        if name not in saved_objects:
-            raise DataStateError(f"the checkpoint holds no state for {what} (data.objects.{name}); saved objects: "
-                                 f"{sorted(saved_objects) or 'none'}")
-        entry = saved_objects[name]
-        scope = entry.get("scope") if isinstance(entry, dict) else None
-        where = f"data.objects.{name}"
-        if scope == "global":
-            states = [decode_state(entry.get("state"), f"{where}.state")]
-        elif scope == "per_rank":
-            states = [decode_state(s, f"{where}.rank{r}") for r, s in enumerate(_world_entries(entry, where))]
-        else:
-            raise DataStateError(f"{where}: saved scope {scope!r} is neither 'global' nor 'per_rank'")
-        if scope != w.scope:
-            log.info("%s was saved with scope %r and is declared %r now; loading by the saved scope",
-                     what, scope, w.scope)
-        w.obj.load_state_dict(select_state(what, states, scope=scope, rank=rank, world_size=world_size,
-                                           reshard=w.reshard))
-    unused = sorted(set(saved_objects) - set(wrapped))
-    if unused:
-        log.warning("the checkpoint holds input state for %s that this load did not restore", ", ".join(unused))
+    # Decide every state before touching anything, so a refusal leaves the run as it was.
+    chosen = {name: _object_state(name, w, saved_objects, rank, world_size) for name, w in wrapped.items()}
+    rng_states = None
     if rng:
         if "rng" not in state:
             raise DataStateError("the checkpoint holds no RNG state (rng.*); it was saved with rng=False -- pass "
                                  "rng=False to load without it")
-        restore_rng_state(_world_entries(state["rng"], "rng"), rank, world_size)
+        rng_states = _world_entries(state["rng"], "rng")
+    if sampler is not None:
+        sampler.load_state_dict(dict(data["sampler"]))
+    for name, w in wrapped.items():
+        w.obj.load_state_dict(chosen[name])
+    unused = sorted(set(saved_objects) - set(wrapped))
+    if unused:
+        log.warning("the checkpoint holds input state for %s that this load did not restore", ", ".join(unused))
+    if rng_states is not None:
+        restore_rng_state(rng_states, rank, world_size)
+
+
+def _object_state(name: str, w: Stateful, saved_objects: Mapping[str, Any], rank: int, world_size: int) -> Any:
+    what = _describe(name, w)
+    if name not in saved_objects:
+        raise DataStateError(f"the checkpoint holds no state for {what} (data.objects.{name}); saved objects: "
+                             f"{sorted(saved_objects) or 'none'}")
+    entry = saved_objects[name]
+    scope = entry.get("scope") if isinstance(entry, dict) else None
+    where = f"data.objects.{name}"
+    if scope == "global":
+        states = [decode_state(entry.get("state"), f"{where}.state")]
+    elif scope == "per_rank":
+        states = [decode_state(s, f"{where}.rank{r}") for r, s in enumerate(_world_entries(entry, where))]
+    else:
+        raise DataStateError(f"{where}: saved scope {scope!r} is neither 'global' nor 'per_rank'")
+    if scope != w.scope:
+        log.info("%s was saved with scope %r and is declared %r now; loading by the saved scope", what, scope, w.scope)
+    return select_state(what, states, scope=scope, rank=rank, world_size=world_size, reshard=w.reshard)
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

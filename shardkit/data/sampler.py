@@ -75,8 +75,11 @@ def _prefetching_dataloader_caller() -> bool:
     ``self`` tells its worker count.  If torch changes shape this returns
     ``False`` and nothing else changes.
     """
-    frame = sys._getframe(2)  # 0: here, 1: ElasticSampler.__iter__, 2: its caller
-    owner = frame.f_locals.get("self") if frame is not None else None
+    try:
+        frame = sys._getframe(2)  # 0: here, 1: ElasticSampler.__iter__, 2: its caller
+    except ValueError:
+        return False
+    owner = frame.f_locals.get("self")
     if owner is None or not type(owner).__module__.startswith("torch.utils.data"):
         return False
     return int(getattr(owner, "_num_workers", 0) or 0) > 0
