@@ -7,6 +7,7 @@ The public surface is re-exported here::
     from shardkit import FullyShardedDataParallel, ShardingStrategy  # FSDP1 surface
     from shardkit.wrap import transformer_auto_wrap_policy       # FSDP1 wrap policies
     import shardkit.checkpoint as skc                             # save / load / convert
+    from shardkit.data import ElasticSampler, ElasticLoader       # resumable input state
 
 Names resolve lazily so that ``import shardkit`` stays cheap and the
 checkpoint half never pulls in the runtime (DESIGN: data flows one way).
@@ -50,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "StateDictSettings": _FSDP1,
 }
 
-_SUBMODULES = {"checkpoint", "errors", "runtime", "fsdp1", "wrap", "cli"}
+_SUBMODULES = {"checkpoint", "data", "errors", "runtime", "fsdp1", "wrap", "cli"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

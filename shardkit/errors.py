@@ -12,6 +12,9 @@ The families mirror the two halves of the project:
   sharded, a call in the wrong training state).
 * ``CheckpointError`` and its children: anything about saving, loading,
   converting or verifying a checkpoint.
+* ``DataStateError`` and its child: resumable input state (``shardkit.data``:
+  the sampler's position, stateful objects, RNG) that cannot be captured or
+  restored as asked.
 
 Several classes also derive from the built-in exception a Python user would
 reach for (``ValueError``, ``FileNotFoundError``, ``FileExistsError``), so
@@ -42,6 +45,8 @@ __all__ = [
     "MissingCredentials",
     "BucketNotFound",
     "EndpointUnreachable",
+    "DataStateError",
+    "PerRankStateError",
     "error_record",
     "from_record",
 ]
@@ -142,6 +147,21 @@ class BucketNotFound(StorageError):
 
 class EndpointUnreachable(StorageError):
     """The storage endpoint refused the connection, did not resolve, or did not answer in time."""
+
+
+# --------------------------------------------------------------------------
+# Resumable input state (shardkit.data)
+
+
+class DataStateError(ShardkitError, ValueError):
+    """Data position, a stateful object's state or RNG state cannot be captured or restored
+    as asked: a saved sampler position for another dataset size or batch size, ranks that
+    disagree about a global state, a value that cannot be stored without pickle."""
+
+
+class PerRankStateError(DataStateError):
+    """A per-rank object's state was saved at another world size and no ``reshard``
+    function says how the new ranks should take it."""
 
 
 def error_record(exc: BaseException) -> dict[str, str]:
