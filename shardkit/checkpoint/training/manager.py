@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import (
     DirectorySurvey,
@@ -45,10 +46,11 @@ from shardkit.checkpoint.formats.native.ownership import (
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
-from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.state.tree import from_json_value, to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
 from shardkit.checkpoint.training.load import load
 from shardkit.checkpoint.training.save import save
+from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,
@@ -56,7 +58,9 @@ from shardkit.errors import (
     ShardkitError,
 )
 
-__all__ = ["CheckpointManager", "step_dir"]
+__all__ = ["CheckpointManager", "step_dir", "stored_input_state", "INPUT_KEYS"]
+
+INPUT_KEYS = ("data", "rng")  # top-level keys of resumable input state (shardkit.data), beside model and optim
 
 log = logging.getLogger("shardkit.checkpoint.training.manager")
 
@@ -117,17 +121,22 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             extra: Any = None) -> Future | None:
+             extra: Any = None, *, data: ElasticSampler | None = None,
+             stateful: Mapping[str, Stateful] | None = None, rng: bool = True) -> Future | None:
         """Save ``model`` (and ``optimizer``) as step ``step`` with JSON ``extra``; collective.
 
-        Returns, with ``async_save=True``, a future that completes once the
-        background save has committed *and* retention has run; else ``None``.
+        ``data`` (an :class:`~shardkit.data.ElasticSampler`) saves the global
+        data position, ``stateful`` the named objects (each global or per rank),
+        and ``rng`` every rank's random generators (``shardkit.data``; stored as
+        ``data.*`` and ``rng.*`` keys, JSON and tensors, no pickle).  Returns,
+        with ``async_save=True``, a future that completes once the background
+        save has committed *and* retention has run; else ``None``.
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         meta = {"step": step, "extra": to_json_value(extra, "extra")}
         self.wait()
-        state = get_state_dict(model, optimizer)
+        state = {**get_state_dict(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
         url = self.url_of(step)
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
                     **self.save_options)
@@ -198,18 +207,27 @@ class CheckpointManager:
 
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             *, strict: bool = True) -> Any:
-        """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``."""
+             *, strict: bool = True, data: ElasticSampler | None = None,
+             stateful: Mapping[str, Stateful] | None = None, rng: bool = True) -> Any:
+        """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``.
+
+        ``data``, ``stateful`` and ``rng`` are restored as :meth:`load_latest` does.
+        """
         self.wait()
-        state = get_state_dict(model, optimizer)
-        meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
-                    process_group=self.process_group)
-        set_state_dict(model, optimizer, state, strict=strict)
+        meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, strict: bool = True, required: bool = False) -> tuple[int, Any] | None:
+                    *, strict: bool = True, required: bool = False, data: ElasticSampler | None = None,
+                    stateful: Mapping[str, Stateful] | None = None, rng: bool = True) -> tuple[int, Any] | None:
         """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``.
+
+        ``data`` continues an :class:`~shardkit.data.ElasticSampler` with exactly
+        the next global batch (any world size); ``stateful`` restores named
+        objects; ``rng`` restores every rank's random generators -- exactly at the
+        world size that saved, by the documented re-seed rule at another (see
+        docs/checkpoint.md, "Data position and RNG").  The RNG is restored last,
+        after everything else, so nothing here draws from it afterwards.
 
         ``None`` means nothing to resume: silent on a fresh (empty or not yet
         created) root, a logged warning naming what was found otherwise (foreign
@@ -223,18 +241,30 @@ class CheckpointManager:
         if not candidates:
             why = dist.broadcast_json(self._why_nothing() if dist.rank == 0 else None)
             return self._nothing(why, required)
-        state = get_state_dict(model, optimizer)
         for step in reversed(candidates):
             try:
-                meta = load(state, self.url_of(step), strict=strict, storage_options=self.storage_options,
-                            process_group=self.process_group)
+                meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
             except CorruptCheckpoint as exc:
                 log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
                 continue
-            set_state_dict(model, optimizer, state, strict=strict)
             log.info("resumed from step %d at %s", step, self.url_of(step))
             return step, meta.get("extra")
         return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged", required)
+
+    def _load_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
+                   data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool) -> Any:
+        """Model and optimizer in place (all or nothing), then data position, objects, and the RNG last."""
+        url = self.url_of(step)
+        inputs = stored_input_state(url, self.storage_options)
+        state = {**get_state_dict(model, optimizer), **inputs}
+        meta = load(state, url, strict=strict, storage_options=self.storage_options,
+                    process_group=self.process_group)
+        set_state_dict(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
+                       strict=strict)
+        if data is not None or stateful or (rng and "rng" in state):
+            load_data_state_dict({k: state[k] for k in inputs}, data, stateful, rng=rng and "rng" in state)
+        return meta
+
 
     def _nothing(self, why: str | None, required: bool) -> None:
         if required:
@@ -270,3 +300,21 @@ def _creatable(path: str) -> bool:
             return False
         parent = up
     return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
+
+
+def stored_input_state(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Load targets for the ``data.*`` and ``rng.*`` keys a checkpoint holds, nested.
+
+    Which keys exist depends on the world size that saved (one RNG state per
+    rank), so the targets are built from the checkpoint itself: an empty
+    tensor of the stored dtype and shape per tensor key, the stored value per
+    value key (``load`` fills both in place).
+    """
+    reader = open_reader(url, storage_options)
+    try:
+        ours = tuple(f"{k}." for k in INPUT_KEYS)
+        values = {k: from_json_value(v) for k, v in reader.values().items() if k.startswith(ours)}
+        tensors = {k: torch.empty(e.shape, dtype=e.dtype) for k, e in reader.tensors().items() if k.startswith(ours)}
+    finally:
+        reader.close()
+    return nest({**values, **tensors})
