@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import shardkit.checkpoint as skc
 from shardkit import MixedPrecisionPolicy, fully_shard
+from shardkit.data import ElasticLoader, ElasticSampler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sequences per step over all ranks (fixed across world sizes; "
                              "must divide by the world size); default: ranks x --batch-size")
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--num-samples", type=int, default=96, help="sequences in the synthetic data set")
     parser.add_argument("--vocab-size", type=int, default=251, help="(prime: exercises uneven shards)")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -101,32 +103,49 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
-def batch_for(step: int, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the global batch of ``step``: counting sequences
-    ``start, start + k, start + 2k, ...`` (mod vocab), easy enough that the
-    loss visibly falls within a few steps."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(args.seed * 100_003 + step)
+class CountingSequences(torch.utils.data.Dataset):
+    """Sample ``i``: a counting sequence ``start, start + k, start + 2k, ...`` (mod vocab) drawn from
+    ``(seed, i)`` alone -- easy enough that the loss visibly falls within a few steps."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def __len__(self) -> int:
+        return self.args.num_samples
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.args.seed * 100_003 + i)
+        start = int(torch.randint(0, self.args.vocab_size, (1,), generator=gen))
+        stride = int(torch.randint(1, 4, (1,), generator=gen))
+        return i, (start + stride * torch.arange(self.args.seq_len + 1)) % self.args.vocab_size
+
+
+def build_data(args: argparse.Namespace) -> tuple[ElasticSampler, ElasticLoader]:
+    """One global batch sequence whatever the world size; this rank gets its contiguous share of each.
+
+    The sampler's position (epoch, global batches received) is saved with every
+    checkpoint, so a run resumed on any number of ranks sees the next batches."""
+    world = dist.get_world_size()
     rows = args.global_batch or world * args.batch_size
     if rows % world:
         raise SystemExit(f"--global-batch {rows} does not divide over {world} ranks")
-    start = torch.randint(0, args.vocab_size, (rows, 1), generator=gen)
-    stride = torch.randint(1, 4, (rows, 1), generator=gen)
-    data = (start + stride * torch.arange(args.seq_len + 1)) % args.vocab_size
-    per_rank = rows // world
-    mine = data[rank * per_rank:(rank + 1) * per_rank].to(device)
-    return mine[:, :-1], mine[:, 1:]
+    sampler = ElasticSampler(args.num_samples, global_batch_size=rows, seed=args.seed)
+    return sampler, ElasticLoader(CountingSequences(args), batch_sampler=sampler)
 
 
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-                start_step: int = 0, device: torch.device = torch.device("cpu"),
-                manager: skc.CheckpointManager | None = None) -> list[float]:
-    """Run steps ``start_step .. args.steps - 1``; return the global mean losses.
-    With a ``manager``, save every ``args.save_every`` steps and after the last."""
-    losses = []
-    for step in range(start_step, args.steps):
+                sampler: ElasticSampler, loader: ElasticLoader, start_step: int = 0,
+                device: torch.device = torch.device("cpu"),
+                manager: skc.CheckpointManager | None = None) -> tuple[list[float], list[list[int]]]:
+    """Run steps ``start_step .. args.steps - 1``; return the global mean losses and the sample indices
+    of each global batch.  With a ``manager``, save every ``args.save_every`` steps and after the last."""
+    losses: list[float] = []
+    batches: list[list[int]] = []
+    step = start_step
+    for index, sequences in _epochs(loader, args.steps - start_step):
         started = time.perf_counter()
-        tokens, targets = batch_for(step, args, device)
+        sequences = sequences.to(device)
+        tokens, targets = sequences[:, :-1], sequences[:, 1:]
         logits = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         loss.backward()
@@ -137,25 +156,41 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, args: argpar
         dist.all_reduce(global_loss)
         global_loss /= dist.get_world_size()
         losses.append(global_loss.item())
+        shares: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, index.tolist())
+        batches.append([i for share in shares for i in share])
         if dist.get_rank() == 0:
             print(f"step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
                   f"({(time.perf_counter() - started) * 1e3:.0f} ms)", flush=True)
         if manager is not None and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
-            manager.save(step + 1, model, optimizer, extra={"loss": losses[-1]})  # step-N: N steps done
-    return losses
+            manager.save(step + 1, model, optimizer, extra={"loss": losses[-1]}, data=sampler)  # step-N: N done
+        step += 1
+    return losses, batches
 
 
-def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> int:
+def _epochs(loader: ElasticLoader, steps: int):
+    """``steps`` batches from ``loader``, epoch after epoch (the sampler moves to the next epoch itself)."""
+    done = 0
+    while done < steps:
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == steps:
+                return
+
+
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+           sampler: ElasticSampler) -> int:
     """Load the requested committed step in place (any world size); return the next step to run.
 
     A checkpoint ``step-<N>`` holds the state after ``N`` steps, so the run goes on with step ``N + 1``
     (index ``N``)."""
     manager = skc.CheckpointManager(args.checkpoint_dir)
     if args.resume_step is not None:
-        manager.load(args.resume_step, model, optimizer)
+        manager.load(args.resume_step, model, optimizer, data=sampler)
         step = args.resume_step
     else:
-        found = manager.load_latest(model, optimizer)
+        found = manager.load_latest(model, optimizer, data=sampler)
         if found is None:
             return 0
         step = found[0]
@@ -179,16 +214,18 @@ def main(argv: list[str] | None = None) -> None:
         local = sum(p.to_local().numel() for p in model.parameters())
         print(f"{type(model).__name__}: {total:,} parameters, {local:,} on rank 0 "
               f"({dist.get_world_size()} ranks, {device.type}, mixed precision: {args.mixed_precision})", flush=True)
+    sampler, loader = build_data(args)
     start = 0
     if args.checkpoint_dir and (args.resume or args.resume_step is not None):
-        start = resume(model, optimizer, args)
+        start = resume(model, optimizer, args, sampler)
     manager = None
     if args.checkpoint_dir and args.save_every > 0:
         manager = skc.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last)
-    losses = train_steps(model, optimizer, args, start_step=start, device=device, manager=manager)
+    losses, batches = train_steps(model, optimizer, args, sampler, loader, start_step=start, device=device,
+                                  manager=manager)
     if args.losses_out and dist.get_rank() == 0:
         with open(args.losses_out, "w") as f:
-            json.dump({"start": start, "world_size": dist.get_world_size(), "losses": losses}, f)
+            json.dump({"start": start, "world_size": dist.get_world_size(), "losses": losses, "batches": batches}, f)
     # every rank finishes its last collective before any tears down (gloo can
     # abort a peer that is still sending when the group goes away)
     dist.barrier()
