@@ -112,10 +112,10 @@ def open_reader(url: str | Storage, storage_options: Mapping[str, Any] | None = 
     name = normalize_format(format) if format else detect_format(storage)
     fmt = FORMATS[name]
     given = {k: v for k, v in options.items() if v is not None}
-    foreign = sorted(k for k in given if k not in fmt.open_options)
-    if any(_is_set(given[k]) for k in foreign):
-        raise ConfigurationError(f"{storage.url}: {', '.join(foreign)} do not apply to a {name} checkpoint "
-                                 f"({fmt.description}); drop them")
+    for key in sorted(k for k in given if k not in fmt.open_options):
+        if _is_set(given[key]):
+            why = getattr(given[key], "refused_for", lambda n: f"{key} does not apply to a {n} checkpoint")(name)
+            raise ConfigurationError(f"{storage.url}: {why}; drop it")
     return format_module(name).open_reader(storage, **{k: v for k, v in given.items() if k in fmt.open_options})
 
 

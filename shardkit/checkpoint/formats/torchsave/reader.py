@@ -111,6 +111,10 @@ class TorchLoadOptions:
         """Whether these options ask for something only a torch.save source can do."""
         return self.trust_pickle or self.model_keys is not None
 
+    def refused_for(self, fmt: str) -> str:
+        """Why a checkpoint of format ``fmt`` cannot take these options (the registry's refusal)."""
+        return f"--trust-pickle and --model-keys apply to torch.save sources, and this is a {fmt} checkpoint"
+
 
 def open_reader(storage: Storage, torch_options: TorchLoadOptions | None = None) -> "TorchSaveReader":
     return TorchSaveReader(storage, torch_options)
