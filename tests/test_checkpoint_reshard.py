@@ -186,7 +186,7 @@ def _resharded_read_amplification(url: str):
     from shardkit.checkpoint.state.tree import flatten
     from shardkit.checkpoint.training.load import plan_load
 
-    requests, _ = plan_load(reader, flatten(sd), True)
+    requests = plan_load(reader, flatten(sd), True).requests
     reader.read(requests)
     return reader.stats.bytes_read, reader.stats.bytes_needed
 

@@ -43,12 +43,10 @@ from shardkit.errors import (
     UnsupportedFormat,
 )
 
-__all__ = [
-    "DTYPE_CODES", "dtype_to_code", "code_to_dtype", "itemsize",
-    "as_bytes", "crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs", "zstd_compress", "zstd_decompress_into", "Compression", "parse_compression",
-    "SafetensorsEntry", "SafetensorsHeader", "build_safetensors_header", "parse_safetensors_header",
-    "SafetensorsStreamWriter", "MAX_HEADER_BYTES",
-]
+__all__ = ["DTYPE_CODES", "dtype_to_code", "code_to_dtype", "itemsize", "as_bytes", "crc32c", "block_crcs",
+           "BlockCrc", "pack_crcs", "unpack_crcs", "zstd_compress", "zstd_decompress_into", "Compression",
+           "parse_compression", "SafetensorsEntry", "SafetensorsHeader", "build_safetensors_header",
+           "parse_safetensors_header", "SafetensorsStreamWriter", "MAX_HEADER_BYTES"]
 
 # --------------------------------------------------------------------------
 # dtypes: the safetensors codes are the format's vocabulary (docs/format.md)
@@ -337,7 +335,8 @@ def parse_safetensors_header(prefix: bytes, file_size: int, where: str,
         raise InvalidManifest(f"{where}: safetensors header is not an object")
     data_start = 8 + n
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
         raise InvalidManifest(f"{where}: __metadata__ must map strings to strings")
     entries: dict[str, SafetensorsEntry] = {}
     spans = []

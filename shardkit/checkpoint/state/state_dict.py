@@ -252,11 +252,23 @@ def to_torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 # both
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` (``"optim"`` only with an optimizer); values share storage."""
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   trainable_only: bool = False) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` (``"optim"`` only with an optimizer); values share storage.
+
+    ``trainable_only=True`` keeps the parameters that require grad and their
+    optimizer state (e.g. LoRA adapters over a frozen base): a fine-tune's
+    steps then store a few percent of the model, and loading them over a base
+    checkpoint (``load(..., strict=False)``) rebuilds the whole model.
+    """
     out: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         out["optim"] = get_optimizer_state_dict(model, optimizer)
+    if trainable_only:
+        trainable = {clean_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        out["model"] = {k: v for k, v in out["model"].items() if k in trainable}
+        if "optim" in out:
+            out["optim"]["state"] = {k: v for k, v in out["optim"]["state"].items() if k in trainable}
     return out
 
 

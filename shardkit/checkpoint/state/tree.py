@@ -20,15 +20,16 @@ comes back as a tuple.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 
-__all__ = ["object_path", "Flat", "flatten", "to_json_value", "from_json_value", "restore_like"]
+__all__ = ["keep_keys", "object_path", "Flat", "flatten", "to_json_value", "from_json_value", "restore_like"]
 
 
 @dataclass
@@ -154,3 +155,24 @@ def object_path(fqn: str) -> tuple[str | int, ...]:
     if len(parts) > 1 and parts[0] == "optim":
         return ("optim", ".".join(parts[1:]))
     return (fqn,)
+
+
+def keep_keys(flat: Flat, only: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> Flat:
+    """``flat`` with the keys that match a glob of ``only`` (all when ``None``) and none of ``exclude``.
+
+    A selection that keeps nothing is refused: a save of nothing would commit
+    an empty checkpoint that reports success.
+    """
+    if not only and not exclude:
+        return flat
+
+    def kept(key: str) -> bool:
+        return ((not only or any(fnmatch.fnmatchcase(key, g) for g in only))
+                and not (exclude and any(fnmatch.fnmatchcase(key, g) for g in exclude)))
+
+    out = Flat({k: v for k, v in flat.tensors.items() if kept(k)}, {k: v for k, v in flat.values.items() if kept(k)},
+               {k: v for k, v in flat.slots.items() if kept(k)})
+    if not out.tensors and not out.values:
+        raise ConfigurationError(f"only={list(only or [])}, exclude={list(exclude or [])} keep no key of the state "
+                                 f"dict; nothing to save")
+    return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAU
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.tree import flatten, to_json_value
+from shardkit.checkpoint.state.tree import flatten, keep_keys, to_json_value
 from shardkit.checkpoint.training.save import plan_save, save_options, write_and_commit
 
 __all__ = ["async_save", "StagingPool", "BackgroundSaver", "background_saver"]
@@ -102,14 +102,16 @@ class BackgroundSaver:
 
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
-               io_threads: int, process_group: Any = None, direct_io: bool = True) -> Future:
+               io_threads: int, process_group: Any = None, direct_io: bool = True,
+               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> Future:
         with self._lock:
             self.wait()
             group = process_group if process_group is not None else self._private_group()
             dist = Dist(group)
             plan, error = None, None
             try:
-                plan = plan_save(flatten(state_dict), dist.rank, chunk_bytes=chunk_bytes, io_threads=io_threads,
+                plan = plan_save(keep_keys(flatten(state_dict), *keys), dist.rank, chunk_bytes=chunk_bytes,
+                                 io_threads=io_threads,
                                  compression=compression)
                 plan.groups = self.pool.stage(plan.groups)
                 plan.values = dict(plan.values)
@@ -140,7 +142,8 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
                overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
-               io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> Future:
+               io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
+               only: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     The upload and commit run on a background thread with its own gloo process
@@ -155,4 +158,4 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     return background_saver().submit(state_dict, Storage(url, storage_options), compression=comp, meta=meta,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
-                                     direct_io=direct_io)
+                                     direct_io=direct_io, keys=(only, exclude))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "plan_load", "check_before_writing", "STAGE_BYTES"]
+__all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "STAGE_BYTES"]
 
 STAGE_BYTES = 64 << 20  # a load needing at most this much from remote storage is fetched once, into staging
 
@@ -95,7 +95,8 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         reader = open_reader(storage, format=format, io_threads=io_threads)
         flat = flatten(state_dict)
         started = time.perf_counter()
-        requests, device_copies = plan_load(reader, flat, strict, dtype_cast)
+        plan = plan_load(reader, flat, strict, dtype_cast)
+        requests, device_copies = plan.requests, plan.device_copies
         log.debug("rank %d plans %d reads from %s (%s)", dist.rank, len(requests), url, reader.info.format)
         reader.prepare(requests)
         if verify_first:
@@ -120,7 +121,7 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     _agree(dist, local_exc, url)
     log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
              sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
-    return dict(reader.info.meta)
+    return LoadResult(reader.info.meta, missing=plan.missing, unexpected=plan.unexpected)
 
 
 def check_before_writing(reader: CheckpointReader,
@@ -169,7 +170,29 @@ def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
     raise from_record(record, f"loading {url} failed on rank {rank} ({record['type']}: {record['message']})")
 
 
-def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False):
+class LoadPlan(NamedTuple):
+    """What a load reads (``requests`` into the targets, ``device_copies`` staged for non-CPU or cast
+    targets) and which keys it leaves alone (``missing`` from the checkpoint, ``unexpected`` in it)."""
+
+    requests: list[ReadRequest]
+    device_copies: list[tuple[torch.Tensor, torch.Tensor]]
+    missing: list[str]
+    unexpected: list[str]
+
+
+class LoadResult(dict):
+    """What ``load`` returns: the checkpoint's ``meta`` (a dict, as always), plus the target keys the
+    checkpoint did not have (``missing``) and its keys the target did not take (``unexpected``) --
+    empty under ``strict=True``, the report of a partial load under ``strict=False``."""
+
+    def __init__(self, meta: Mapping[str, Any], *, missing: list[str], unexpected: list[str]) -> None:
+        super().__init__(meta)
+        self.missing = missing
+        self.unexpected = unexpected
+
+
+def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False) -> LoadPlan:
+    """Match ``flat`` (the target) against the checkpoint and plan every read, before any is made."""
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)
@@ -210,4 +233,4 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
     for key in flat.values:
         if key in stored:
             check_value_kind(key, key in entries, False)
-    return plan_reads(reader, wanted), device_copies
+    return LoadPlan(plan_reads(reader, wanted), device_copies, missing, unexpected)

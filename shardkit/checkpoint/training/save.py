@@ -57,6 +57,7 @@ from shardkit.checkpoint.state.aliases import find_aliases
 from shardkit.checkpoint.state.tree import (
     Flat,
     flatten,
+    keep_keys,
     to_json_value,
 )
 from shardkit.errors import (
@@ -217,8 +218,13 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
          overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
-         io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None) -> None:
+         io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
+         exclude: Sequence[str] | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
+
+    ``only``/``exclude``: globs over the flattened keys (``model.*lora*``,
+    ``optim.*``) choosing what is saved, e.g. a fine-tune's adapters alone
+    (see also ``get_state_dict(..., trainable_only=True)``).
 
     ``compression``: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (per chunk).
     ``meta``: JSON metadata stored in the manifest (e.g. ``{"step": 100}``).
@@ -237,8 +243,8 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     try:
         if not overwrite and is_committed(storage):
             raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
-        plan = plan_save(flatten(state_dict), dist.rank, chunk_bytes=chunk_bytes, io_threads=io_threads,
-                         compression=comp)
+        plan = plan_save(keep_keys(flatten(state_dict), only, exclude), dist.rank, chunk_bytes=chunk_bytes,
+                         io_threads=io_threads, compression=comp)
         log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),
                   sum(len(g) for g in plan.groups), url)
         storage.makedirs()

@@ -37,8 +37,8 @@ from shardkit.checkpoint.formats.native.ownership import is_native_data_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError, UnsupportedFormat
 
-__all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
-           "data_file_name", "new_token", "chunk_key", "group_into_files"]
+__all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
+           "NativeWriter", "WrittenFile", "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
 DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
