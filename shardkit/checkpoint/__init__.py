@@ -24,8 +24,7 @@ package never imports the sharding runtime (data flows one way).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardkit.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "get_state_dict": "shardkit.checkpoint.state.state_dict",
@@ -48,14 +47,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardkit.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(globals()))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

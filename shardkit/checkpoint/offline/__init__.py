@@ -7,8 +7,7 @@ command is a thin shell over them.  Names resolve lazily.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardkit.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "reshard": "shardkit.checkpoint.offline.convert",
@@ -26,14 +25,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardkit.checkpoint.offline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(globals()))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

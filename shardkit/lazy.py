@@ -1,0 +1,33 @@
+"""Lazy re-exports for package ``__init__`` files.
+
+A package that re-exports names from its modules would import all of them on
+``import package``; the checkpoint half alone pulls in fsspec, safetensors
+parsing and the formats.  ``lazy_exports`` gives a package a module-level
+``__getattr__`` that imports a name's module on first use and caches the name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable, Mapping
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``, resolving each name of ``exports`` (name -> module)."""
+    namespace = sys.modules[package].__dict__
+
+    def getattr_(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(exports) | set(namespace))
+
+    return getattr_, dir_
