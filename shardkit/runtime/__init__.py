@@ -11,20 +11,15 @@ Modules map onto files as follows:
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
 ``param_group``     one all-gather/reduce-scatter unit and its state machine
+``fsdp_module``     the ``FSDPModule`` methods, ``UnshardHandle``, forward methods
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
 ==================  ============================================================
 """
 
-from shardkit.runtime.fully_shard import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    param_groups_of,
-    register_fsdp_forward_method,
-    sharded_params_of,
-)
+from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
