@@ -4,6 +4,7 @@ reshard, convert and migrate anywhere fsspec reaches.
 The public surface is re-exported here::
 
     from shardkit import fully_shard, MixedPrecisionPolicy      # the sharding core
+    from shardkit import clip_grad_norm_                         # any mix of meshes (2-D models)
     from shardkit import FullyShardedDataParallel, ShardingStrategy  # FSDP1 surface
     from shardkit.wrap import transformer_auto_wrap_policy       # FSDP1 wrap policies
     import shardkit.checkpoint as skc                             # save / load / convert
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "MixedPrecisionPolicy": _RUNTIME,
     "OffloadPolicy": _RUNTIME,
     "CPUOffloadPolicy": _RUNTIME,
+    "clip_grad_norm_": _RUNTIME,
     # the FSDP1 surface mapped onto the core
     "FullyShardedDataParallel": _FSDP1,
     "ShardingStrategy": _FSDP1,

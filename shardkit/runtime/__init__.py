@@ -15,11 +15,13 @@ Modules map onto files as follows:
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
+``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
 ==================  ============================================================
 """
 
 from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
+from shardkit.runtime.grad_norm import clip_grad_norm_
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "clip_grad_norm_",
     "param_groups_of",
     "sharded_params_of",
 ]
