@@ -15,6 +15,7 @@ Modules map onto files as follows:
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
+``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
 ``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
 ==================  ============================================================
 """
