@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "OffloadPolicy": _RUNTIME,
     "CPUOffloadPolicy": _RUNTIME,
     "clip_grad_norm_": _RUNTIME,
+    "set_debug": _RUNTIME,
     # the FSDP1 surface mapped onto the core
     "FullyShardedDataParallel": _FSDP1,
     "ShardingStrategy": _FSDP1,

@@ -17,9 +17,11 @@ Modules map onto files as follows:
 ``device_sync``     CUDA streams and events, or the inline CPU path
 ``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
 ``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
+``debug``           ``set_debug``: cross-rank collective checks, named failures
 ==================  ============================================================
 """
 
+from shardkit.runtime.debug import set_debug
 from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
 from shardkit.runtime.grad_norm import clip_grad_norm_
@@ -34,6 +36,7 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "clip_grad_norm_",
+    "set_debug",
     "param_groups_of",
     "sharded_params_of",
 ]
