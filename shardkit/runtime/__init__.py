@@ -17,6 +17,7 @@ Modules map onto files as follows:
 ``device_sync``     CUDA streams and events, or the inline CPU path
 ``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
 ``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
+``compile``         ``torch.compile``: hooks run eagerly, state-dict keys stay eager
 ``debug``           ``set_debug``: cross-rank collective checks, named failures
 ==================  ============================================================
 """

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.errors import AlreadyShardedError, ConfigurationError, UnshardableParameterError
+from shardkit.runtime.compile import keep_state_dict_keys_clean, unwrap_compiled
 from shardkit.runtime.fsdp_module import FSDPModule, apply_reshard_after_forward, states_of, swap_class
 from shardkit.runtime.mesh_info import default_mesh, device_from_mesh, mesh_info_for, normalize_reshard_after_forward
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
@@ -74,7 +75,8 @@ def fully_shard(
     Returns:
         the same module (or list), now also an :class:`FSDPModule`.
     """
-    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    # torch.compile(block) wraps the block: shard (and hook) the block itself
+    modules = tuple(unwrap_compiled(m) for m in (module if isinstance(module, (list, tuple)) else (module,)))
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
@@ -103,6 +105,7 @@ def fully_shard(
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         swap_class(m)
+        keep_state_dict_keys_clean(m)
     return module
 
 
