@@ -19,6 +19,7 @@ Modules map onto files as follows:
 ``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
 ``compile``         ``torch.compile``: hooks run eagerly, state-dict keys stay eager
 ``debug``           ``set_debug``: cross-rank collective checks, named failures
+``memory``          ``memory_report``: per-group bytes and what is unsharded now
 ==================  ============================================================
 """
 
@@ -26,6 +27,7 @@ from shardkit.runtime.debug import set_debug
 from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
 from shardkit.runtime.grad_norm import clip_grad_norm_
+from shardkit.runtime.memory import GroupMemory, MemoryReport, memory_report
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -38,6 +40,9 @@ __all__ = [
     "CPUOffloadPolicy",
     "clip_grad_norm_",
     "set_debug",
+    "memory_report",
+    "MemoryReport",
+    "GroupMemory",
     "param_groups_of",
     "sharded_params_of",
 ]
