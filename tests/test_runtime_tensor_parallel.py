@@ -14,7 +14,7 @@ import collections
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,3 +146,98 @@ def _full_state_loads_through_distribute_tensor():
 
 def test_full_state_dict_distributed_with_the_2d_placements_loads_in_place():
     assert run_on_ranks(4, _full_state_loads_through_distribute_tensor) == [(True, True)] * 4
+
+
+def _bf16_and_reshard_to_two_ranks(option):
+    """A few steps with one more option on both implementations (or shardkit alone
+    when torch has no such option for TP parameters)."""
+    from tests.runtime_common import train_sharded
+    from tests.runtime_scenarios import _shardkit_clip
+
+    out = {}
+    for api in (shardkit_api(), torch_api()):
+        if option == "reshard_after_forward_2" and api.name == "torch":
+            continue  # torch: "Resharding to smaller mesh is not supported for DTensor parameters yet"
+        kwargs = ({"mp_policy": api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+                  if option == "bf16" else {"reshard_after_forward": 2})
+        shape, names = ((2, 2), ("dp", "tp")) if option == "bf16" else ((4, 1), ("dp", "tp"))
+        world = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = parallelize_blocks(seeded_transformer(args=TP_ARGS), world["tp"])
+        for layer in model.layers:
+            api.fully_shard(layer, mesh=world["dp"], **kwargs)
+        api.fully_shard(model, mesh=world["dp"], **{k: v for k, v in kwargs.items() if k == "mp_policy"})
+        losses = train_sharded(model, 3, clip=_shardkit_clip,
+                               data_parallel=(world["dp"].get_local_rank(), world["dp"].size()))
+        out[api.name] = (losses, [p.to_local().detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_bf16_compute_on_tp_parameters_equals_torchs_bitwise():
+    for out in run_on_ranks(4, _bf16_and_reshard_to_two_ranks, "bf16"):
+        (ours, our_params), (theirs, their_params) = out["shardkit"], out["torch"]
+        assert ours == theirs
+        assert all(torch.equal(a, b) for a, b in zip(our_params, their_params))
+
+
+def test_reshard_after_forward_to_two_ranks_works_for_tp_parameters():
+    from tests.runtime_common import max_relative_loss_error, train_reference
+
+    reference, _ = train_reference(seeded_transformer(args=TP_ARGS), 4, 3)
+    for out in run_on_ranks(4, _bf16_and_reshard_to_two_ranks, "reshard_after_forward_2"):
+        assert max_relative_loss_error(out["shardkit"][0], reference) <= 1e-6
+
+
+def _misuses():
+    import torch.nn as nn
+
+    from shardkit import fully_shard
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    errors = {}
+
+    def record(name, build):
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 - the test inspects what came out
+            errors[name] = (type(exc).__name__, str(exc))
+
+    def unnamed_tp_mesh():
+        tp = DeviceMesh.from_group(world["tp"].get_group(), "cpu")  # world["tp"]'s ranks, but no names
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), tp, [Shard(0)]))
+        fully_shard(layer, mesh=world["dp"])
+
+    def on_the_dp_mesh():
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), world["dp"], [Shard(0)]))
+        fully_shard(layer, mesh=world["dp"])
+
+    def partial_placement():
+        from torch.distributed.tensor import Partial
+
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(DTensor.from_local(layer.weight.detach(), world["tp"], [Partial()]))
+        fully_shard(layer, mesh=world["dp"])
+
+    def default_mesh_overlaps_tp():
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), world["tp"], [Shard(0)]))
+        fully_shard(layer)
+
+    for name, build in [("unnamed_tp_mesh", unnamed_tp_mesh), ("on_the_dp_mesh", on_the_dp_mesh),
+                        ("partial_placement", partial_placement), ("default_mesh", default_mesh_overlaps_tp)]:
+        record(name, build)
+    return errors
+
+
+def test_tp_parameters_that_cannot_compose_fail_with_an_actionable_error():
+    errors = run_on_ranks(4, _misuses)[0]
+    assert errors["unnamed_tp_mesh"][0] == "UnsupportedMeshError"
+    assert "mesh_dim_names=('dp', 'tp')" in errors["unnamed_tp_mesh"][1]
+    assert errors["on_the_dp_mesh"][0] == "UnsupportedMeshError"
+    assert "already a DTensor on the data-parallel mesh" in errors["on_the_dp_mesh"][1]
+    assert errors["partial_placement"][0] == "UnshardableParameterError"
+    assert "redistribute it to Replicate()" in errors["partial_placement"][1]
+    assert errors["default_mesh"][0] == "UnsupportedMeshError"
+    assert "fully_shard's mesh has no dim names" in errors["default_mesh"][1]
+    assert "pass mesh=world['dp']" in errors["default_mesh"][1]

@@ -93,11 +93,14 @@ def make_spec(mesh: DeviceMesh, placements: tuple[Placement, ...], size: torch.S
 def compose_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, what: str) -> DeviceMesh:
     """The ``(dp..., tp...)`` mesh: both must be named sub-meshes of one world mesh
     over disjoint dims.  Built once per pair, so all parameters share it."""
-    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+    recipe = ("build one named world mesh, e.g. world = init_device_mesh('cuda', (dp, tp), "
+              "mesh_dim_names=('dp', 'tp')), parallelize with world['tp'] and pass mesh=world['dp'] to fully_shard")
+    if tp_mesh.mesh_dim_names is None:
+        raise UnsupportedMeshError(f"{what} is a DTensor on a mesh without dim names; {recipe}")
+    if dp_mesh.mesh_dim_names is None:
         raise UnsupportedMeshError(
-            f"{what} is a DTensor on a mesh without dim names; build one named world mesh, e.g. "
-            "world = init_device_mesh('cuda', (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize with "
-            "world['tp'] and pass mesh=world['dp'] to fully_shard"
+            f"{what} is a DTensor on mesh {tp_mesh.mesh_dim_names}, but fully_shard's mesh has no dim names "
+            f"(the default mesh spans every rank, tp ones included); {recipe}"
         )
 
     def build() -> DeviceMesh:
