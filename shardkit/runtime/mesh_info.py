@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardkit.errors import ConfigurationError, UnsupportedMeshError
 
-__all__ = ["MeshInfo", "PostForwardGroup", "cached", "replace_cached", "default_mesh", "device_from_mesh",
-           "mesh_info_for", "post_forward_group"]
+__all__ = ["MeshInfo", "PostForwardGroup", "default_mesh", "device_from_mesh", "mesh_info_for",
+           "post_forward_group"]
 
 
 @dataclass(frozen=True)
@@ -78,18 +78,6 @@ _per_default_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, An
 def _cache() -> dict[tuple, Any]:
     """The cache of the current default process group."""
     return _per_default_group.setdefault(dist.group.WORLD, {})
-
-
-def cached(key: tuple, build: Callable[[], Any]) -> Any:
-    """``build()`` once per ``key`` under the current default process group."""
-    cache = _cache()
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
-
-
-def replace_cached(key: tuple, value: Any) -> None:
-    _cache()[key] = value
 
 
 def default_mesh() -> DeviceMesh:

@@ -39,11 +39,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.errors import UnshardableParameterError, UnsupportedMeshError
-from shardkit.runtime.mesh_info import MeshInfo, cached, replace_cached
+from shardkit.runtime.mesh_info import MeshInfo
 
 __all__ = ["TPLayout", "tp_layout", "compose_meshes", "make_spec", "contiguous_stride"]
+
+# dp mesh -> tp mesh -> their concatenation, held as long as both meshes live
+_COMPOSED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,10 @@ def compose_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, what: str) -> Devic
 
     # keyed by identity: a mesh built again later compares equal to an old one
     # but has its own groups, and the composed mesh must use the new ones
-    entry = cached(("compose", id(dp_mesh), id(tp_mesh)), lambda: (dp_mesh, tp_mesh, build()))
-    if entry[0] is not dp_mesh or entry[1] is not tp_mesh:  # an id reused by a newer mesh
-        entry = (dp_mesh, tp_mesh, build())
-        replace_cached(("compose", id(dp_mesh), id(tp_mesh)), entry)
-    return entry[2]
+    per_tp = _COMPOSED.setdefault(dp_mesh, WeakIdKeyDictionary())
+    if tp_mesh not in per_tp:
+        per_tp[tp_mesh] = build()
+    return per_tp[tp_mesh]
 
 
 def _is_shard(placement: Placement) -> bool:
