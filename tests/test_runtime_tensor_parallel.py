@@ -224,8 +224,14 @@ def _misuses():
         layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), world["tp"], [Shard(0)]))
         fully_shard(layer)
 
+    def spmd_mesh_form():
+        from torch.distributed.fsdp import DataParallelMeshDims
+
+        fully_shard(nn.Linear(4, 4), mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
     for name, build in [("unnamed_tp_mesh", unnamed_tp_mesh), ("on_the_dp_mesh", on_the_dp_mesh),
-                        ("partial_placement", partial_placement), ("default_mesh", default_mesh_overlaps_tp)]:
+                        ("partial_placement", partial_placement), ("default_mesh", default_mesh_overlaps_tp),
+                        ("dp_mesh_dims", spmd_mesh_form)]:
         record(name, build)
     return errors
 
@@ -241,3 +247,5 @@ def test_tp_parameters_that_cannot_compose_fail_with_an_actionable_error():
     assert errors["default_mesh"][0] == "UnsupportedMeshError"
     assert "fully_shard's mesh has no dim names" in errors["default_mesh"][1]
     assert "pass mesh=world['dp']" in errors["default_mesh"][1]
+    assert errors["dp_mesh_dims"][0] == "ConfigurationError"
+    assert "mesh=world['dp'] (HSDP: world['dp_replicate', 'dp_shard'])" in errors["dp_mesh_dims"][1]

@@ -43,6 +43,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not already owned by a sharded
     submodule) into one group: one all-gather before its compute, one
@@ -59,7 +60,10 @@ def fully_shard(
         mesh: 1-D (FSDP, placements ``(Shard(0),)``) or 2-D ``(replicate,
             shard)`` (HSDP, ``(Replicate(), Shard(0))``).  Default: a 1-D
             mesh over the whole default process group.  The device comes from
-            the mesh.
+            the mesh.  Parameters that tensor parallelism made DTensors on
+            ``world["tp"]`` need the data-parallel sub-mesh of the same named
+            world mesh (``world["dp"]``, or ``world["dp_replicate", "dp_shard"]``);
+            they become DTensors on the composed mesh (``tensor_parallel``).
         reshard_after_forward: ``True`` frees the unsharded parameters after
             forward and all-gathers again in backward (least memory);
             ``False`` keeps them until backward (no backward all-gather);
@@ -71,6 +75,7 @@ def fully_shard(
         offload_policy: :class:`CPUOffloadPolicy` keeps shards, grads and the
             optimizer step on the CPU.
         ignored_params: parameters left alone: not sharded, not moved, not reduced.
+        dp_mesh_dims: torch's SPMD-mesh form; not supported (an error says what to pass instead).
 
     Returns:
         the same module (or list), now also an :class:`FSDPModule`.
@@ -79,6 +84,12 @@ def fully_shard(
     modules = tuple(unwrap_compiled(m) for m in (module if isinstance(module, (list, tuple)) else (module,)))
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
+    if dp_mesh_dims is not None:
+        raise ConfigurationError(
+            "fully_shard does not take dp_mesh_dims (torch's full-SPMD-mesh form); pass the data-parallel "
+            "sub-mesh instead: mesh=world['dp'] (HSDP: world['dp_replicate', 'dp_shard']), with tensor "
+            "parallelism applied on world['tp']: the parameters get the same (dp, tp) placements"
+        )
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
     device = device_from_mesh(mesh)
