@@ -1,8 +1,15 @@
 """shardkit's fully_shard against torch's own fully_shard: time per step and
-peak memory, 2 gloo ranks on the CPU, measured in one run, interleaved.
+peak memory, gloo ranks on the CPU, measured in one run, interleaved.
 
-    python benchmarks/runtime.py                # launches the ranks itself
+    python benchmarks/runtime.py                # 1-D FSDP on 2 ranks; launches the ranks itself
     python benchmarks/runtime.py --steps 30 --rounds 5 --json
+    python benchmarks/runtime.py --tp 2         # 2-D: TP inside the blocks x FSDP, (dp 2, tp 2) on 4 ranks
+
+With ``--tp N`` every block is tensor-parallel over N ranks (q/k/v and the
+first MLP layer column-wise, the attention output and the second MLP layer
+row-wise) and FSDP shards over the other dim; the TP peers of a dp rank
+train on the same batch, and both sides clip with ``shardkit.clip_grad_norm_``
+(torch's own cannot mix the 2-D and 1-D gradients).
 
 The same model (the test suite's Transformer, scaled up), the same seed, the
 same batches and the same AdamW + clip_grad_norm_ step under both.  Two phases:
@@ -20,6 +27,10 @@ same batches and the same AdamW + clip_grad_norm_ step under both.  Two phases:
    first dispatch of every op) and the process high-water mark (``VmHWM``) per
    rank, which also includes importing torch and building the model
    (identical for both).
+
+Phase 1 also times shardkit with debug mode on (``shardkit.set_debug(True)``:
+a fingerprint all-gather before each collective) as a third interleaved
+model, and reports its ratio to shardkit without it (target: <= 1.10).
 
 Medians everywhere, and the ratios shardkit / torch (target: <= 1.0).  On this
 shared 2-core VM wall times swing by +-30% between runs; the CPU time and the
@@ -41,6 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = ("shardkit", "torch")
+DEBUG = "shardkit+debug"  # shardkit with debug mode on, timed in phase 1 only
 
 
 class _MallInfo2(ctypes.Structure):
@@ -98,33 +110,58 @@ class _HeapPeak:
 
 
 def _build(impl: str, args: argparse.Namespace):
+    """The model of one implementation (``DEBUG`` builds shardkit's) and its optimizer:
+    per-block fully_shard plus the root, after tensor parallelism when ``--tp`` > 1."""
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     sys.path.insert(0, str(REPO))
-    from tests.models import ModelArgs, Transformer
+    from tests.models import ModelArgs, Transformer, parallelize_blocks
 
-    if impl == "shardkit":
-        from shardkit import fully_shard
-    else:
+    if impl == "torch":
         from torch.distributed.fsdp import fully_shard
+    else:
+        from shardkit import fully_shard
     margs = ModelArgs(vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_layers=args.layers,
                       ffn_dim=args.ffn, max_seq_len=args.seq)
     torch.manual_seed(0)
     model = Transformer(margs)
+    mesh = None
+    if args.tp > 1:
+        world = init_device_mesh("cpu", (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_blocks(model, world["tp"])
+        mesh = world["dp"]
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _train_step(model, opt, tokens) -> None:
+def _data_parallel_rank(args: argparse.Namespace) -> int:
+    """Tensor-parallel peers train on the same batch."""
+    import torch.distributed as dist
+
+    return dist.get_rank() // args.tp
+
+
+def _train_step(model, opt, tokens, args: argparse.Namespace, debug: bool = False) -> None:
     import torch
     import torch.nn.functional as F
 
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    import shardkit
+
+    if debug:
+        shardkit.set_debug(True)
+    try:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+    finally:
+        if debug:
+            shardkit.set_debug(False)
+    clip = shardkit.clip_grad_norm_ if args.tp > 1 else torch.nn.utils.clip_grad_norm_
+    clip(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
 
@@ -151,26 +188,27 @@ def worker_interleaved(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    models = {impl: _build(impl, args) for impl in IMPLS}
-    gen = torch.Generator().manual_seed(1 + rank)
+    timed = (*IMPLS, DEBUG)
+    models = {impl: _build(impl, args) for impl in timed}
+    gen = torch.Generator().manual_seed(1 + _data_parallel_rank(args))
     heap = _HeapPeak()
-    wall = {impl: [] for impl in IMPLS}
-    cpu = {impl: [] for impl in IMPLS}
-    peak = {impl: [] for impl in IMPLS}
+    wall = {impl: [] for impl in timed}
+    cpu = {impl: [] for impl in timed}
+    peak = {impl: [] for impl in timed}
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-        order = IMPLS if step % 2 == 0 else IMPLS[::-1]
+        order = timed[step % len(timed):] + timed[:step % len(timed)]  # each goes first in turn
         for impl in order:
             dist.barrier()
             heap.reset()
             start, cpu_start = time.perf_counter(), time.process_time()
-            _train_step(*models[impl], tokens)
+            _train_step(*models[impl], tokens, args, debug=impl == DEBUG)
             wall[impl].append((time.perf_counter() - start) * 1e3)
             cpu[impl].append((time.process_time() - cpu_start) * 1e3)
             peak[impl].append(heap.above_start_mib())
     heap.stop()
     result = {"rank": rank, "params": sum(p.numel() for p in models["shardkit"][0].parameters())}
-    for impl in IMPLS:
+    for impl in timed:
         walls = torch.tensor(wall[impl])
         dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
         result[impl] = {"wall": walls.tolist()[args.warmup:], "cpu": cpu[impl][args.warmup:],
@@ -185,23 +223,23 @@ def worker_memory(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     model, opt = _build(args.impl, args)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    gen = torch.Generator().manual_seed(1 + _data_parallel_rank(args))
     first_ms = 0.0
     for step in range(args.warmup + args.memory_steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         dist.barrier()
         start = time.perf_counter()
-        _train_step(model, opt, tokens)
+        _train_step(model, opt, tokens, args)
         if step == 0:  # cold: lazy init, first allocations, first dispatch of every op
             first_ms = (time.perf_counter() - start) * 1e3
     _emit({"rank": dist.get_rank(), "hwm_mib": _hwm_mib(), "first_ms": first_ms})
 
 
-_MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn")
+_MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn", "tp")
 
 
 def launch(args: argparse.Namespace, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            str(Path(__file__).resolve()), *extra, *[f"--{k}={getattr(args, k)}" for k in _MODEL_FLAGS]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -225,16 +263,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: 2 runs (dp 2, tp 2) on 4 ranks")
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=["interleaved", "memory"], help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.ranks = 2 * args.tp  # two data-parallel ranks, each a group of tp ranks
     if args.worker == "interleaved":
         return worker_interleaved(args)
     if args.worker == "memory":
         return worker_memory(args)
 
-    print("phase 1: both implementations in one job, steps interleaved ...", file=sys.stderr, flush=True)
+    print("phase 1: both implementations (and shardkit in debug mode) in one job, steps interleaved ...",
+          file=sys.stderr, flush=True)
     timing = launch(args, "--worker=interleaved", f"--steps={args.steps}")
     memory: dict[str, list[list[dict]]] = {impl: [] for impl in IMPLS}
     for round_index in range(args.rounds):
@@ -251,23 +292,26 @@ def main() -> None:
     def row(label: str, ours: float, theirs: float, fmt: str = "{:.1f}") -> None:
         rows.append((label, fmt.format(ours), fmt.format(theirs), f"{ours / theirs:.3f}"))
 
+    ranks = range(args.ranks)
     row("ms/step, wall (median)", med(timing[0]["shardkit"]["wall"]), med(timing[0]["torch"]["wall"]))
-    for k in range(2):
+    for k in ranks:
         row(f"ms/step, CPU, rank {k}", med(timing[k]["shardkit"]["cpu"]), med(timing[k]["torch"]["cpu"]))
-    for k in range(2):
+    for k in ranks:
         row(f"step heap peak MiB, rank {k}", med(timing[k]["shardkit"]["heap"]), med(timing[k]["torch"]["heap"]),
             "{:.2f}")
-    row("first step ms (fresh job)", med(max(r[k]["first_ms"] for k in range(2)) for r in memory["shardkit"]),
-        med(max(r[k]["first_ms"] for k in range(2)) for r in memory["torch"]))
-    # peak RSS swings by +-20 MiB between identical jobs on this VM: pool both ranks of every round
-    hwm = {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in range(2)] for impl in IMPLS}
+    row("first step ms (fresh job)", med(max(r[k]["first_ms"] for k in ranks) for r in memory["shardkit"]),
+        med(max(r[k]["first_ms"] for k in ranks) for r in memory["torch"]))
+    # peak RSS swings by +-20 MiB between identical jobs on this VM: pool all ranks of every round
+    hwm = {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
     row(f"peak RSS MiB, mean of {len(hwm['torch'])}", statistics.mean(hwm["shardkit"]), statistics.mean(hwm["torch"]))
     row("peak RSS MiB, median", med(hwm["shardkit"]), med(hwm["torch"]))
     spread = {impl: statistics.stdev(v) if len(v) > 1 else 0.0 for impl, v in hwm.items()}
 
+    layout = (f"TP {args.tp} in every block x FSDP over dp 2, " if args.tp > 1 else "") + \
+        "per-block fully_shard + root"
     print(f"\nTransformer {timing[0]['params'] / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
-          f"{args.vocab}), 2 gloo ranks x 1 thread, batch {args.batch}x{args.seq} per rank, AdamW + "
-          f"clip_grad_norm_, per-block fully_shard + root.\nPhase 1: {args.steps} timed steps each after "
+          f"{args.vocab}), {args.ranks} gloo ranks x 1 thread, batch {args.batch}x{args.seq} per dp rank, AdamW + "
+          f"clip_grad_norm_, {layout}.\nPhase 1: {args.steps} timed steps each after "
           f"{args.warmup} warm-up, interleaved in one job.  Phase 2: {args.rounds} fresh jobs each, "
           f"{args.warmup + args.memory_steps} steps.\n")
     widths = (28, 12, 12, 8)
@@ -278,6 +322,10 @@ def main() -> None:
         print("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print(f"\npeak RSS standard deviation between jobs: shardkit {spread['shardkit']:.1f} MiB, "
           f"torch {spread['torch']:.1f} MiB")
+    debug_wall, plain_wall = med(timing[0][DEBUG]["wall"]), med(timing[0]["shardkit"]["wall"])
+    debug_cpu = med(med(timing[k][DEBUG]["cpu"]) / med(timing[k]["shardkit"]["cpu"]) for k in ranks)
+    print(f"debug mode (SHARDKIT_DEBUG=1): {debug_wall:.1f} ms/step vs {plain_wall:.1f} without, wall ratio "
+          f"{debug_wall / plain_wall:.3f} (target <= 1.10); CPU ratio, median over ranks, {debug_cpu:.3f}")
 
 
 if __name__ == "__main__":

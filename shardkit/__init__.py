@@ -4,6 +4,7 @@ reshard, convert and migrate anywhere fsspec reaches.
 The public surface is re-exported here::
 
     from shardkit import fully_shard, MixedPrecisionPolicy      # the sharding core
+    from shardkit import clip_grad_norm_, memory_report, set_debug  # its tools
     from shardkit import FullyShardedDataParallel, ShardingStrategy  # FSDP1 surface
     from shardkit.wrap import transformer_auto_wrap_policy       # FSDP1 wrap policies
     import shardkit.checkpoint as skc                             # save / load / convert
@@ -32,6 +33,9 @@ _EXPORTS: dict[str, str] = {
     "MixedPrecisionPolicy": _RUNTIME,
     "OffloadPolicy": _RUNTIME,
     "CPUOffloadPolicy": _RUNTIME,
+    "clip_grad_norm_": _RUNTIME,
+    "set_debug": _RUNTIME,
+    "memory_report": _RUNTIME,
     # the FSDP1 surface mapped onto the core
     "FullyShardedDataParallel": _FSDP1,
     "ShardingStrategy": _FSDP1,

@@ -31,6 +31,8 @@ __all__ = [
     "UnsupportedMeshError",
     "UnshardableParameterError",
     "TrainingStateError",
+    "CollectiveError",
+    "CollectiveMismatchError",
     "CheckpointError",
     "CheckpointNotFound",
     "CheckpointExists",
@@ -85,6 +87,18 @@ class UnshardableParameterError(ShardingError, ValueError):
 class TrainingStateError(ShardingError, RuntimeError):
     """A call arrived in a training state where it has no meaning (for example,
     ``summon_full_params`` during forward)."""
+
+
+class CollectiveError(ShardingError, RuntimeError):
+    """A collective issued by the sharding runtime failed or timed out; the
+    message names the FSDP group (module FQN), the collective and the pass,
+    and the original error is chained as ``__cause__``."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Debug mode (``SHARDKIT_DEBUG=1``): the ranks of a process group were
+    about to run different collectives (another group, op, size, dtype or
+    pass); raised on every rank, naming what each rank was doing."""
 
 
 # --------------------------------------------------------------------------

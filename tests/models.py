@@ -28,24 +28,28 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
+    """Multi-head causal attention.  The head count is read off the projections'
+    output width, so the same code runs on a tensor-parallel rank that holds
+    ``n_heads / tp`` heads (column-wise q/k/v, row-wise output)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        h = self.n_heads
+        b, s, _ = x.shape
 
         def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, h, d // h).transpose(1, 2)
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = split(self.wq(x)), split(self.wk(x)), split(self.wv(x))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -140,3 +144,54 @@ def sharded_transformer(fully_shard, seed: int = 0) -> tuple[Transformer, torch.
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), args
+
+
+# ------------------------------------------------------------ tensor parallelism
+
+# For tensor parallelism over 2 ranks: heads and the ffn width split evenly over
+# tp (torch's row-wise layer needs an even split of its input features), while
+# the TP-local dim-0 sizes (13, 25) and the untouched ones (vocab 37, dim 26)
+# still do not divide the data-parallel or the world size.
+TP_ARGS = ModelArgs(ffn_dim=50)
+
+
+def tp_plan(sequence_parallel: bool = False) -> dict:
+    """A block's ``parallelize_module`` plan: q/k/v column-wise, the attention
+    output row-wise, the MLP column-wise then row-wise; norms stay plain
+    parameters.  With ``sequence_parallel`` the block runs on sequence shards
+    (its input is cut, its output gathered back to replicated), the norms
+    become ``SequenceParallel`` (replicated weights whose gradients come out
+    ``Partial``), and attention and MLP gather the sequence at their inputs."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    if not sequence_parallel:
+        return plan
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {**plan,
+            "": PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                         use_local_input=True, output_layouts=(Shard(1),),
+                                         desired_output_layouts=(Replicate(),)),
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": gather_sequence, "feed_forward": gather_sequence,
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def parallelize_blocks(model: Transformer, tp_mesh, sequence_parallel: bool = False) -> Transformer:
+    """Apply the tensor-parallel plan to every block; embeddings, the final norm
+    and the output head stay plain parameters (they are only data-parallel)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, tp_plan(sequence_parallel))
+    return model

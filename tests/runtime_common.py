@@ -72,12 +72,20 @@ def train_reference(model: nn.Module, world: int, steps: int, micro_steps: int =
 def train_sharded(model: nn.Module, steps: int, micro_steps: int = 1,
                   set_to_none: Callable[[int], bool] = lambda step: True,
                   forward: Callable | None = None, before_backward: Callable | None = None,
-                  optimizer: torch.optim.Optimizer | None = None, sync_each_micro_step: bool = False) -> list[float]:
+                  optimizer: torch.optim.Optimizer | None = None, sync_each_micro_step: bool = False,
+                  data_parallel: tuple[int, int] | None = None, clip: Callable | None = None) -> list[float]:
     """Data-parallel training on this rank's slice of each global batch;
     returns the global mean loss per step (all-reduced).  With several
     micro-steps, gradients are synced only on the last one unless
-    ``sync_each_micro_step``."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ``sync_each_micro_step``.
+
+    ``data_parallel`` is ``(dp_rank, dp_size)`` when not every rank is a
+    data-parallel replica (tensor-parallel peers share a batch slice); the
+    loss average over all ranks is still the global mean, since each slice's
+    loss is counted once per tp peer.  ``clip`` replaces
+    ``torch.nn.utils.clip_grad_norm_``."""
+    rank, world = data_parallel or (dist.get_rank(), dist.get_world_size())
+    clip = clip or torch.nn.utils.clip_grad_norm_
     opt = optimizer or make_optimizer(model)
     forward = forward or (lambda m, tokens: m(tokens))
     losses = []
@@ -93,11 +101,11 @@ def train_sharded(model: nn.Module, steps: int, micro_steps: int = 1,
                 before_backward(model, step, micro)
             (loss / micro_steps).backward()
             total += loss.detach() / micro_steps
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        clip(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=set_to_none(step))
         dist.all_reduce(total)
-        losses.append((total / world).item())
+        losses.append((total / dist.get_world_size()).item())
     return losses
 
 

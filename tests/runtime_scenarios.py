@@ -20,13 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from tests.models import Transformer
-from tests.runtime_common import (
-    ARGS,
-    seeded_transformer,
-    train_reference,
-    train_sharded,
-)
+from tests.models import TP_ARGS, Transformer, parallelize_blocks
+from tests.runtime_common import ARGS, seeded_transformer, train_reference, train_sharded
 
 STEPS = 10
 
@@ -248,6 +243,22 @@ def _embedding_group_without_backward_unshard(model, api, mesh):
     return model
 
 
+def _tensor_parallel(sequence_parallel: bool = False):
+    """TP inside each block over the mesh's "tp" dim, then FSDP (per block and the
+    root) over its data-parallel dims: the 2-D recipe."""
+    def shard(model, api, mesh):
+        parallelize_blocks(model, mesh["tp"], sequence_parallel)
+        return per_block(model, api, mesh[data_parallel_dims(mesh)])
+    return shard
+
+
+def _shardkit_clip(parameters, max_norm):
+    # torch's clip_grad_norm_ cannot mix 2-D (TP'd) and 1-D (plain) gradients; both sides use ours
+    import shardkit
+
+    return shardkit.clip_grad_norm_(parameters, max_norm)
+
+
 def _hsdp_reduce_scatter_only(model, step, micro):
     model.set_requires_gradient_sync(True)
     model.set_requires_all_reduce(micro == 1)  # first micro-batch: reduce-scatter only
@@ -264,7 +275,8 @@ class Scenario:
     before_backward: Callable | None = None
     sync_each_micro_step: bool = False
     reference_build: Callable[[], nn.Module] | None = None
-    mesh_names: tuple[str, ...] | None = None
+    mesh_names: tuple[str, ...] | None = None  # None: all dims data-parallel; else the "dp*" ones are
+    clip: Callable | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -273,6 +285,22 @@ class Scenario:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def data_parallel_world(self) -> int:
+        """How many ranks hold different batch slices (the reference's world)."""
+        if self.mesh_names is None:
+            return self.world
+        n = 1
+        for size, name in zip(self.shape, self.mesh_names):
+            n *= size if name.startswith("dp") else 1
+        return n
+
+
+def _tp_scenario(shape: tuple[int, ...], sequence_parallel: bool = False) -> Scenario:
+    names = ("dp", "tp") if len(shape) == 2 else ("dp_replicate", "dp_shard", "tp")
+    return Scenario(shape=shape, mesh_names=names, build=lambda: seeded_transformer(args=TP_ARGS),
+                    shard=_tensor_parallel(sequence_parallel), clip=_shardkit_clip)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -304,21 +332,43 @@ SCENARIOS: dict[str, Scenario] = {
                                                       before_backward=_hsdp_reduce_scatter_only),
     "no_shard_mesh": Scenario(shape=(2, 1)),
     "bf16_mixed_precision": Scenario(shard=_mixed_precision),
+    # 2-D: tensor parallelism inside the blocks, FSDP over dp (HSDP: dp_replicate x dp_shard)
+    "tp_fsdp_2x2": _tp_scenario((2, 2)),
+    "hsdp_tp_1x2x2": _tp_scenario((1, 2, 2)),
+    "tp_sequence_parallel_fsdp_2x2": _tp_scenario((2, 2), sequence_parallel=True),
 }
 
 
-def make_mesh(shape):
+def make_mesh(shape, names=None):
+    if names is not None:
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
     if len(shape) == 1:
         return init_device_mesh("cpu", shape)
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
+def data_parallel_dims(mesh) -> tuple[str, ...]:
+    return tuple(name for name in mesh.mesh_dim_names if name.startswith("dp"))
+
+
+def data_parallel_coordinates(mesh) -> tuple[int, int] | None:
+    """``(dp_rank, dp_size)`` of this rank over the mesh's "dp*" dims (None: every rank)."""
+    if mesh.mesh_dim_names is None or "tp" not in mesh.mesh_dim_names:
+        return None
+    rank, size = 0, 1
+    for name in data_parallel_dims(mesh):
+        rank = rank * mesh[name].size() + mesh[name].get_local_rank()
+        size *= mesh[name].size()
+    return rank, size
+
+
 def _train(scenario: Scenario, api) -> tuple[nn.Module, list[float]]:
-    mesh = make_mesh(scenario.shape)
+    mesh = make_mesh(scenario.shape, scenario.mesh_names)
     model = scenario.shard(scenario.build(), api, mesh)
     losses = train_sharded(model, STEPS, micro_steps=scenario.micro_steps, set_to_none=scenario.set_to_none,
                            forward=scenario.forward, before_backward=scenario.before_backward,
-                           sync_each_micro_step=scenario.sync_each_micro_step)
+                           sync_each_micro_step=scenario.sync_each_micro_step,
+                           data_parallel=data_parallel_coordinates(mesh), clip=scenario.clip)
     return model, losses
 
 
@@ -333,6 +383,10 @@ def run_scenario(name: str) -> dict:
         "losses": our_losses,
         "torch_losses": their_losses,
         "bitwise_equal_to_torch": {k: torch.equal(v.to_local(), theirs_sd[k].to_local()) for k, v in ours_sd.items()},
+        "layout_equal_to_torch": {k: (v.device_mesh, v.placements, v.shape) ==
+                                  (theirs_sd[k].device_mesh, theirs_sd[k].placements, theirs_sd[k].shape)
+                                  for k, v in ours_sd.items()},
+        "placements": {k: tuple(map(str, v.placements)) for k, v in ours_sd.items()},
         "requires_grad": {k: p.requires_grad for k, p in ours.named_parameters()},
     }
 
@@ -340,6 +394,6 @@ def run_scenario(name: str) -> dict:
 def reference_losses(name: str) -> list[float]:
     scenario = SCENARIOS[name]
     model = (scenario.reference_build or scenario.build)()
-    losses, _ = train_reference(model, scenario.world, STEPS, micro_steps=scenario.micro_steps,
+    losses, _ = train_reference(model, scenario.data_parallel_world, STEPS, micro_steps=scenario.micro_steps,
                                 set_to_none=scenario.set_to_none)
     return losses

@@ -1,5 +1,5 @@
 """What each rank holds: exactly its row share, and no unsharded storage
-outside the window where a group computes.
+outside the window where a group computes; ``memory_report`` tells the same.
 
 Counts are exact.  A parameter of ``S0`` rows over ``W`` ranks gives rank
 ``r`` the rows ``torch.chunk`` gives it (``ceil(S0 / W)``, fewer or none on
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist import run_on_ranks
 from tests.models import lm_loss
-from tests.runtime_common import local_batch, seeded_transformer
+from tests.runtime_common import local_batch, seeded_transformer, shard_blocks_and_root
 
 
 def _rows(size0: int, world: int, rank: int) -> int:
@@ -175,3 +175,40 @@ def test_at_most_one_block_in_forward_and_two_in_backward_are_unsharded_besides_
         assert max(forward) == out["root"] + out["block"]
         # the block being differentiated plus the one prefetched for next
         assert max(backward) == out["root"] + 2 * out["block"]
+
+
+def _memory_reports_around_a_step():
+    import shardkit
+
+    model = shard_blocks_and_root(seeded_transformer())
+    reports = {"at rest": shardkit.memory_report(model)}
+
+    def inside_block_1(module, args):  # a plain submodule's hook: its block is unsharded now
+        reports["in layers.1's forward"] = shardkit.memory_report(model)
+
+    model.layers[1].attention.register_forward_pre_hook(inside_block_1)
+    tokens, targets = local_batch(0, dist.get_world_size(), dist.get_rank())
+    lm_loss(model(tokens), targets).backward()
+    reports["after backward"] = shardkit.memory_report(model)
+    return {moment: {"groups": [(g.fqn, g.params, g.sharded_bytes, g.unsharded_bytes,
+                                 g.unsharded_allocated_bytes, g.gradient_bytes) for g in report.groups],
+                     "unsharded": report.unsharded, "table": str(report)}
+            for moment, report in reports.items()}
+
+
+def test_memory_report_gives_each_groups_bytes_and_what_is_unsharded_now():
+    # per rank of 2: a block's padded shard is 2795 fp32 elements, the root's 1222
+    block, root = 2795 * 4, 1222 * 4
+    for rank, out in enumerate(run_on_ranks(2, _memory_reports_around_a_step)):
+        rest, inside, after = out["at rest"], out["in layers.1's forward"], out["after backward"]
+        assert rest["groups"] == [("", 5, root, 2 * root, 0, 0)] + [
+            (f"layers.{i}", 13, block, 2 * block, 0, 0) for i in range(3)]
+        assert rest["unsharded"] == []
+        assert inside["unsharded"] == ["", "layers.1"]  # the root keeps its parameters until backward
+        assert [g[4] for g in inside["groups"]] == [2 * root, 0, 2 * block, 0]
+        assert after["unsharded"] == []
+        # the reduced gradients: this rank's real rows (rank 1 holds 25 of w1's 51 rows, 18 of vocab 37)
+        assert [g[5] for g in after["groups"]] == ([root, block, block, block] if rank == 0 else
+                                                   [root - 4 * 2 * 26, block - 4 * 27, block - 4 * 27,
+                                                    block - 4 * 27])
+        assert "unsharded now: <root>, layers.1" in inside["table"]

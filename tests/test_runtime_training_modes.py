@@ -3,7 +3,15 @@
 Each scenario (see ``tests/runtime_scenarios.py``) trains 10 AdamW steps with
 ``clip_grad_norm_``.  Its per-step losses must match one process on the
 global batch to a relative 1e-6 (fp32), and every shard must be bitwise
-equal to torch's own ``fully_shard`` run on the same mesh and micro-batches.
+equal to torch's own ``fully_shard`` run on the same mesh and micro-batches,
+on the same mesh with the same placements.
+
+The ``tp_*`` scenarios are the 2-D recipe on 4 ranks: tensor parallelism in
+every block (q/k/v column-wise, output row-wise, MLP column-/row-wise; the
+sequence-parallel one adds ``SequenceParallel`` norms and
+``PrepareModuleInput``/``Output``), FSDP over dp (2, 2) or HSDP over
+(dp_replicate, dp_shard) (1, 2, 2); both sides clip with
+``shardkit.clip_grad_norm_``, since torch's fails on mixed meshes.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ def _check(name: str) -> list[dict]:
     for out in results:
         assert out["losses"] == out["torch_losses"], (out["rank"], out["losses"], out["torch_losses"])
         assert all(out["bitwise_equal_to_torch"].values()), out["bitwise_equal_to_torch"]
+        assert all(out["layout_equal_to_torch"].values()), out["layout_equal_to_torch"]  # mesh, placements, shape
     return results
 
 

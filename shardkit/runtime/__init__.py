@@ -11,25 +11,24 @@ Modules map onto files as follows:
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
 ``param_group``     one all-gather/reduce-scatter unit and its state machine
+``fsdp_module``     the ``FSDPModule`` methods, ``UnshardHandle``, forward methods
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
+``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
+``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
+``compile``         ``torch.compile``: hooks run eagerly, state-dict keys stay eager
+``debug``           ``set_debug``: cross-rank collective checks, named failures
+``memory``          ``memory_report``: per-group bytes and what is unsharded now
 ==================  ============================================================
 """
 
-from shardkit.runtime.fully_shard import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    param_groups_of,
-    register_fsdp_forward_method,
-    sharded_params_of,
-)
-from shardkit.runtime.policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-)
+from shardkit.runtime.debug import set_debug
+from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
+from shardkit.runtime.grad_norm import clip_grad_norm_
+from shardkit.runtime.memory import GroupMemory, MemoryReport, memory_report
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
@@ -39,6 +38,11 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "clip_grad_norm_",
+    "set_debug",
+    "memory_report",
+    "MemoryReport",
+    "GroupMemory",
     "param_groups_of",
     "sharded_params_of",
 ]

@@ -7,7 +7,6 @@ original class and gains the :class:`FSDPModule` methods.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -16,26 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.errors import (
-    AlreadyShardedError,
-    ConfigurationError,
-    TrainingStateError,
-    UnshardableParameterError,
-)
-from shardkit.runtime.mesh_info import (
-    default_mesh,
-    device_from_mesh,
-    mesh_info_for,
-    normalize_reshard_after_forward,
-    post_forward_group,
-)
+from shardkit.errors import AlreadyShardedError, ConfigurationError, UnshardableParameterError
+from shardkit.runtime.compile import keep_state_dict_keys_clean, unwrap_compiled
+from shardkit.runtime.fsdp_module import FSDPModule, apply_reshard_after_forward, states_of, swap_class
+from shardkit.runtime.mesh_info import default_mesh, device_from_mesh, mesh_info_for, normalize_reshard_after_forward
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
-from shardkit.runtime.policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-)
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 
 # Original Parameter -> the class of the module whose fully_shard call owns it.
@@ -45,8 +31,7 @@ from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 # one that happens to reuse its id().
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "param_groups_of", "sharded_params_of"]
+__all__ = ["fully_shard", "param_groups_of", "sharded_params_of"]
 
 
 def fully_shard(
@@ -58,6 +43,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not already owned by a sharded
     submodule) into one group: one all-gather before its compute, one
@@ -74,7 +60,10 @@ def fully_shard(
         mesh: 1-D (FSDP, placements ``(Shard(0),)``) or 2-D ``(replicate,
             shard)`` (HSDP, ``(Replicate(), Shard(0))``).  Default: a 1-D
             mesh over the whole default process group.  The device comes from
-            the mesh.
+            the mesh.  Parameters that tensor parallelism made DTensors on
+            ``world["tp"]`` need the data-parallel sub-mesh of the same named
+            world mesh (``world["dp"]``, or ``world["dp_replicate", "dp_shard"]``);
+            they become DTensors on the composed mesh (``tensor_parallel``).
         reshard_after_forward: ``True`` frees the unsharded parameters after
             forward and all-gathers again in backward (least memory);
             ``False`` keeps them until backward (no backward all-gather);
@@ -86,13 +75,21 @@ def fully_shard(
         offload_policy: :class:`CPUOffloadPolicy` keeps shards, grads and the
             optimizer step on the CPU.
         ignored_params: parameters left alone: not sharded, not moved, not reduced.
+        dp_mesh_dims: torch's SPMD-mesh form; not supported (an error says what to pass instead).
 
     Returns:
         the same module (or list), now also an :class:`FSDPModule`.
     """
-    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    # torch.compile(block) wraps the block: shard (and hook) the block itself
+    modules = tuple(unwrap_compiled(m) for m in (module if isinstance(module, (list, tuple)) else (module,)))
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
+    if dp_mesh_dims is not None:
+        raise ConfigurationError(
+            "fully_shard does not take dp_mesh_dims (torch's full-SPMD-mesh form); pass the data-parallel "
+            "sub-mesh instead: mesh=world['dp'] (HSDP: world['dp_replicate', 'dp_shard']), with tensor "
+            "parallelism applied on world['tp']: the parameters get the same (dp, tp) placements"
+        )
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = mesh_info_for(mesh)
     device = device_from_mesh(mesh)
@@ -114,11 +111,12 @@ def fully_shard(
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:
         group = ParamGroup(sharded, modules, mesh_info, device, mp_policy, state.comm)
-        _apply_reshard_after_forward(group, True if reshard is None else reshard)
+        apply_reshard_after_forward(group, True if reshard is None else reshard)
         state.groups.append(group)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-        _swap_class(m)
+        swap_class(m)
+        keep_state_dict_keys_clean(m)
     return module
 
 
@@ -177,14 +175,6 @@ def _shard_dim(fn: Callable | None, param: nn.Parameter) -> int:
             f"shard_placement_fn must return a torch.distributed.tensor.Shard or None, got {placement!r}"
         )
     return placement.dim
-
-
-def _apply_reshard_after_forward(group: ParamGroup, value: bool | int) -> None:
-    if isinstance(value, bool):
-        group.reshard_after_forward, group.post_forward_mesh = value, None
-    else:
-        group.reshard_after_forward = True
-        group.post_forward_mesh = post_forward_group(group.mesh_info, value)
 
 
 # ------------------------------------------------------------- managed states
@@ -249,205 +239,6 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
                 m._buffers[name] = buf.to(device)
 
 
-# ------------------------------------------------------------------ the class
-
-
-_fsdp_classes: dict[type, type] = {}
-
-
-def _swap_class(module: nn.Module) -> None:
-    cls = type(module)
-    fsdp_cls = _fsdp_classes.get(cls)
-    if fsdp_cls is None:
-        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy,
-                                                                   "__module__": cls.__module__})
-        _fsdp_classes[cls] = fsdp_cls
-    module.__class__ = fsdp_cls
-
-
-def _no_deepcopy(self: Any, memo: Any) -> Any:
-    raise TrainingStateError(
-        "a sharded module cannot be deep-copied (its parameters alias communication buffers); "
-        "copy the model before fully_shard, or rebuild it and load a state dict"
-    )
-
-
-class UnshardHandle:
-    """Returned by :meth:`FSDPModule.unshard`; ``wait()`` makes the unsharded
-    parameters usable (a no-op once done, and for a synchronous unshard)."""
-
-    def __init__(self, groups: list[ParamGroup] | None) -> None:
-        self._groups = groups
-
-    def wait(self) -> None:
-        if self._groups:
-            for group in self._groups:
-                group.wait_for_unshard()
-        self._groups = None
-
-
-def _states_of(root: nn.Module, recurse: bool) -> list[ShardState]:
-    modules = root.modules() if recurse else [root]
-    out, seen = [], set()
-    for m in modules:
-        state = state_of(m)
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            out.append(state)
-    return out
-
-
-class FSDPModule:
-    """Methods every sharded module gains (``type(m)`` is ``FSDP<Name>``)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers (e.g. nn.Sequential slicing) build new instances of
-        # ``type(self)``; those are not sharded, so build the original class.
-        orig = cls.__mro__[2]
-        self = orig.__new__(orig)
-        self.__init__(*args, **kwargs)
-        return self
-
-    def _shard_state(self) -> ShardState:
-        state = state_of(self)  # type: ignore[arg-type]
-        if state is None:  # pragma: no cover - class swapped by hand
-            raise TrainingStateError(f"{type(self).__name__} has no sharding state")
-        return state
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle:
-        """All-gather this module's parameters (not its sharded submodules').
-
-        With ``async_op=True`` the returned handle's ``wait()`` (or the
-        module's own forward) completes it, so it can overlap other work."""
-        groups = self._shard_state().groups
-        for group in groups:
-            group.unshard(async_op=async_op)
-        handle = UnshardHandle(list(groups))
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded DTensors (not recursive)."""
-        for group in self._shard_state().groups:
-            group.reshard()
-
-    def reset_iter_state(self) -> None:
-        """After an exception mid forward/backward, call on the root to start clean
-        (the failed iteration's gradient reductions are dropped)."""
-        self._shard_state().reset_iter_state()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward ends the step (finalizes; clears prefetch order)."""
-        self._shard_state().ctx.is_last_backward = is_last_backward
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False`` accumulates unsharded gradients locally without communication
-        (FSDP1's ``no_sync``); the next backward with ``True`` reduces the sum.
-        For HSDP this covers both the reduce-scatter and the all-reduce."""
-        for state in _states_of(self, recurse):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.reduce_grads = requires_gradient_sync
-                group.all_reduce_grads = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: ``False`` reduce-scatters but defers the replicate all-reduce."""
-        for state in _states_of(self, recurse):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.all_reduce_grads = requires_all_reduce
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
-        """Change the post-forward policy (``True``/``False``/int k) of this module (and below)."""
-        for state in _states_of(self, recurse):  # type: ignore[arg-type]
-            state.auto_reshard_after_forward = False
-            for group in state.groups:
-                value = normalize_reshard_after_forward(reshard_after_forward, group.mesh_info.shard_size)
-                _apply_reshard_after_forward(group, value)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``False`` keeps parameters unsharded after backward (saves the next
-        forward's all-gather during gradient accumulation, costs memory)."""
-        for state in _states_of(self, recurse):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather ``modules`` right after this module's own all-gather in forward."""
-        self._shard_state().forward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather ``modules`` at this module's pre-backward.  Any list, even
-        an empty one, replaces the default (the module that ran forward just
-        before this one): ``[]`` turns backward prefetching off for this module."""
-        self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
-        if factor <= 0:
-            raise ConfigurationError(f"gradient divide factor must be positive, got {factor}")
-        for state in _states_of(self, True):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.gradient_divide_factor = float(factor)
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
-        """Reduce zeros for trainable params that got no gradient, so ranks that
-        used a parameter and ranks that did not still run the same collective."""
-        for state in _states_of(self, True):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.reduce_scatter_unused_params = reduce_scatter_unused_params
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """``False`` for modules whose parameters backward never reads (skips an all-gather)."""
-        for group in self._shard_state().groups:
-            group.unshard_in_backward = unshard_in_backward
-
-    def set_post_optim_event(self, event: torch.Event) -> None:
-        """On an accelerator, make the next forward's all-gathers wait on this
-        event (recorded after ``optimizer.step()``).  Accepted for
-        compatibility: shardkit's all-gather stream already waits on the
-        current stream before each all-gather, which orders it after the step."""
-        self._shard_state().ctx.post_optim_event = event
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # ``module.to(...)``/``to_empty``: act on the sharded DTensors, then re-pad
-        # their local tensors and re-derive dtypes at the next use.
-        state = self._shard_state()
-        for group in state.groups:
-            group.reshard()
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        with torch.no_grad():
-            for group in state.groups:
-                for p in group.params:
-                    p.reset_sharded_param()
-                group.invalidate()
-        return result
-
-
-def _require_fsdp(module: Any) -> FSDPModule:
-    if not isinstance(module, FSDPModule):
-        raise ConfigurationError(f"expected a module sharded with fully_shard, got {type(module).__name__}")
-    return module
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)``
-    (e.g. ``generate``).  A no-op for modules that are not sharded."""
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ConfigurationError(f"{type(module).__name__} has no method {method_name!r}")
-    original = getattr(module, method_name)
-    state = module._shard_state()
-
-    @functools.wraps(original)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._module_pre_forward(module, args, kwargs)  # type: ignore[arg-type]
-        out = original(*args, **kwargs)
-        return state._module_post_forward(module, args, out)  # type: ignore[arg-type]
-
-    setattr(module, method_name, wrapped)
-
-
 # ------------------------------------------------------- for layers built on top
 
 
@@ -460,4 +251,4 @@ def param_groups_of(module: nn.Module) -> list[ParamGroup]:
 def sharded_params_of(module: nn.Module, recurse: bool = True) -> list[ShardedParam]:
     """Every :class:`ShardedParam` under ``module`` (its own groups, and its
     sharded submodules' when ``recurse``)."""
-    return [p for state in _states_of(module, recurse) for g in state.groups for p in g.params]
+    return [p for state in states_of(module, recurse) for g in state.groups for p in g.params]

@@ -26,6 +26,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from shardkit.errors import TrainingStateError
+from shardkit.runtime.compile import clean_fqn, eager_hook
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.param_group import ParamGroup, TrainingState
 from shardkit.runtime.policies import MixedPrecisionPolicy
@@ -116,24 +117,27 @@ class ShardState:
                 group.lazy_init()
 
     def _init_fqns(self, root: nn.Module) -> None:
+        """Names for messages: FQNs under the root, as the eager model spells them."""
         by_param = {id(p.sharded_param): p for s in self.ctx.all_states for g in s.groups for p in g.params}
         for name, param in root.named_parameters(remove_duplicate=False):
             sp = by_param.get(id(param))
             if sp is not None:
-                sp.fqn = name
+                sp.fqn = clean_fqn(name)
         for name, module in root.named_modules():
             state = state_of(module)
             if state is not None:
                 for group in state.groups:
-                    group.fqn = name or "<root>"
+                    group.fqn = clean_fqn(name) or "<root>"
 
     # -------------------------------------------------------------- forward
 
+    @eager_hook
     def _module_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self._to_run:
             self._to_run.update(self.modules)
         return self.pre_forward(module, args, kwargs)
 
+    @eager_hook
     def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.training_state is TrainingState.IDLE:
             # already finished for this call (a registered forward method ran inside __call__)
@@ -239,6 +243,7 @@ class ShardState:
 
     # ------------------------------------------------------------- backward
 
+    @eager_hook
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.ctx

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.errors import TrainingStateError, UnshardableParameterError
 from shardkit.runtime import collectives as C
+from shardkit.runtime import debug as D
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup
 from shardkit.runtime.policies import MixedPrecisionPolicy
@@ -59,11 +60,17 @@ def is_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _PendingAllGather:
-    __slots__ = ("out", "work", "plan", "world", "event")
+# what a collective issued in each state is for, in error messages and debug fingerprints
+_PHASES = {TrainingState.IDLE: "explicit unshard", TrainingState.FORWARD: "forward",
+           TrainingState.PRE_BACKWARD: "backward", TrainingState.POST_BACKWARD: "backward"}
 
-    def __init__(self, out, work, plan, world, event) -> None:
+
+class _PendingAllGather:
+    __slots__ = ("out", "work", "plan", "world", "event", "call", "group")
+
+    def __init__(self, out, work, plan, world, event, call=None, group=None) -> None:
         self.out, self.work, self.plan, self.world, self.event = out, work, plan, world, event
+        self.call, self.group = call, group
 
 
 class ParamGroup:
@@ -166,13 +173,15 @@ class ParamGroup:
             return
         plan = self._plan(from_post_forward)
         comm = self.comm
+        call = self._call("all-gather", plan.per_rank, plan.dtype)
         with comm.on("all_gather"):
             inputs = [p.all_gather_input() for p in self.params]
             out = torch.empty(world * plan.per_rank, dtype=plan.dtype, device=self.device)
             block = C.all_gather_copy_in(inputs, plan, out, rank)
-            work = C.issue_all_gather(out, block, group, async_op)
+            with D.collective(call, group, self.device):
+                work = C.issue_all_gather(out, block, group, async_op)
             event = comm.record("all_gather")
-        self._pending = _PendingAllGather(out, work, plan, world, event)
+        self._pending = _PendingAllGather(out, work, plan, world, event, call, group)
 
     def wait_for_unshard(self) -> None:
         """Finish a pending all-gather: copy out and register the unsharded params."""
@@ -180,7 +189,8 @@ class ParamGroup:
         if pending is None:
             return
         if pending.work is not None:
-            pending.work.wait()
+            with D.naming_failures(pending.call, pending.group):
+                pending.work.wait()
         self.comm.current_waits(pending.event)
         params = self.params
         buffers = tuple(p.alloc_unsharded() for p in params)
@@ -326,7 +336,9 @@ class ParamGroup:
                 rs_in.div_(pre)
             if world > 1:
                 rs_out = torch.empty(total, dtype=reduce_dtype, device=self.device)
-                C.reduce_scatter(rs_out, rs_in, info.shard_group)
+                with D.collective(self._call("reduce-scatter", rs_in.numel(), reduce_dtype), info.shard_group,
+                                  self.device):
+                    C.reduce_scatter(rs_out, rs_in, info.shard_group)
             else:  # one shard rank: the laid-out input is already this rank's output
                 rs_out = rs_in
             if info.is_hsdp:
@@ -340,7 +352,9 @@ class ParamGroup:
                 if self._partial_reduce is not None:
                     rs_out += self._partial_reduce
                     self._partial_reduce = None
-                C.all_reduce(rs_out, info.replicate_group)
+                with D.collective(self._call("all-reduce", rs_out.numel(), reduce_dtype), info.replicate_group,
+                                  self.device):
+                    C.all_reduce(rs_out, info.replicate_group)
             if post != 1.0:
                 rs_out.div_(post)
             offset = 0
@@ -370,6 +384,9 @@ class ParamGroup:
         self.reshard()
 
     # ------------------------------------------------------------ utilities
+
+    def _call(self, op: str, numel: int, dtype: torch.dtype) -> D.CollectiveCall:
+        return D.CollectiveCall(self.fqn, op, numel, dtype, _PHASES[self.training_state])
 
     @contextlib.contextmanager
     def use_training_state(self, state: TrainingState) -> Iterator[None]:

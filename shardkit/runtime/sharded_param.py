@@ -20,6 +20,11 @@ Note [the tensors of one parameter]
                     freed and refilled (see ``ParamGroup`` for the version
                     counter).
 
+A parameter that tensor parallelism made a DTensor is handled through its
+TP-local tensor: ``padded``, ``buffer`` and the gradients are TP-local,
+``sharded`` lives on the composed (dp, tp) mesh and ``unsharded`` is the
+TP DTensor again (see Note [composing FSDP with TP] in ``tensor_parallel``).
+
 Only ``sharded`` is registered on the module at rest; ``unsharded`` is
 registered, straight into ``module._parameters``, while the group computes.
 Ranks whose chunk is empty (``S0 < W``) still hold a padded buffer of
@@ -39,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.errors import UnshardableParameterError
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
+from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 
 __all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
 
@@ -110,32 +116,31 @@ class ShardedParam:
     @torch.no_grad()
     def _init_sharded(self, param: nn.Parameter, shard_dim: int) -> None:
         name = self.fqn
-        if isinstance(param, DTensor):
-            raise UnshardableParameterError(
-                f"parameter {name} is already a DTensor (placements {param.placements}); "
-                "fully_shard shards plain parameters; pass it in ignored_params or shard "
-                "the module before applying tensor parallelism"
-            )
-        if param.dim() == 0:
+        # A tensor-parallel DTensor is sharded through its TP-local tensor (Note
+        # [composing FSDP with TP]); everything below works on that local data.
+        is_tp = isinstance(param, DTensor)
+        data = param._local_tensor if is_tp else param.detach()
+        if data.dim() == 0:
             raise UnshardableParameterError(
                 f"parameter {name} is a scalar (0-dim) and has no dim to shard; make it a "
                 "1-D tensor of one element (e.g. nn.Parameter(torch.tensor([x]))) or pass it "
                 "in ignored_params"
             )
-        if not param.is_contiguous():
+        if not data.is_contiguous():
             raise UnshardableParameterError(
-                f"parameter {name} of shape {tuple(param.shape)} is not contiguous "
-                f"(stride {param.stride()}); make it contiguous before fully_shard"
+                f"parameter {name} of shape {tuple(data.shape)} is not contiguous "
+                f"(stride {data.stride()}); make it contiguous before fully_shard"
             )
         if shard_dim < 0:
-            shard_dim += param.dim()
-        if not 0 <= shard_dim < param.dim():
+            shard_dim += data.dim()
+        if not 0 <= shard_dim < data.dim():
             raise UnshardableParameterError(
                 f"shard_placement_fn returned Shard({shard_dim}) for parameter {name} of "
-                f"shape {tuple(param.shape)}, which has no such dim"
+                f"shape {tuple(data.shape)}, which has no such dim"
             )
+        self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
         world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
-        size = param.shape
+        size = data.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
             raise UnshardableParameterError(
                 f"parameter {name} of shape {tuple(size)} cannot be sharded on dim {shard_dim} "
@@ -143,8 +148,8 @@ class ShardedParam:
                 "may be uneven; return Shard(0) (or None) from shard_placement_fn for it"
             )
         self.shard_dim = shard_dim
-        self.orig_size = size
-        self.numel = param.numel()
+        self.orig_size = size  # of the unsharded tensor FSDP gathers: TP-local for a TP parameter
+        self.numel = data.numel()
         rows = math.ceil(size[shard_dim] / world)
         padded_size = list(size)
         padded_size[shard_dim] = rows
@@ -156,17 +161,20 @@ class ShardedParam:
         self.sharded_size = torch.Size(sharded_size)
         self.requires_grad = param.requires_grad
 
-        padded = self._new_padded(param.detach(), self.device)
+        padded = self._new_padded(data, self.device)
         if self.real_rows > 0:
-            chunk = param.detach().narrow(shard_dim, rank * rows, self.real_rows)
+            chunk = data.narrow(shard_dim, rank * rows, self.real_rows)
             padded.narrow(shard_dim, 0, self.real_rows).copy_(chunk)
         self.padded = padded.view(-1)
         local = padded.narrow(shard_dim, 0, self.real_rows)
-        dtensor = DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements_for(shard_dim),
-                                     run_check=False, shape=size, stride=_contiguous_stride(size))
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        if self.tp is not None:
+            mesh, placements = self.tp.mesh, self.tp.placements
+        else:
+            mesh, placements = self.mesh_info.mesh, self.mesh_info.placements_for(shard_dim)
+        self.spec = make_spec(mesh, placements, param.shape, data.dtype)
+        self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
+                                          requires_grad=param.requires_grad)
         self.sharded_param._local_tensor = local  # the view into ``padded``, not a copy
-        self.spec = self.sharded_param._spec
         # registered on the module by fully_shard once every parameter of the group is built
 
     def _new_padded(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -260,7 +268,8 @@ class ShardedParam:
                 view = self.buffer.narrow(0, 0, self.numel).view(self.orig_size)
             else:
                 view = self.buffer.view(self.orig_size)
-            self.unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+            unsharded = self.tp.unsharded(view) if self.tp is not None else view
+            self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
         else:
             alloc_storage(self.buffer)
         return self.buffer
@@ -313,15 +322,20 @@ class ShardedParam:
         param = self.unsharded_param
         if param is None:
             return None
-        if self.accumulated_grad is not None:
-            grad, self.accumulated_grad = self.accumulated_grad, None
-            if param.grad is not None:
-                grad += param.grad
-                param.grad = None
-            return grad
-        grad = param.grad
+        grad = self._local_grad(param.grad)
         param.grad = None
+        if self.accumulated_grad is not None:
+            accumulated, self.accumulated_grad = self.accumulated_grad, None
+            if grad is not None:
+                accumulated += grad
+            return accumulated
         return grad
+
+    def _local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient FSDP reduces: the TP-local tensor for a TP parameter."""
+        if grad is None or self.tp is None:
+            return grad
+        return self.tp.local_grad(grad)
 
     def fold_grad_for_no_sync(self) -> None:
         """Without sync, keep the grad for the next micro-batch, upcast to the
@@ -330,10 +344,10 @@ class ShardedParam:
         if param is None or param.grad is None:
             return
         if self.accumulated_grad is not None:
-            self.accumulated_grad += param.grad
+            self.accumulated_grad += self._local_grad(param.grad)
             param.grad = None
         elif self.reduce_dtype is not None and param.grad.dtype != self.reduce_dtype:
-            self.accumulated_grad = param.grad.to(self.reduce_dtype)
+            self.accumulated_grad = self._local_grad(param.grad).to(self.reduce_dtype)
             param.grad = None
 
     def has_pending_grad(self) -> bool:
@@ -364,10 +378,3 @@ class ShardedParam:
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, size={tuple(self.orig_size)}, state={self.state.name})"
 
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for dim in reversed(size):
-        stride.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(stride))

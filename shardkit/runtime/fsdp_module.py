@@ -1,0 +1,229 @@
+"""What a sharded module gains: the ``FSDPModule`` methods, ``UnshardHandle``
+and ``register_fsdp_forward_method``.
+
+``fully_shard`` swaps a module's class to ``FSDP<Name>(FSDPModule, Name)``, so
+the module keeps its identity and stays an instance of its own class; every
+method here acts on the sharding state ``fully_shard`` attached to it (its
+groups, and with ``recurse`` those of its sharded submodules).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardkit.errors import ConfigurationError, TrainingStateError
+from shardkit.runtime.mesh_info import normalize_reshard_after_forward, post_forward_group
+from shardkit.runtime.module_state import ShardState, state_of
+from shardkit.runtime.param_group import ParamGroup
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "swap_class", "states_of",
+           "apply_reshard_after_forward"]
+
+
+def apply_reshard_after_forward(group: ParamGroup, value: bool | int) -> None:
+    """Set a group's post-forward policy from a normalized ``True``/``False``/int k."""
+    if isinstance(value, bool):
+        group.reshard_after_forward, group.post_forward_mesh = value, None
+    else:
+        group.reshard_after_forward = True
+        group.post_forward_mesh = post_forward_group(group.mesh_info, value)
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    fsdp_cls = _fsdp_classes.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy,
+                                                                   "__module__": cls.__module__})
+        _fsdp_classes[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+
+
+def _no_deepcopy(self: Any, memo: Any) -> Any:
+    raise TrainingStateError(
+        "a sharded module cannot be deep-copied (its parameters alias communication buffers); "
+        "copy the model before fully_shard, or rebuild it and load a state dict"
+    )
+
+
+class UnshardHandle:
+    """Returned by :meth:`FSDPModule.unshard`; ``wait()`` makes the unsharded
+    parameters usable (a no-op once done, and for a synchronous unshard)."""
+
+    def __init__(self, groups: list[ParamGroup] | None) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        if self._groups:
+            for group in self._groups:
+                group.wait_for_unshard()
+        self._groups = None
+
+
+def states_of(root: nn.Module, recurse: bool) -> list[ShardState]:
+    modules = root.modules() if recurse else [root]
+    out, seen = [], set()
+    for m in modules:
+        state = state_of(m)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            out.append(state)
+    return out
+
+
+class FSDPModule:
+    """Methods every sharded module gains (``type(m)`` is ``FSDP<Name>``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers (e.g. nn.Sequential slicing) build new instances of
+        # ``type(self)``; those are not sharded, so build the original class.
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _shard_state(self) -> ShardState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:  # pragma: no cover - class swapped by hand
+            raise TrainingStateError(f"{type(self).__name__} has no sharding state")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle:
+        """All-gather this module's parameters (not its sharded submodules').
+
+        With ``async_op=True`` the returned handle's ``wait()`` (or the
+        module's own forward) completes it, so it can overlap other work."""
+        groups = self._shard_state().groups
+        for group in groups:
+            group.unshard(async_op=async_op)
+        handle = UnshardHandle(list(groups))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded DTensors (not recursive)."""
+        for group in self._shard_state().groups:
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception mid forward/backward, call on the root to start clean
+        (the failed iteration's gradient reductions are dropped)."""
+        self._shard_state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step (finalizes; clears prefetch order)."""
+        self._shard_state().ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unsharded gradients locally without communication
+        (FSDP1's ``no_sync``); the next backward with ``True`` reduces the sum.
+        For HSDP this covers both the reduce-scatter and the all-reduce."""
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reduce_grads = requires_gradient_sync
+                group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: ``False`` reduce-scatters but defers the replicate all-reduce."""
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Change the post-forward policy (``True``/``False``/int k) of this module (and below)."""
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
+            state.auto_reshard_after_forward = False
+            for group in state.groups:
+                value = normalize_reshard_after_forward(reshard_after_forward, group.mesh_info.shard_size)
+                apply_reshard_after_forward(group, value)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters unsharded after backward (saves the next
+        forward's all-gather during gradient accumulation, costs memory)."""
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` right after this module's own all-gather in forward."""
+        self._shard_state().forward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` at this module's pre-backward.  Any list, even
+        an empty one, replaces the default (the module that ran forward just
+        before this one): ``[]`` turns backward prefetching off for this module."""
+        self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        if factor <= 0:
+            raise ConfigurationError(f"gradient divide factor must be positive, got {factor}")
+        for state in states_of(self, True):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+        """Reduce zeros for trainable params that got no gradient, so ranks that
+        used a parameter and ranks that did not still run the same collective."""
+        for state in states_of(self, True):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` for modules whose parameters backward never reads (skips an all-gather)."""
+        for group in self._shard_state().groups:
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """On an accelerator, make the next forward's all-gathers wait on this
+        event (recorded after ``optimizer.step()``).  Accepted for
+        compatibility: shardkit's all-gather stream already waits on the
+        current stream before each all-gather, which orders it after the step."""
+        self._shard_state().ctx.post_optim_event = event
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``module.to(...)``/``to_empty``: act on the sharded DTensors, then re-pad
+        # their local tensors and re-derive dtypes at the next use.
+        state = self._shard_state()
+        for group in state.groups:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        with torch.no_grad():
+            for group in state.groups:
+                for p in group.params:
+                    p.reset_sharded_param()
+                group.invalidate()
+        return result
+
+
+def _require_fsdp(module: Any) -> FSDPModule:
+    if not isinstance(module, FSDPModule):
+        raise ConfigurationError(f"expected a module sharded with fully_shard, got {type(module).__name__}")
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run the same hooks as ``module(...)``
+    (e.g. ``generate``).  A no-op for modules that are not sharded."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ConfigurationError(f"{type(module).__name__} has no method {method_name!r}")
+    original = getattr(module, method_name)
+    state = module._shard_state()
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._module_pre_forward(module, args, kwargs)  # type: ignore[arg-type]
+        out = original(*args, **kwargs)
+        return state._module_post_forward(module, args, out)  # type: ignore[arg-type]
+
+    setattr(module, method_name, wrapped)
