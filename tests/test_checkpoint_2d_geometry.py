@@ -125,14 +125,16 @@ def test_pieces_hold_exactly_the_data_torch_distributes_and_agree_with_torch_whe
 # --------------------------------------------------------------------------
 # save writes each stored element once: replicas outside the tensor's mesh, on a 3-D mesh, strided pieces
 
-def _save_mixed_layouts(url: str):
+SHAPES = {"emb": (97, 40), "w1": (51, 26), "w2": (26, 51), "b": (26,), "x3": (37, 5), "plain": (7,)}
+
+
+def _save_mixed_layouts(url: str, background: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     gen = torch.Generator().manual_seed(0)
-    full = {k: torch.randn(s, generator=gen) for k, s in
-            {"emb": (97, 40), "w1": (51, 26), "w2": (26, 51), "b": (26,), "x3": (37, 5), "plain": (7,)}.items()}
+    full = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "dp", "tp"))
     sd = {"emb": distribute_tensor(full["emb"], mesh["dp"], [Shard(0)]),  # held alike by both tp ranks
@@ -143,39 +145,97 @@ def _save_mixed_layouts(url: str):
           "x3": distribute_tensor(full["x3"], mesh3, [Replicate(), Shard(1), _StridedShard(0, split_factor=2)],
                                   src_data_rank=None),
           "plain": full["plain"]}
-    skc.save({"model": sd}, url, chunk_bytes=2048)
+    if background:
+        skc.async_save({"model": sd}, url, chunk_bytes=2048).result()
+    else:
+        skc.save({"model": sd}, url, chunk_bytes=2048)
     return full
 
 
-def _load_mixed_layouts(url: str):
+def _load_mixed_layouts(url: str, full: dict[str, torch.Tensor]) -> list[str]:
+    """Into strided targets holding several row ranges (``b`` cast to float64 on the way); the keys
+    whose pieces do not hold exactly the saved values."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from shardkit.checkpoint.geometry.placements import local_pieces, view
+
     mesh = init_device_mesh("cpu", (4,))
-    shapes = {"emb": (97, 40), "w1": (51, 26), "w2": (26, 51), "b": (26,), "x3": (37, 5), "plain": (7,)}
     sd = {k: distribute_tensor(torch.zeros(s), mesh, [_StridedShard(0, split_factor=3)], src_data_rank=None)
-          if k != "plain" else torch.zeros(s) for k, s in shapes.items()}
+          for k, s in SHAPES.items() if k != "plain"}
     sd["w2"] = distribute_tensor(torch.zeros(26, 51), mesh, [Shard(1)])
-    skc.load({"model": sd}, url)
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
+    sd["b"] = distribute_tensor(torch.zeros(26, dtype=torch.float64), mesh, [_StridedShard(0, split_factor=3)],
+                                src_data_rank=None)
+    sd["plain"] = torch.zeros(7)
+    skc.load({"model": sd}, url, dtype_cast=True)
+    return [k for k, t in sd.items() if not all(torch.equal(view(t.to_local() if k != "plain" else t, loc),
+                                                            view(full[k].to(t.dtype), glob))
+                                                for glob, loc in local_pieces(t))]
 
 
-def test_each_element_is_written_once_whoever_holds_it_and_loads_into_strided_targets(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_each_element_is_written_once_whoever_holds_it_and_loads_into_strided_targets(tmp_path, background):
     url = str(tmp_path / "mixed")
-    full = run_on_ranks(4, _save_mixed_layouts, url)[0]
+    full = run_on_ranks(4, _save_mixed_layouts, url, background)[0]
     manifest = json.loads((tmp_path / "mixed" / "manifest.json").read_text())
     stored = {k.removeprefix("model."): sum(math.prod(c["shape"]) for c in t["chunks"])
               for k, t in manifest["tensors"].items()}
     assert stored == {k: v.numel() for k, v in full.items()}
     payload = sum(c["nbytes"] for t in manifest["tensors"].values() for c in t["chunks"])
     assert payload == sum(v.numel() * 4 for v in full.values())  # no byte written twice
-    for got in run_on_ranks(4, _load_mixed_layouts, url):
-        assert all(torch.equal(got[k], v) for k, v in full.items())
+    assert run_on_ranks(4, _load_mixed_layouts, url, full) == [[]] * 4
     layouts = {tuple(e["placements"]): e["mesh"] for e in manifest["writer"]["layouts"]}
     assert layouts[("_S(0, 2)", "R")] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
     assert layouts[("S(0)",)] == {"shape": [2], "dim_names": ["dp"]}
     assert manifest["writer"]["mesh"]["shape"] == [2, 1, 2]  # the widest mesh comes first
+
+
+def _cut_and_copy_into_strided():
+    """shard_full_tensor and copy_into for a target holding two row ranges: torch's own split, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardkit.checkpoint.state.relayout import copy_into, shard_full_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(37 * 3, dtype=torch.float32).view(37, 3)
+    placements = [_StridedShard(0, split_factor=2), Replicate()]
+    expected = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    like = distribute_tensor(torch.zeros(37, 3), mesh, placements, src_data_rank=None)
+    cut = shard_full_tensor(full, like)
+    copy_into(like, full, "t")
+    return torch.equal(cut.to_local(), expected), torch.equal(like.to_local(), expected), cut.placements == \
+        like.placements
+
+
+def test_full_tensors_are_cut_into_strided_row_ranges_as_torch_splits_them():
+    assert run_on_ranks(4, _cut_and_copy_into_strided) == [(True, True, True)] * 4
+
+
+def _save_failing_on_rank_2(url: str):
+    """Rank 2 alone holds a Partial tensor: its planning fails, the others must not wait for it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (4,))
+    placement = Partial() if torch.distributed.get_rank() == 2 else Shard(0)
+    sd = {"model": {"x": DTensor.from_local(torch.ones(2), mesh, [placement], run_check=False)}}
+    try:
+        skc.save(sd, url)
+    except IncompatibleStateDict as exc:
+        return str(exc)
+    return None
+
+
+def test_a_planning_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    messages = run_on_ranks(4, _save_failing_on_rank_2, str(tmp_path / "one"), timeout=60)
+    assert messages[2] == "'model.x' has a Partial placement (a pending reduction); redistribute it to " \
+                          "Shard/Replicate before checkpointing"
+    assert all(m is not None and "failed on rank 2" in m and "'model.x' has a Partial placement" in m
+               for i, m in enumerate(messages) if i != 2), messages
+    assert not (tmp_path / "one" / "manifest.json").exists()
 
 
 def _save_partial(url: str):
