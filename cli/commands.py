@@ -244,16 +244,27 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     if layout:
         mesh = layout.get("mesh") or {}
         shape = "x".join(str(d) for d in mesh.get("shape", [])) or "?"
-        placements = ", ".join(mesh.get("placements", []))
+        # the mesh's dim names where the writer recorded each tensor's placements (listed below), else its placements
+        named = ", ".join(mesh.get("dim_names", [])) if layout.get("layouts") else ""
+        placements = named or ", ".join(mesh.get("placements", []))
         click.echo(f"layout: world size {layout.get('world_size', '?')}"
                    + (f", mesh {shape} ({placements})" if mesh else ""))
+        for held in layout.get("layouts", []):
+            dims = held["mesh"].get("dim_names") or []
+            on = "x".join(str(d) for d in held["mesh"].get("shape", []))
+            click.echo(f"  {', '.join(held['placements'])} on mesh {on}" + (f" ({', '.join(dims)})" if dims else "")
+                       + f": {held['tensors']} tensors")
     if info["meta"]:
         click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
     if info["values"]:
         click.echo("values: " + ", ".join(info["values"]))
     shown = info["tensors"][:limit] if limit else info["tensors"]
+    placed = any("placements" in t for t in shown)  # the writer recorded how each tensor was held
     click.echo(table(([t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", human_bytes(t["bytes"]),
-                       t["chunks"]] for t in shown), ["name", "dtype", "shape", "size", "chunks"], "lllrr"))
+                       t["chunks"]] + ([", ".join(t.get("placements", [])) or "-"] if placed else [])
+                      for t in shown),
+                     ["name", "dtype", "shape", "size", "chunks"] + (["placements"] if placed else []),
+                     "lllrr" + ("l" if placed else "")))
     if len(shown) < len(info["tensors"]):
         click.echo(f"... {len(info['tensors']) - len(shown)} more")
     tied = [f"{t['name']} = {t['alias_of']}" for t in shown if "alias_of" in t]

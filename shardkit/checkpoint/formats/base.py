@@ -101,6 +101,8 @@ class CheckpointInfo:
     world_size: int | None = None        # writer world size, when known
     mesh: Mapping[str, Any] | None = None  # {"shape", "dim_names", "placements"} of the writer, when known
     meta: Mapping[str, Any] = field(default_factory=dict)  # user metadata (e.g. "step")
+    # how the writer held its tensors, when known: [{"mesh": {"shape", "dim_names"}, "placements", "tensors"}]
+    layouts: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ Sharding semantics are torch's: ``Shard(d)`` on a mesh dim of size ``k`` gives
 piece ``i`` the rows ``[i*c, min((i+1)*c, n))`` of dim ``d`` with
 ``c = ceil(n / k)`` (later pieces may be short or empty); several mesh dims
 sharding the same tensor dim nest left to right; ``Replicate()`` copies.
+What a rank holds of a DTensor under any placement (``_StridedShard``
+included, where it may be several boxes) is :mod:`.placements`' business.
 """
 
 from __future__ import annotations
@@ -28,13 +30,10 @@ import torch
 
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["itemsize", 
-    "Box", "intersect", "box_numel", "box_contains", "shard_range", "shard_box", "local_box",
-    "local_tensor", "is_dtensor", "is_primary_replica", "mesh_description", "split_box", "check_cover",
-]
+__all__ = ["itemsize", "Box", "intersect", "box_numel", "box_contains", "shard_range", "shard_box",
+           "local_tensor", "is_dtensor", "split_box", "check_cover"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
-
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -69,6 +68,13 @@ def is_dtensor(value: Any) -> bool:
     return api is not None and isinstance(value, api.DTensor)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local torch.Tensor (the DTensor's local shard, or the tensor itself)."""
+    if is_dtensor(tensor):
+        return tensor.to_local()
+    return tensor
+
+
 def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of a dim of ``size`` that piece ``index`` of ``parts`` holds under ``Shard``:
     torch's rule, ``ceil(size / parts)`` rows each, later pieces short or empty.  Pure arithmetic,
@@ -95,82 +101,6 @@ def shard_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
         offsets[d] += lo
         shape[d] = hi - lo
     return tuple(offsets), tuple(shape)
-
-
-def _placements_ok(placements: Sequence[Any]) -> bool:
-    from torch.distributed.tensor import Replicate, Shard
-
-    return all(isinstance(p, Replicate) or type(p) is Shard for p in placements)
-
-
-def local_box(tensor: torch.Tensor, fqn: str = "") -> Box | None:
-    """The global box this rank holds of ``tensor``; ``None`` when its mesh excludes this rank.
-
-    A plain tensor holds its whole self.  A DTensor holds the box its
-    placements give this rank's mesh coordinate; exotic placements
-    (``_StridedShard``) use torch's own offset computation.
-    """
-    if not is_dtensor(tensor):
-        return (0,) * tensor.dim(), tuple(tensor.shape)
-    from torch.distributed.tensor import Partial
-
-    mesh, placements = tensor.device_mesh, tensor.placements
-    if any(isinstance(p, Partial) for p in placements):
-        raise IncompatibleStateDict(f"{fqn or 'a tensor'} has a Partial placement (a pending reduction); "
-                                    f"reduce it (redistribute to Shard/Replicate) before checkpointing")
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return None
-    if _placements_ok(placements):
-        box = shard_box(tuple(tensor.shape), tuple(mesh.shape), coord, placements)
-    else:
-        from torch.distributed.tensor._utils import (
-            compute_local_shape_and_global_offset,
-        )
-
-        shape, offsets = compute_local_shape_and_global_offset(tuple(tensor.shape), mesh, placements)
-        box = tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
-    local = tensor.to_local()
-    if tuple(local.shape) != box[1]:
-        raise IncompatibleStateDict(f"{fqn or 'a DTensor'}: local tensor has shape {tuple(local.shape)}, "
-                                    f"its placements {placements} imply {box[1]}")
-    return box
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local torch.Tensor (the DTensor's local shard, or the tensor itself)."""
-    if is_dtensor(tensor):
-        return tensor.to_local()
-    return tensor
-
-
-def is_primary_replica(tensor: torch.Tensor, world_rank: int) -> bool:
-    """True when this rank is the lowest global rank holding its box of ``tensor``.
-
-    Replicas of a box are the ranks that share this rank's coordinates on every
-    mesh dim that shards; they differ only on ``Replicate`` dims.  A plain
-    tensor in a process group is held by every rank, so only rank 0 writes it.
-    """
-    if not is_dtensor(tensor):
-        return world_rank == 0
-    from torch.distributed.tensor import Replicate
-
-    mesh = tensor.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return False
-    index = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(tensor.placements, coord))
-    holders = mesh.mesh[index]
-    return int(holders.min()) == world_rank
-
-
-def mesh_description(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """``{"shape": [...], "dim_names": [...], "placements": [...]}`` of a DTensor (for the manifest)."""
-    if not is_dtensor(tensor):
-        return None
-    mesh = tensor.device_mesh
-    return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or []),
-            "placements": [str(p) for p in tensor.placements]}
 
 
 def split_box(box: Box, itemsize: int, cap_bytes: int) -> list[Box]:

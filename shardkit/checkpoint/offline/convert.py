@@ -301,18 +301,25 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
     stored once under another (an alias) is listed with ``alias_of`` and no
     chunks of its own, and its bytes are not counted again in the totals.
+    Where the writer recorded how it held its tensors (native checkpoints
+    saved by a job), ``layout["layouts"]`` lists each mesh and placements with
+    its number of tensors, and each tensor carries its ``mesh`` and ``placements``.
     """
     source = open_reader(src, storage_options)
     try:
         tensors = []
         aliases = source.aliases()
+        info = source.info
+        held = {fqn: (e["mesh"], e["placements"]) for e in info.layouts for fqn in e["tensors"]}
         for name, e in sorted(source.tensors().items()):
             tensors.append({"name": name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape),
                             "bytes": e.nbytes, "chunks": 0 if name in aliases else len(e.chunks)}
-                           | ({"alias_of": aliases[name]} if name in aliases else {}))
+                           | ({"alias_of": aliases[name]} if name in aliases else {})
+                           | ({"mesh": held[name][0], "placements": held[name][1]} if name in held else {}))
         stored = [t for t in tensors if "alias_of" not in t]
-        info = source.info
-        layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh)) if v}
+        layouts = [{"mesh": e["mesh"], "placements": e["placements"], "tensors": len(e["tensors"])}
+                   for e in info.layouts]
+        layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh), ("layouts", layouts)) if v}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),

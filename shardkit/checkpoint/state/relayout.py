@@ -18,7 +18,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from shardkit.checkpoint.geometry.boxes import is_dtensor, local_box, local_tensor
+from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
+from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import IncompatibleStateDict
@@ -28,13 +29,23 @@ __all__ = ["full_to_local", "shard_full_tensor", "relayout_like", "gather_full_t
 
 
 def full_to_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` that this rank holds of ``like`` (a view; ``full`` itself for plain tensors)."""
+    """The part of ``full`` that this rank holds of ``like``: a view when the rank holds one box
+    (``full`` itself for plain tensors), else a new tensor of the local shape assembled from each
+    held box (a ``_StridedShard`` rank may hold several row ranges)."""
     if tuple(full.shape) != tuple(like.shape):
         raise IncompatibleStateDict(f"full tensor has shape {tuple(full.shape)}, the target {tuple(like.shape)}")
-    box = local_box(like)
-    if box is None or not is_dtensor(like):
+    if not is_dtensor(like):
         return full
-    return full[tuple(slice(o, o + s) for o, s in zip(*box))]
+    pieces = local_pieces(like)
+    if pieces is None:
+        return full
+    local_shape = tuple(local_tensor(like).shape)
+    if len(pieces) == 1 and pieces[0][0][1] == local_shape:
+        return view(full, pieces[0][0])
+    out = full.new_empty(local_shape)
+    for global_box, local_box in pieces:
+        view(out, local_box).copy_(view(full, global_box))
+    return out
 
 
 def shard_full_tensor(full: torch.Tensor, like: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:

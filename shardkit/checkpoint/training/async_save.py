@@ -27,7 +27,7 @@ from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAU
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.tree import flatten, keep_keys, to_json_value
+from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.save import plan_save, save_options, write_and_commit
 
 __all__ = ["async_save", "StagingPool", "BackgroundSaver", "background_saver"]
@@ -110,8 +110,7 @@ class BackgroundSaver:
             dist = Dist(group)
             plan, error = None, None
             try:
-                plan = plan_save(keep_keys(flatten(state_dict), *keys), dist.rank, chunk_bytes=chunk_bytes,
-                                 io_threads=io_threads,
+                plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
                                  compression=compression)
                 plan.groups = self.pool.stage(plan.groups)
                 plan.values = dict(plan.values)

@@ -21,7 +21,6 @@ on the outcome):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -36,10 +35,8 @@ from shardkit.checkpoint.formats.base import (
 from shardkit.checkpoint.formats.native.reader import (
     NativeReader,
 )
-from shardkit.checkpoint.geometry.boxes import (
-    local_box,
-    local_tensor,
-)
+from shardkit.checkpoint.geometry.boxes import box_numel, local_tensor
+from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
@@ -192,7 +189,13 @@ class LoadResult(dict):
 
 
 def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False) -> LoadPlan:
-    """Match ``flat`` (the target) against the checkpoint and plan every read, before any is made."""
+    """Read requests that fill every tensor of ``flat`` this rank holds, the (buffer, target) copies
+    for targets read through a host buffer (a device target, or ``dtype_cast``), and the keys left alone.
+
+    Each target is filled piece by piece (:func:`~shardkit.checkpoint.geometry.placements.local_pieces`):
+    one box for most layouts, several row ranges for a ``_StridedShard`` that holds them, each
+    read straight into its view of the local tensor.  Raises before anything is read when keys,
+    dtypes or shapes do not match."""
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)
@@ -221,15 +224,16 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
                                         f"is {target.dtype} {list(target.shape)}{hint}")
         if reads[key] != key:  # tied to a key read already: the same memory
             continue
-        box = local_box(target, key)
-        if box is None or math.prod(box[1]) == 0:
+        pieces = [p for p in local_pieces(target, key) or () if box_numel(p[0])]
+        if not pieces:
             continue
         local = local_tensor(target).detach()
         if local.device.type != "cpu" or cast:  # read as stored, then copy_ (casting) into the target
             buf = torch.empty(local.shape, dtype=entry.dtype)
             device_copies.append((buf, local))
             local = buf
-        wanted.append((key, box, local))
+        # one wanted box per piece the rank holds (several for a strided shard), read into its view
+        wanted.extend((key, global_box, view(local, local_box)) for global_box, local_box in pieces)
     for key in flat.values:
         if key in stored:
             check_value_kind(key, key in entries, False)

@@ -1,11 +1,17 @@
 """``save``: write a state dict as a native checkpoint (collective when a process group exists;
 plain in one process).
 
-1. Flatten the state dict; every rank plans the chunks *it* writes -- the boxes
-   of its local shards for which it is the lowest rank holding them (so HSDP
-   replicas and plain tensors are written once), split at ``chunk_bytes``.
-   A key whose tensor is the same tensor as an earlier key's (tied weights)
-   is written once, under the earlier key, and recorded as an alias.
+1. Flatten the state dict; every rank plans the chunks *it* writes.  A rank
+   holds each tensor as one or more boxes of the global tensor
+   (:func:`~shardkit.checkpoint.geometry.placements.local_pieces`: any mesh,
+   ``Shard``, ``_StridedShard``, ``Replicate``); the ranks exchange their boxes
+   and the lowest rank holding a box writes it (:func:`assign_writers`), so
+   every stored element is written exactly once -- replicas on a mesh dim of
+   the tensor's own mesh (HSDP), ranks outside that mesh holding the same data
+   (a tensor FSDP shards over the dp sub-mesh, copied on every tp rank) and
+   plain tensors alike.  Boxes are split at ``chunk_bytes``.  A key whose
+   tensor is the same tensor as an earlier key's (tied weights) is written
+   once, under the earlier key, and recorded as an alias.
 2. Each rank streams its chunks into its own data files, in parallel threads,
    straight from the tensors' memory (``async_save``: from a reused staging
    copy), computing crc32c per block on the way; files are fsynced.
@@ -43,19 +49,13 @@ from shardkit.checkpoint.formats.native.writer import (
     group_into_files,
     new_token,
 )
-from shardkit.checkpoint.geometry.boxes import (
-    is_primary_replica,
-    local_box,
-    local_tensor,
-    mesh_description,
-    split_box,
-)
+from shardkit.checkpoint.geometry.boxes import Box, box_numel, is_dtensor, local_tensor, split_box
+from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, lowest_replica, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.aliases import find_aliases
 from shardkit.checkpoint.state.tree import (
-    Flat,
     flatten,
     keep_keys,
     to_json_value,
@@ -71,56 +71,128 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "plan_save", "write_and_commit", "save_options"]
+__all__ = ["save", "SavePlan", "plan_save", "assign_writers", "layouts_of", "write_and_commit", "save_options"]
 
 
 class SavePlan:
-    """What one rank writes: its chunks grouped into files, and the tensors' global metadata."""
+    """What one rank writes: its chunks grouped into files, and the tensors' global metadata.
+
+    ``layouts`` says how the job held its tensors (see :func:`layouts_of`), for the manifest.
+    """
 
     def __init__(self, groups: list[list[WriteChunk]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 values: dict[str, Any], mesh: dict[str, Any] | None, aliases: dict[str, str] | None = None) -> None:
+                 values: dict[str, Any], layouts: list[dict[str, Any]] | None = None,
+                 aliases: dict[str, str] | None = None) -> None:
         self.groups = groups
         self.tensors = tensors
         self.values = values
-        self.mesh = mesh
+        self.layouts = layouts or []
         self.aliases = aliases or {}  # tied key -> the key its data is written under
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for g in self.groups for c in g)
 
-
-def _chunk_view(local: torch.Tensor, box_offsets: Sequence[int], sub: tuple[tuple[int, ...], tuple[int, ...]]):
-    index = tuple(slice(o - bo, o - bo + s) for o, bo, s in zip(sub[0], box_offsets, sub[1]))
-    view = local[index]
-    if view.device.type != "cpu":
-        return lambda: view.to("cpu")
-    if not view.is_contiguous():
-        return lambda: view.contiguous()
-    return view
+    @property
+    def mesh(self) -> dict[str, Any] | None:
+        """The widest mesh any tensor lives on (the job's mesh; sub-meshes are slices of it) with the
+        placements of its first tensor: the manifest's ``writer.mesh``."""
+        return self.layouts[0]["mesh"] | {"placements": self.layouts[0]["placements"]} if self.layouts else None
 
 
-def plan_save(flat: Flat, rank: int, *, chunk_bytes: int, io_threads: int,
-              compression: Compression | None) -> SavePlan:
-    """Chunks this rank writes (primary replicas only, tied tensors once), grouped into files balanced by bytes."""
-    chunks: list[WriteChunk] = []
+def _chunk_view(piece: torch.Tensor, piece_offsets: Sequence[int], sub: Box):
+    """The data of chunk ``sub`` (global box) inside ``piece`` (a view of the local tensor at
+    global offsets ``piece_offsets``): the view itself, or a callable making a contiguous CPU copy
+    when the writer gets to it."""
+    index = tuple(slice(o - po, o - po + s) for o, po, s in zip(sub[0], piece_offsets, sub[1]))
+    chunk = piece[index]
+    if chunk.device.type != "cpu":
+        return lambda: chunk.to("cpu")
+    if not chunk.is_contiguous():
+        return lambda: chunk.contiguous()
+    return chunk
+
+
+def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """How the job held its tensors: ``[{"mesh": {"shape", "dim_names"}, "placements": [...],
+    "tensors": [fqn, ...]}, ...]``, one entry per distinct mesh and placements, widest mesh first.
+    Plain tensors are not listed (every rank holds them whole)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        layout = layout_of(tensor)
+        if layout is None:
+            continue
+        mesh = {"shape": layout["shape"], "dim_names": layout["dim_names"]}
+        entry = groups.setdefault(repr((mesh, layout["placements"])),
+                                  {"mesh": mesh, "placements": layout["placements"], "tensors": []})
+        entry["tensors"].append(key)
+    return sorted(groups.values(), key=lambda e: (-len(e["mesh"]["shape"]), -math.prod(e["mesh"]["shape"])))
+
+
+def assign_writers(dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict[str, list[Box]]:
+    """Of the boxes this rank holds (``{fqn: [box, ...]}``), the ones it writes: those no lower rank holds.
+
+    Collective: every rank must call it, in the same order; a rank whose
+    planning failed passes ``None`` (it holds nothing) so the others do not
+    wait for it.  Only boxes this rank may write after the local rule
+    (:func:`~shardkit.checkpoint.geometry.placements.lowest_replica`) travel,
+    as JSON; a box held identically by several ranks -- whether the replica
+    dimension is part of the tensor's own mesh or not -- is written by the
+    lowest of them.  Boxes are compared whole: two ranks holding *different*
+    but overlapping boxes of one tensor is a layout no mesh produces, and the
+    manifest check at commit refuses it, naming the tensor.
+    """
+    mine = {k: [[list(b[0]), list(b[1])] for b in boxes] for k, boxes in (held or {}).items()}
+    everyone = dist.all_gather_json(mine)
+    taken: dict[str, set[str]] = {}
+    for rank_boxes in everyone[:dist.group_rank]:
+        for key, boxes in (rank_boxes or {}).items():
+            taken.setdefault(key, set()).update(repr(b) for b in boxes)
+    return {key: [tuple(map(tuple, b)) for b in boxes if repr(b) not in taken.get(key, ())]
+            for key, boxes in mine.items()}
+
+
+def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io_threads: int,
+              compression: Compression | None,
+              keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> SavePlan:
+    """Chunks this rank writes (each stored box by one rank, tied tensors once), grouped into files balanced
+    by bytes.  ``keys`` = (only, exclude) globs choose the keys saved.  Collective
+    (:func:`assign_writers`): every rank reaches the exchange even when its own planning failed, and
+    raises that failure after it."""
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    mesh = None
-    aliases = find_aliases(flat.tensors)
-    for key, tensor in flat.tensors.items():
-        dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
-        if key in aliases:
-            continue
-        tensors[key] = (tensor.dtype, tuple(tensor.shape))
-        mesh = mesh or mesh_description(tensor)
-        box = local_box(tensor, key)
-        if box is None or math.prod(box[1]) == 0 or not is_primary_replica(tensor, rank):
-            continue
-        local = local_tensor(tensor).detach()
-        for sub in split_box(box, tensor.element_size(), chunk_bytes):
-            chunks.append(WriteChunk(key, tensor.dtype, sub[0], sub[1], _chunk_view(local, box[0], sub)))
+    held: dict[str, list[Box]] | None = {}
+    views: dict[tuple[str, Box], torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        flat = keep_keys(flatten(state_dict), *keys)
+        aliases = find_aliases(flat.tensors)
+        for key, tensor in flat.tensors.items():
+            dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
+            if key in aliases:
+                continue
+            tensors[key] = (tensor.dtype, tuple(tensor.shape))
+            pieces = local_pieces(tensor, key)
+            if not pieces or not lowest_replica(tensor) or (not is_dtensor(tensor) and dist.group_rank != 0):
+                continue  # a plain tensor is every rank's: rank 0 writes it without asking the others
+            local = local_tensor(tensor).detach()
+            for global_box, local_box in pieces:
+                if box_numel(global_box):
+                    held.setdefault(key, []).append(global_box)
+                    views[(key, global_box)] = view(local, local_box)
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange
+        error, held = exc, None
+    writes = assign_writers(dist, held)
+    if error is not None:
+        raise error
+    chunks: list[WriteChunk] = []
+    for key, boxes in writes.items():
+        dtype = tensors[key][0]
+        for box in boxes:
+            piece = views[(key, box)]
+            for sub in split_box(box, piece.element_size(), chunk_bytes):
+                chunks.append(WriteChunk(key, dtype, sub[0], sub[1], _chunk_view(piece, box[0], sub)))
     return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
-                    tensors, flat.values, mesh, aliases)
+                    tensors, flat.values, layouts_of(flat.tensors), aliases)
 
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
@@ -197,7 +269,7 @@ def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gath
             raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
                                   f"{plan.aliases}, rank {r} {g['aliases']}; every rank must tie the same keys")
     files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
-    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh}
+    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh, "layouts": plan.layouts}
     manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
                                      aliases=plan.aliases)
     if not overwrite and is_committed(storage):
@@ -241,10 +313,10 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     storage = Storage(url, storage_options)
     plan, error = None, None
     try:
+        plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, compression=comp,
+                         keys=(only, exclude))
         if not overwrite and is_committed(storage):
             raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
-        plan = plan_save(keep_keys(flatten(state_dict), only, exclude), dist.rank, chunk_bytes=chunk_bytes,
-                         io_threads=io_threads, compression=comp)
         log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),
                   sum(len(g) for g in plan.groups), url)
         storage.makedirs()

@@ -111,7 +111,7 @@ class NativeReader(CheckpointReader):
         self.info = CheckpointInfo("shardkit", self.storage.url, self.manifest.version,
                                    writer.get("world_size") if isinstance(writer.get("world_size"), int) else None,
                                    writer.get("mesh") if isinstance(writer.get("mesh"), dict) else None,
-                                   self.manifest.meta)
+                                   self.manifest.meta, _layouts(writer.get("layouts")))
         self.io_threads = io_threads
         self._entries = {
             fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
@@ -355,6 +355,15 @@ class NativeReader(CheckpointReader):
             typed = span.view(r.out.dtype)
             r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
         self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
+
+
+def _layouts(value: Any) -> tuple[dict[str, Any], ...]:
+    """The writer's ``layouts`` as recorded, keeping only well-formed entries: the record is
+    informational (``inspect`` shows it), so a foreign or older manifest never fails on it."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(e for e in value if isinstance(e, dict) and isinstance(e.get("mesh"), dict)
+                 and isinstance(e.get("placements"), list) and isinstance(e.get("tensors"), list))
 
 
 def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:

@@ -1,0 +1,31 @@
+"""Checkpoints saved in every other layout load into (dp=2, tp=2): bitwise model and AdamW state, and
+5 more steps matching each writer's uninterrupted run.
+
+The other direction of tests/test_checkpoint_2d_from_2d.py, with the same
+runtime-named layouts (shardkit's 2-D runtime joins with one line per cell);
+the writers without tensor parallelism are in test_checkpoint_2d_to_2d_from_1d.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoint_2d_helpers import mismatches, rel_close, resume, run_layout, train_save_continue
+
+READER = ("torch", "dp2tp2")
+WRITERS = [
+    ("torch", "dp4tp1"),
+    ("torch", "dp1tp4"),
+    ("torch", "dp1tp2"),
+    ("torch", "hsdp1x2tp2"),
+]
+
+
+@pytest.mark.parametrize("runtime,layout", WRITERS, ids=["-".join(w) for w in WRITERS])
+def test_checkpoint_of_layout_resumes_bitwise_at_dp2_tp2(tmp_path, runtime, layout):
+    url = str(tmp_path / f"{runtime}-{layout}")
+    reference = run_layout(layout, train_save_continue, url, runtime, layout)
+    out = run_layout(READER[1], resume, url, *READER)
+    assert out["meta"] == {"step": 5}
+    assert mismatches(reference["saved"], out["loaded"]) == []
+    assert rel_close(out["losses"], reference["losses"][5:]), (out["losses"], reference["losses"][5:])
