@@ -114,9 +114,11 @@ def _torch_runtime() -> tuple[Callable[..., Any], Callable[..., Any] | None]:
 
 
 def _shardkit_runtime() -> tuple[Callable[..., Any], Callable[..., Any] | None]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
     from shardkit import fully_shard
 
-    return fully_shard, None  # tensor parallelism: on the runtime's own branch
+    return fully_shard, parallelize_module  # torch's tensor parallelism, shardkit's FSDP over dp
 
 
 # runtime name -> (fully_shard, parallelize_module or None)

@@ -21,6 +21,8 @@ READERS = [
     ("torch", "dp1tp2"),
     ("torch", "fsdp3"),
     ("shardkit", "fsdp3"),
+    ("shardkit", "dp1tp4"),
+    ("shardkit", "hsdp1x2tp2"),
     ("torch", "hsdp1x2tp2"),
     ("torch", "plain"),
 ]

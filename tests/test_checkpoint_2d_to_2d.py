@@ -18,6 +18,8 @@ WRITERS = [
     ("torch", "dp1tp4"),
     ("torch", "dp1tp2"),
     ("torch", "hsdp1x2tp2"),
+    ("shardkit", "dp1tp2"),
+    ("shardkit", "hsdp1x2tp2"),
 ]
 
 
