@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.checkpoint_helpers import mismatches, rel_close  # noqa: F401 - re-exported for the tests
+from tests.checkpoint_helpers import full_state, mismatches, rel_close  # noqa: F401 - re-exported for the tests
 from tests.models import ModelArgs, lm_loss, make_batch
 
 VOCAB, DIM, HIDDEN, LAYERS, SEQ = 37, 26, 51, 2, 8  # 37, 51 divide none of 2, 3, 4; 26 divides 2 only
@@ -179,18 +179,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, layout: Layout, steps: r
             dist.all_reduce(total)
         losses.append(total.item() / layout.world)
     return losses
-
-
-def full_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Rank 0: the model and optimizer state gathered by shardkit and flattened (others: ``{}``)."""
-    from shardkit.checkpoint.state.full_state_dict import get_full_state_dict
-    from shardkit.checkpoint.state.tree import flatten
-
-    full = get_full_state_dict(model, opt)
-    if not full:
-        return {}
-    flat = flatten(full)
-    return {"tensors": {k: v.clone() for k, v in flat.tensors.items()}, "values": flat.values}
 
 
 def on_rank0(value: Any) -> Any:

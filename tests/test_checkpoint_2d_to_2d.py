@@ -2,8 +2,8 @@
 5 more steps matching each writer's uninterrupted run.
 
 The other direction of tests/test_checkpoint_2d_from_2d.py, with the same
-runtime-named layouts (shardkit's 2-D runtime joins with one line per cell);
-the writers without tensor parallelism are in test_checkpoint_2d_to_2d_from_1d.py.
+runtime-named layouts: tensor-parallel writers of torch's runtime and of
+shardkit's, and writers without tensor parallelism (3-rank FSDP, plain).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ WRITERS = [
     ("torch", "hsdp1x2tp2"),
     ("shardkit", "dp1tp2"),
     ("shardkit", "hsdp1x2tp2"),
+    ("torch", "fsdp3"),         # checkpoints without tensor parallelism, into (dp 2, tp 2)
+    ("shardkit", "fsdp3"),
+    ("torch", "plain"),
 ]
 
 
