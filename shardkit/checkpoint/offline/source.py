@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING
 
+from shardkit.checkpoint.io.files import listing
 from shardkit.checkpoint.io.storage import Storage
 
 if TYPE_CHECKING:
@@ -44,44 +45,6 @@ def overlap(a: Storage, b: Storage) -> bool:
             or y_path.startswith(x_path.rstrip("/") + "/"))
 
 
-def _stamp(info: Mapping[str, Any]) -> str:
-    """What changes when an object is rewritten: its ETag/generation remotely, else its mtime."""
-    for key in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
-        if info.get(key) is not None:
-            return f"{key}={info[key]}"
-    return ""
-
-
-def _local_stamp(st: os.stat_result) -> str:
-    # inode and ctime too: a file replaced by rename, or rewritten within one mtime tick, still differs
-    return f"ino={st.st_ino},mtime_ns={st.st_mtime_ns},ctime_ns={st.st_ctime_ns}"
-
-
-def _listing(storage: Storage) -> list[tuple[str, int, str]]:
-    """(name, size, change stamp) of the files directly at ``storage`` (or of the file itself)."""
-    if storage.is_local:
-        if not os.path.isdir(storage.root):
-            st = os.stat(storage.root)
-            return [(os.path.basename(storage.root), st.st_size, _local_stamp(st))]
-        out = []
-        with os.scandir(storage.root) as entries:
-            for e in entries:
-                if e.is_file():
-                    st = e.stat()
-                    out.append((e.name, st.st_size, _local_stamp(st)))
-        return sorted(out)
-    try:
-        storage.fs.invalidate_cache(storage.root)
-    except Exception:  # noqa: BLE001 - not every filesystem caches listings
-        pass
-    if storage.is_dir():
-        infos = storage.retry(f"listing {storage.url}", lambda: storage.fs.ls(storage.root, detail=True))
-    else:
-        infos = [storage.retry(f"checking {storage.url}", lambda: storage.fs.info(storage.root))]
-    return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), _stamp(i))
-                  for i in infos if i.get("type", "file") == "file")
-
-
 def source_fingerprint(storage: Storage, fmt: str) -> str:
     """A digest that changes whenever the checkpoint at ``storage`` changes.
 
@@ -95,5 +58,5 @@ def source_fingerprint(storage: Storage, fmt: str) -> str:
     if fmt == "shardkit":
         digest.update(storage.read_bytes("manifest.json"))
     else:
-        digest.update(json.dumps(_listing(storage)).encode())
+        digest.update(json.dumps(listing(storage)).encode())
     return digest.hexdigest()[:16]

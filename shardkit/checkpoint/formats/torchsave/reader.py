@@ -54,6 +54,7 @@ from shardkit.checkpoint.geometry.rows import (
     copy_rows_into,
     row_range,
 )
+from shardkit.checkpoint.io.files import download
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.state.tree import object_path
 from shardkit.errors import (
@@ -210,7 +211,7 @@ class TorchSaveReader(CheckpointReader):
         fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
         os.close(fd)
         tmp = self._tmp
-        parent.retry(f"downloading {storage.url}", lambda: parent.fs.get_file(parent.path(name), tmp))
+        download(parent, name, tmp)
         return Storage(os.path.dirname(tmp)), os.path.basename(tmp), tmp
 
     def _map_records(self, url: str, records: list[ZipRecord]) -> None:

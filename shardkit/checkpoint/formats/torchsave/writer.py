@@ -31,6 +31,7 @@ from shardkit.checkpoint.geometry.rows import (
     iter_row_blocks,
     rows_per_block,
 )
+from shardkit.checkpoint.io.files import replace
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.errors import (
@@ -163,11 +164,7 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
         dst.write_stream(target, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
                                                             block_bytes=block_bytes, on_bytes=on_bytes),
                          fsync=dst.is_local)
-        if dst.is_local:
-            os.replace(dst.path(target), dst.path(name))
-        else:
-            dst.retry(f"moving {dst.where(target)} to {dst.where(name)}",
-                      lambda: dst.fs.mv(dst.path(target), dst.path(name)))
+        replace(dst, target, name)
     except BaseException:
         try:
             dst.delete([target])
