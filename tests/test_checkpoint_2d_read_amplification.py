@@ -39,7 +39,7 @@ def _read_per_tensor(url: str, sd: dict, strict: bool = True) -> dict[str, tuple
 
     out = {}
     with open_reader(url) as reader:
-        requests, _ = plan_load(reader, flatten(sd), strict)
+        requests = plan_load(reader, flatten(sd), strict).requests
         for key in sorted({r.fqn for r in requests}):
             before = reader.stats.bytes_read, reader.stats.bytes_needed
             reader.read([r for r in requests if r.fqn == key])
