@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardkit.checkpoint.formats import detect_format
+from shardkit.checkpoint.formats import detect_format, open_reader
 from shardkit.checkpoint.formats.native.checksums import check_chunk
 from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.geometry.boxes import check_cover
@@ -77,14 +77,12 @@ class VerifyReport:
 def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, workers: int = 4,
            progress: Progress | None = None) -> VerifyReport:
     """Check a checkpoint's integrity; see the module docstring for what each format allows."""
-    from shardkit.checkpoint.formats import format_module
-
     start = time.monotonic()
     storage = Storage(src, storage_options)
     fmt = detect_format(storage)
     report = VerifyReport(src, fmt)
     try:
-        reader = format_module(fmt).open_reader(storage)
+        reader = open_reader(storage, format=fmt)
     except ShardkitError as exc:
         report.problems.append(str(exc))
         report.seconds = time.monotonic() - start
