@@ -26,11 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.checkpoint_helpers import full_state, mismatches, rel_close  # noqa: F401 - re-exported for the tests
-from tests.models import ModelArgs, lm_loss, make_batch
+from tests.checkpoint_helpers import full_state, mismatches, rel_close, train_rows  # noqa: F401 - re-exported
+from tests.models import ModelArgs
 
 VOCAB, DIM, HIDDEN, LAYERS, SEQ = 37, 26, 51, 2, 8  # 37, 51 divide none of 2, 3, 4; 26 divides 2 only
-GLOBAL_BATCH = 12
 LR = 1e-2
 BATCH_ARGS = ModelArgs(vocab_size=VOCAB, max_seq_len=SEQ)
 
@@ -165,20 +164,7 @@ def dp_rank_and_size(layout: Layout) -> tuple[int, int]:
 def train(model: nn.Module, opt: torch.optim.Optimizer, layout: Layout, steps: range) -> list[float]:
     """Steps on this rank's rows of each fixed global batch; the global mean loss of each step."""
     rank, size = dp_rank_and_size(layout)
-    per = GLOBAL_BATCH // size
-    losses = []
-    for step in steps:
-        tokens, targets = make_batch(BATCH_ARGS, GLOBAL_BATCH, seed=step)
-        rows = slice(rank * per, (rank + 1) * per)
-        loss = lm_loss(model(tokens[rows]), targets[rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if layout.world > 1:  # tensor-parallel ranks hold the same loss: the world mean is the dp mean
-            dist.all_reduce(total)
-        losses.append(total.item() / layout.world)
-    return losses
+    return train_rows(model, opt, steps, BATCH_ARGS, rank, size, layout.world)
 
 
 def on_rank0(value: Any) -> Any:

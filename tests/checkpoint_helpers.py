@@ -63,19 +63,26 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, alone: 
     ``alone``: train on whole batches without any collective (a plain reference inside a rank).
     """
     rank, size = (0, 1) if alone else world()
+    return train_rows(model, opt, steps, ARGS, rank, size, size)
+
+
+def train_rows(model: nn.Module, opt: torch.optim.Optimizer, steps: range, args: ModelArgs, rank: int, size: int,
+               ranks: int) -> list[float]:
+    """Steps on data-parallel rank ``rank`` of ``size``'s rows of each fixed global batch; the loss is
+    averaged over all ``ranks`` (tensor-parallel ranks of one data-parallel rank hold the same loss)."""
     per = GLOBAL_BATCH // size
     losses = []
     for step in steps:
-        tokens, targets = make_batch(ARGS, GLOBAL_BATCH, seed=step)
+        tokens, targets = make_batch(args, GLOBAL_BATCH, seed=step)
         rows = slice(rank * per, (rank + 1) * per)
         loss = lm_loss(model(tokens[rows]), targets[rows])
         loss.backward()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
-        if size > 1:
+        if ranks > 1:
             dist.all_reduce(total)
-        losses.append(total.item() / size)
+        losses.append(total.item() / ranks)
     return losses
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
 from shardkit.errors import ConfigurationError
 
 if TYPE_CHECKING:  # the CLI imports its defaults from here: keep torch out of ``--help``
@@ -26,7 +27,6 @@ DEFAULT_MAX_MEMORY = 256 * 2 ** 20
 DEFAULT_WORKERS = 4
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 MIN_MEMORY = 16 * 2 ** 20
-EXTRA_DIR = "extra"
 SIDE_FILE_BLOCK = 8 << 20
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,

@@ -43,6 +43,7 @@ import torch
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.codec import itemsize, parse_compression
 from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
 from shardkit.checkpoint.formats.native.writer import (
     DEFAULT_CHUNK_BYTES,
     NativeWriter,
@@ -54,7 +55,7 @@ from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.offline.common import EXTRA_DIR, ConvertResult, copy_side_files
+from shardkit.checkpoint.offline.common import ConvertResult, copy_side_files
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.checkpoint.offline.select import Selection
@@ -64,7 +65,6 @@ __all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR",
 
 log = logging.getLogger("shardkit.checkpoint.offline.convert")
 
-RESUME_DIR = ".shardkit-resume"
 FILE_CAP = 1 << 30
 
 

@@ -27,7 +27,7 @@ from shardkit.checkpoint.formats import FORMATS
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["DirectorySurvey", "survey", "is_native_data_name", "remove_owned"]
+__all__ = ["DATA_DIR", "RESUME_DIR", "EXTRA_DIR", "DirectorySurvey", "survey", "is_native_data_name", "remove_owned"]
 
 DATA_DIR = "data"
 RESUME_DIR = ".shardkit-resume"

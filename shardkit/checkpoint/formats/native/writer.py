@@ -33,14 +33,13 @@ from shardkit.checkpoint.formats.native.manifest import (
     dump_manifest,
     parse_manifest,
 )
-from shardkit.checkpoint.formats.native.ownership import is_native_data_name
+from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_data_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError, UnsupportedFormat
 
 __all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
            "NativeWriter", "WrittenFile", "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
-DATA_DIR = "data"
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
