@@ -188,10 +188,11 @@ class CheckpointManager:
         newest = max(committed_steps, default=committed)
         doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
             else set()
+        surveys: dict[int, DirectorySurvey] = {}
         for s in sorted(dirs):
             if s in committed_steps or s >= newest or s == self._pending_step:
                 continue
-            found = survey(self.root.child(dirs[s]))
+            found = surveys[s] = survey(self.root.child(dirs[s]))
             if found.interrupted_save:
                 doomed.add(s)
             elif found.foreign:
@@ -199,7 +200,7 @@ class CheckpointManager:
                                 f"wrote; move or delete it yourself")
         for s in sorted(doomed):
             step_store = self.root.child(dirs[s])
-            found = survey(step_store)
+            found = surveys[s] if s in surveys else survey(step_store)
             remove_owned(step_store, found)
             log.info("retention removed step %d at %s", s, step_store.url)
             if found.foreign:
