@@ -1,0 +1,111 @@
+"""Checkpoints written by an earlier version of the native format still load, reshard and convert.
+
+``tests/fixtures/format-v1`` was written by the version-1 writer (before column
+strips existed) at two ranks: a dim-0 sharded embedding and AdamW moment, a
+dim-1 sharded matrix, a plain vector, a bf16 tensor, a scalar step and JSON
+values.  Every tensor's content is a formula of its shape (:func:`expected_state`),
+so each test can say exactly what it must read back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "format-v1"
+FIXTURE_SHAPES = {
+    "model.emb.weight": ((37, 26), torch.float32),
+    "model.w2.weight": ((26, 51), torch.float32),
+    "model.norm.weight": ((26,), torch.float32),
+    "optim.state.emb.weight.exp_avg": ((37, 26), torch.bfloat16),
+    "optim.state.emb.weight.step": ((), torch.float32),
+}
+PARAM_GROUPS = [{"lr": 0.01, "betas": [0.9, 0.999], "params": ["emb.weight", "w2.weight", "norm.weight"]}]
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    n = math.prod(shape)
+    return (torch.arange(n, dtype=torch.float64) * 0.37 + seed).sin().to(dtype).reshape(shape)
+
+
+def expected_state() -> dict:
+    """The fixture's content: every tensor a formula of its shape, plus the optimizer's param groups."""
+    out: dict = {k: _values(shape, dtype, i) for i, (k, (shape, dtype)) in enumerate(FIXTURE_SHAPES.items())}
+    out["optim.param_groups"] = PARAM_GROUPS
+    return out
+
+
+def _read_all(url: str) -> dict[str, torch.Tensor]:
+    from shardkit.checkpoint.formats import open_reader
+    from shardkit.checkpoint.formats.base import read_box
+
+    with open_reader(url) as reader:
+        return {k: read_box(reader, k) for k in reader.tensors()}
+
+
+def _assert_tensors_are_the_fixtures(got: dict[str, torch.Tensor], keys=None) -> None:
+    want = {k: v for k, v in expected_state().items() if isinstance(v, torch.Tensor)}
+    keys = sorted(want) if keys is None else sorted(keys)
+    assert sorted(got) == keys
+    for key in keys:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+def test_the_fixture_is_a_version_1_checkpoint_of_two_writers():
+    manifest = json.loads((FIXTURE / "manifest.json").read_text())
+    assert manifest["version"] == 1
+    assert {f["writer"] for f in manifest["files"].values()} == {0, 1}
+    assert all("strips" not in c for t in manifest["tensors"].values() for c in t["chunks"])
+
+
+def test_a_version_1_checkpoint_loads_into_one_process_bitwise_with_its_values_and_meta():
+    import shardkit.checkpoint as skc
+
+    sd = {k: (torch.zeros(shape, dtype=dtype)) for k, (shape, dtype) in FIXTURE_SHAPES.items()}
+    sd["optim.param_groups"] = None
+    meta = skc.load(sd, str(FIXTURE))
+    assert meta["step"] == 7
+    assert sd.pop("optim.param_groups") == PARAM_GROUPS
+    _assert_tensors_are_the_fixtures(sd)
+
+
+def _load_fixture_at_three_ranks(url: str) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import shardkit.checkpoint as skc
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {k: distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Shard(0)]) if shape else torch.zeros(())
+          for k, (shape, dtype) in FIXTURE_SHAPES.items()}
+    sd["optim.param_groups"] = None
+    skc.load(sd, url)
+    want = expected_state()
+    return sd.pop("optim.param_groups") == PARAM_GROUPS and all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, want[k]) for k, v in sd.items())
+
+
+def test_a_version_1_checkpoint_written_at_two_ranks_loads_at_three_bitwise():
+    from tests.dist import run_on_ranks
+
+    assert run_on_ranks(3, _load_fixture_at_three_ranks, str(FIXTURE)) == [True, True, True]
+
+
+def test_a_version_1_checkpoint_reshards_and_converts_to_every_format_bitwise(tmp_path):
+    from shardkit.checkpoint import convert, reshard, verify
+
+    src = tmp_path / "v1"
+    shutil.copytree(FIXTURE, src)  # the offline tools only read it; a copy keeps the fixture clean regardless
+    assert verify(str(src)).ok
+    reshard(str(src), str(tmp_path / "n3"), world_size=3)
+    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "n3")))
+    convert(str(src), str(tmp_path / "pt"), to="torch")
+    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "pt")))
+    convert(str(src), str(tmp_path / "dcp"), to="dcp")
+    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "dcp")))
+    convert(str(src), str(tmp_path / "hf"), to="hf")
+    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "hf")), [k for k in FIXTURE_SHAPES if k.startswith("model.")])
