@@ -208,6 +208,8 @@ class WriteChunk:
     ``data`` is a contiguous tensor of ``shape`` in ``dtype`` or a zero-argument
     callable producing one when the writer gets to it (so a writer holds one
     chunk at a time, and an offline reshard reads each chunk just in time).
+    ``tensor_shape`` is the whole tensor's shape (the native writer lays its
+    column strips on the tensor's grid); unknown, the chunk's own extent stands in.
     """
 
     fqn: str
@@ -215,6 +217,14 @@ class WriteChunk:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     data: torch.Tensor | Callable[[], torch.Tensor]
+    tensor_shape: tuple[int, ...] | None = None
+
+    @property
+    def columns(self) -> int:
+        """The tensor's size along dim 1 (0 for a chunk of fewer than two dims)."""
+        if len(self.shape) < 2:
+            return 0
+        return self.tensor_shape[1] if self.tensor_shape else self.offsets[1] + self.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -373,17 +373,19 @@ class SafetensorsStreamWriter:
     ``entries`` are planned up front as ``(key, dtype_code, shape, nbytes)``;
     :meth:`write` is then called with the bytes of each entry, in order, in as
     many pieces as convenient (flat uint8 tensors).  crc32c per ``block_size``
-    block of every entry is computed on the way, so nothing is read twice and
+    (or ``block_sizes[key]``) block of every entry is computed on the way, so nothing is read twice and
     memory stays at one piece -- unlike ``safetensors.save_file``, which builds
     the whole file in memory.  ``out`` is any binary file object (local file,
     fsspec file); the writer never seeks.
     """
 
     def __init__(self, out: BinaryIO, entries: Sequence[tuple[str, str, Sequence[int], int]],
-                 metadata: Mapping[str, str] | None = None, block_size: int = 1 << 20) -> None:
+                 metadata: Mapping[str, str] | None = None, block_size: int = 1 << 20,
+                 block_sizes: Mapping[str, int] | None = None) -> None:
         self._out = out
         self.header, self.entries = build_safetensors_header(entries, metadata)
         self.block_size = block_size
+        self.block_sizes = dict(block_sizes or {})  # per-key exceptions to ``block_size``
         self.size = self.entries[-1].end if self.entries else len(self.header)
         self.checksums: dict[str, list[int]] = {}
         self._index = 0
@@ -410,7 +412,7 @@ class SafetensorsStreamWriter:
         if self._written + piece.numel() > need:
             raise ValueError(f"safetensors stream: too many bytes for {key!r}")
         if self._crc is None:
-            self._crc = BlockCrc(self.block_size)
+            self._crc = BlockCrc(self.block_sizes.get(key, self.block_size))
         self._crc.update(piece)
         if piece.numel():
             self._out.write(piece.numpy())

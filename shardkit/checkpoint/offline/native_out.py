@@ -178,6 +178,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
     """
     fetch = Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True)
     dtypes = sel.dtype_for
+    shapes = {name: shape for name, _, shape in sel.triples}
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
     update: Callable[[int], None] = progress.update if progress else (lambda n: None)
     skipped = [0]
@@ -199,7 +200,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
                 return data
             return load
 
-        chunks = [WriteChunk(name, dtypes[name], offsets, shape, loader(name, offsets, shape))
+        chunks = [WriteChunk(name, dtypes[name], offsets, shape, loader(name, offsets, shape), shapes[name])
                   for name, offsets, shape in unit.chunks]
         try:
             wf = writer.write_file(unit.name, chunks, writer=unit.writer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -62,7 +63,7 @@ class StagingPool:
                     src = chunk.materialize()
                     dst.copy_(as_bytes(src))
                     staged = dst.view(chunk.dtype).view(chunk.shape) if chunk.shape else dst.view(chunk.dtype)[0]
-                    staged_group.append(WriteChunk(chunk.fqn, chunk.dtype, chunk.offsets, chunk.shape, staged))
+                    staged_group.append(replace(chunk, data=staged))
                     pos += -(-chunk.nbytes // _ALIGN) * _ALIGN
                 out.append(staged_group)
         return out

@@ -186,11 +186,11 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
         raise error
     chunks: list[WriteChunk] = []
     for key, boxes in writes.items():
-        dtype = tensors[key][0]
+        dtype, shape = tensors[key]
         for box in boxes:
             piece = views[(key, box)]
             for sub in split_box(box, piece.element_size(), chunk_bytes):
-                chunks.append(WriteChunk(key, dtype, sub[0], sub[1], _chunk_view(piece, box[0], sub)))
+                chunks.append(WriteChunk(key, dtype, sub[0], sub[1], _chunk_view(piece, box[0], sub), shape))
     return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
                     tensors, flat.values, layouts_of(flat.tensors), aliases)
 

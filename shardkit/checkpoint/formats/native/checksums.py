@@ -36,7 +36,20 @@ def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | No
     request into ``scratch`` (which must hold it) and leaves it there, e.g. to
     decode a zstd frame after.  ``on_bytes(n)`` is called after each read
     (progress bars).  Missing or short files raise what :class:`Storage` raises.
+    A record stored as column strips is checked whole (``lo``/``hi`` refer to
+    one strip, so they are refused), strip by strip; the index counts blocks
+    over all strips, as the manifest lists them.
     """
+    if record.strips is not None:
+        if lo or hi not in (None, record.nbytes) or keep:
+            raise ValueError("check_chunk: a chunk stored as strips is checked whole, strip by strip")
+        first = 0
+        for piece in record.pieces():
+            bad = check_chunk(storage, piece, span=span, scratch=scratch, on_bytes=on_bytes)
+            if bad is not None:
+                return first + bad
+            first += len(piece.crc32c)
+        return None
     block = record.block
     hi = record.nbytes if hi is None else min(hi, record.nbytes)
     if lo % block or not 0 <= lo <= hi or (hi % block and hi != record.nbytes):

@@ -1,14 +1,15 @@
 """The native manifest: the one JSON document that describes, and commits, a checkpoint.
 
-Schema (version 1; docs/format.md is the full specification)::
+Schema (version 2; docs/format.md is the full specification)::
 
-    {"format": "shardkit", "version": 1,
+    {"format": "shardkit", "version": 1 | 2,
      "meta":   {...user metadata, e.g. "step"...},
      "writer": {"world_size": 2, "mesh": {"shape": [2], "dim_names": [], "placements": [...]} | null},
      "tensors": {fqn: {"dtype": "F32", "shape": [...],
                        "chunks": [{"offsets": [...], "shape": [...], "file": "data/...safetensors",
                                    "key": "...", "start": int, "nbytes": int, "codec": "raw" | "zstd",
-                                   "block": int, "crc32c": "<base64 LE uint32 per block>"}]}},
+                                   "block": int, "crc32c": "<base64 LE uint32 per block>",
+                                   "strips": [dim, width]}]}},   # optional, version 2: column strips
      "values": {fqn: <JSON value>},
      "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
      "files":  {name: {"size": int, "writer": int}}}
@@ -21,6 +22,14 @@ block, that the chunks of every tensor tile it exactly, and that every alias
 names a stored tensor (so no chains and no cycles) and no key is two things.
 After it returns, readers can plan and read without further checks except
 the checksums.
+
+A chunk with ``strips`` (format version 2) stores its box as consecutive
+strips of ``width`` indices of dim ``dim``, each strip row-major with its own
+checksum blocks: a reader that wants some columns of the chunk reads those
+strips and nothing else.  :meth:`ChunkRecord.pieces` turns such a record into
+one plain record per strip, so every reader, planner and checker handles plain
+records only.  A manifest without strips is written as version 1, which every
+shardkit reads.
 """
 
 from __future__ import annotations
@@ -37,14 +46,16 @@ from shardkit.checkpoint.formats.codec import (
     unpack_crcs,
 )
 from shardkit.checkpoint.geometry.boxes import check_cover
+from shardkit.checkpoint.geometry.strips import strip_boxes
 from shardkit.checkpoint.io.names import check_name
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion
 
-__all__ = ["FORMAT_NAME", "VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "CODECS",
+__all__ = ["FORMAT_NAME", "VERSION", "STRIPS_VERSION", "MANIFEST_NAME", "crc_count", "MAX_MANIFEST_BYTES", "CODECS",
            "ChunkRecord", "TensorRecord", "FileRecord", "Manifest", "parse_manifest", "dump_manifest"]
 
 FORMAT_NAME = "shardkit"
-VERSION = 1
+VERSION = 2            # the highest version this shardkit reads
+STRIPS_VERSION = 2     # the first version whose chunks may carry ``strips``
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 CODECS = ("raw", "zstd")
@@ -65,16 +76,43 @@ class ChunkRecord:
     nbytes: int                # stored (possibly compressed) length
     codec: str                 # "raw" or "zstd"
     block: int                 # checksum block size in bytes (over the stored bytes)
-    crc32c: tuple[int, ...]    # one crc32c per block
+    crc32c: tuple[int, ...]    # one crc32c per block (per block of each strip, strip after strip)
+    strips: tuple[int, int] | None = None  # (dim, width): stored as column strips, see the module docstring
 
     @property
     def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.offsets, self.shape
 
+    def pieces(self) -> tuple["ChunkRecord", ...]:
+        """The record as plain (strip-free) records: itself, or one per strip, each a row-major box
+        with its own bytes and checksum blocks (safetensors key ``<key>#<strip>``)."""
+        if self.strips is None:
+            return (self,)
+        out = []
+        start, first = self.start, 0
+        item = self.nbytes // math.prod(self.shape)
+        for j, (offsets, shape) in enumerate(strip_boxes(self.box, *self.strips)):
+            nbytes = math.prod(shape) * item
+            count = max(1, -(-nbytes // self.block))
+            out.append(ChunkRecord(offsets, shape, self.file, f"{self.key}#{j}", start, nbytes, self.codec,
+                                   self.block, self.crc32c[first:first + count]))
+            start, first = start + nbytes, first + count
+        return tuple(out)
+
     def to_json(self) -> dict[str, Any]:
         return {"offsets": list(self.offsets), "shape": list(self.shape), "file": self.file, "key": self.key,
                 "start": self.start, "nbytes": self.nbytes, "codec": self.codec, "block": self.block,
-                "crc32c": pack_crcs(self.crc32c)}
+                "crc32c": pack_crcs(self.crc32c), **({"strips": list(self.strips)} if self.strips else {})}
+
+
+def crc_count(box: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, block: int,
+              strips: tuple[int, int] | None) -> int:
+    """How many checksum blocks a chunk record of ``box`` carries: one per ``block`` stored bytes (at least
+    one), counted strip by strip when the chunk is stored as strips."""
+    if strips is None:
+        return max(1, -(-nbytes // block))
+    item = nbytes // math.prod(box[1])
+    return sum(max(1, -(-(math.prod(s) * item) // block)) for _, s in strip_boxes(box, *strips))
 
 
 @dataclass(frozen=True)
@@ -97,15 +135,17 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     writer: dict[str, Any] = field(default_factory=dict)
-    version: int = VERSION
+    version: int = VERSION     # as read; dump_manifest writes the lowest version that holds the manifest
     aliases: dict[str, str] = field(default_factory=dict)  # tied key -> the key whose tensor it is
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
-    """Serialise (deterministic key order within each tensor, compact)."""
+    """Serialise (deterministic key order within each tensor, compact), as the lowest format version that
+    holds it: version 1 unless a chunk is stored as strips, so older readers keep reading what they can."""
+    striped = any(c.strips for t in manifest.tensors.values() for c in t.chunks)
     doc = {
         "format": FORMAT_NAME,
-        "version": manifest.version,
+        "version": STRIPS_VERSION if striped else 1,
         "meta": manifest.meta,
         "writer": manifest.writer,
         "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.chunks]}
@@ -170,7 +210,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
                                  _int(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
     tensors: dict[str, TensorRecord] = {}
     for fqn, info in _obj(doc.get("tensors", {}), f"{where}: tensors").items():
-        tensors[fqn] = _parse_tensor(fqn, _obj(info, f"{where}: tensor {fqn!r}"), files, where)
+        tensors[fqn] = _parse_tensor(fqn, _obj(info, f"{where}: tensor {fqn!r}"), files, where, version)
     values = _obj(doc.get("values", {}), f"{where}: values")
     clash = set(values) & set(tensors)
     if clash:
@@ -201,7 +241,23 @@ def _parse_aliases(doc: dict, tensors: Mapping[str, TensorRecord], values: Mappi
     return aliases
 
 
-def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str) -> TensorRecord:
+def _strips(value: Any, shape: tuple[int, ...], codec: str, version: int, where: str) -> tuple[int, int] | None:
+    """A chunk's ``strips`` field: absent, or ``[dim, width]`` cutting a non-empty raw chunk along one of its
+    dims after the first (version 2 on)."""
+    if value is None:
+        return None
+    if version < STRIPS_VERSION:
+        raise InvalidManifest(f"{where}: 'strips' needs format version {STRIPS_VERSION}, the manifest says {version}")
+    if not isinstance(value, list) or len(value) != 2:
+        raise InvalidManifest(f"{where}: strips must be [dim, width], got {value!r:.200}")
+    dim = _int(value[0], f"{where} strips dim", 1, max(1, len(shape) - 1))
+    if len(shape) < 2 or codec != "raw" or math.prod(shape) == 0:
+        raise InvalidManifest(f"{where}: only a non-empty raw chunk of two or more dims can be stored as strips")
+    return dim, _int(value[1], f"{where} strips width", 1, shape[dim])
+
+
+def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str,
+                  version: int) -> TensorRecord:
     at = f"{where}: tensor {fqn!r}"
     code = info.get("dtype")
     size = itemsize(code_to_dtype(code, at))
@@ -238,9 +294,9 @@ def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: 
             raise InvalidManifest(f"{cat}: bytes [{start}, {start + nbytes}) lie beyond the end of {file} "
                                   f"({files[file].size} bytes)")
         block = _int(c.get("block"), f"{cat} block", 1)
-        count = max(1, -(-nbytes // block))
-        crcs = tuple(unpack_crcs(c.get("crc32c"), count, cat))
-        chunks.append(ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs))
+        strips = _strips(c.get("strips"), cshape, codec, version, cat)
+        crcs = tuple(unpack_crcs(c.get("crc32c"), crc_count((offsets, cshape), nbytes, block, strips), cat))
+        chunks.append(ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs, strips))
     problem = check_cover(shape, [c.box for c in chunks])
     if problem:
         raise InvalidManifest(f"{at}: {problem}")

@@ -15,6 +15,10 @@ then served with the fewest bytes that still verify:
 * *zstd*: the frame is read whole, verified, and decompressed straight into the
   destination when the piece is the whole chunk, else into scratch.
 
+A chunk stored as column strips is, to the reader, one plain chunk per strip
+(:meth:`ChunkRecord.pieces`): a request names the strip it reads from, so a
+column cut fetches only the strips it needs.
+
 Writing lives in ``native_write.py`` (:class:`NativeWriter`, :class:`WrittenFile`
 and the file-naming helpers), re-exported here so one import serves both sides.
 """
@@ -115,7 +119,7 @@ class NativeReader(CheckpointReader):
         self.io_threads = io_threads
         self._entries = {
             fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
-                             tuple(StoredChunk(c.offsets, c.shape, c) for c in t.chunks))
+                             tuple(StoredChunk(p.offsets, p.shape, p) for c in t.chunks for p in c.pieces()))
             for fqn, t in self.manifest.tensors.items()}
         for alias, target in self.manifest.aliases.items():  # the same stored chunks under the tied key
             t = self._entries[target]

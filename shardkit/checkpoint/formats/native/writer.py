@@ -11,6 +11,7 @@ rank) and by the offline reshard/convert (one process writing every file).
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
@@ -22,6 +23,7 @@ from shardkit.checkpoint.formats.codec import (
     Compression,
     as_bytes,
     dtype_to_code,
+    itemsize,
     zstd_compress,
 )
 from shardkit.checkpoint.formats.native.manifest import (
@@ -30,18 +32,23 @@ from shardkit.checkpoint.formats.native.manifest import (
     FileRecord,
     Manifest,
     TensorRecord,
+    crc_count,
     dump_manifest,
     parse_manifest,
 )
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_data_name
+from shardkit.checkpoint.geometry.boxes import Box
+from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError, UnsupportedFormat
 
 __all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
+           "DEFAULT_MAX_STRIPS",
            "NativeWriter", "WrittenFile", "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
+DEFAULT_MAX_STRIPS = 16  # a column cut then reads at most 2/16 of a chunk's width more than it needs
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
 
 log = logging.getLogger(__name__)
@@ -109,10 +116,11 @@ class WrittenFile:
 
         chunks = []
         for fqn, c in doc["chunks"]:
-            count = max(1, -(-c["nbytes"] // c["block"]))
-            chunks.append((fqn, ChunkRecord(tuple(c["offsets"]), tuple(c["shape"]), c["file"], c["key"], c["start"],
+            box, strips = (tuple(c["offsets"]), tuple(c["shape"])), tuple(c["strips"]) if c.get("strips") else None
+            count = crc_count(box, c["nbytes"], c["block"], strips)
+            chunks.append((fqn, ChunkRecord(*box, c["file"], c["key"], c["start"],
                                             c["nbytes"], c["codec"], c["block"],
-                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])))))
+                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])), strips)))
         return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks))
 
 
@@ -125,49 +133,81 @@ class NativeWriter:
     bounded amount of data (the save path uses one chunk cap per file).
     ``fsync`` makes each data file durable before :meth:`commit` can reference it.
     ``direct_io`` writes local files with ``O_DIRECT`` (see ``direct_io.py``).
+    ``max_strips`` bounds the column strips of one chunk (``0`` stores every chunk whole).
     """
 
     def __init__(self, storage: Storage, *, compression: Compression | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True, direct_io: bool = True) -> None:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True, direct_io: bool = True,
+                 max_strips: int = DEFAULT_MAX_STRIPS) -> None:
         if block_bytes <= 0 or block_bytes % 8:
             raise ValueError("block_bytes must be a positive multiple of 8")
         self.storage = storage
+        self.max_strips = max_strips
         self.compression = compression
         self.block_bytes = block_bytes
         self.fsync = fsync
         self.direct_io = direct_io
 
     def write_file(self, name: str, chunks: Sequence[WriteChunk], writer: int = 0) -> WrittenFile:
-        """Write ``chunks`` (in order) into data file ``name``; return their records."""
+        """Write ``chunks`` (in order) into data file ``name``; return their records.
+
+        Uncompressed chunks of matrices are stored as column strips (one
+        safetensors entry ``<key>#<strip>`` each, see ``geometry/strips.py``)
+        when they span more than two checksum blocks; a compressed chunk is one
+        frame, read whole anyway, so it never is.
+        """
         from shardkit.checkpoint.formats.codec import SafetensorsStreamWriter
 
         keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
         frames: list[bytes] | None = None
+        widths: list[int | None] = [None] * len(chunks)
+        strip_blocks: dict[str, int] = {}
         if self.compression is not None:
             level = self.compression.level
             frames = [zstd_compress(as_bytes(c.materialize()), level) for c in chunks]
             entries = [(k, "U8", (len(f),), len(f)) for k, f in zip(keys, frames)]
         else:
-            entries = [(k, dtype_to_code(c.dtype), c.shape, c.nbytes) for k, c in zip(keys, chunks)]
+            entries = []
+            for i, (k, c) in enumerate(zip(keys, chunks)):
+                widths[i] = strip_width(c.columns, c.shape, itemsize(c.dtype), self.block_bytes, self.max_strips)
+                parts = [(k, c.shape)] if widths[i] is None else \
+                    [(f"{k}#{j}", shape) for j, (_, shape) in enumerate(_strips_of(c, widths[i]))]
+                if widths[i] is not None:
+                    block = strip_block(self.block_bytes, widths[i], c.shape[1], itemsize(c.dtype))
+                    strip_blocks.update((key, block) for key, _ in parts)
+                entries.extend((key, dtype_to_code(c.dtype), shape, math.prod(shape) * itemsize(c.dtype))
+                               for key, shape in parts)
 
         def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
-            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for)
+            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for, strip_blocks)
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if frames is not None:
                     stream.write(key, torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8)
                                  if frames[i] else torch.empty(0, dtype=torch.uint8))
-                else:
+                elif widths[i] is None:
                     stream.write(key, as_bytes(chunk.materialize()))
+                else:
+                    data = chunk.materialize()
+                    for j, (offsets, shape) in enumerate(_strips_of(chunk, widths[i])):
+                        lo = offsets[1] - chunk.offsets[1]
+                        stream.write(f"{key}#{j}", as_bytes(data.narrow(1, lo, shape[1]).contiguous()))
             return stream, stream.finish()
 
         stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync, direct=self.direct_io)
+        placed = {e.key: e for e in stream.entries}
         records = []
-        for placed, chunk in zip(stream.entries, chunks):
-            nbytes = placed.end - placed.start
-            block = self.block_bytes if frames is None else max(nbytes, 1)
-            records.append((chunk.fqn, ChunkRecord(tuple(chunk.offsets), tuple(chunk.shape), name, placed.key,
-                                                   placed.start, nbytes, "raw" if frames is None else "zstd",
-                                                   block, tuple(crcs[placed.key]))))
+        for key, chunk, width in zip(keys, chunks, widths):
+            if width is None:
+                entry = placed[key]
+                nbytes, start, chunk_crcs = entry.end - entry.start, entry.start, crcs[key]
+            else:
+                parts = [f"{key}#{j}" for j in range(len(_strips_of(chunk, width)))]
+                start, nbytes = placed[parts[0]].start, placed[parts[-1]].end - placed[parts[0]].start
+                chunk_crcs = [c for part in parts for c in crcs[part]]
+            block = strip_blocks.get(f"{key}#0", self.block_bytes) if frames is None else max(nbytes, 1)
+            records.append((chunk.fqn, ChunkRecord(tuple(chunk.offsets), tuple(chunk.shape), name, key, start,
+                                                   nbytes, "raw" if frames is None else "zstd", block,
+                                                   tuple(chunk_crcs), None if width is None else (1, width))))
         return WrittenFile(name, stream.size, writer, tuple(records))
 
     @property
@@ -231,3 +271,7 @@ def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -
         except UnsupportedFormat:
             raise UnsupportedFormat(f"{name!r} is {dtype}, which --to shardkit cannot hold; exclude it "
                                     "(--exclude) or cast it (--dtype)") from None
+
+
+def _strips_of(chunk: WriteChunk, width: int) -> list[Box]:
+    return strip_boxes((tuple(chunk.offsets), tuple(chunk.shape)), 1, width)
