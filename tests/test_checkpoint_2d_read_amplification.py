@@ -8,11 +8,15 @@ each rank holds several row ranges (``(_StridedShard(0, sf=2), Replicate())``).
 Bytes fetched from storage are counted per tensor by the native reader.
 
 Cutting the *columns* of stored chunks more finely than they were saved
-(RowwiseParallel's ``w2`` weight, ``Shard(1)`` over tp=2 loaded at tp=4, or
-full-width rows saved without tensor parallelism loaded at (2, 2)) reads only
-the column strips it needs (format version 2); the odd width 517 puts the
-cuts inside strips, which costs ``w2`` alone at most ~1.3x -- a width that
-divides evenly reads exactly what it needs (``test_checkpoint_strips.py``).
+(RowwiseParallel's ``w2`` weight, ``Shard(1)`` over tp=2 loaded at tp=4) reads
+only the column strips it needs: the writer stores chunks whose columns the
+saved layout cut as column strips (format version 2).  Chunks of whole rows
+(a checkpoint saved without tensor parallelism) stay row-major, so the common
+load copies straight into its targets; cutting their columns reads whole rows
+(1.2-1.45x per load here, ``w2`` alone 2-4x) unless the checkpoint was saved
+with ``column_strips="all"``, which the last test pins down.  The odd width
+517 puts cuts inside strips, which costs ``w2`` alone at most ~1.3x -- a width
+that divides evenly reads exactly what it needs (``test_checkpoint_strips.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from tests.dist import run_on_ranks
 BIG = (1001, 128, 517)
 
 
-def _save_big(url: str, layout: str = "dp2tp2") -> None:
+def _save_big(url: str, layout: str = "dp2tp2", column_strips: str = "cut") -> None:
     import shardkit.checkpoint as skc
 
     model = build("torch", LAYOUTS[layout], 0, BIG)
     opt = optimizer(model)
-    skc.save(skc.get_state_dict(model, opt), url, chunk_bytes=64 << 10, block_bytes=4 << 10)
+    skc.save(skc.get_state_dict(model, opt), url, chunk_bytes=64 << 10, block_bytes=4 << 10,
+             column_strips=column_strips)
 
 
 def _read_per_tensor(url: str, sd: dict, strict: bool = True) -> dict[str, tuple[int, int]]:
@@ -123,14 +128,15 @@ def test_tp4_cuts_the_columns_of_tp2_chunks_and_reads_at_most_ten_percent_more(b
 
 @pytest.fixture(scope="module")
 def big_rows(tmp_path_factory):
-    """The same model saved at (4, 1): every chunk holds whole rows, no tensor parallelism."""
+    """The same model saved at (4, 1) -- every chunk holds whole rows, no tensor parallelism -- for a
+    tensor-parallel future: ``column_strips="all"``."""
     url = str(tmp_path_factory.mktemp("amp") / "dp4tp1")
-    run_on_ranks(4, _save_big, url, "dp4tp1")
+    run_on_ranks(4, _save_big, url, "dp4tp1", "all")
     return url
 
 
 @pytest.mark.parametrize("layout", ["dp2tp2", "dp1tp4"])
-def test_tensor_parallel_targets_cut_the_columns_of_full_width_rows_reading_at_most_ten_percent_more(
+def test_rows_saved_with_all_column_strips_load_under_tensor_parallelism_reading_at_most_ten_percent_more(
         big_rows, layout):
     per_key = _totals(run_on_ranks(4, _load_big, big_rows, "torch", layout))
     assert _amplification(per_key) <= 1.1, _amplification(per_key)

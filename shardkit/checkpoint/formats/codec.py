@@ -152,6 +152,23 @@ class BlockCrc:
 
     def update(self, data: torch.Tensor) -> None:
         data = data.reshape(-1)
+        if _crc_extend_ptr is None:  # pragma: no cover - the library ships with google-crc32c
+            self._update_slices(data)
+            return
+        base, n, keep = _address_and_length(data)
+        pos, block, crc, filled, extend = 0, self.block_size, self._crc, self._filled, _crc_extend_ptr
+        while pos < n:  # pointer arithmetic, no tensor per block: small blocks stay cheap
+            take = min(block - filled, n - pos)
+            crc = extend(crc, base + pos, take)
+            filled += take
+            pos += take
+            if filled == block:
+                self.crcs.append(crc)
+                crc, filled = 0, 0
+        self._crc, self._filled = crc, filled
+        del keep
+
+    def _update_slices(self, data: torch.Tensor) -> None:
         pos, n = 0, data.numel()
         while pos < n:
             take = min(self.block_size - self._filled, n - pos)

@@ -2,8 +2,7 @@
 
 A chunk is stored row-major.  A reader that wants all rows but some columns of
 it (tensor parallelism cutting ``Shard(1)`` more finely than the saved layout
-did, or cutting the columns of a matrix saved by rows) would have to fetch the
-whole chunk: every checksum block holds bytes of every column.  Stored as
+did) would have to fetch the whole chunk: every checksum block holds bytes of every column.  Stored as
 strips -- the box cut along ``dim`` into runs of ``width`` indices, each run
 row-major with its own checksum blocks -- the same reader fetches just the
 strips its columns fall in, and a reader that wants rows reads the matching
@@ -42,18 +41,25 @@ def strip_boxes(box: Box, dim: int, width: int) -> list[Box]:
     return out
 
 
-def strip_width(columns: int, shape: tuple[int, ...], itemsize: int, block_bytes: int, max_strips: int) -> int | None:
+def strip_width(columns: int, shape: tuple[int, ...], itemsize: int, block_bytes: int, max_strips: int,
+                cut_only: bool = True) -> int | None:
     """The grid width of the column strips (along dim 1) a chunk of ``shape`` is stored as, or ``None``
     (``columns``: the tensor's global size along dim 1).
 
-    About ``max_strips`` strips per chunk, and none where a chunk fits in
-    two checksum blocks, is a vector or is one column wide.  The grid is
+    Unless ``cut_only`` is false, only a chunk whose columns the saved layout
+    already cut (narrower than the tensor: a ``Shard(1)`` of tensor
+    parallelism) is striped: a later
+    layout is likely to cut them differently, while a chunk of whole rows --
+    every FSDP checkpoint -- stays one row-major run, so the common load
+    copies straight into its target (a striped chunk costs its reader one
+    copy through a scratch buffer).  About ``max_strips`` strips per chunk,
+    and none where a chunk fits in two checksum blocks or is one column wide.  The grid is
     ``columns / 2**j`` when that divides evenly (so every power-of-two
     tensor-parallel cut up to ``2**j`` falls on a strip edge and reads
     exactly what it needs); otherwise a column cut reads at most two
     partial strips more than it needs.
     """
-    if len(shape) < 2 or max_strips < 2 or shape[1] < 2:
+    if len(shape) < 2 or max_strips < 2 or shape[1] < 2 or (cut_only and shape[1] >= columns):
         return None
     nbytes = math.prod(shape) * itemsize
     count = min(max_strips, shape[1], nbytes // block_bytes)

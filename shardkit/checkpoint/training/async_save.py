@@ -104,7 +104,8 @@ class BackgroundSaver:
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
                io_threads: int, process_group: Any = None, direct_io: bool = True,
-               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> Future:
+               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
+               column_strips: str = "cut") -> Future:
         with self._lock:
             self.wait()
             group = process_group if process_group is not None else self._private_group()
@@ -121,7 +122,8 @@ class BackgroundSaver:
             meta_copy = dict(meta) if meta else None
             future = self._executor.submit(write_and_commit, storage, plan, error, dist, compression=compression,
                                            block_bytes=block_bytes, fsync=fsync, io_threads=io_threads,
-                                           meta=meta_copy, overwrite=overwrite, direct_io=direct_io)
+                                           meta=meta_copy, overwrite=overwrite, direct_io=direct_io,
+                                           column_strips=column_strips)
             self._pending = future
             return future
 
@@ -143,7 +145,8 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
-               only: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> Future:
+               only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+               column_strips: str = "cut") -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     The upload and commit run on a background thread with its own gloo process
@@ -153,9 +156,9 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     so host memory stays flat; a new ``async_save`` first waits for the
     previous one.  The returned future raises what the save raised.
     """
-    comp = save_options(compression, chunk_bytes, block_bytes)
+    comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
     return background_saver().submit(state_dict, Storage(url, storage_options), compression=comp, meta=meta,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
-                                     direct_io=direct_io, keys=(only, exclude))
+                                     direct_io=direct_io, keys=(only, exclude), column_strips=column_strips)

@@ -41,6 +41,7 @@ from shardkit.checkpoint.formats.codec import (
 )
 from shardkit.checkpoint.formats.native.reader import is_committed
 from shardkit.checkpoint.formats.native.writer import (
+    COLUMN_STRIPS,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_BYTES,
     NativeWriter,
@@ -197,10 +198,11 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
                      compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
-                     meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True) -> None:
+                     meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True,
+                     column_strips: str = "cut") -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``)."""
     writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
-                          direct_io=direct_io)
+                          direct_io=direct_io, column_strips=column_strips)
     files: list[WrittenFile] = []
     started = time.perf_counter()
     if local_error is None and plan is not None:
@@ -280,9 +282,12 @@ def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gath
              len(gathered))
 
 
-def save_options(compression: Any, chunk_bytes: int, block_bytes: int) -> Compression | None:
+def save_options(compression: Any, chunk_bytes: int, block_bytes: int,
+                 column_strips: str = "cut") -> Compression | None:
     if chunk_bytes < 1024 or block_bytes < 8 or block_bytes % 8:
         raise ConfigurationError("chunk_bytes must be >= 1024 and block_bytes a positive multiple of 8")
+    if column_strips not in COLUMN_STRIPS:
+        raise ConfigurationError(f"column_strips must be one of {', '.join(COLUMN_STRIPS)}, got {column_strips!r}")
     return parse_compression(compression)
 
 
@@ -291,7 +296,7 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
          io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
-         exclude: Sequence[str] | None = None) -> None:
+         exclude: Sequence[str] | None = None, column_strips: str = "cut") -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``only``/``exclude``: globs over the flattened keys (``model.*lora*``,
@@ -306,8 +311,13 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     ``direct_io`` writes local data files with ``O_DIRECT``: no page-cache pages
     to allocate and no second copy of the checkpoint in memory, at the price of
     a load right after the save reading from the disk instead of the cache.
+    ``column_strips`` (``"cut"``, ``"all"``, ``"off"``): which matrix chunks are
+    stored as column strips, so that a load cutting their columns reads only
+    what it needs -- by default those whose columns this layout cut (tensor
+    parallelism's ``Shard(1)``); ``"all"`` for a checkpoint of whole rows that
+    will be loaded under tensor parallelism (docs/format.md).
     """
-    comp = save_options(compression, chunk_bytes, block_bytes)
+    comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
     dist = Dist(process_group)
     storage = Storage(url, storage_options)
@@ -323,6 +333,7 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the collective
         error = exc
     write_and_commit(storage, plan, error, dist, compression=comp, block_bytes=block_bytes, fsync=fsync,
-                     io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io)
+                     io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io,
+                     column_strips=column_strips)
 
 

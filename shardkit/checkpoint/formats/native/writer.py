@@ -43,12 +43,13 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError, UnsupportedFormat
 
 __all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
-           "DEFAULT_MAX_STRIPS",
+           "DEFAULT_MAX_STRIPS", "COLUMN_STRIPS",
            "NativeWriter", "WrittenFile", "data_file_name", "new_token", "chunk_key", "group_into_files"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 DEFAULT_MAX_STRIPS = 16  # a column cut then reads at most 2/16 of a chunk's width more than it needs
+COLUMN_STRIPS = ("cut", "all", "off")
 _FILE_METADATA = {"format": "shardkit-data", "version": "1"}
 
 log = logging.getLogger(__name__)
@@ -133,16 +134,24 @@ class NativeWriter:
     bounded amount of data (the save path uses one chunk cap per file).
     ``fsync`` makes each data file durable before :meth:`commit` can reference it.
     ``direct_io`` writes local files with ``O_DIRECT`` (see ``direct_io.py``).
-    ``max_strips`` bounds the column strips of one chunk (``0`` stores every chunk whole).
+    ``column_strips``: which uncompressed matrix chunks are stored as column
+    strips -- ``"cut"`` (those whose columns the saved layout cut, e.g. by
+    ``RowwiseParallel``), ``"all"`` (also chunks of whole rows: a checkpoint
+    to be loaded under tensor parallelism it was not saved with, at the price
+    of a copy per striped chunk on every load), ``"off"``; ``max_strips``
+    bounds the strips of one chunk.
     """
 
     def __init__(self, storage: Storage, *, compression: Compression | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, fsync: bool = True, direct_io: bool = True,
-                 max_strips: int = DEFAULT_MAX_STRIPS) -> None:
+                 column_strips: str = "cut", max_strips: int = DEFAULT_MAX_STRIPS) -> None:
         if block_bytes <= 0 or block_bytes % 8:
             raise ValueError("block_bytes must be a positive multiple of 8")
+        if column_strips not in COLUMN_STRIPS:
+            raise ValueError(f"column_strips must be one of {COLUMN_STRIPS}, got {column_strips!r}")
         self.storage = storage
-        self.max_strips = max_strips
+        self.max_strips = 0 if column_strips == "off" else max_strips
+        self.strip_whole_rows = column_strips == "all"
         self.compression = compression
         self.block_bytes = block_bytes
         self.fsync = fsync
@@ -169,7 +178,8 @@ class NativeWriter:
         else:
             entries = []
             for i, (k, c) in enumerate(zip(keys, chunks)):
-                widths[i] = strip_width(c.columns, c.shape, itemsize(c.dtype), self.block_bytes, self.max_strips)
+                widths[i] = strip_width(c.columns, c.shape, itemsize(c.dtype), self.block_bytes, self.max_strips,
+                                        cut_only=not self.strip_whole_rows)
                 parts = [(k, c.shape)] if widths[i] is None else \
                     [(f"{k}#{j}", shape) for j, (_, shape) in enumerate(_strips_of(c, widths[i]))]
                 if widths[i] is not None:
