@@ -1,8 +1,8 @@
 """``load``: fill a state dict in place from a checkpoint of any layout and format.
 
-Each rank independently reads what it needs; collectives only to agree
-on the outcome (each rank independently reads what it needs; collectives only to agree
-on the outcome):
+Each rank reads what it needs, and bytes that several ranks need (replicas
+under HSDP) are read by one of them and sent to the others
+(:mod:`.shared_reads`); collectives otherwise only to agree on the outcome:
 
 1. Read and validate the manifest; match keys, dtypes and global shapes of the
    target (``strict``: missing or unexpected keys raise; a key of a tied
@@ -15,7 +15,9 @@ on the outcome):
    and verified -- or, for a small load from remote storage, fetched once into
    staging -- and the ranks agree again.
 3. Read in place: contiguous runs go straight into the target's memory; every
-   byte read is verified against its checksum block.
+   byte read is verified against its checksum block.  Once every rank's reads
+   succeeded, the bytes of shared requests go from the rank that read them to
+   the others.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from shardkit.checkpoint.state.tree import (
     flatten,
     from_json_value,
 )
+from shardkit.checkpoint.training.shared_reads import exchange, share_reads
 from shardkit.errors import (
     IncompatibleStateDict,
     error_record,
@@ -87,6 +90,7 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     dist = Dist(process_group)
     local_exc: BaseException | None = None
     staged = None
+    requests: list[ReadRequest] = []
     try:
         storage = Storage(url, storage_options)
         reader = open_reader(storage, format=format, io_threads=io_threads)
@@ -96,16 +100,26 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         requests, device_copies = plan.requests, plan.device_copies
         log.debug("rank %d plans %d reads from %s (%s)", dist.rank, len(requests), url, reader.info.format)
         reader.prepare(requests)
-        if verify_first:
-            staged = check_before_writing(reader, requests)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
+        local_exc, requests = exc, []
+    shared = share_reads(requests, dist)  # collective: bytes several ranks need are read by one of them
+    try:
+        if local_exc is None and verify_first:
+            staged = check_before_writing(reader, shared.mine)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
     _agree(dist, local_exc, url)
     try:
         if staged is None:
-            reader.read(requests)
+            reader.read(shared.mine)
         for out, buf in staged or ():
             out.copy_(buf)
+    except Exception as exc:  # noqa: BLE001
+        local_exc = exc
+    if shared.shared:
+        _agree(dist, local_exc, url)  # no bytes leave a rank unless every rank's own reads succeeded
+    try:
+        exchange(shared, dist)
         for buf, target in device_copies:
             target.copy_(buf)
         for key in flat.values:
