@@ -24,9 +24,13 @@ same batches and the same AdamW + clip_grad_norm_ step under both.  Two phases:
 2. **Cold start and peak RSS, fresh processes.**  ``--rounds`` alternating
    2-rank jobs per implementation, each building one model and training; we
    report the first step's wall time (cold: lazy init, first allocations,
-   first dispatch of every op) and the process high-water mark (``VmHWM``) per
+   first dispatch of every op), the process high-water mark (``VmHWM``) per
    rank, which also includes importing torch and building the model
-   (identical for both).
+   (identical for both), and the peak of bytes malloc held *in use* over the
+   whole job (sampled as in phase 1).  The high-water mark also counts memory
+   glibc keeps after a free (tens of MiB that differ between identical jobs
+   of either implementation); the in-use peak is what the runtime asked for
+   and repeats to the KiB.
 
 Phase 1 also times shardkit with debug mode on (``shardkit.set_debug(True)``:
 a fingerprint all-gather before each collective) as a third interleaved
@@ -222,6 +226,8 @@ def worker_memory(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    heap = _HeapPeak()
+    heap.reset()
     model, opt = _build(args.impl, args)
     gen = torch.Generator().manual_seed(1 + _data_parallel_rank(args))
     first_ms = 0.0
@@ -232,7 +238,9 @@ def worker_memory(args: argparse.Namespace) -> None:
         _train_step(model, opt, tokens, args)
         if step == 0:  # cold: lazy init, first allocations, first dispatch of every op
             first_ms = (time.perf_counter() - start) * 1e3
-    _emit({"rank": dist.get_rank(), "hwm_mib": _hwm_mib(), "first_ms": first_ms})
+    heap.stop()
+    in_use = max(heap.peak, heap.read()) / 2**20 if heap.read else float("nan")
+    _emit({"rank": dist.get_rank(), "hwm_mib": _hwm_mib(), "first_ms": first_ms, "heap_peak_mib": in_use})
 
 
 _MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn", "tp")
@@ -305,6 +313,8 @@ def main() -> None:
     hwm = {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
     row(f"peak RSS MiB, mean of {len(hwm['torch'])}", statistics.mean(hwm["shardkit"]), statistics.mean(hwm["torch"]))
     row("peak RSS MiB, median", med(hwm["shardkit"]), med(hwm["torch"]))
+    in_use = {impl: [r[k]["heap_peak_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
+    row("peak malloc in use MiB, median", med(in_use["shardkit"]), med(in_use["torch"]), "{:.2f}")
     spread = {impl: statistics.stdev(v) if len(v) > 1 else 0.0 for impl, v in hwm.items()}
 
     layout = (f"TP {args.tp} in every block x FSDP over dp 2, " if args.tp > 1 else "") + \
