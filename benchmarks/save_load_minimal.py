@@ -1,0 +1,134 @@
+"""A second, minimal measurement of ``save``/``load`` against ``dcp.save``/``dcp.load``: nothing shared with
+``benchmarks/checkpoint.py`` but the two libraries.
+
+Two gloo ranks each hold fp32 ``Shard(0)`` DTensors (weights + two AdamW
+moments, ``--gb`` GB in all, 64 matrices of equal size).  Per round, in an
+order that rotates every round: each system saves to a fresh directory
+(both make their data durable: shardkit fsyncs by default, DCP's
+``FileSystemWriter`` has ``sync_files=True``), then, with the page cache
+dropped, loads it back into zeroed targets.  A time is the slowest rank's,
+from a barrier to the end of the call; the figure is the median over rounds,
+and the ratio shardkit / DCP.  ``--cold-sleep S`` waits ``S`` seconds after
+dropping the cache, as ``benchmarks/checkpoint.py`` does ("cold"), so that
+this VM has handed freed memory back to the host and every fresh allocation
+of the load faults its pages in again.
+
+    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6
+    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6 --cold-sleep 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def make_state(gb: float, rank: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    rows = int((gb * 1e9 / 3 / 64 / 4 / 1024) // 2 * 2)  # 64 matrices of (rows, 1024), three copies
+    gen = torch.Generator().manual_seed(rank)
+
+    def shard() -> DTensor:
+        local = torch.empty(rows // 2, 1024).uniform_(-1, 1, generator=gen)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 1024)),
+                                  stride=(1024, 1))
+
+    return {f"t{i}.{kind}": shard() for i in range(64) for kind in ("weight", "exp_avg", "exp_avg_sq")}
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import shardkit.checkpoint as skc
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = make_state(args.gb, rank)
+    sums = {k: float(v.to_local().double().sum()) for k, v in state.items()}
+    systems = ("shardkit", "dcp")
+    times = {f"{op} {s}": [] for op in ("save", "load") for s in systems}
+    for round_index in range(args.rounds):
+        for system in systems[round_index % 2:] + systems[:round_index % 2]:
+            path = os.path.join(args.dir, system)
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
+            save = (lambda: skc.save(state, path)) if system == "shardkit" else \
+                (lambda: dcp.save(state, checkpoint_id=path))
+            times[f"save {system}"].append(timed(save))
+            for v in state.values():
+                v.to_local().zero_()
+            if rank == 0:
+                drop_caches()
+            time.sleep(args.cold_sleep)
+            load = (lambda: skc.load(state, path)) if system == "shardkit" else \
+                (lambda: dcp.load(state, checkpoint_id=path))
+            times[f"load {system}"].append(timed(load))
+            assert all(float(v.to_local().double().sum()) == sums[k] for k, v in state.items()), system
+    if rank == 0:
+        print("RESULT " + json.dumps(times), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=1.4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--dir", default="/tmp/shardkit-minimal-bench")
+    parser.add_argument("--cold-sleep", type=float, default=0.0, help="seconds to wait before each load")
+    parser.add_argument("--worker", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
+           f"--cold-sleep={args.cold_sleep}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    times = json.loads(line[len("RESULT "):])
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"{args.gb} GB state, 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
+          f"each load (then {args.cold_sleep:g} s asleep); medians [all rounds]")
+    for op in ("save", "load"):
+        ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])
+        rounds = " ".join(f"{a / b:.2f}" for a, b in zip(times[f"{op} shardkit"], times[f"{op} dcp"]))
+        print(f"{op}: shardkit {ours:.2f} s, DCP {theirs:.2f} s, ratio {ours / theirs:.2f}x  [per round: {rounds}]")
+
+
+if __name__ == "__main__":
+    main()
