@@ -2,7 +2,9 @@
 ``benchmarks/checkpoint.py`` but the two libraries.
 
 Two gloo ranks each hold fp32 ``Shard(0)`` DTensors (weights + two AdamW
-moments, ``--gb`` GB in all, 64 matrices of equal size).  Per round, in an
+moments, ``--gb`` GB in all, ``--tensors`` matrices of equal size, 64 by
+default; ``--tensors 6`` makes every local shard larger than glibc's largest
+heap allocation, 32 MiB, as a big embedding's is).  Per round, in an
 order that rotates every round: each system saves to a fresh directory
 (both make their data durable: shardkit fsyncs by default, DCP's
 ``FileSystemWriter`` has ``sync_files=True``), then, with the page cache
@@ -33,12 +35,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
-def make_state(gb: float, rank: int):
+def make_state(gb: float, rank: int, count: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (2,))
-    rows = int((gb * 1e9 / 3 / 64 / 4 / 1024) // 2 * 2)  # 64 matrices of (rows, 1024), three copies
+    rows = int((gb * 1e9 / 3 / count / 4 / 1024) // 2 * 2)  # ``count`` matrices of (rows, 1024), three copies
     gen = torch.Generator().manual_seed(rank)
 
     def shard() -> DTensor:
@@ -46,7 +48,7 @@ def make_state(gb: float, rank: int):
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 1024)),
                                   stride=(1024, 1))
 
-    return {f"t{i}.{kind}": shard() for i in range(64) for kind in ("weight", "exp_avg", "exp_avg_sq")}
+    return {f"t{i}.{kind}": shard() for i in range(count) for kind in ("weight", "exp_avg", "exp_avg_sq")}
 
 
 def drop_caches() -> bool:
@@ -73,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    state = make_state(args.gb, rank)
+    state = make_state(args.gb, rank, args.tensors)
     sums = {k: float(v.to_local().double().sum()) for k, v in state.items()}
     systems = ("shardkit", "dcp")
     times = {f"{op} {s}": [] for op in ("save", "load") for s in systems}
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--dir", default="/tmp/shardkit-minimal-bench")
     parser.add_argument("--cold-sleep", type=float, default=0.0, help="seconds to wait before each load")
+    parser.add_argument("--tensors", type=int, default=64, help="matrices (each with two AdamW moments)")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
@@ -114,7 +117,7 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
-           f"--cold-sleep={args.cold_sleep}"]
+           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -122,7 +125,7 @@ def main() -> None:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     times = json.loads(line[len("RESULT "):])
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"{args.gb} GB state, 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
+    print(f"{args.gb} GB state ({args.tensors} x 3 tensors), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
           f"each load (then {args.cold_sleep:g} s asleep); medians [all rounds]")
     for op in ("save", "load"):
         ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])
