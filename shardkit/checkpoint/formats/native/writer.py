@@ -160,10 +160,11 @@ class NativeWriter:
     def write_file(self, name: str, chunks: Sequence[WriteChunk], writer: int = 0) -> WrittenFile:
         """Write ``chunks`` (in order) into data file ``name``; return their records.
 
-        Uncompressed chunks of matrices are stored as column strips (one
-        safetensors entry ``<key>#<strip>`` each, see ``geometry/strips.py``)
-        when they span more than two checksum blocks; a compressed chunk is one
-        frame, read whole anyway, so it never is.
+        Uncompressed matrix chunks that ``column_strips`` selects (by default,
+        those whose columns the layout cut) and that span more than two
+        checksum blocks are stored as column strips (one safetensors entry
+        ``<key>#<strip>`` each, see ``geometry/strips.py``); a compressed chunk
+        is one frame, read whole anyway, so it never is.
         """
         from shardkit.checkpoint.formats.codec import SafetensorsStreamWriter
 
