@@ -4,7 +4,9 @@
 Two gloo ranks each hold fp32 ``Shard(0)`` DTensors (weights + two AdamW
 moments, ``--gb`` GB in all, ``--tensors`` matrices of equal size, 64 by
 default; ``--tensors 6`` makes every local shard larger than glibc's largest
-heap allocation, 32 MiB, as a big embedding's is).  Per round, in an
+heap allocation, 32 MiB, as a big embedding's is; ``--llama`` uses a
+LLaMA-shaped state instead: vocabulary matrices, norms and a ``step`` scalar
+per parameter, as ``benchmarks/checkpoint.py`` does).  Per round, in an
 order that rotates every round: each system saves to a fresh directory
 (both make their data durable: shardkit fsyncs by default, DCP's
 ``FileSystemWriter`` has ``sync_files=True``), then, with the page cache
@@ -35,20 +37,35 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
-def make_state(gb: float, rank: int, count: int):
+def llama_shapes(gb: float) -> dict[str, tuple[int, ...]]:
+    """A LLaMA-shaped model (dim 1024, ffn 2816, vocab 32000) whose weights + 2 moments reach ``gb``."""
+    shapes: dict[str, tuple[int, ...]] = {"emb": (32000, 1024), "out": (32000, 1024)}
+    layer = 0
+    while 12 * sum(torch.Size(s).numel() for s in shapes.values()) < gb * 1e9:
+        shapes.update({f"l{layer}.{n}": (1024, 1024) for n in ("q", "k", "v", "o")})
+        shapes.update({f"l{layer}.w1": (2816, 1024), f"l{layer}.w2": (1024, 2816), f"l{layer}.norm": (1024,)})
+        layer += 1
+    return shapes
+
+
+def make_state(gb: float, rank: int, count: int, llama: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (2,))
     rows = int((gb * 1e9 / 3 / count / 4 / 1024) // 2 * 2)  # ``count`` matrices of (rows, 1024), three copies
+    shapes = llama_shapes(gb) if llama else {f"t{i}": (rows, 1024) for i in range(count)}
     gen = torch.Generator().manual_seed(rank)
 
-    def shard() -> DTensor:
-        local = torch.empty(rows // 2, 1024).uniform_(-1, 1, generator=gen)
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 1024)),
-                                  stride=(1024, 1))
+    def shard(shape: tuple[int, ...]) -> DTensor:
+        local = torch.empty((shape[0] // 2,) + shape[1:]).uniform_(-1, 1, generator=gen)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
 
-    return {f"t{i}.{kind}": shard() for i in range(count) for kind in ("weight", "exp_avg", "exp_avg_sq")}
+    state = {f"{k}.{kind}": shard(s) for k, s in shapes.items() for kind in ("weight", "exp_avg", "exp_avg_sq")}
+    if llama:  # AdamW's step, one scalar per parameter, as a real optimizer state has
+        state.update({f"{k}.step": torch.tensor(100.0) for k in shapes})
+    return state
 
 
 def drop_caches() -> bool:
@@ -75,8 +92,9 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    state = make_state(args.gb, rank, args.tensors)
-    sums = {k: float(v.to_local().double().sum()) for k, v in state.items()}
+    state = make_state(args.gb, rank, args.tensors, args.llama)
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
+    sums = {k: float(v.double().sum()) for k, v in local.items()}
     systems = ("shardkit", "dcp")
     times = {f"{op} {s}": [] for op in ("save", "load") for s in systems}
     for round_index in range(args.rounds):
@@ -88,15 +106,15 @@ def worker(args: argparse.Namespace) -> None:
             save = (lambda: skc.save(state, path)) if system == "shardkit" else \
                 (lambda: dcp.save(state, checkpoint_id=path))
             times[f"save {system}"].append(timed(save))
-            for v in state.values():
-                v.to_local().zero_()
+            for v in local.values():
+                v.zero_()
             if rank == 0:
                 drop_caches()
             time.sleep(args.cold_sleep)
             load = (lambda: skc.load(state, path)) if system == "shardkit" else \
                 (lambda: dcp.load(state, checkpoint_id=path))
             times[f"load {system}"].append(timed(load))
-            assert all(float(v.to_local().double().sum()) == sums[k] for k, v in state.items()), system
+            assert all(float(v.double().sum()) == sums[k] for k, v in local.items()), system
     if rank == 0:
         print("RESULT " + json.dumps(times), flush=True)
     dist.barrier()
@@ -110,6 +128,8 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/shardkit-minimal-bench")
     parser.add_argument("--cold-sleep", type=float, default=0.0, help="seconds to wait before each load")
     parser.add_argument("--tensors", type=int, default=64, help="matrices (each with two AdamW moments)")
+    parser.add_argument("--llama", action="store_true",
+                        help="LLaMA shapes instead: vocabulary matrices, norms, a step per parameter")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
@@ -117,7 +137,7 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
-           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}"]
+           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", *(["--llama"] if args.llama else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -125,7 +145,8 @@ def main() -> None:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     times = json.loads(line[len("RESULT "):])
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"{args.gb} GB state ({args.tensors} x 3 tensors), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
+    what = "LLaMA-shaped" if args.llama else f"{args.tensors} x 3 tensors"
+    print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
           f"each load (then {args.cold_sleep:g} s asleep); medians [all rounds]")
     for op in ("save", "load"):
         ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])
