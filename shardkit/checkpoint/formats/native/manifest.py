@@ -93,7 +93,7 @@ class ChunkRecord:
         item = self.nbytes // math.prod(self.shape)
         for j, (offsets, shape) in enumerate(strip_boxes(self.box, *self.strips)):
             nbytes = math.prod(shape) * item
-            count = max(1, -(-nbytes // self.block))
+            count = _blocks(nbytes, self.block)
             out.append(ChunkRecord(offsets, shape, self.file, f"{self.key}#{j}", start, nbytes, self.codec,
                                    self.block, self.crc32c[first:first + count]))
             start, first = start + nbytes, first + count
@@ -110,9 +110,13 @@ def crc_count(box: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, block: 
     """How many checksum blocks a chunk record of ``box`` carries: one per ``block`` stored bytes (at least
     one), counted strip by strip when the chunk is stored as strips."""
     if strips is None:
-        return max(1, -(-nbytes // block))
+        return _blocks(nbytes, block)
     item = nbytes // math.prod(box[1])
-    return sum(max(1, -(-(math.prod(s) * item) // block)) for _, s in strip_boxes(box, *strips))
+    return sum(_blocks(math.prod(s) * item, block) for _, s in strip_boxes(box, *strips))
+
+
+def _blocks(nbytes: int, block: int) -> int:
+    return max(1, -(-nbytes // block))
 
 
 @dataclass(frozen=True)

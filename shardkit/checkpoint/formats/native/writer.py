@@ -171,54 +171,51 @@ class NativeWriter:
         keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
         frames: list[bytes] | None = None
         widths: list[int | None] = [None] * len(chunks)
-        strip_blocks: dict[str, int] = {}
+        parts: list[list[tuple[str, Box]]] = [[(k, (tuple(c.offsets), tuple(c.shape)))] for k, c in zip(keys, chunks)]
+        blocks = [self.block_bytes] * len(chunks)
         if self.compression is not None:
             level = self.compression.level
             frames = [zstd_compress(as_bytes(c.materialize()), level) for c in chunks]
             entries = [(k, "U8", (len(f),), len(f)) for k, f in zip(keys, frames)]
         else:
-            entries = []
             for i, (k, c) in enumerate(zip(keys, chunks)):
                 widths[i] = strip_width(c.columns, c.shape, itemsize(c.dtype), self.block_bytes, self.max_strips,
                                         cut_only=not self.strip_whole_rows)
-                parts = [(k, c.shape)] if widths[i] is None else \
-                    [(f"{k}#{j}", shape) for j, (_, shape) in enumerate(_strips_of(c, widths[i]))]
-                if widths[i] is not None:
-                    block = strip_block(self.block_bytes, widths[i], c.shape[1], itemsize(c.dtype))
-                    strip_blocks.update((key, block) for key, _ in parts)
-                entries.extend((key, dtype_to_code(c.dtype), shape, math.prod(shape) * itemsize(c.dtype))
-                               for key, shape in parts)
+                if widths[i] is not None:  # one entry per strip, blocks scaled to the strip's width
+                    parts[i] = [(f"{k}#{j}", box) for j, box in enumerate(_strips_of(c, widths[i]))]
+                    blocks[i] = strip_block(self.block_bytes, widths[i], c.shape[1], itemsize(c.dtype))
+            entries = [(key, dtype_to_code(c.dtype), box[1], math.prod(box[1]) * itemsize(c.dtype))
+                       for c, chunk_parts in zip(chunks, parts) for key, box in chunk_parts]
+        entry_blocks = {key: block for chunk_parts, block in zip(parts, blocks) for key, _ in chunk_parts}
 
         def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
-            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for, strip_blocks)
+            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for,
+                                             None if frames is not None else entry_blocks)
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if frames is not None:
                     stream.write(key, torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8)
                                  if frames[i] else torch.empty(0, dtype=torch.uint8))
-                elif widths[i] is None:
-                    stream.write(key, as_bytes(chunk.materialize()))
-                else:
-                    data = chunk.materialize()
-                    for j, (offsets, shape) in enumerate(_strips_of(chunk, widths[i])):
-                        lo = offsets[1] - chunk.offsets[1]
-                        stream.write(f"{key}#{j}", as_bytes(data.narrow(1, lo, shape[1]).contiguous()))
+                    continue
+                data = chunk.materialize()
+                for part_key, (offsets, shape) in parts[i]:
+                    if widths[i] is not None:
+                        data_part = data.narrow(1, offsets[1] - chunk.offsets[1], shape[1]).contiguous()
+                    else:
+                        data_part = data
+                    stream.write(part_key, as_bytes(data_part))
             return stream, stream.finish()
 
         stream, crcs = self.storage.write_stream(name, produce, fsync=self.fsync, direct=self.direct_io)
         placed = {e.key: e for e in stream.entries}
         records = []
-        for key, chunk, width in zip(keys, chunks, widths):
-            if width is None:
-                entry = placed[key]
-                nbytes, start, chunk_crcs = entry.end - entry.start, entry.start, crcs[key]
-            else:
-                parts = [f"{key}#{j}" for j in range(len(_strips_of(chunk, width)))]
-                start, nbytes = placed[parts[0]].start, placed[parts[-1]].end - placed[parts[0]].start
-                chunk_crcs = [c for part in parts for c in crcs[part]]
-            block = strip_blocks.get(f"{key}#0", self.block_bytes) if frames is None else max(nbytes, 1)
-            records.append((chunk.fqn, ChunkRecord(tuple(chunk.offsets), tuple(chunk.shape), name, key, start,
-                                                   nbytes, "raw" if frames is None else "zstd", block,
-                                                   tuple(chunk_crcs), None if width is None else (1, width))))
+        for chunk, key, chunk_parts, block, width in zip(chunks, keys, parts, blocks, widths):
+            first, last = placed[chunk_parts[0][0]], placed[chunk_parts[-1][0]]
+            nbytes = last.end - first.start
+            records.append((chunk.fqn, ChunkRecord(
+                tuple(chunk.offsets), tuple(chunk.shape), name, key, first.start, nbytes,
+                "raw" if frames is None else "zstd", block if frames is None else max(nbytes, 1),
+                tuple(c for part_key, _ in chunk_parts for c in crcs[part_key]),
+                None if width is None else (1, width))))
         return WrittenFile(name, stream.size, writer, tuple(records))
 
     @property
