@@ -8,6 +8,7 @@ import random
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 import torch.nn as nn
@@ -41,17 +42,36 @@ def _is_step(model: _Blob, step: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
 
 
-def _save_forever(root: str, options: dict | None, start: int, report: str) -> None:
+def _save_forever(root: str, options: dict | None, start: int, report: str, writer: str | None) -> None:
+    """Save steps until killed; ``writer`` set: background saves through that async_save writer."""
     torch.set_num_threads(1)
     model = _Blob()
-    manager = skc.CheckpointManager(root, keep_last=2, storage_options=options, chunk_bytes=256 << 10)
+    manager = skc.CheckpointManager(root, keep_last=2, storage_options=options, chunk_bytes=256 << 10,
+                                    **({"async_save": True, "writer": writer} if writer else {}))
     step = start
     while True:
         _fill(model, step)
-        manager.save(step, model, extra={"step": step})
-        with open(report, "a") as f:  # the step is committed once save() returned
+        future = manager.save(step, model, extra={"step": step})
+        if future is not None:
+            _fill(model, -1)  # training goes on while the save is written
+            future.result()
+        with open(report, "a") as f:  # the step is committed once save() (or its future) returned
             f.write(f"{step}\n")
         step += 1
+
+
+def _writers_of(pid: int) -> list[int]:
+    """Live async_save writer processes started by process ``pid``."""
+    found = []
+    for child in psutil.process_iter(["cmdline"]):
+        cmdline = child.info["cmdline"] or []
+        if "shardkit.checkpoint.training.writer_process" in cmdline and cmdline[-1] == str(pid):
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    found.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return found
 
 
 def _save_forever_once(root: str, options: dict | None) -> None:
@@ -69,7 +89,8 @@ def _last_reported(report: str) -> int:
     return int(lines[-1]) if lines else -1
 
 
-def _kill_loop(root: str, options: dict | None, report: str, seed: int, max_delay: float) -> list[int]:
+def _kill_loop(root: str, options: dict | None, report: str, seed: int, delays: tuple[float, float],
+               kills: int = KILLS, writer: str | None = None) -> list[int]:
     # one save in this process first, so the forked savers start with every module imported
     _save_forever_once(f"{root}-warmup", options)
     # step 0 committed before the first kill, so every kill lands where a committed step must survive
@@ -83,14 +104,19 @@ def _kill_loop(root: str, options: dict | None, report: str, seed: int, max_dela
     rng = random.Random(seed)
     checker = skc.CheckpointManager(root, storage_options=options)
     loaded_steps = []
-    for _ in range(KILLS):
+    for _ in range(kills):
         steps = checker.steps()
-        proc = ctx.Process(target=_save_forever, args=(root, options, (steps[-1] + 1) if steps else 0, report))
+        proc = ctx.Process(target=_save_forever,
+                           args=(root, options, (steps[-1] + 1) if steps else 0, report, writer))
         proc.start()
-        time.sleep(rng.uniform(0.0, max_delay))
+        time.sleep(rng.uniform(*delays))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         assert proc.exitcode == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while _writers_of(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _writers_of(proc.pid) == [], "the writer process outlived the killed training process"
         committed = checker.steps()
         model = _Blob()
         result = checker.load_latest(model)
@@ -109,14 +135,22 @@ def _kill_loop(root: str, options: dict | None, report: str, seed: int, max_dela
 
 
 def test_sigkill_at_random_moments_never_loses_or_damages_the_newest_committed_step_local(tmp_path):
-    loaded = _kill_loop(str(tmp_path / "run"), None, str(tmp_path / "report"), seed=1, max_delay=0.4)
+    loaded = _kill_loop(str(tmp_path / "run"), None, str(tmp_path / "report"), seed=1, delays=(0.0, 0.4))
     assert len(loaded) == KILLS and loaded == sorted(loaded) and loaded[-1] > loaded[0]
 
 
 def test_sigkill_at_random_moments_never_loses_or_damages_the_newest_committed_step_s3(s3_url, tmp_path):
     root, options = s3_url
-    loaded = _kill_loop(f"{root}/run", options, str(tmp_path / "report"), seed=2, max_delay=0.6)
+    loaded = _kill_loop(f"{root}/run", options, str(tmp_path / "report"), seed=2, delays=(0.0, 0.6))
     assert len(loaded) == KILLS and loaded == sorted(loaded) and loaded[-1] > loaded[0]
+
+
+def test_sigkill_during_background_saves_through_the_writer_process_never_loses_the_newest_committed_step(tmp_path):
+    # each killed job first starts its writer process (a second or two), so kills land across start-up,
+    # staging, the writer's files and the commit
+    loaded = _kill_loop(str(tmp_path / "run"), None, str(tmp_path / "report"), seed=4, delays=(0.3, 3.5),
+                        kills=8, writer="process")
+    assert len(loaded) == 8 and loaded == sorted(loaded) and loaded[-1] > loaded[0]
 
 
 def test_killed_save_to_an_existing_url_leaves_the_old_checkpoint_loadable(tmp_path):

@@ -205,9 +205,11 @@ class CheckpointReader(abc.ABC):
 class WriteChunk:
     """One chunk a writer should store: box ``offsets``/``shape`` of ``fqn`` and its data.
 
-    ``data`` is a contiguous tensor of ``shape`` in ``dtype`` or a zero-argument
-    callable producing one when the writer gets to it (so a writer holds one
-    chunk at a time, and an offline reshard reads each chunk just in time).
+    ``data`` is a tensor of ``shape`` in ``dtype`` (any strides, any device:
+    :meth:`materialize` makes the contiguous CPU copy a writer needs, when it
+    needs it) or a zero-argument callable producing one when the writer gets
+    to it (so a writer holds one chunk at a time, and an offline reshard reads
+    each chunk just in time).
     ``tensor_shape`` is the whole tensor's shape (the native writer lays its
     column strips on the tensor's grid); unknown, the chunk's own extent stands in.
     """
@@ -235,6 +237,8 @@ class WriteChunk:
         if tuple(data.shape) != tuple(self.shape) or data.dtype != self.dtype:
             raise ValueError(f"chunk of {self.fqn!r} at {list(self.offsets)}: data has shape {tuple(data.shape)} "
                              f"{data.dtype}, planned {self.shape} {self.dtype}")
+        if data.device.type != "cpu":
+            return data.to("cpu").contiguous()
         return data if data.is_contiguous() else data.contiguous()
 
 

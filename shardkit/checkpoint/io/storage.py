@@ -87,7 +87,8 @@ class Storage:
         self.root = path.rstrip("/") or path
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.is_local = "file" in protocols or "local" in protocols
-        self.is_object_store = not self.is_local and "memory" not in protocols
+        self.in_this_process = "memory" in protocols  # no other process sees it
+        self.is_object_store = not self.is_local and not self.in_this_process
         self.storage_options = dict(storage_options or {})
 
     # -- names ---------------------------------------------------------

@@ -1,82 +1,52 @@
-"""Host staging for ``async_save``: one reused buffer, one background writer, one private group.
+"""``async_save``: copy the state to host memory, then write and commit in the background.
 
 Why this shape:
 
-* **Flat host memory.**  The state must be copied before training changes it,
-  but the copy lands in a :class:`StagingPool` buffer that is kept and reused:
-  the second and later saves of the same state allocate nothing (a fresh
-  allocation costs a page fault per page; a reused one runs at memcpy speed).  The buffer grows only if the state grows.
+* **Writing off the training process.**  By default a long-lived writer
+  process per training process (:mod:`~shardkit.checkpoint.training.writer_process`)
+  checksums, compresses and writes the staged bytes, so that work does not
+  compete with the training step for the GIL; ``writer="thread"`` writes from
+  a thread of this process instead (and a ``memory://`` URL, which only this
+  process can see, always does).
+* **Flat host memory.**  The state is copied into a reused
+  :class:`~shardkit.checkpoint.training.staging.StagingPool` buffer (shared
+  memory for the writer process), so repeated saves allocate nothing.
 * **One save in flight.**  A new save waits for the previous one, so the
-  buffer is never overwritten while it is being uploaded.
-* **Its own process group.**  The background thread gathers chunk records and
+  buffer is never overwritten while it is being written.
+* **Its own process group.**  A background thread gathers chunk records and
   commits through a gloo group created for it; gloo aborts when two threads run
   collectives on one group, and the training thread owns the default group.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-import torch
-
-from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.codec import Compression, as_bytes
+from shardkit.checkpoint.formats.codec import Compression
 from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.save import plan_save, save_options, write_and_commit
+from shardkit.checkpoint.training.staging import StagingPool
+from shardkit.checkpoint.training.writer_process import WriterProcess, writer_options
+from shardkit.errors import ConfigurationError
 
-__all__ = ["async_save", "StagingPool", "BackgroundSaver", "background_saver"]
+__all__ = ["async_save", "BackgroundSaver", "background_saver", "WRITERS"]
 
-_ALIGN = 64
-
-
-class StagingPool:
-    """A grow-only host buffer that staged chunks are copied into."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
-
-    def stage(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
-        """Copy every chunk's data into the pool; return chunks that point at the copies."""
-        sizes = [-(-c.nbytes // _ALIGN) * _ALIGN for g in groups for c in g]
-        total = sum(sizes)
-        if self._buffer is None or self._buffer.numel() < total:
-            self._buffer = None  # let the old one go before taking the new one
-            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-        out: list[list[WriteChunk]] = []
-        pos = 0
-        with torch.no_grad():
-            for group in groups:
-                staged_group = []
-                for chunk in group:
-                    dst = self._buffer[pos:pos + chunk.nbytes]
-                    src = chunk.materialize()
-                    dst.copy_(as_bytes(src))
-                    staged = dst.view(chunk.dtype).view(chunk.shape) if chunk.shape else dst.view(chunk.dtype)[0]
-                    staged_group.append(replace(chunk, data=staged))
-                    pos += -(-chunk.nbytes // _ALIGN) * _ALIGN
-                out.append(staged_group)
-        return out
-
-    def release(self) -> None:
-        self._buffer = None
+WRITERS = ("process", "thread")
 
 
 class BackgroundSaver:
     """The per-process async save machinery (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.pool = StagingPool()
+        self.pools = {"thread": StagingPool(), "process": StagingPool(shared=True)}
+        self.writer_process = WriterProcess()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-async-save")
         self._pending: Future | None = None
         self._group: tuple[Any, Any] | None = None  # (default group it was made under, private group)
@@ -105,27 +75,39 @@ class BackgroundSaver:
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
                io_threads: int, process_group: Any = None, direct_io: bool = True,
                keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
-               column_strips: str = "cut") -> Future:
+               column_strips: str = "cut", writer: str = "process",
+               storage_options: Mapping[str, Any] | None = None) -> Future:
         with self._lock:
             self.wait()
+            pool = self.pools[writer]
+            self.pools["thread" if writer == "process" else "process"].release()  # one buffer at a time
             group = process_group if process_group is not None else self._private_group()
             dist = Dist(group)
             plan, error = None, None
             try:
                 plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
                                  compression=compression)
-                plan.groups = self.pool.stage(plan.groups)
+                plan.groups = pool.stage(plan.groups)
                 plan.values = dict(plan.values)
                 storage.makedirs()
             except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
                 error = exc
+            options = dict(compression=compression, block_bytes=block_bytes, fsync=fsync, direct_io=direct_io,
+                           column_strips=column_strips)
+            write_files = None
+            if writer == "process" and plan is not None:
+                child_options = dict(storage_options or {})
+                write_files = lambda jobs: self.writer_process.write_files(  # noqa: E731
+                    storage, child_options, jobs, pool, writer=dist.rank, io_threads=io_threads, **options)
             meta_copy = dict(meta) if meta else None
-            future = self._executor.submit(write_and_commit, storage, plan, error, dist, compression=compression,
-                                           block_bytes=block_bytes, fsync=fsync, io_threads=io_threads,
-                                           meta=meta_copy, overwrite=overwrite, direct_io=direct_io,
-                                           column_strips=column_strips)
-            self._pending = future
-            return future
+
+            def write_in_background() -> None:
+                pool.wait_copied()
+                write_and_commit(storage, plan, error, dist, io_threads=io_threads, meta=meta_copy,
+                                 overwrite=overwrite, write_files=write_files, **options)
+
+            self._pending = self._executor.submit(write_in_background)
+            return self._pending
 
 
 _saver: BackgroundSaver | None = None
@@ -140,16 +122,43 @@ def background_saver() -> BackgroundSaver:
         return _saver
 
 
+def _forget_saver_after_fork() -> None:
+    """A forked child has none of its parent's threads or writer process: it starts its own."""
+    global _saver, _saver_lock
+    _saver, _saver_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_saver_after_fork)
+
+
+def choose_writer(writer: str | None, storage: Storage, storage_options: Mapping[str, Any] | None) -> str:
+    """``writer`` checked against the storage: ``None`` means the writer process where it can reach the storage."""
+    if writer is not None and writer not in WRITERS:
+        raise ConfigurationError(f"writer must be one of {', '.join(WRITERS)} (or None), got {writer!r}")
+    if writer == "process" and storage.in_this_process:
+        raise ConfigurationError(f"async_save(writer='process') cannot write to {storage.url}: a memory:// "
+                                 f"filesystem lives in this process only; pass writer='thread'")
+    if writer == "thread" or storage.in_this_process:
+        return "thread"
+    writer_options(storage, storage_options)  # refuses options the writer process could not receive
+    return "process"
+
+
 def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
                overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
                only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-               column_strips: str = "cut") -> Future:
+               column_strips: str = "cut", writer: str | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
-    The upload and commit run on a background thread with its own gloo process
+    ``writer``: ``"process"`` (the default wherever it can reach the storage)
+    checksums, compresses and writes in a long-lived child process fed
+    through shared memory, so none of it competes with training for the GIL;
+    ``"thread"`` does it on a thread of this process (``memory://`` URLs always
+    do).  The commit runs on a background thread with its own gloo process
     group (never the training thread's): ``process_group`` if given (it must
     not be used by anything else while a save runs), else one created on the
     first call (a collective).  Staging buffers are reused from save to save,
@@ -158,7 +167,10 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     """
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
-    return background_saver().submit(state_dict, Storage(url, storage_options), compression=comp, meta=meta,
+    storage = Storage(url, storage_options)
+    mode = choose_writer(writer, storage, storage_options)
+    return background_saver().submit(state_dict, storage, compression=comp, meta=meta,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
-                                     direct_io=direct_io, keys=(only, exclude), column_strips=column_strips)
+                                     direct_io=direct_io, keys=(only, exclude), column_strips=column_strips,
+                                     writer=mode, storage_options=storage_options)

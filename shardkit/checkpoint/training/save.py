@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -101,17 +101,11 @@ class SavePlan:
         return self.layouts[0]["mesh"] | {"placements": self.layouts[0]["placements"]} if self.layouts else None
 
 
-def _chunk_view(piece: torch.Tensor, piece_offsets: Sequence[int], sub: Box):
+def _chunk_view(piece: torch.Tensor, piece_offsets: Sequence[int], sub: Box) -> torch.Tensor:
     """The data of chunk ``sub`` (global box) inside ``piece`` (a view of the local tensor at
-    global offsets ``piece_offsets``): the view itself, or a callable making a contiguous CPU copy
-    when the writer gets to it."""
-    index = tuple(slice(o - po, o - po + s) for o, po, s in zip(sub[0], piece_offsets, sub[1]))
-    chunk = piece[index]
-    if chunk.device.type != "cpu":
-        return lambda: chunk.to("cpu")
-    if not chunk.is_contiguous():
-        return lambda: chunk.contiguous()
-    return chunk
+    global offsets ``piece_offsets``), as a view: the writer makes the one contiguous CPU copy it
+    needs (:meth:`WriteChunk.materialize`), ``async_save`` copies it straight into staging."""
+    return piece[tuple(slice(o - po, o - po + s) for o, po, s in zip(sub[0], piece_offsets, sub[1]))]
 
 
 def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
@@ -196,11 +190,19 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
                     tensors, flat.values, layouts_of(flat.tensors), aliases)
 
 
+FileJobs = list[tuple[str, list[WriteChunk]]]
+
+
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
                      compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
                      meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True,
-                     column_strips: str = "cut") -> None:
-    """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``)."""
+                     column_strips: str = "cut",
+                     write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
+    """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
+
+    ``write_files`` writes ``[(file name, chunks), ...]`` and returns the files' records (the
+    ``async_save`` writer process); by default this process writes them, one I/O thread per file.
+    """
     writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
                           direct_io=direct_io, column_strips=column_strips)
     files: list[WrittenFile] = []
@@ -209,7 +211,10 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
         try:
             token = new_token()
             jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(plan.groups)]
-            files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
+            if write_files is not None:
+                files = write_files(jobs)
+            else:
+                files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
     written = {fqn for f in files for fqn, _ in f.chunks}

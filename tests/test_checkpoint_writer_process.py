@@ -1,0 +1,125 @@
+"""async_save's writers: a long-lived writer process per rank (the default) and a thread of the training process.
+
+What they must both do: copy the state before training changes it, keep host
+memory flat over many saves, and never let a failure cost the checkpoint that
+was there before.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardkit.checkpoint as skc
+from shardkit.checkpoint.training.async_save import background_saver
+from shardkit.errors import CheckpointError, ConfigurationError
+from tests.dist import run_on_ranks
+
+
+def _sharded_state(fill: float):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.checkpoint_helpers import make_mesh
+
+    mesh = make_mesh((dist.get_world_size(),))
+    return {"w": distribute_tensor(torch.full((2048, 1024), fill), mesh, [Shard(0)])}  # 8 MiB, 4 MiB per rank
+
+
+def _async_saves(url_base: str, n_saves: int, writer: str) -> dict:
+    """Async saves while training and collectives go on; RSS of this process and of its writer process."""
+    state = _sharded_state(0.0)
+    me = psutil.Process()
+    rss, writer_rss, writer_pids = [], [], set()
+    for i in range(n_saves):
+        state["w"].to_local().fill_(float(i))
+        future = skc.async_save(state, f"{url_base}/s{i}", meta={"i": i}, writer=writer)
+        state["w"].to_local().fill_(-1.0)  # training goes on: the save must hold the old values
+        for _ in range(3):
+            dist.all_reduce(torch.ones(16))  # the default group stays the training thread's
+        future.result()
+        gc.collect()
+        rss.append(me.memory_info().rss)
+        pid = background_saver().writer_process.pid
+        if writer == "process":
+            writer_pids.add(pid)
+            writer_rss.append(psutil.Process(pid).memory_info().rss)
+    checks = []
+    for i in (0, n_saves - 1):
+        target = _sharded_state(0.0)
+        skc.load(target, f"{url_base}/s{i}")
+        checks.append(bool((target["w"].to_local() == float(i)).all()))
+    return {"rss_growth": rss[-1] - rss[1], "writer_rss_growth": writer_rss[-1] - writer_rss[1] if writer_rss else 0,
+            "writer_pids": sorted(writer_pids), "checks": checks}
+
+
+@pytest.mark.parametrize("writer, saves", [("thread", 8), ("process", 20)])
+def test_async_save_copies_the_state_then_writes_with_flat_host_memory(tmp_path, writer, saves):
+    out = run_on_ranks(2, _async_saves, str(tmp_path / "async"), saves, writer)
+    for rank in out:
+        assert rank["checks"] == [True, True]
+        assert rank["rss_growth"] < 2 * 2**20, rank["rss_growth"]  # staging is reused, not re-allocated
+        assert rank["writer_rss_growth"] < 2 * 2**20, rank["writer_rss_growth"]
+    if writer == "process":  # one long-lived writer per rank, spawned once and reused for every save
+        assert [len(rank["writer_pids"]) for rank in out] == [1, 1]
+        assert out[0]["writer_pids"] != out[1]["writer_pids"]
+
+
+def _kill_rank0_writer_mid_save(url: str) -> dict:
+    first = skc.async_save(_sharded_state(1.0), url, writer="process")
+    first.result()
+    writer_pid = background_saver().writer_process.pid
+    if dist.get_rank() == 0:
+        os.kill(writer_pid, signal.SIGSTOP)  # it takes the next request and never answers
+    dist.barrier()
+    doomed = skc.async_save(_sharded_state(2.0), url, writer="process")
+    if dist.get_rank() == 0:
+        os.kill(writer_pid, signal.SIGKILL)
+    try:
+        doomed.result()
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    survivor = _sharded_state(0.0)
+    skc.load(survivor, url)
+    kept = bool((survivor["w"].to_local() == 1.0).all())
+    skc.async_save(_sharded_state(3.0), url, writer="process").result()  # a new writer takes over
+    after = _sharded_state(0.0)
+    skc.load(after, url)
+    return {"error": error, "kept": kept, "old_pid": writer_pid, "new_pid": background_saver().writer_process.pid,
+            "next_save": bool((after["w"].to_local() == 3.0).all())}
+
+
+def test_a_writer_process_killed_mid_save_fails_the_save_everywhere_and_keeps_the_previous_checkpoint(tmp_path):
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_on_ranks(2, _kill_rank0_writer_mid_save, url)
+    assert rank0["error"] is not None and f"writer process (pid {rank0['old_pid']}) was killed by SIGKILL" \
+        in rank0["error"] and "nothing was committed" in rank0["error"]
+    assert rank1["error"] is not None and "failed on rank 0" in rank1["error"]
+    assert rank0["kept"] and rank1["kept"]
+    assert rank0["next_save"] and rank1["next_save"]
+    assert rank0["new_pid"] != rank0["old_pid"] and rank1["new_pid"] == rank1["old_pid"]
+    assert skc.verify(url).ok
+
+
+def test_an_unknown_writer_or_a_process_writer_for_memory_storage_is_refused_before_anything_is_staged():
+    state = {"w": torch.ones(4)}
+    with pytest.raises(ConfigurationError, match="writer must be one of process, thread"):
+        skc.async_save(state, "memory://writer-choice/a", writer="fork")
+    with pytest.raises(ConfigurationError, match="memory:// filesystem lives in this process only"):
+        skc.async_save(state, "memory://writer-choice/b", writer="process")
+    skc.async_save(state, "memory://writer-choice/c").result()  # the default writes memory:// from a thread
+    out = {"w": torch.zeros(4)}
+    skc.load(out, "memory://writer-choice/c")
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_storage_options_the_writer_process_cannot_receive_are_refused_naming_the_url(tmp_path):
+    with pytest.raises(ConfigurationError, match="storage_options must be JSON"):
+        skc.async_save({"w": torch.ones(4)}, str(tmp_path / "x"), storage_options={"opener": object()},
+                       writer="process")
