@@ -29,7 +29,14 @@ sleep) before it.  Every load is checked against float64 sums of the saved
 state.  Peak RSS is sampled every 5 ms; it is reported above the RSS before
 the op, as a fraction of the state bytes the process holds.
 
-    python benchmarks/checkpoint.py --gb 2 --reps 3 --dir /tmp/shardkit-ckpt-bench
+Then, per repetition, a third job trains while saving (``--phases train``;
+:mod:`checkpoint_training` says how): blocking time per save, step time while
+a save is being written and total time, for ``async_save`` with its writer
+process and with a thread, ``dcp.async_save`` with a thread and with a
+process, and no saving.  Last, every target with its verdict (MET/MISSED).
+
+    python benchmarks/checkpoint.py --gb 2 --reps 5 --dir /tmp/shardkit-ckpt-bench
+    python benchmarks/checkpoint.py --phases train --reps 3   # the training phase alone
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_training as training  # noqa: E402 - the training-while-saving phase, beside this file
+
 import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
 from shardkit.checkpoint.geometry.boxes import shard_box  # noqa: E402
 from shardkit.checkpoint.state.tree import flatten  # noqa: E402
@@ -369,30 +379,59 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.0, help="total state (weights + AdamW) in GB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/shardkit-ckpt-bench")
-    parser.add_argument("--worker", choices=("ws2", "ws1"))
+    parser.add_argument("--phases", default="io,train", help="io (save/load/async), train (training while "
+                        "saving), or both")
+    parser.add_argument("--worker", choices=("ws2", "ws1", "train"))
     parser.add_argument("--rep", type=int, default=0)
+    training.add_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        (worker_two_ranks if args.worker == "ws2" else worker_one_process)(args)
+        {"ws2": worker_two_ranks, "ws1": worker_one_process, "train": worker_training}[args.worker](args)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     parent = os.path.dirname(args.dir.rstrip("/")) or "."
+    phases = set(args.phases.split(","))
     for rep in range(args.reps):
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
-        base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep)]
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        *base, "--worker", "ws2"], check=True, env=env)
-        subprocess.run([sys.executable, *base, "--worker", "ws1"], check=True, env=env)
-        for ws in ("ws2", "ws1"):  # keep the results outside the directory the next repetition wipes
+        base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep),
+                "--train-steps", str(args.train_steps), "--save-every", str(args.save_every),
+                "--train-dim", str(args.train_dim), "--train-layers", str(args.train_layers)]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        workers = (["ws2", "ws1"] if "io" in phases else []) + (["train"] if "train" in phases else [])
+        for ws in workers:
+            subprocess.run([*(torchrun if ws != "ws1" else [sys.executable]), *base, "--worker", ws], check=True,
+                           env=env)
+            # keep the results outside the directory the next repetition wipes
             shutil.copy(os.path.join(args.dir, f"result-{ws}-{rep}.json"),
                         os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json"))
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
-    report(args)
+    targets = report(args) if "io" in phases else []
+    if "train" in phases:
+        runs = []
+        for rep in range(args.reps):
+            with open(os.path.join(parent, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
+                runs.append(json.load(f))
+        targets += training.report(runs, args.save_every)
+    print("\ntargets")
+    for name, ours, limit, met in targets:
+        print(f"  {name:72s} {ours:6.2f} (<= {limit:.2f})  {'MET' if met else 'MISSED'}")
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
-def report(args: argparse.Namespace) -> None:
+def worker_training(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = training.worker(args, args.rep)
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.dir, f"result-train-{args.rep}.json"), "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace) -> list[tuple[str, float, float, bool]]:
+    """Print the save/load/async tables; return the targets as ``(name, ours, limit, met)``."""
     runs: dict[str, list[dict]] = {}
     state_gb = None
     parent = os.path.dirname(args.dir.rstrip("/")) or "."
@@ -440,8 +479,14 @@ def report(args: argparse.Namespace) -> None:
           f"into preallocated buffers {med(pre):.3f} s")
     print(f"  shardkit repeat / fresh clone = {med('async/shardkit/repeat') / med(clone):.2f}x, "
           f"/ preallocated copy = {med('async/shardkit/repeat') / med(pre):.2f}x")
-    print("\ntargets: save <= 0.4x DCP; load <= 0.9x DCP, resharded load <= 0.8x; within 1.25x of raw; "
-          "RSS+ <= 10%; async blocking <= copy to host")
+    limits = [("save, 2 ranks, cold: shardkit / DCP", "save", "cold", 0.6),
+              ("load, 2 ranks, uncached: shardkit / DCP", "load2", "uncached", 0.8),
+              ("load at 1 (reshard 2 -> 1), uncached: shardkit / DCP", "load1", "uncached", 0.7)]
+    targets = [(name, med(f"{op}/shardkit/{v}") / med(f"{op}/dcp/{v}"), limit,
+                med(f"{op}/shardkit/{v}") / med(f"{op}/dcp/{v}") <= limit) for name, op, v, limit in limits]
+    ratio = med("async/shardkit/repeat") / med(pre)
+    targets.append(("async_save blocking (repeat) / copy into preallocated host buffers", ratio, 1.2, ratio <= 1.2))
+    return targets
 
 
 if __name__ == "__main__":

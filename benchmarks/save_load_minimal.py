@@ -30,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -78,10 +79,29 @@ def drop_caches() -> bool:
         return False
 
 
-def timed(fn) -> float:
+def timed(fn, sampler_ms: float = 0.0) -> float:
+    """Seconds of ``fn`` (the slowest rank); ``sampler_ms`` > 0 runs an RSS-sampling thread beside it,
+    as ``benchmarks/checkpoint.py`` does for its peak-RSS figures."""
+    stop = threading.Event()
+    sampler = None
+    if sampler_ms > 0:
+        import psutil
+
+        proc = psutil.Process()
+
+        def sample() -> None:
+            while not stop.wait(sampler_ms / 1e3):
+                proc.memory_info()
+
+        sampler = threading.Thread(target=sample, daemon=True)
     dist.barrier()
+    if sampler is not None:
+        sampler.start()
     start = time.perf_counter()
     fn()
+    stop.set()
+    if sampler is not None:
+        sampler.join()
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
@@ -105,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             save = (lambda: skc.save(state, path)) if system == "shardkit" else \
                 (lambda: dcp.save(state, checkpoint_id=path))
-            times[f"save {system}"].append(timed(save))
+            times[f"save {system}"].append(timed(save, args.sampler_ms))
             for v in local.values():
                 v.zero_()
             if rank == 0:
@@ -113,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
             time.sleep(args.cold_sleep)
             load = (lambda: skc.load(state, path)) if system == "shardkit" else \
                 (lambda: dcp.load(state, checkpoint_id=path))
-            times[f"load {system}"].append(timed(load))
+            times[f"load {system}"].append(timed(load, args.sampler_ms))
             assert all(float(v.double().sum()) == sums[k] for k, v in local.items()), system
     if rank == 0:
         print("RESULT " + json.dumps(times), flush=True)
@@ -130,6 +150,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=64, help="matrices (each with two AdamW moments)")
     parser.add_argument("--llama", action="store_true",
                         help="LLaMA shapes instead: vocabulary matrices, norms, a step per parameter")
+    parser.add_argument("--sampler-ms", type=float, default=0.0,
+                        help="run an RSS-sampling thread every this many ms during each timed call")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
@@ -137,7 +159,7 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
-           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", *(["--llama"] if args.llama else [])]
+           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}", *(["--llama"] if args.llama else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -147,7 +169,8 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     what = "LLaMA-shaped" if args.llama else f"{args.tensors} x 3 tensors"
     print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
-          f"each load (then {args.cold_sleep:g} s asleep); medians [all rounds]")
+          f"each load (then {args.cold_sleep:g} s asleep); RSS sampler {args.sampler_ms:g} ms (0: none); "
+          f"medians [all rounds]")
     for op in ("save", "load"):
         ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])
         rounds = " ".join(f"{a / b:.2f}" for a, b in zip(times[f"{op} shardkit"], times[f"{op} dcp"]))

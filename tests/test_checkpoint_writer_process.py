@@ -123,3 +123,45 @@ def test_storage_options_the_writer_process_cannot_receive_are_refused_naming_th
     with pytest.raises(ConfigurationError, match="storage_options must be JSON"):
         skc.async_save({"w": torch.ones(4)}, str(tmp_path / "x"), storage_options={"opener": object()},
                        writer="process")
+
+
+def _exchanges_over_saves(url: str) -> dict:
+    """How often saves exchange every rank's boxes: once per structure, not once per save."""
+    from shardkit.checkpoint.training import save as save_module
+
+    calls = []
+    original = save_module.assign_writers
+    save_module.assign_writers = lambda dist_, held: calls.append(1) or original(dist_, held)
+    try:
+        counts = []
+        for i in range(3):  # the same structure three times, through both entry points
+            state = _sharded_state(float(i))
+            skc.save(state, f"{url}/plain-{i}") if i % 2 else skc.async_save(state, f"{url}/plain-{i}").result()
+            counts.append(len(calls))
+        grown = {**_sharded_state(5.0), "extra": torch.full((3,), float(dist.get_rank()))}
+        skc.save(grown, f"{url}/grown")  # a new key: the ranks exchange again
+        counts.append(len(calls))
+        skc.save(grown, f"{url}/grown-again")
+        counts.append(len(calls))
+        # one rank alone holding something new must still make every rank exchange (or they would hang)
+        lone = {**grown, "rank0-only": torch.ones(2)} if dist.get_rank() == 0 else grown
+        skc.save(lone, f"{url}/lone")
+        counts.append(len(calls))
+    finally:
+        save_module.assign_writers = original
+    loaded = _sharded_state(0.0)
+    skc.load(loaded, f"{url}/plain-2")
+    return {"counts": counts, "values_ok": bool((loaded["w"].to_local() == 2.0).all())}
+
+
+def test_saves_of_an_unchanged_structure_reuse_the_writer_assignment_after_one_small_agreement(tmp_path):
+    for rank in run_on_ranks(2, _exchanges_over_saves, str(tmp_path)):
+        # async_save (its own group), save (the default group), async_save again (reused), then the
+        # grown state twice (exchanged once), then rank 0 alone changing (exchanged by both)
+        assert rank["counts"] == [1, 2, 2, 3, 3, 4], rank["counts"]
+        assert rank["values_ok"]
+
+
+def test_a_manager_refuses_a_writer_without_background_saves(tmp_path):
+    with pytest.raises(ConfigurationError, match="pass async_save=True with it"):
+        skc.CheckpointManager(str(tmp_path / "run"), writer="thread")

@@ -133,12 +133,22 @@ class Dist:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
+    def all_same(self, ok: bool, value: int) -> bool:
+        """True on every rank when ``ok`` holds on every rank and every rank passed the same ``value``
+        (one small all-reduce)."""
+        if not self.active:
+            return ok
+        import torch.distributed as dist
+
+        flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
+
     def barrier(self) -> None:
         if self.active:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
-
 
 
 def _decode(buf: torch.Tensor, size: torch.Tensor) -> Any:

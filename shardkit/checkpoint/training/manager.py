@@ -77,14 +77,19 @@ class CheckpointManager:
     ``keep_last``: keep only the newest ``keep_last`` committed steps (``None``
     keeps all).  ``async_save``: ``save`` returns once the state is on the host
     and uploads in the background (the next ``save`` or :meth:`wait` waits for
-    it).  ``compression`` and ``storage_options`` are passed to every save/load.
+    it), through ``writer`` (see :func:`~shardkit.checkpoint.async_save`).
+    ``compression`` and ``storage_options`` are passed to every save/load.
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None, **save_options: Any) -> None:
+                 process_group: Any = None, writer: str | None = None, **save_options: Any) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigurationError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if writer is not None and not async_save:
+            raise ConfigurationError(f"writer={writer!r} chooses how background saves are written; pass "
+                                     f"async_save=True with it")
+        self.writer = writer
         self.root = Storage(root_url, storage_options)
         self.root_url = self.root.url
         self.keep_last = keep_last
@@ -141,7 +146,7 @@ class CheckpointManager:
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
                     **self.save_options)
         if self.async_save:
-            upload = _async_save(state, url, **opts)
+            upload = _async_save(state, url, writer=self.writer, **opts)
             done: Future = Future()
             done.set_running_or_notify_cancel()
             upload.add_done_callback(lambda f, s=step: self._after_commit(s, f, done))

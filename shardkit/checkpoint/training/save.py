@@ -147,13 +147,42 @@ def assign_writers(dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict
             for key, boxes in mine.items()}
 
 
+class WriterAssignments:
+    """The last :func:`assign_writers` result of one process group, reused while nothing changed.
+
+    A training job saves the same structure again and again; the exchange of
+    every rank's boxes is then the same each time.  Every rank keeps what it
+    held and what it was told to write at the last exchange, numbered by a
+    generation all ranks count together.  A later save agrees in one small
+    all-reduce that every rank holds exactly what it held then, at the same
+    generation -- then each reuses its answer -- else all exchange again.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, tuple[Any, int, str | None, dict[str, list[Box]] | None]] = {}
+
+    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict[str, list[Box]]:
+        signature = None if held is None else repr((dist.group_rank, dist.group_size, sorted(
+            (k, [tuple(map(tuple, b)) for b in boxes]) for k, boxes in held.items())))
+        group, generation, last, writes = self._groups.get(id(dist.group), (dist.group, 0, None, None))
+        if group is dist.group and dist.all_same(signature is not None and signature == last, generation):
+            assert writes is not None
+            return {k: list(boxes) for k, boxes in writes.items()}
+        writes = assign_writers(dist, held)
+        self._groups[id(dist.group)] = (dist.group, generation + 1, signature, writes if held is not None else None)
+        return writes
+
+
+_assignments = WriterAssignments()
+
+
 def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io_threads: int,
               compression: Compression | None,
               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> SavePlan:
     """Chunks this rank writes (each stored box by one rank, tied tensors once), grouped into files balanced
     by bytes.  ``keys`` = (only, exclude) globs choose the keys saved.  Collective
-    (:func:`assign_writers`): every rank reaches the exchange even when its own planning failed, and
-    raises that failure after it."""
+    (:func:`assign_writers`, reused across saves of the same structure by :class:`WriterAssignments`):
+    every rank reaches the exchange even when its own planning failed, and raises that failure after it."""
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     held: dict[str, list[Box]] | None = {}
     views: dict[tuple[str, Box], torch.Tensor] = {}
@@ -176,7 +205,7 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
                     views[(key, global_box)] = view(local, local_box)
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange
         error, held = exc, None
-    writes = assign_writers(dist, held)
+    writes = _assignments.assign(dist, held)
     if error is not None:
         raise error
     chunks: list[WriteChunk] = []
