@@ -129,16 +129,23 @@ def _exchanges_over_saves(url: str) -> dict:
     """How often saves exchange every rank's boxes: once per structure, not once per save."""
     from shardkit.checkpoint.training import save as save_module
 
+    def state(fill: float) -> dict:  # a structure no other test saves, so no earlier exchange is reused
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from tests.checkpoint_helpers import make_mesh
+
+        return {"reuse-w": distribute_tensor(torch.full((66, 5), fill), make_mesh((2,)), [Shard(0)])}
+
     calls = []
     original = save_module.assign_writers
     save_module.assign_writers = lambda dist_, held: calls.append(1) or original(dist_, held)
     try:
         counts = []
         for i in range(3):  # the same structure three times, through both entry points
-            state = _sharded_state(float(i))
-            skc.save(state, f"{url}/plain-{i}") if i % 2 else skc.async_save(state, f"{url}/plain-{i}").result()
+            plain = state(float(i))
+            skc.save(plain, f"{url}/plain-{i}") if i % 2 else skc.async_save(plain, f"{url}/plain-{i}").result()
             counts.append(len(calls))
-        grown = {**_sharded_state(5.0), "extra": torch.full((3,), float(dist.get_rank()))}
+        grown = {**state(5.0), "extra": torch.full((3,), float(dist.get_rank()))}
         skc.save(grown, f"{url}/grown")  # a new key: the ranks exchange again
         counts.append(len(calls))
         skc.save(grown, f"{url}/grown-again")
@@ -149,9 +156,9 @@ def _exchanges_over_saves(url: str) -> dict:
         counts.append(len(calls))
     finally:
         save_module.assign_writers = original
-    loaded = _sharded_state(0.0)
+    loaded = state(0.0)
     skc.load(loaded, f"{url}/plain-2")
-    return {"counts": counts, "values_ok": bool((loaded["w"].to_local() == 2.0).all())}
+    return {"counts": counts, "values_ok": bool((loaded["reuse-w"].to_local() == 2.0).all())}
 
 
 def test_saves_of_an_unchanged_structure_reuse_the_writer_assignment_after_one_small_agreement(tmp_path):
