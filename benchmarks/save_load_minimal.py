@@ -49,7 +49,7 @@ def llama_shapes(gb: float) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def make_state(gb: float, rank: int, count: int, llama: bool):
+def make_state(gb: float, rank: int, count: int, llama: bool, nested: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -63,10 +63,26 @@ def make_state(gb: float, rank: int, count: int, llama: bool):
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
+    if nested:  # the layout of benchmarks/checkpoint.py: {"model": ..., "optim": {"state", "param_groups"}}
+        optim = {k: {"exp_avg": shard(s), "exp_avg_sq": shard(s), "step": torch.tensor(100.0)}
+                 for k, s in shapes.items()}
+        groups = [{"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "params": list(shapes)}]
+        return {"model": {k: shard(s) for k, s in shapes.items()}, "optim": {"state": optim, "param_groups": groups}}
     state = {f"{k}.{kind}": shard(s) for k, s in shapes.items() for kind in ("weight", "exp_avg", "exp_avg_sq")}
     if llama:  # AdamW's step, one scalar per parameter, as a real optimizer state has
         state.update({f"{k}.step": torch.tensor(100.0) for k in shapes})
     return state
+
+
+def leaves(state: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of a (nested) state, by a dotted key; DTensors as their local shards."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in leaves(value).items()})
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.to_local() if hasattr(value, "to_local") else value
+    return out
 
 
 def drop_caches() -> bool:
@@ -77,6 +93,16 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def write_gap(path: str, gb: float) -> None:
+    """Write ``gb`` GB of other data (fsynced) to ``path``, replacing what an earlier round wrote there."""
+    block = torch.empty(64 << 20, dtype=torch.uint8).random_().numpy()
+    with open(path, "wb") as f:
+        for _ in range(max(1, int(gb * 1e9 / block.nbytes))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def timed(fn, sampler_ms: float = 0.0) -> float:
@@ -112,8 +138,8 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    state = make_state(args.gb, rank, args.tensors, args.llama)
-    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
+    state = make_state(args.gb, rank, args.tensors, args.llama, args.nested)
+    local = leaves(state)
     sums = {k: float(v.double().sum()) for k, v in local.items()}
     systems = ("shardkit", "dcp")
     times = {f"{op} {s}": [] for op in ("save", "load") for s in systems}
@@ -128,6 +154,9 @@ def worker(args: argparse.Namespace) -> None:
             times[f"save {system}"].append(timed(save, args.sampler_ms))
             for v in local.values():
                 v.zero_()
+            if args.gap_gb > 0:  # other data written between the save and its load, as in a longer benchmark
+                write_gap(os.path.join(args.dir, f"gap-{rank}"), args.gap_gb / 2)
+            dist.barrier()
             if rank == 0:
                 drop_caches()
             time.sleep(args.cold_sleep)
@@ -152,6 +181,10 @@ def main() -> None:
                         help="LLaMA shapes instead: vocabulary matrices, norms, a step per parameter")
     parser.add_argument("--sampler-ms", type=float, default=0.0,
                         help="run an RSS-sampling thread every this many ms during each timed call")
+    parser.add_argument("--nested", action="store_true", help="with --llama: nest the state as "
+                        "benchmarks/checkpoint.py does (model / optim state / param_groups)")
+    parser.add_argument("--gap-gb", type=float, default=0.0,
+                        help="write this much other data (both ranks together) between each save and its load")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
     if args.worker:
@@ -159,7 +192,8 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
-           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}", *(["--llama"] if args.llama else [])]
+           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}", f"--gap-gb={args.gap_gb}", *(["--llama"] if args.llama else []),
+           *(["--nested"] if args.nested else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -170,6 +204,7 @@ def main() -> None:
     what = "LLaMA-shaped" if args.llama else f"{args.tensors} x 3 tensors"
     print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
           f"each load (then {args.cold_sleep:g} s asleep); RSS sampler {args.sampler_ms:g} ms (0: none); "
+          f"{args.gap_gb:g} GB of other data written between each save and its load; "
           f"medians [all rounds]")
     for op in ("save", "load"):
         ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])

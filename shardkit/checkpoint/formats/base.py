@@ -230,7 +230,7 @@ class WriteChunk:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def materialize(self) -> torch.Tensor:
         data = self.data() if callable(self.data) else self.data

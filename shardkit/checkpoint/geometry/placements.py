@@ -32,11 +32,12 @@ runtime import, so models sharded by shardkit, by torch or by hand look alike.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Sequence
 
 import torch
 
-from shardkit.checkpoint.geometry.boxes import Box, is_dtensor, shard_range
+from shardkit.checkpoint.geometry.boxes import Box, is_dtensor, local_tensor, shard_range
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["Piece", "Spec", "placement_specs", "held_runs", "held_pieces", "local_pieces", "local_shape",
@@ -134,6 +135,29 @@ def local_shape(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence
     return tuple(sum(length for _, length in r) for r in held_runs(shape, mesh_shape, coord, specs))
 
 
+class _MeshFacts:
+    """A mesh's rank grid and this rank's coordinate, computed once per mesh object.
+
+    Recent torch versions rebuild ``DeviceMesh.mesh`` from its layout on every
+    access; a save or load asks for every tensor, and a model has hundreds.
+    """
+
+    def __init__(self) -> None:
+        self._facts: dict[int, tuple[weakref.ref, torch.Tensor, tuple[int, ...] | None]] = {}
+
+    def of(self, mesh: Any) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        found = self._facts.get(id(mesh))
+        if found is None or found[0]() is not mesh:
+            if len(self._facts) > 64:  # meshes come and go in long test sessions; keep the live ones
+                self._facts = {k: v for k, v in self._facts.items() if v[0]() is not None}
+            coord = mesh.get_coordinate()
+            found = self._facts[id(mesh)] = (weakref.ref(mesh), mesh.mesh, None if coord is None else tuple(coord))
+        return found[1], found[2]
+
+
+_meshes = _MeshFacts()
+
+
 def local_pieces(tensor: torch.Tensor, fqn: str = "") -> list[Piece] | None:
     """This rank's pieces of ``tensor``; ``None`` when its mesh excludes this rank.
 
@@ -146,12 +170,12 @@ def local_pieces(tensor: torch.Tensor, fqn: str = "") -> list[Piece] | None:
         return [(whole, whole)] if tensor.numel() else []
     mesh = tensor.device_mesh
     specs = placement_specs(tensor.placements, tensor.dim(), fqn)
-    coord = mesh.get_coordinate()
+    grid, coord = _meshes.of(mesh)
     if coord is None:
         return None
-    shape, mshape = tuple(tensor.shape), tuple(mesh.shape)
+    shape, mshape = tuple(tensor.shape), tuple(grid.shape)
     expect = local_shape(shape, mshape, coord, specs)
-    got = tuple(tensor.to_local().shape)
+    got = tuple(local_tensor(tensor).shape)
     if got != expect:
         raise IncompatibleStateDict(f"{fqn or 'a DTensor'}: local tensor has shape {got}, its placements "
                                     f"{tuple(tensor.placements)} imply {expect}")
@@ -176,12 +200,11 @@ def lowest_replica(tensor: torch.Tensor) -> bool:
         return True
     from torch.distributed.tensor import Replicate
 
-    mesh = tensor.device_mesh
-    coord = mesh.get_coordinate()
+    grid, coord = _meshes.of(tensor.device_mesh)
     if coord is None:
         return False
     index = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(tensor.placements, coord))
-    return int(mesh.mesh[index].min()) == int(mesh.mesh[tuple(coord)])
+    return int(grid[index].min()) == int(grid[coord])
 
 
 def layout_of(tensor: torch.Tensor) -> dict[str, Any] | None:

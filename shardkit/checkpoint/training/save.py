@@ -51,7 +51,7 @@ from shardkit.checkpoint.formats.native.writer import (
     new_token,
 )
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, is_dtensor, local_tensor, split_box
-from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, lowest_replica, view
+from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, lowest_replica
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
@@ -99,13 +99,6 @@ class SavePlan:
         """The widest mesh any tensor lives on (the job's mesh; sub-meshes are slices of it) with the
         placements of its first tensor: the manifest's ``writer.mesh``."""
         return self.layouts[0]["mesh"] | {"placements": self.layouts[0]["placements"]} if self.layouts else None
-
-
-def _chunk_view(piece: torch.Tensor, piece_offsets: Sequence[int], sub: Box) -> torch.Tensor:
-    """The data of chunk ``sub`` (global box) inside ``piece`` (a view of the local tensor at
-    global offsets ``piece_offsets``), as a view: the writer makes the one contiguous CPU copy it
-    needs (:meth:`WriteChunk.materialize`), ``async_save`` copies it straight into staging."""
-    return piece[tuple(slice(o - po, o - po + s) for o, po, s in zip(sub[0], piece_offsets, sub[1]))]
 
 
 def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
@@ -161,9 +154,16 @@ class WriterAssignments:
     def __init__(self) -> None:
         self._groups: dict[int, tuple[Any, int, str | None, dict[str, list[Box]] | None]] = {}
 
-    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict[str, list[Box]]:
-        signature = None if held is None else repr((dist.group_rank, dist.group_size, sorted(
+    @staticmethod
+    def signature(dist: Dist, held: Mapping[str, Sequence[Box]]) -> str:
+        return repr((dist.group_rank, dist.group_size, sorted(
             (k, [tuple(map(tuple, b)) for b in boxes]) for k, boxes in held.items())))
+
+    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None,
+               signature: str | None = None) -> dict[str, list[Box]]:
+        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known)."""
+        if held is not None and signature is None:
+            signature = self.signature(dist, held)
         group, generation, last, writes = self._groups.get(id(dist.group), (dist.group, 0, None, None))
         if group is dist.group and dist.all_same(signature is not None and signature == last, generation):
             assert writes is not None
@@ -176,47 +176,110 @@ class WriterAssignments:
 _assignments = WriterAssignments()
 
 
+class _LastPlan:
+    """What planning derived from a state's structure at the last save, kept per process group.
+
+    Everything :func:`plan_save` works out per tensor (pieces, replicas, tied
+    keys, layouts, chunk boxes) depends only on the tensors' keys, shapes,
+    dtypes, placements and memory addresses.  When those are what they were
+    at the last save, it is reused and only the views into the current
+    tensors are made again.  No tensor is referenced, so nothing is kept alive.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, tuple[Any, tuple, dict[str, Any]]] = {}
+
+    @staticmethod
+    def signature(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tuple:
+        def of(t: torch.Tensor) -> tuple:
+            local = local_tensor(t)
+            dt = (tuple(t.placements), id(t.device_mesh)) if is_dtensor(t) else None
+            return t.dtype, tuple(t.shape), dt, tuple(local.shape), local.stride(), local.data_ptr()
+        return options, tuple((key, of(t)) for key, t in flat_tensors.items())
+
+    def get(self, dist: Dist, signature: tuple) -> dict[str, Any] | None:
+        found = self._groups.get(id(dist.group))
+        return found[2] if found is not None and found[0] is dist.group and found[1] == signature else None
+
+    def put(self, dist: Dist, signature: tuple, derived: dict[str, Any]) -> None:
+        self._groups[id(dist.group)] = (dist.group, signature, derived)
+
+
+_last_plans = _LastPlan()
+
+
+def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, Any]:
+    """Per-tensor planning: global dtype/shape of each key written, the boxes this rank holds (and where
+    they are in its local tensors), tied keys and layouts."""
+    aliases = find_aliases(flat_tensors)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    held: dict[str, list[Box]] = {}
+    local_boxes: dict[tuple[str, Box], Box] = {}
+    for key, tensor in flat_tensors.items():
+        dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
+        if key in aliases:
+            continue
+        tensors[key] = (tensor.dtype, tuple(tensor.shape))
+        pieces = local_pieces(tensor, key)
+        if not pieces or not lowest_replica(tensor) or (not is_dtensor(tensor) and dist.group_rank != 0):
+            continue  # a plain tensor is every rank's: rank 0 writes it without asking the others
+        for global_box, local_box in pieces:
+            if box_numel(global_box):
+                held.setdefault(key, []).append(global_box)
+                local_boxes[(key, global_box)] = local_box
+    return {"aliases": aliases, "tensors": tensors, "held": held, "local_boxes": local_boxes,
+            "layouts": layouts_of(flat_tensors), "held_signature": WriterAssignments.signature(dist, held),
+            "chunks": None}
+
+
+def _chunk_boxes(derived: dict[str, Any], writes: Mapping[str, Sequence[Box]], chunk_bytes: int
+                 ) -> list[tuple[str, Box, tuple[slice, ...]]]:
+    """``(key, chunk box, index into the local tensor)`` of every chunk this rank writes (kept in
+    ``derived`` for the next save with the same ``writes``)."""
+    cached = derived["chunks"]
+    if cached is not None and cached[0] == (writes, chunk_bytes):
+        return cached[1]
+    out = []
+    for key, boxes in writes.items():
+        itemsize = derived["tensors"][key][0].itemsize
+        for box in boxes:
+            local_box = derived["local_boxes"][(key, box)]
+            for sub in split_box(box, itemsize, chunk_bytes):
+                out.append((key, sub, tuple(slice(lo + o - bo, lo + o - bo + n) for lo, o, bo, n
+                                            in zip(local_box[0], sub[0], box[0], sub[1]))))
+    derived["chunks"] = ((writes, chunk_bytes), out)
+    return out
+
+
 def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io_threads: int,
               compression: Compression | None,
               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> SavePlan:
     """Chunks this rank writes (each stored box by one rank, tied tensors once), grouped into files balanced
     by bytes.  ``keys`` = (only, exclude) globs choose the keys saved.  Collective
     (:func:`assign_writers`, reused across saves of the same structure by :class:`WriterAssignments`):
-    every rank reaches the exchange even when its own planning failed, and raises that failure after it."""
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    held: dict[str, list[Box]] | None = {}
-    views: dict[tuple[str, Box], torch.Tensor] = {}
+    every rank reaches the exchange even when its own planning failed, and raises that failure after it.
+    A save of the structure the last one had reuses its per-tensor planning (:class:`_LastPlan`)."""
+    derived: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
         flat = keep_keys(flatten(state_dict), *keys)
-        aliases = find_aliases(flat.tensors)
-        for key, tensor in flat.tensors.items():
-            dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
-            if key in aliases:
-                continue
-            tensors[key] = (tensor.dtype, tuple(tensor.shape))
-            pieces = local_pieces(tensor, key)
-            if not pieces or not lowest_replica(tensor) or (not is_dtensor(tensor) and dist.group_rank != 0):
-                continue  # a plain tensor is every rank's: rank 0 writes it without asking the others
-            local = local_tensor(tensor).detach()
-            for global_box, local_box in pieces:
-                if box_numel(global_box):
-                    held.setdefault(key, []).append(global_box)
-                    views[(key, global_box)] = view(local, local_box)
+        signature = _LastPlan.signature(flat.tensors, (dist.group_rank, dist.group_size))
+        derived = _last_plans.get(dist, signature)
+        if derived is None:
+            derived = _derive(flat.tensors, dist)
+            _last_plans.put(dist, signature, derived)
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange
-        error, held = exc, None
-    writes = _assignments.assign(dist, held)
-    if error is not None:
-        raise error
-    chunks: list[WriteChunk] = []
-    for key, boxes in writes.items():
-        dtype, shape = tensors[key]
-        for box in boxes:
-            piece = views[(key, box)]
-            for sub in split_box(box, piece.element_size(), chunk_bytes):
-                chunks.append(WriteChunk(key, dtype, sub[0], sub[1], _chunk_view(piece, box[0], sub), shape))
+        error, derived = exc, None
+    writes = _assignments.assign(dist, None if derived is None else derived["held"],
+                                 None if derived is None else derived["held_signature"])
+    if error is not None or derived is None:
+        raise error or CheckpointError("save planning failed")
+    tensors = derived["tensors"]
+    locals_ = {key: local_tensor(flat.tensors[key]).detach() for key in writes}
+    chunks = [WriteChunk(key, tensors[key][0], sub[0], sub[1], locals_[key][index], tensors[key][1])
+              for key, sub, index in _chunk_boxes(derived, writes, chunk_bytes)]
     return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
-                    tensors, flat.values, layouts_of(flat.tensors), aliases)
+                    tensors, flat.values, derived["layouts"], derived["aliases"])
 
 
 FileJobs = list[tuple[str, list[WriteChunk]]]

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.codec import as_bytes
 
 __all__ = ["StagingPool", "HostBuffer"]
 
@@ -124,39 +123,54 @@ class StagingPool:
         self.shared = shared
         self.buffer: HostBuffer | None = None
         self._copied: Any = None  # the CUDA event the last staging's copies record
+        self._staged: tuple[list, HostBuffer, list[list[WriteChunk]]] | None = None  # (layout, buffer, chunks)
 
     @property
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.size
 
     def stage(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
-        """Copy every chunk's data into the pool; return chunks that point at the copies."""
+        """Copy every chunk's data into the pool; return chunks that point at the copies.
+
+        The staged chunks of the last call are kept: a save of the same chunks
+        into the same buffer (every save of a training run after the first) only copies.
+        """
+        layout = [[(c.fqn, c.dtype, c.offsets, c.shape, c.tensor_shape) for c in g] for g in groups]
         total = sum(_aligned(c.nbytes) for g in groups for c in g)
         on_cuda = any(isinstance(c.data, torch.Tensor) and c.data.is_cuda for g in groups for c in g)
         if self.buffer is None or self.buffer.size < total or (on_cuda and not self.buffer.pinned):
             self.release()  # let the old one go before taking the new one
             self.buffer = HostBuffer(max(total, 1), shared=self.shared, pinned=on_cuda)
+        if self._staged is None or self._staged[0] != layout or self._staged[1] is not self.buffer:
+            self._staged = (layout, self.buffer, self._place(groups))
+        out = self._staged[2]
         stream = torch.cuda.Stream() if on_cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        out: list[list[WriteChunk]] = []
-        pos = 0
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for group in groups:
-                staged_group = []
-                for chunk in group:
-                    dst = self.buffer.tensor[pos:pos + chunk.nbytes]
-                    staged = dst.view(chunk.dtype).view(chunk.shape) if chunk.shape else dst.view(chunk.dtype)[0]
-                    if isinstance(chunk.data, torch.Tensor) and chunk.data.is_cuda:
-                        staged.copy_(chunk.data, non_blocking=True)
+            for group, staged_group in zip(groups, out):
+                for chunk, staged in zip(group, staged_group):
+                    if isinstance(chunk.data, torch.Tensor):
+                        staged.data.copy_(chunk.data, non_blocking=chunk.data.is_cuda)
                     else:
-                        dst.copy_(as_bytes(chunk.materialize()))
-                    staged_group.append(replace(chunk, data=staged))
-                    pos += _aligned(chunk.nbytes)
-                out.append(staged_group)
+                        staged.data.copy_(chunk.materialize())
         if stream is not None:
             self._copied = stream.record_event()
             torch.cuda.current_stream().wait_event(self._copied)  # later kernels must not change it mid-copy
+        return out
+
+    def _place(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
+        """Chunks like ``groups``' whose data are consecutive, aligned views of the buffer."""
+        assert self.buffer is not None
+        out, pos = [], 0
+        for group in groups:
+            placed = []
+            for chunk in group:
+                raw = self.buffer.tensor[pos:pos + chunk.nbytes]
+                data = raw.view(chunk.dtype).view(chunk.shape) if chunk.shape else raw.view(chunk.dtype)[0]
+                placed.append(replace(chunk, data=data))
+                pos += _aligned(chunk.nbytes)
+            out.append(placed)
         return out
 
     def wait_copied(self) -> None:
@@ -171,6 +185,7 @@ class StagingPool:
         return chunk.data.data_ptr() - self.buffer.tensor.data_ptr()
 
     def release(self) -> None:
+        self._staged = None
         if self.buffer is not None:
             self.wait_copied()
             self.buffer.close()
