@@ -172,3 +172,29 @@ def test_saves_of_an_unchanged_structure_reuse_the_writer_assignment_after_one_s
 def test_a_manager_refuses_a_writer_without_background_saves(tmp_path):
     with pytest.raises(ConfigurationError, match="pass async_save=True with it"):
         skc.CheckpointManager(str(tmp_path / "run"), writer="thread")
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_repeated_saves_follow_every_change_of_the_state_between_them(tmp_path, background):
+    """Planning is reused between saves of an unchanged state; every kind of change is still seen."""
+    def save(state: dict, name: str) -> dict:
+        url = str(tmp_path / name)
+        skc.async_save(state, url).result() if background else skc.save(state, url)
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        skc.load(out, url, strict=False)
+        return out
+
+    def aliases(name: str) -> dict:
+        return {t["name"]: t["alias_of"] for t in skc.inspect(str(tmp_path / name))["tensors"] if "alias_of" in t}
+
+    shared = torch.arange(12.0).reshape(3, 4)
+    tied = {"a": shared, "b": shared, "c": torch.ones(5)}
+    assert save(tied, "tied")["b"].equal(shared) and aliases("tied") == {"b": "a"}
+    untied = {"a": shared, "b": shared.clone() * 2, "c": torch.ones(5)}  # same keys and shapes, new memory
+    assert save(untied, "untied")["b"].equal(shared * 2) and aliases("untied") == {}
+    shared.mul_(10)  # in place: same memory, new values
+    assert save(untied, "in-place")["a"].equal(shared)
+    resized = {"a": shared, "b": torch.ones(2, 2), "c": torch.ones(5)}
+    assert save(resized, "resized")["b"].equal(torch.ones(2, 2))
+    fewer = {"a": shared}
+    assert set(save(fewer, "fewer")) == {"a"}
