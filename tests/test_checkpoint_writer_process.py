@@ -198,3 +198,14 @@ def test_repeated_saves_follow_every_change_of_the_state_between_them(tmp_path, 
     assert save(resized, "resized")["b"].equal(torch.ones(2, 2))
     fewer = {"a": shared}
     assert set(save(fewer, "fewer")) == {"a"}
+
+
+def test_switching_writers_back_and_forth_never_writes_a_stale_staging_buffer(tmp_path):
+    # the thread writer frees the shared buffer; the next one may get the same file descriptor and size
+    state = {"w": torch.zeros(256, 256)}
+    for i, writer in enumerate(["process", "thread", "process", "thread", "process"]):
+        state["w"].fill_(float(i))
+        skc.async_save(state, str(tmp_path / f"s{i}"), writer=writer).result()
+        out = {"w": torch.empty(256, 256)}
+        skc.load(out, str(tmp_path / f"s{i}"))
+        assert bool((out["w"] == float(i)).all()), (i, writer)

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import tempfile
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +52,7 @@ class HostBuffer:
         self._mmap: mmap.mmap | None = None
         self._fd: int | None = None
         self.path: str | None = None  # where the writer process opens it
+        self.token = uuid.uuid4().hex  # tells buffers apart: a later one may reuse the path (a freed fd number)
         self.unlink_when_mapped: str | None = None  # a named file to remove once the writer has it open
         if shared:
             self._fd, self.path, self.unlink_when_mapped = _shared_file(size)

@@ -91,7 +91,7 @@ class WriterProcess:
         """Have the child write each ``(name, staged chunks)`` job; return the files' records."""
         assert pool.buffer is not None and pool.buffer.path is not None
         request = {"url": storage.url, "options": storage_options, "buffer": pool.buffer.path,
-                   "size": pool.buffer.size, "writer": writer, "io_threads": io_threads,
+                   "token": pool.buffer.token, "size": pool.buffer.size, "writer": writer, "io_threads": io_threads,
                    "compression": None if compression is None else f"{compression.codec}:{compression.level}",
                    "block_bytes": block_bytes, "fsync": fsync, "direct_io": direct_io, "column_strips": column_strips,
                    "files": [{"name": name, "chunks": [[c.fqn, dtype_to_code(c.dtype), list(c.offsets), list(c.shape),
@@ -154,23 +154,27 @@ class _Buffer:
     """The training process's staging buffer, mapped into the child (one at a time: it only grows)."""
 
     def __init__(self) -> None:
-        self.path: str | None = None
+        self.token: str | None = None
         self.tensor: torch.Tensor | None = None
         self._mmap: Any = None
 
-    def open(self, path: str, size: int) -> torch.Tensor:
+    def open(self, path: str, token: str, size: int) -> torch.Tensor:
+        """The buffer ``token`` (mapped from ``path`` the first time it is named)."""
         import mmap
 
-        if path != self.path or self.tensor is None or self.tensor.numel() != size:
-            self.tensor, self.path = None, None
+        if token != self.token or self.tensor is None or self.tensor.numel() != size:
+            self.tensor, self.token = None, None
             if self._mmap is not None:
-                self._mmap.close()
+                try:
+                    self._mmap.close()
+                except BufferError:  # a view outlived its request; the mapping goes with it
+                    pass
             fd = os.open(path, os.O_RDWR)
             try:
                 self._mmap = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self.tensor, self.path = torch.frombuffer(self._mmap, dtype=torch.uint8), path
+            self.tensor, self.token = torch.frombuffer(self._mmap, dtype=torch.uint8), token
         return self.tensor
 
 
@@ -185,7 +189,7 @@ def _chunk(buffer: torch.Tensor, fields: list[Any]) -> WriteChunk:
 
 
 def _serve(request: dict[str, Any], buffer: _Buffer) -> list[dict[str, Any]]:
-    data = buffer.open(request["buffer"], request["size"])
+    data = buffer.open(request["buffer"], request["token"], request["size"])
     writer = NativeWriter(Storage(request["url"], request["options"]),
                           compression=parse_compression(request["compression"]),
                           block_bytes=request["block_bytes"], fsync=request["fsync"],
