@@ -76,7 +76,9 @@ class BackgroundSaver:
                io_threads: int, process_group: Any = None, direct_io: bool = True,
                keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
                column_strips: str = "cut", writer: str = "process",
-               storage_options: Mapping[str, Any] | None = None) -> Future:
+               child_options: Mapping[str, Any] | None = None) -> Future:
+        """Plan and stage on this thread, write and commit in the background; ``child_options``: the
+        storage options the writer process rebuilds the storage from (see :func:`choose_writer`)."""
         with self._lock:
             self.wait()
             pool = self.pools[writer]
@@ -96,9 +98,9 @@ class BackgroundSaver:
                            column_strips=column_strips)
             write_files = None
             if writer == "process" and plan is not None:
-                child_options = dict(storage_options or {})
                 write_files = lambda jobs: self.writer_process.write_files(  # noqa: E731
-                    storage, child_options, jobs, pool, writer=dist.rank, io_threads=io_threads, **options)
+                    storage, dict(child_options or {}), jobs, pool, writer=dist.rank, io_threads=io_threads,
+                    **options)
             meta_copy = dict(meta) if meta else None
 
             def write_in_background() -> None:
@@ -132,17 +134,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_saver_after_fork)
 
 
-def choose_writer(writer: str | None, storage: Storage, storage_options: Mapping[str, Any] | None) -> str:
-    """``writer`` checked against the storage: ``None`` means the writer process where it can reach the storage."""
+def choose_writer(writer: str | None, storage: Storage,
+                  storage_options: Mapping[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """``writer`` checked against the storage (``None``: the writer process where it can reach the storage),
+    and for the writer process the storage options as the JSON it receives (others are refused)."""
     if writer is not None and writer not in WRITERS:
         raise ConfigurationError(f"writer must be one of {', '.join(WRITERS)} (or None), got {writer!r}")
     if writer == "process" and storage.in_this_process:
         raise ConfigurationError(f"async_save(writer='process') cannot write to {storage.url}: a memory:// "
                                  f"filesystem lives in this process only; pass writer='thread'")
     if writer == "thread" or storage.in_this_process:
-        return "thread"
-    writer_options(storage, storage_options)  # refuses options the writer process could not receive
-    return "process"
+        return "thread", None
+    return "process", writer_options(storage, storage_options)
 
 
 def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
@@ -168,9 +171,9 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
     storage = Storage(url, storage_options)
-    mode = choose_writer(writer, storage, storage_options)
+    mode, child_options = choose_writer(writer, storage, storage_options)
     return background_saver().submit(state_dict, storage, compression=comp, meta=meta,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
                                      direct_io=direct_io, keys=(only, exclude), column_strips=column_strips,
-                                     writer=mode, storage_options=storage_options)
+                                     writer=mode, child_options=child_options)

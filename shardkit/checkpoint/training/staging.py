@@ -127,10 +127,6 @@ class StagingPool:
         self._copied: Any = None  # the CUDA event the last staging's copies record
         self._staged: tuple[list, HostBuffer, list[list[WriteChunk]]] | None = None  # (layout, buffer, chunks)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.size
-
     def stage(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
         """Copy every chunk's data into the pool; return chunks that point at the copies.
 
