@@ -169,6 +169,49 @@ def test_saves_of_an_unchanged_structure_reuse_the_writer_assignment_after_one_s
         assert rank["values_ok"]
 
 
+def _async_repeats(url: str) -> dict:
+    """Async saves of one structure; then one rank alone moves its shard to new memory."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardkit.checkpoint.training import repeat_staging
+    from tests.checkpoint_helpers import make_mesh
+
+    mesh, rank = make_mesh((2,)), dist.get_rank()
+    state = {"repeat-w": DTensor.from_local(torch.zeros(32, 6), mesh, [Shard(0)]), "step": 0}
+    plans, original = [], repeat_staging.plan_save
+    repeat_staging.plan_save = lambda *a, **k: plans.append(1) or original(*a, **k)
+    counts = []
+    try:
+        for i in range(3):
+            state["repeat-w"].to_local().fill_(float(i))
+            state["step"] = i
+            skc.async_save(state, f"{url}/s{i}").result()
+            counts.append(len(plans))
+        if rank == 1:  # same shapes and placements, new memory on this rank only
+            state["repeat-w"] = DTensor.from_local(torch.full((32, 6), 7.0), mesh, [Shard(0)])
+        skc.async_save(state, f"{url}/moved").result()
+        counts.append(len(plans))
+        state["repeat-w"].to_local().fill_(8.0)
+        skc.async_save(state, f"{url}/after").result()
+        counts.append(len(plans))
+    finally:
+        repeat_staging.plan_save = original
+    loaded = {}
+    for name in ("s0", "s1", "s2", "moved", "after"):
+        out = {"repeat-w": DTensor.from_local(torch.empty(32, 6), mesh, [Shard(0)]), "step": -1}
+        skc.load(out, f"{url}/{name}")
+        loaded[name] = (out["repeat-w"].full_tensor()[::32, 0].tolist(), out["step"])
+    return {"counts": counts, "loaded": loaded}
+
+
+def test_async_saves_of_an_unchanged_structure_only_copy_and_one_rank_changing_makes_all_plan_again(tmp_path):
+    for rank in run_on_ranks(2, _async_repeats, str(tmp_path)):
+        # planned once for the first save, again when rank 1 alone moved its shard, then reused
+        assert rank["counts"] == [1, 1, 1, 2, 2], rank["counts"]
+        assert rank["loaded"] == {"s0": ([0.0, 0.0], 0), "s1": ([1.0, 1.0], 1), "s2": ([2.0, 2.0], 2),
+                                  "moved": ([2.0, 7.0], 2), "after": ([8.0, 8.0], 2)}, rank["loaded"]
+
+
 def test_a_manager_refuses_a_writer_without_background_saves(tmp_path):
     with pytest.raises(ConfigurationError, match="pass async_save=True with it"):
         skc.CheckpointManager(str(tmp_path / "run"), writer="thread")

@@ -14,7 +14,7 @@ default group to itself.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -136,13 +136,22 @@ class Dist:
     def all_same(self, ok: bool, value: int) -> bool:
         """True on every rank when ``ok`` holds on every rank and every rank passed the same ``value``
         (one small all-reduce)."""
+        return self.start_all_same(ok, value)()
+
+    def start_all_same(self, ok: bool, value: int) -> Callable[[], bool]:
+        """:meth:`all_same` started in the background; call the result for the answer (every rank must),
+        so local work -- a copy the answer may let stand -- overlaps the all-reduce and the other ranks' lag."""
         if not self.active:
-            return ok
+            return lambda: ok
         import torch.distributed as dist
 
         flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self._device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def answer() -> bool:
+            work.wait()
+            return int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
+        return answer
 
     def barrier(self) -> None:
         if self.active:

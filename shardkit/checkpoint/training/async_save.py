@@ -11,6 +11,10 @@ Why this shape:
 * **Flat host memory.**  The state is copied into a reused
   :class:`~shardkit.checkpoint.training.staging.StagingPool` buffer (shared
   memory for the writer process), so repeated saves allocate nothing.
+* **A repeat save only copies.**  While the state keeps its structure, the
+  planning and staging layout of the last save are reused
+  (:mod:`~shardkit.checkpoint.training.repeat_staging`): the call blocks for
+  the copy, one pass over the tensors and one small all-reduce.
 * **One save in flight.**  A new save waits for the previous one, so the
   buffer is never overwritten while it is being written.
 * **Its own process group.**  A background thread gathers chunk records and
@@ -31,7 +35,8 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
-from shardkit.checkpoint.training.save import plan_save, save_options, write_and_commit
+from shardkit.checkpoint.training.repeat_staging import RepeatStaging
+from shardkit.checkpoint.training.save import save_options, write_and_commit
 from shardkit.checkpoint.training.staging import StagingPool
 from shardkit.checkpoint.training.writer_process import WriterProcess, writer_options
 from shardkit.errors import ConfigurationError
@@ -47,6 +52,7 @@ class BackgroundSaver:
     def __init__(self) -> None:
         self.pools = {"thread": StagingPool(), "process": StagingPool(shared=True)}
         self.writer_process = WriterProcess()
+        self.staging = RepeatStaging()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-async-save")
         self._pending: Future | None = None
         self._group: tuple[Any, Any] | None = None  # (default group it was made under, private group)
@@ -87,10 +93,8 @@ class BackgroundSaver:
             dist = Dist(group)
             plan, error = None, None
             try:
-                plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
-                                 compression=compression)
-                plan.groups = pool.stage(plan.groups)
-                plan.values = dict(plan.values)
+                plan = self.staging.plan_and_stage(state_dict, dist, pool, chunk_bytes=chunk_bytes,
+                                                   io_threads=io_threads, keys=keys, compression=compression)
                 storage.makedirs()
             except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
                 error = exc

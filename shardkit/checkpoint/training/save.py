@@ -72,7 +72,8 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "plan_save", "assign_writers", "layouts_of", "write_and_commit", "save_options"]
+__all__ = ["save", "SavePlan", "plan_save", "assign_writers", "layouts_of", "write_and_commit", "save_options",
+           "structure_of"]
 
 
 class SavePlan:
@@ -189,14 +190,6 @@ class _LastPlan:
     def __init__(self) -> None:
         self._groups: dict[int, tuple[Any, tuple, dict[str, Any]]] = {}
 
-    @staticmethod
-    def signature(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tuple:
-        def of(t: torch.Tensor) -> tuple:
-            local = local_tensor(t)
-            dt = (tuple(t.placements), id(t.device_mesh)) if is_dtensor(t) else None
-            return t.dtype, tuple(t.shape), dt, tuple(local.shape), local.stride(), local.data_ptr()
-        return options, tuple((key, of(t)) for key, t in flat_tensors.items())
-
     def get(self, dist: Dist, signature: tuple) -> dict[str, Any] | None:
         found = self._groups.get(id(dist.group))
         return found[2] if found is not None and found[0] is dist.group and found[1] == signature else None
@@ -206,6 +199,25 @@ class _LastPlan:
 
 
 _last_plans = _LastPlan()
+
+
+def structure_of(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """What planning a save depends on -- every tensor's key, dtype, shape, placements, mesh and local
+    shape, strides and address, plus ``options`` -- as one comparable tuple; and each key's local tensor.
+
+    Called on every save of a training run, so it reads each attribute once and builds nothing else.
+    """
+    parts: list[tuple] = [options]
+    locals_: dict[str, torch.Tensor] = {}
+    for key, tensor in flat_tensors.items():
+        local = local_tensor(tensor)
+        if local is not tensor:  # a DTensor
+            parts.append((key, tensor.dtype, tensor.shape, tensor.placements, id(tensor.device_mesh), local.shape,
+                          local.stride(), local.data_ptr()))
+        else:
+            parts.append((key, tensor.dtype, tensor.shape, None, None, None, tensor.stride(), tensor.data_ptr()))
+        locals_[key] = local
+    return tuple(parts), locals_
 
 
 def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, Any]:
@@ -263,7 +275,7 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
     error: BaseException | None = None
     try:
         flat = keep_keys(flatten(state_dict), *keys)
-        signature = _LastPlan.signature(flat.tensors, (dist.group_rank, dist.group_size))
+        signature = structure_of(flat.tensors, (dist.group_rank, dist.group_size))[0]
         derived = _last_plans.get(dist, signature)
         if derived is None:
             derived = _derive(flat.tensors, dist)

@@ -126,6 +126,8 @@ class StagingPool:
         self.buffer: HostBuffer | None = None
         self._copied: Any = None  # the CUDA event the last staging's copies record
         self._staged: tuple[list, HostBuffer, list[list[WriteChunk]]] | None = None  # (layout, buffer, chunks)
+        self._on_cuda = False
+        self.staged_token: str | None = None  # names the chunks the last stage placed (None: none are kept)
 
     def stage(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
         """Copy every chunk's data into the pool; return chunks that point at the copies.
@@ -141,21 +143,32 @@ class StagingPool:
             self.buffer = HostBuffer(max(total, 1), shared=self.shared, pinned=on_cuda)
         if self._staged is None or self._staged[0] != layout or self._staged[1] is not self.buffer:
             self._staged = (layout, self.buffer, self._place(groups))
+            self.staged_token = uuid.uuid4().hex
+        self._on_cuda = on_cuda
         out = self._staged[2]
-        stream = torch.cuda.Stream() if on_cuda else None
+        self._copy([(s.data, c.data if isinstance(c.data, torch.Tensor) else c.materialize())
+                    for group, staged_group in zip(groups, out) for c, s in zip(group, staged_group)])
+        return out
+
+    def restage(self, sources: list[torch.Tensor]) -> list[list[WriteChunk]]:
+        """Copy ``sources`` -- one per chunk, in the order of the last :meth:`stage` -- over that stage's
+        copies and return its chunks: a save of the same chunks, with nothing to work out but the copy."""
+        assert self._staged is not None
+        staged = self._staged[2]
+        self._copy(list(zip((s.data for g in staged for s in g), sources, strict=True)))
+        return staged
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for every pair; on CUDA on a side stream the training stream waits for."""
+        stream = torch.cuda.Stream() if self._on_cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for group, staged_group in zip(groups, out):
-                for chunk, staged in zip(group, staged_group):
-                    if isinstance(chunk.data, torch.Tensor):
-                        staged.data.copy_(chunk.data, non_blocking=chunk.data.is_cuda)
-                    else:
-                        staged.data.copy_(chunk.materialize())
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=src.is_cuda)
         if stream is not None:
             self._copied = stream.record_event()
             torch.cuda.current_stream().wait_event(self._copied)  # later kernels must not change it mid-copy
-        return out
 
     def _place(self, groups: list[list[WriteChunk]]) -> list[list[WriteChunk]]:
         """Chunks like ``groups``' whose data are consecutive, aligned views of the buffer."""
@@ -183,7 +196,7 @@ class StagingPool:
         return chunk.data.data_ptr() - self.buffer.tensor.data_ptr()
 
     def release(self) -> None:
-        self._staged = None
+        self._staged, self.staged_token = None, None
         if self.buffer is not None:
             self.wait_copied()
             self.buffer.close()
