@@ -33,7 +33,10 @@ Then, per repetition, a third job trains while saving (``--phases train``;
 :mod:`checkpoint_training` says how): blocking time per save, step time while
 a save is being written and total time, for ``async_save`` with its writer
 process and with a thread, ``dcp.async_save`` with a thread and with a
-process, and no saving.  Last, every target with its verdict (MET/MISSED).
+process, and no saving.  Then, per repetition, one round of
+:mod:`replicated_load` (``--phases replicas``): an HSDP 2x2 load on 4 ranks,
+the bytes every rank asks of storage, shardkit vs DCP.  Last, every target
+with its verdict (MET/MISSED).
 
     python benchmarks/checkpoint.py --gb 2 --reps 5 --dir /tmp/shardkit-ckpt-bench
     python benchmarks/checkpoint.py --phases train --reps 3   # the training phase alone
@@ -379,8 +382,9 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.0, help="total state (weights + AdamW) in GB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/shardkit-ckpt-bench")
-    parser.add_argument("--phases", default="io,train", help="io (save/load/async), train (training while "
-                        "saving), or both")
+    parser.add_argument("--phases", default="io,train,replicas", help="io (save/load/async), train (training "
+                        "while saving), replicas (bytes read by an HSDP 2x2 load), comma-separated")
+    parser.add_argument("--replica-gb", type=float, default=0.5, help="state size of the replicas phase")
     parser.add_argument("--worker", choices=("ws2", "ws1", "train"))
     parser.add_argument("--rep", type=int, default=0)
     training.add_arguments(parser)
@@ -405,6 +409,13 @@ def main() -> None:
             # keep the results outside the directory the next repetition wipes
             shutil.copy(os.path.join(args.dir, f"result-{ws}-{rep}.json"),
                         os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json"))
+        if "replicas" in phases:
+            subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                         "replicated_load.py"),
+                            "--gb", str(args.replica_gb), "--reps", "1", "--rep", str(rep),
+                            "--dir", os.path.join(args.dir, "replicas"),
+                            "--json", os.path.join(parent, f"shardkit-ckpt-bench-replicas-{rep}.json")],
+                           check=True, env=env)
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
     targets = report(args) if "io" in phases else []
     if "train" in phases:
@@ -413,6 +424,15 @@ def main() -> None:
             with open(os.path.join(parent, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
                 runs.append(json.load(f))
         targets += training.report(runs, args.save_every)
+    if "replicas" in phases:
+        import replicated_load  # here, not at the top: it imports this module's helpers
+
+        results = []
+        for rep in range(args.reps):
+            with open(os.path.join(parent, f"shardkit-ckpt-bench-replicas-{rep}.json")) as f:
+                results.append(json.load(f))
+        targets += replicated_load.report({"size": results[0]["size"], "dropped": results[0]["dropped"],
+                                           "rounds": [r for res in results for r in res["rounds"]]})
     print("\ntargets")
     for name, ours, limit, met in targets:
         print(f"  {name:72s} {ours:6.2f} (<= {limit:.2f})  {'MET' if met else 'MISSED'}")

@@ -218,13 +218,10 @@ def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_
     assert _same(_snapshot(_state(target, target_opt)), older)
 
 
-@pytest.mark.parametrize("stage_bytes", [64 << 20, 0], ids=["staged", "two-pass"])
-def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage_bytes, monkeypatch):
+@pytest.mark.parametrize("stage_bytes", [64 << 20, 2048, 0], ids=["staged", "partly-staged", "two-pass"])
+def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage_bytes):
     import fsspec
 
-    import shardkit.checkpoint.training.load as load_module
-
-    monkeypatch.setattr(load_module, "STAGE_BYTES", stage_bytes)
     url = f"memory://flipped-{stage_bytes}"
     fs = fsspec.filesystem("memory")
     for path in sorted(pristine[0].rglob("*")):
@@ -238,7 +235,7 @@ def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage
     net, opt, sd, before = _fresh_target()
     try:
         with pytest.raises(ChecksumMismatch, match="model.b.weight"):
-            skc.load(sd, url)
+            skc.load(sd, url, staging_bytes=stage_bytes)
         assert _same(_snapshot(sd), before)
     finally:
         fs.rm(url, recursive=True)

@@ -5,7 +5,9 @@ mesh): the two replicas of every shard need identical bytes.  One rank of each
 pair reads them (checking every checksum block it reads) and sends them to the
 other, so the data bytes all four ranks ask of storage add up to the
 checkpoint once per pass -- where four ranks each reading their own asked
-for it twice per pass.  Counted at the storage layer, per rank.
+for it twice per pass.  By default the reader checks the bytes in staging
+memory before any rank writes a target, so even the all-or-nothing load is
+one pass.  Counted at the storage layer, per rank.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _count_data_reads(monkeypatch_storage: list[int]):
     return lambda: setattr(Storage, "read_parts", read_parts) or setattr(Storage, "read_bytes", read_bytes)
 
 
-def _load_at_hsdp(url: str, verify_first: bool) -> tuple[int, bool]:
+def _load_at_hsdp(url: str, verify_first: bool, staging_bytes: int | None) -> tuple[int, bool]:
     """(data bytes this rank asked of storage, whether every target equals the saved tensor bitwise)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -71,7 +73,7 @@ def _load_at_hsdp(url: str, verify_first: bool) -> tuple[int, bool]:
     counter = [0]
     restore = _count_data_reads(counter)
     try:
-        skc.load(sd, url, verify_first=verify_first)
+        skc.load(sd, url, verify_first=verify_first, staging_bytes=staging_bytes)
     finally:
         restore()
     truth = _truth()
@@ -79,13 +81,20 @@ def _load_at_hsdp(url: str, verify_first: bool) -> tuple[int, bool]:
     return counter[0], same
 
 
-@pytest.mark.parametrize("verify_first,passes", [(False, 1), (True, 2)])
-def test_hsdp_2x2_reads_each_byte_once_per_pass_and_loads_bitwise(saved, verify_first, passes):
-    results = run_on_ranks(4, _load_at_hsdp, saved, verify_first)
+@pytest.mark.parametrize("verify_first,staging_bytes,reads", [
+    (True, None, 1.0),  # the default: checked in staging memory, so read once and still all or nothing
+    (False, None, 1.0),  # unchecked: straight into the targets
+    (True, 0, 2.0),  # checked without staging memory: a checking pass, then the read
+    (True, 2 * 40 * 16 * 4, (1.0, 2.0)),  # staging for a part: that part once, the rest twice
+], ids=["default", "unchecked", "no-staging", "some-staging"])
+def test_hsdp_2x2_reads_each_byte_from_storage_once_and_loads_bitwise(saved, verify_first, staging_bytes, reads):
+    results = run_on_ranks(4, _load_at_hsdp, saved, verify_first, staging_bytes)
     assert all(same for _, same in results)
     total = sum(n for n, _ in results)
     # each replica reading its own would ask for 2x the checkpoint per pass
-    assert total <= 1.05 * passes * _data_bytes(), (total, _data_bytes())
+    low, high = reads if isinstance(reads, tuple) else (reads, reads)
+    assert total <= 1.05 * high * _data_bytes(), (total, _data_bytes())
+    assert total > 1.05 * low * _data_bytes() or low == high, (total, _data_bytes())
     assert all(n > 0 for n, _ in results)  # the work is spread: every rank reads some of it
 
 

@@ -11,18 +11,19 @@ under HSDP) are read by one of them and sent to the others
    chunks it needs and check every data file it will touch has the recorded
    size.  Ranks agree all is well *before any target tensor is written*.
 2. Check the data before writing any of it (the default, see
-   :func:`check_before_writing`): every checksum block the load needs is read
-   and verified -- or, for a small load from remote storage, fetched once into
-   staging -- and the ranks agree again.
-3. Read in place: contiguous runs go straight into the target's memory; every
-   byte read is verified against its checksum block.  Once every rank's reads
-   succeeded, the bytes of shared requests go from the rank that read them to
-   the others.
+   :func:`check_before_writing`): what fits the staging budget is read once
+   into host staging memory and checked there; the rest has every checksum
+   block it needs read and verified; the ranks agree again.
+3. Staged bytes are copied into the targets; the rest is read in place
+   (contiguous runs straight into the target's memory, every byte verified
+   against its checksum block).  Once every rank's reads succeeded, the bytes
+   of shared requests go from the rank that read them to the others.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -51,6 +52,7 @@ from shardkit.checkpoint.state.tree import (
 )
 from shardkit.checkpoint.training.shared_reads import exchange, share_reads
 from shardkit.errors import (
+    ConfigurationError,
     IncompatibleStateDict,
     error_record,
     from_record,
@@ -58,15 +60,15 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "STAGE_BYTES"]
-
-STAGE_BYTES = 64 << 20  # a load needing at most this much from remote storage is fetched once, into staging
+__all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
+           "default_staging_bytes"]
 
 
 def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
          storage_options: Mapping[str, Any] | None = None, verify_first: bool = True,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
-         process_group: Any = None, dtype_cast: bool = False) -> dict[str, Any]:
+         process_group: Any = None, dtype_cast: bool = False,
+         staging_bytes: int | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
 
     Tensors (plain or DTensor, any mesh and placements) are filled in place,
@@ -76,9 +78,12 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
 
     All or nothing: a damaged checkpoint (missing or truncated files, checksum
     mismatches, undecodable frames) raises on every rank before any target is
-    written.  ``verify_first=False`` skips the checking pass (see
-    :func:`check_before_writing`): faster, but a checksum error may then leave
-    targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
+    written.  Bytes are checked in host staging memory of at most
+    ``staging_bytes`` per rank (``None``: :func:`default_staging_bytes`), so
+    they are read once; a load needing more checks the rest in a first pass
+    and reads it again (see :func:`check_before_writing`).
+    ``verify_first=False`` skips the check: one pass and no staging, but a
+    checksum error may then leave targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
     ``"dcp"``) is detected when ``None``.
 
     ``dtype_cast=True`` lets a tensor load into a target of another floating
@@ -89,9 +94,13 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     """
     dist = Dist(process_group)
     local_exc: BaseException | None = None
-    staged = None
     requests: list[ReadRequest] = []
+    checked = Checked([], [])
+    budget = 0
     try:
+        budget = default_staging_bytes() if staging_bytes is None else staging_bytes
+        if budget < 0:
+            raise ConfigurationError(f"staging_bytes must be >= 0, got {staging_bytes}")
         storage = Storage(url, storage_options)
         reader = open_reader(storage, format=format, io_threads=io_threads)
         flat = flatten(state_dict)
@@ -104,16 +113,16 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         local_exc, requests = exc, []
     shared = share_reads(requests, dist)  # collective: bytes several ranks need are read by one of them
     try:
-        if local_exc is None and verify_first:
-            staged = check_before_writing(reader, shared.mine)
+        if local_exc is None:
+            checked = check_before_writing(reader, shared.mine, budget if verify_first else None, shared.shared)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
     _agree(dist, local_exc, url)
     try:
-        if staged is None:
-            reader.read(shared.mine)
-        for out, buf in staged or ():
+        for out, buf in checked.staged:
             out.copy_(buf)
+        checked.staged.clear()  # staging memory goes before the in-place reads
+        reader.read(checked.in_place)
     except Exception as exc:  # noqa: BLE001
         local_exc = exc
     if shared.shared:
@@ -135,38 +144,63 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     return LoadResult(reader.info.meta, missing=plan.missing, unexpected=plan.unexpected)
 
 
-def check_before_writing(reader: CheckpointReader,
-                         requests: Sequence[ReadRequest]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Check every byte ``requests`` need without writing any ``out``; return staged copies or ``None``.
+class Checked(NamedTuple):
+    """What :func:`check_before_writing` leaves to do once the ranks agree: ``staged`` (target, checked
+    copy) pairs to copy, and requests to read ``in_place`` (checked already, unless the check was skipped)."""
 
-    Checksums are known only once the bytes are read, and the targets are the
-    only memory big enough to hold what a load reads: a second copy of the
-    state would break the bounded-memory promise.  So the default is two
-    passes -- ``reader.verify`` reads and checks every needed checksum block
-    through small per-thread buffers, then ``load`` reads into the targets.  On
-    a local disk the first pass leaves the bytes in the page cache, so the
-    price is one extra memory-speed pass, not a second disk read (unless the
-    checkpoint outgrows the free page cache).
+    staged: list[tuple[torch.Tensor, torch.Tensor]]
+    in_place: list[ReadRequest]
 
-    One pass is cheaper when everything fits a small buffer and re-reading is
-    expensive: from remote storage (a second pass would fetch every byte over
-    the network twice) or from a format without ranged, checksummed reads, a
-    load needing at most ``STAGE_BYTES`` is read once into staging tensors
-    (checked by the read), and ``load`` copies them into the targets after the
-    ranks agree; the list of ``(out, staged)`` pairs is returned.  Native
-    checkpoints on a local disk are never staged: touching fresh memory can
-    be slower than a second read from the page cache (docs/checkpoint.md has
-    the figures).  Larger remote loads are fetched twice; ``load(verify_first=False)``
-    fetches once at the price of all or nothing.
+
+def default_staging_bytes() -> int:
+    """Host memory one rank's load may stage: a quarter of the memory available now, shared by the
+    ranks of this machine (torchrun's ``LOCAL_WORLD_SIZE``); 0 where that is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return available // (4 * local_ranks)
+
+
+def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadRequest], staging_bytes: int | None,
+                         shared: bool = False) -> Checked:
+    """Check every byte ``requests`` need without writing any ``out`` (``staging_bytes=None``: skip the check).
+
+    Checksums are known only once the bytes are read, and a load must not
+    write a target before every rank knows its bytes are good.  Requests
+    whose bytes fit ``staging_bytes`` are read once into staging tensors
+    (checked by the read); ``load`` copies them into the targets after the
+    ranks agree -- one read from storage per byte.  Requests beyond the
+    budget are checked by ``reader.verify`` (every needed checksum block read
+    through small per-thread buffers), then read again into the targets.
+
+    One exception: a native checkpoint on a local disk read by this rank
+    alone (``shared``: no rank reads for others) is checked, not staged --
+    the check leaves the bytes in the page cache, so the second read is a
+    memory-speed copy, and it needs no fresh memory (whose page faults cost
+    about as much; docs/checkpoint.md has the figures).  Where a byte
+    counts -- remote storage, a non-native format, or replicas whose reads
+    one rank makes for all -- it is read once.
     """
-    needed = sum(r.out.numel() * r.out.element_size() for r in requests)
-    local_native = isinstance(reader, NativeReader) and reader.storage.is_local
-    if needed > STAGE_BYTES or local_native:
-        reader.verify(requests)
-        return None
-    staged = [(r.out, torch.empty(r.out.shape, dtype=r.out.dtype)) for r in requests]
-    reader.read([ReadRequest(r.fqn, r.chunk, r.box, buf) for r, (_, buf) in zip(requests, staged)])
-    return staged
+    if staging_bytes is None:
+        return Checked([], list(requests))
+    if isinstance(reader, NativeReader) and reader.storage.is_local and not shared:
+        staging_bytes = 0
+    staged, in_place, used = [], [], 0
+    for r in requests:
+        nbytes = r.out.numel() * r.out.element_size()
+        if used + nbytes <= staging_bytes:
+            staged.append(r)
+            used += nbytes
+        else:
+            in_place.append(r)
+    if in_place:
+        reader.verify(in_place)
+    pairs = [(r.out, torch.empty(r.out.shape, dtype=r.out.dtype)) for r in staged]
+    reader.read([ReadRequest(r.fqn, r.chunk, r.box, buf) for r, (_, buf) in zip(staged, pairs)])
+    return Checked(pairs, in_place)
 
 
 def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
