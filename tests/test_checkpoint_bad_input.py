@@ -464,3 +464,10 @@ def test_every_fixture_loads_with_pickle_and_torch_load_made_to_raise(pristine, 
             assert loss != loss and target["extra"]["history"] == [1.0, float("inf")]
             assert target["extra"]["nested"] == [[1], {"k": None}]
     assert skc.CheckpointManager(str(tmp_path / "managed")).load_latest(*_trained(4)) == (3, {"epoch": 2})
+
+
+def test_a_negative_staging_budget_is_refused_naming_it_and_nothing_is_written(pristine):
+    _, _, sd, before = _fresh_target()
+    with pytest.raises(ConfigurationError, match="staging_bytes must be >= 0"):
+        skc.load(sd, str(pristine[0]), staging_bytes=-1)
+    assert _same(_snapshot(sd), before)

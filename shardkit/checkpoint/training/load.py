@@ -50,6 +50,7 @@ from shardkit.checkpoint.state.tree import (
     flatten,
     from_json_value,
 )
+from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.shared_reads import exchange, share_reads
 from shardkit.errors import (
     ConfigurationError,
@@ -114,7 +115,8 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     shared = share_reads(requests, dist)  # collective: bytes several ranks need are read by one of them
     try:
         if local_exc is None:
-            checked = check_before_writing(reader, shared.mine, budget if verify_first else None, shared.shared)
+            checked = check_before_writing(reader, shared.mine, budget if verify_first else None,
+                                           [request for _, _, request, _ in shared.sends])
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
     _agree(dist, local_exc, url)
@@ -122,7 +124,7 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
         for out, buf in checked.staged:
             out.copy_(buf)
         checked.staged.clear()  # staging memory goes before the in-place reads
-        reader.read(checked.in_place)
+        read_requests(reader, checked.in_place)  # a GPU target through small page-locked rounds
     except Exception as exc:  # noqa: BLE001
         local_exc = exc
     if shared.shared:
@@ -165,7 +167,7 @@ def default_staging_bytes() -> int:
 
 
 def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadRequest], staging_bytes: int | None,
-                         shared: bool = False) -> Checked:
+                         for_others: Sequence[ReadRequest] = ()) -> Checked:
     """Check every byte ``requests`` need without writing any ``out`` (``staging_bytes=None``: skip the check).
 
     Checksums are known only once the bytes are read, and a load must not
@@ -176,22 +178,25 @@ def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadReques
     budget are checked by ``reader.verify`` (every needed checksum block read
     through small per-thread buffers), then read again into the targets.
 
-    One exception: a native checkpoint on a local disk read by this rank
-    alone (``shared``: no rank reads for others) is checked, not staged --
-    the check leaves the bytes in the page cache, so the second read is a
-    memory-speed copy, and it needs no fresh memory (whose page faults cost
-    about as much; docs/checkpoint.md has the figures).  Where a byte
-    counts -- remote storage, a non-native format, or replicas whose reads
-    one rank makes for all -- it is read once.
+    On a local disk a native checkpoint's requests are staged only when this
+    rank reads them for others too (``for_others``: replicas under HSDP,
+    whose bytes must come from storage once); the rest are checked, not
+    staged -- the check leaves the bytes in the page cache, so the second
+    read is a memory-speed copy and needs no fresh memory, whose page faults
+    cost about as much (docs/checkpoint.md has the figures).  From remote
+    storage or a non-native format every request is a candidate: there a
+    second read is a second fetch.
     """
     if staging_bytes is None:
         return Checked([], list(requests))
-    if isinstance(reader, NativeReader) and reader.storage.is_local and not shared:
-        staging_bytes = 0
+    if isinstance(reader, NativeReader) and reader.storage.is_local:
+        candidates = {id(r) for r in for_others}
+    else:
+        candidates = {id(r) for r in requests}
     staged, in_place, used = [], [], 0
     for r in requests:
         nbytes = r.out.numel() * r.out.element_size()
-        if used + nbytes <= staging_bytes:
+        if id(r) in candidates and used + nbytes <= staging_bytes:
             staged.append(r)
             used += nbytes
         else:
@@ -216,8 +221,8 @@ def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
 
 
 class LoadPlan(NamedTuple):
-    """What a load reads (``requests`` into the targets, ``device_copies`` staged for non-CPU or cast
-    targets) and which keys it leaves alone (``missing`` from the checkpoint, ``unexpected`` in it)."""
+    """What a load reads (``requests`` into the targets, ``device_copies`` staged for cast targets) and
+    which keys it leaves alone (``missing`` from the checkpoint, ``unexpected`` in it)."""
 
     requests: list[ReadRequest]
     device_copies: list[tuple[torch.Tensor, torch.Tensor]]
@@ -238,7 +243,8 @@ class LoadResult(dict):
 
 def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False) -> LoadPlan:
     """Read requests that fill every tensor of ``flat`` this rank holds, the (buffer, target) copies
-    for targets read through a host buffer (a device target, or ``dtype_cast``), and the keys left alone.
+    for targets read through a host buffer (``dtype_cast``), and the keys left alone.  A GPU target's
+    requests point at its device memory (``load`` reads them through host rounds).
 
     Each target is filled piece by piece (:func:`~shardkit.checkpoint.geometry.placements.local_pieces`):
     one box for most layouts, several row ranges for a ``_StridedShard`` that holds them, each
@@ -276,7 +282,7 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
         if not pieces:
             continue
         local = local_tensor(target).detach()
-        if local.device.type != "cpu" or cast:  # read as stored, then copy_ (casting) into the target
+        if cast:  # read as stored, then copy_ (casting) into the target
             buf = torch.empty(local.shape, dtype=entry.dtype)
             device_copies.append((buf, local))
             local = buf

@@ -9,7 +9,7 @@ given to one of them, chosen to balance the bytes each rank reads.  That rank
 reads and checks it like any other; after every rank has read its share (and
 all agree nothing failed), the bytes travel to the others with point-to-point
 sends over the process group, straight into their targets when those are
-contiguous.
+contiguous host memory (through a host copy for a GPU target).
 
 Nothing here depends on meshes or placements: any layout where ranks need
 the same stored bytes (HSDP, tensor-parallel replicas, a plain tensor every
@@ -118,11 +118,11 @@ def exchange(plan: SharedReads, dist: Dist) -> None:
             ops, unstage = [], []
             for rnd, tag, request, to in plan.sends:
                 if rnd == round_index:
-                    buf = request.out if request.out.is_contiguous() else request.out.contiguous()
+                    buf = request.out if _sendable(request.out) else request.out.cpu().contiguous()
                     ops.extend(tdist.P2POp(tdist.isend, buf, global_rank(rank), dist.group, tag) for rank in to)
             for rnd, tag, request, src in plan.receives:
                 if rnd == round_index:
-                    buf = request.out if request.out.is_contiguous() else torch.empty(
+                    buf = request.out if _sendable(request.out) else torch.empty(
                         request.out.shape, dtype=request.out.dtype)
                     ops.append(tdist.P2POp(tdist.irecv, buf, global_rank(src), dist.group, tag))
                     if buf is not request.out:
@@ -131,6 +131,11 @@ def exchange(plan: SharedReads, dist: Dist) -> None:
                 work.wait()
             for out, buf in unstage:
                 out.copy_(buf)
+
+
+def _sendable(out: torch.Tensor) -> bool:
+    """Whether gloo can send or receive ``out`` in place: contiguous host memory (else a host copy travels)."""
+    return out.device.type == "cpu" and out.is_contiguous()
 
 
 def _gloo(dist: Dist) -> bool:
