@@ -41,7 +41,7 @@ class _Staged:
     generation: int  # the count of full plans on the group when this was staged: equal on every rank
     structure: tuple
     staged_token: str | None
-    plan: SavePlan
+    plan: SavePlan  # without chunks: those are the pool's (kept there, and freed with its buffer)
     sources: list[tuple[str, Any, Any, int]]  # (key, size, stride, offset) in its local tensor; size None: all of it
 
 
@@ -88,8 +88,9 @@ class RepeatStaging:
         plan.groups = pool.stage(plan.groups)
         plan.values = dict(plan.values)
         if sources is not None and structure is not None:
+            skeleton = SavePlan([], plan.tensors, {}, plan.layouts, plan.aliases)
             self._groups[id(dist.group)] = (dist.group, plans + 1,
-                                            _Staged(plans + 1, structure, pool.staged_token, plan, sources))
+                                            _Staged(plans + 1, structure, pool.staged_token, skeleton, sources))
         return plan
 
 

@@ -15,6 +15,10 @@ and, on a thread, exchanges a few JSON records with the other ranks to commit.
 * **Dies with its parent.**  On Linux the child asks the kernel to kill it
   when the training process dies, so a killed job leaves no writer behind
   that could still be writing files.
+* **Yields the CPU to training.**  The child runs at a lower priority
+  (``WRITER_NICENESS``): where cores are scarce, the training processes get
+  them first and the save takes the idle time; with cores to spare it
+  changes nothing.
 * **Crashes are reported.**  A child that dies mid-save fails that save with a
   :class:`~shardkit.errors.CheckpointError` naming its pid and exit status; the
   save commits nothing, so the previous checkpoint stays as it was.
@@ -46,6 +50,8 @@ from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError, 
 __all__ = ["WriterProcess", "writer_options", "main"]
 
 log = logging.getLogger(__name__)
+
+WRITER_NICENESS = 10  # added to the writer process's niceness: background work, below the training step
 
 _PR_SET_PDEATHSIG = 1
 
@@ -215,6 +221,8 @@ def _die_with(parent: int) -> None:
 def main(argv: Sequence[str]) -> int:
     parent = int(argv[argv.index("--parent") + 1])
     _die_with(parent)
+    if hasattr(os, "nice"):
+        os.nice(WRITER_NICENESS)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
     torch.set_num_threads(1)
