@@ -1,10 +1,13 @@
-"""Checkpoints written by an earlier version of the native format still load, reshard and convert.
+"""Checkpoints written by every earlier version of the native format still load, reshard and convert.
 
 ``tests/fixtures/format-v1`` was written by the version-1 writer (before column
-strips existed) at two ranks: a dim-0 sharded embedding and AdamW moment, a
-dim-1 sharded matrix, a plain vector, a bf16 tensor, a scalar step and JSON
-values.  Every tensor's content is a formula of its shape (:func:`expected_state`),
-so each test can say exactly what it must read back.
+strips existed) and ``tests/fixtures/format-v2`` by the version-2 writer (its
+dim-1 sharded matrix stored as column strips), both at two ranks: a dim-0
+sharded embedding and AdamW moment, a dim-1 sharded matrix, a plain vector, a
+bf16 tensor, a scalar step and JSON values.  Every tensor's content is a
+formula of its shape (:func:`expected_state`), so each test can say exactly
+what it must read back.  The stored bytes are never regenerated: they are
+what those writers wrote.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import math
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
-FIXTURE = Path(__file__).parent / "fixtures" / "format-v1"
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"format-v{version}" for version in (1, 2)}
 FIXTURE_SHAPES = {
     "model.emb.weight": ((37, 26), torch.float32),
     "model.w2.weight": ((26, 51), torch.float32),
@@ -55,19 +59,25 @@ def _assert_tensors_are_the_fixtures(got: dict[str, torch.Tensor], keys=None) ->
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
 
 
-def test_the_fixture_is_a_version_1_checkpoint_of_two_writers():
-    manifest = json.loads((FIXTURE / "manifest.json").read_text())
-    assert manifest["version"] == 1
+versions = pytest.mark.parametrize("version", sorted(FIXTURES), ids=[f"v{v}" for v in sorted(FIXTURES)])
+
+
+@versions
+def test_each_fixture_is_a_checkpoint_of_its_version_from_two_writers(version):
+    manifest = json.loads((FIXTURES[version] / "manifest.json").read_text())
+    assert manifest["version"] == version
     assert {f["writer"] for f in manifest["files"].values()} == {0, 1}
-    assert all("strips" not in c for t in manifest["tensors"].values() for c in t["chunks"])
+    striped = {k for k, t in manifest["tensors"].items() if any("strips" in c for c in t["chunks"])}
+    assert striped == (set() if version == 1 else {"model.w2.weight"})
 
 
-def test_a_version_1_checkpoint_loads_into_one_process_bitwise_with_its_values_and_meta():
+@versions
+def test_an_older_version_loads_into_one_process_bitwise_with_its_values_and_meta(version):
     import shardkit.checkpoint as skc
 
     sd = {k: (torch.zeros(shape, dtype=dtype)) for k, (shape, dtype) in FIXTURE_SHAPES.items()}
     sd["optim.param_groups"] = None
-    meta = skc.load(sd, str(FIXTURE))
+    meta = skc.load(sd, str(FIXTURES[version]))
     assert meta["step"] == 7
     assert sd.pop("optim.param_groups") == PARAM_GROUPS
     _assert_tensors_are_the_fixtures(sd)
@@ -89,17 +99,19 @@ def _load_fixture_at_three_ranks(url: str) -> bool:
     return sd.pop("optim.param_groups") == PARAM_GROUPS and all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, want[k]) for k, v in sd.items())
 
 
-def test_a_version_1_checkpoint_written_at_two_ranks_loads_at_three_bitwise():
+@versions
+def test_an_older_version_written_at_two_ranks_loads_at_three_bitwise(version):
     from tests.dist import run_on_ranks
 
-    assert run_on_ranks(3, _load_fixture_at_three_ranks, str(FIXTURE)) == [True, True, True]
+    assert run_on_ranks(3, _load_fixture_at_three_ranks, str(FIXTURES[version])) == [True, True, True]
 
 
-def test_a_version_1_checkpoint_reshards_and_converts_to_every_format_bitwise(tmp_path):
+@versions
+def test_an_older_version_reshards_and_converts_to_every_format_bitwise(tmp_path, version):
     from shardkit.checkpoint import convert, reshard, verify
 
-    src = tmp_path / "v1"
-    shutil.copytree(FIXTURE, src)  # the offline tools only read it; a copy keeps the fixture clean regardless
+    src = tmp_path / f"v{version}"
+    shutil.copytree(FIXTURES[version], src)  # the offline tools only read it; a copy keeps the fixture clean regardless
     assert verify(str(src)).ok
     reshard(str(src), str(tmp_path / "n3"), world_size=3)
     _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "n3")))
