@@ -185,7 +185,7 @@ def _reader_from_the_format_document():
 
 
 def test_the_format_documents_reader_reads_striped_and_version_1_checkpoints_without_shardkit(tmp_path):
-    from tests.test_format_versions import FIXTURE, expected_state
+    from tests.test_format_versions import FIXTURES, expected_state
 
     load_tensor = _reader_from_the_format_document()
     url = tmp_path / "ck"
@@ -195,8 +195,9 @@ def test_the_format_documents_reader_reads_striped_and_version_1_checkpoints_wit
     for key, tensor in tensors.items():
         assert torch.equal(torch.from_numpy(load_tensor(str(url), key)), tensor), key
     want = expected_state()
-    for key in ("model.emb.weight", "model.w2.weight", "model.norm.weight"):
-        assert torch.equal(torch.from_numpy(load_tensor(str(FIXTURE), key)), want[key]), key
+    for version, fixture in FIXTURES.items():  # what earlier writers stored, striped (v2) or not (v1)
+        for key in ("model.emb.weight", "model.w2.weight", "model.norm.weight"):
+            assert torch.equal(torch.from_numpy(load_tensor(str(fixture), key)), want[key]), (version, key)
 
 
 def test_an_unknown_column_strips_choice_is_refused_before_anything_is_written(tmp_path):
