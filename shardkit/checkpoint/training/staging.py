@@ -26,7 +26,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -146,8 +146,8 @@ class StagingPool:
             self.staged_token = uuid.uuid4().hex
         self._on_cuda = on_cuda
         out = self._staged[2]
-        self._copy([(s.data, c.data if isinstance(c.data, torch.Tensor) else c.materialize())
-                    for group, staged_group in zip(groups, out) for c, s in zip(group, staged_group)])
+        self._copy((s.data, c.data if isinstance(c.data, torch.Tensor) else c.materialize())  # one at a time
+                   for group, staged_group in zip(groups, out) for c, s in zip(group, staged_group))
         return out
 
     def restage(self, sources: list[torch.Tensor]) -> list[list[WriteChunk]]:
@@ -155,10 +155,10 @@ class StagingPool:
         copies and return its chunks: a save of the same chunks, with nothing to work out but the copy."""
         assert self._staged is not None
         staged = self._staged[2]
-        self._copy(list(zip((s.data for g in staged for s in g), sources, strict=True)))
+        self._copy(zip((s.data for g in staged for s in g), sources, strict=True))
         return staged
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair; on CUDA on a side stream the training stream waits for."""
         stream = torch.cuda.Stream() if self._on_cuda else None
         if stream is not None:
