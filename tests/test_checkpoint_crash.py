@@ -141,17 +141,17 @@ def test_sigkill_at_random_moments_never_loses_or_damages_the_newest_committed_s
 
 def test_sigkill_at_random_moments_never_loses_or_damages_the_newest_committed_step_s3(s3_url, tmp_path):
     root, options = s3_url
-    loaded = _kill_loop(f"{root}/run", options, str(tmp_path / "report"), seed=2, delays=(0.0, 0.6), kills=10)
-    assert len(loaded) == 10 and loaded == sorted(loaded) and loaded[-1] > loaded[0]
+    loaded = _kill_loop(f"{root}/run", options, str(tmp_path / "report"), seed=2, delays=(0.0, 0.6), kills=6)
+    assert len(loaded) == 6 and loaded == sorted(loaded) and loaded[-1] > loaded[0]
 
 
 def test_sigkill_during_background_saves_through_the_writer_process_never_loses_the_newest_committed_step(tmp_path):
     # each killed job first starts its writer process (seconds on a busy machine: it imports torch), so the
-    # kills (5.8, 1.1, 4.7, 1.8, 5.9, 1.1 s for this seed) land in start-up and in the saves after it:
+    # kills (5.8, 1.1, 4.7, 1.8 s for this seed) land in start-up and in the saves after it:
     # staging, the writer's files and the commit
     loaded = _kill_loop(str(tmp_path / "run"), None, str(tmp_path / "report"), seed=15, delays=(1.0, 6.0),
-                        kills=6, writer="process")
-    assert len(loaded) == 6 and loaded == sorted(loaded) and loaded[-1] > loaded[0]
+                        kills=4, writer="process")
+    assert len(loaded) == 4 and loaded == sorted(loaded) and loaded[-1] > loaded[0]
 
 
 def test_killed_save_to_an_existing_url_leaves_the_old_checkpoint_loadable(tmp_path):
