@@ -7,11 +7,16 @@ every rank writes its row range of every tensor (split at the writer's 64 MiB
 chunk cap) into 4 data files, rank 0 the steps.  Only the metadata is made:
 the manifest holds the records the native writer would write -- same keys,
 file names, offsets, byte counts, checksum blocks (256 KiB) and checksum
-lists -- and no data file exists.
+lists -- and no data file exists.  Each format version is measured in turn:
+version 1 (every chunk record in ``manifest.json``, what small checkpoints
+still get) and version 3 (the writer's own ``split_into_indexes``: per-tensor
+regions by rule in the manifest, each writer's chunk records in its index
+file).
 
 A child process then stands in for one rank (the middle one) of an FSDP job
 of ``--load-ranks`` ranks and does what ``load`` does before its first data
-read: open the checkpoint (read and validate the metadata) and plan the reads
+read: open the checkpoint (read and validate the metadata -- for version 3,
+the manifest and the index files of the writers it needs) and plan the reads
 of its row range of every tensor, into meta tensors (so the targets take no
 memory).  Reported: the metadata bytes it read (``rchar`` of
 ``/proc/self/io``), seconds for open + plan, and peak RSS above the child's
@@ -140,29 +145,64 @@ def rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
+def write_indexed(doc: dict, root: str) -> tuple[int, float]:
+    """Commit ``doc`` as format version 3 with the writer's own code (rules derived from the chunk records,
+    one index file per writer); return (bytes of manifest.json, seconds the split took)."""
+    from shardkit.checkpoint.formats.codec import unpack_crcs
+    from shardkit.checkpoint.formats.native.index import dump_indexed_manifest, split_into_indexes
+    from shardkit.checkpoint.formats.native.manifest import (
+        ChunkRecord,
+        FileRecord,
+        Manifest,
+        TensorRecord,
+    )
+
+    def record(c: dict) -> ChunkRecord:
+        crcs = tuple(unpack_crcs(c["crc32c"], max(1, -(-c["nbytes"] // c["block"])), "synthetic"))
+        return ChunkRecord(tuple(c["offsets"]), tuple(c["shape"]), c["file"], c["key"], c["start"], c["nbytes"],
+                           c["codec"], c["block"], crcs)
+
+    manifest = Manifest(tensors={fqn: TensorRecord(t["dtype"], tuple(t["shape"]), tuple(map(record, t["chunks"])))
+                                 for fqn, t in doc["tensors"].items()},
+                        files={n: FileRecord(f["size"], f["writer"]) for n, f in doc["files"].items()},
+                        meta=doc["meta"], writer=doc["writer"])
+    started = time.perf_counter()
+    indexed, files = split_into_indexes(manifest, "5eed5eed5e")
+    seconds = time.perf_counter() - started
+    os.makedirs(os.path.join(root, "index"), exist_ok=True)
+    for name, data in files.items():
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+    data = dump_indexed_manifest(indexed)
+    with open(os.path.join(root, "manifest.json"), "wb") as f:
+        f.write(data)
+    return len(data), seconds
+
+
 def child(path: str, load_ranks: int) -> None:
-    """One loading rank: open the checkpoint and plan its reads; print the figures as JSON."""
+    """One loading rank: what ``load`` does before its first data read -- open the checkpoint, say which
+    boxes it loads (a version-3 reader then reads the index files that cover them), plan the reads."""
     import torch
 
+    import shardkit.checkpoint.formats.native.reader  # noqa: F401 - a loading job has shardkit imported already
     from shardkit.checkpoint.formats import open_reader
     from shardkit.checkpoint.formats.base import plan_reads
 
     rank = load_ranks // 2
     before_rss, before_read = rss(), rchar()
     start = time.perf_counter()
-    reader = open_reader(path, format="shardkit")
-    entries = reader.tensors()
-    wanted = []
-    for fqn, entry in entries.items():
-        shape = tuple(entry.shape)
+    boxes = {}
+    for fqn, shape in state_tensors().items():  # the target state dict knows its shapes
         if not shape:
-            box = ((), ())
-        else:
-            lo, n = row_range(shape[0], load_ranks, rank)
-            if n == 0:
-                continue
-            box = ((lo,) + (0,) * (len(shape) - 1), (n,) + shape[1:])
-        wanted.append((fqn, box, torch.empty(box[1], dtype=entry.dtype, device="meta")))
+            boxes[fqn] = ((), ())
+            continue
+        lo, n = row_range(shape[0], load_ranks, rank)
+        if n:
+            boxes[fqn] = ((lo,) + (0,) * (len(shape) - 1), (n,) + shape[1:])
+    reader = open_reader(path, format="shardkit")
+    reader.focus({fqn: [box] for fqn, box in boxes.items()})
+    entries = reader.tensors()
+    wanted = [(fqn, box, torch.empty(box[1], dtype=entries[fqn].dtype, device="meta")) for fqn, box in boxes.items()]
     requests = plan_reads(reader, wanted)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -176,23 +216,41 @@ def main() -> None:
     parser.add_argument("--load-ranks", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/shardkit-manifest-scale")
+    parser.add_argument("--format", choices=("1", "3", "both"), default="both",
+                        help="format version to measure: 1 (every chunk in manifest.json), 3 (index files)")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
         return child(args.dir, args.load_ranks)
+    print(f"synthetic 70B checkpoint saved at {args.save_ranks} ranks, loaded by one rank of {args.load_ranks} "
+          f"(rank {args.load_ranks // 2}); medians of {args.reps} children")
+    for version in (1, 3) if args.format == "both" else (int(args.format),):
+        measure(args, version)
+
+
+def measure(args: argparse.Namespace, version: int) -> None:
+    """Write the synthetic checkpoint's metadata in ``version``, time ``--reps`` loading children, print."""
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(os.path.join(args.dir, "data"))
     started = time.perf_counter()
     doc = make_manifest(args.save_ranks)
-    data = json.dumps(doc, separators=(",", ":")).encode()
     n_chunks = sum(len(t["chunks"]) for t in doc["tensors"].values())
     n_tensors, n_files = len(doc["tensors"]), len(doc["files"])
+    if version == 3:
+        size, split = write_indexed(doc, args.dir)
+        index_bytes = sum(os.path.getsize(os.path.join(args.dir, "index", n))
+                          for n in os.listdir(os.path.join(args.dir, "index")))
+        how = (f"manifest.json {size / 1e6:.2f} MB + {n_files // FILES_PER_RANK} index files, "
+               f"{index_bytes / 1e6:.0f} MB in all (the writer's split took {split:.0f} s)")
+    else:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        with open(os.path.join(args.dir, "manifest.json"), "wb") as f:
+            f.write(data)
+        how = f"manifest.json {len(data) / 1e6:.1f} MB"
+        del data
     del doc
-    with open(os.path.join(args.dir, "manifest.json"), "wb") as f:
-        f.write(data)
-    print(f"synthetic 70B checkpoint saved at {args.save_ranks} ranks: {n_tensors} tensors, {n_chunks} chunks, "
-          f"{n_files} data files; metadata {len(data) / 1e6:.1f} MB (made in {time.perf_counter() - started:.0f} s)")
-    del data
+    print(f"\nformat version {version}: {n_tensors} tensors, {n_chunks} chunks, {n_files} data files; {how} "
+          f"(made in {time.perf_counter() - started:.0f} s)")
     runs = []
     for rep in range(args.reps):
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir,
@@ -200,14 +258,13 @@ def main() -> None:
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"  child {rep + 1}/{args.reps}: {runs[-1]}", file=sys.stderr, flush=True)
     med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "read", "rss")}
-    print(f"one rank of {args.load_ranks} (rank {args.load_ranks // 2}), median of {args.reps}: "
-          f"reads {med['read'] / 1e6:.1f} MB of metadata, open + plan {med['seconds']:.2f} s, "
+    print(f"  one loading rank reads {med['read'] / 1e6:.2f} MB of metadata, open + plan {med['seconds']:.2f} s, "
           f"peak RSS +{med['rss'] / 1e6:.0f} MB ({runs[0]['requests']} read requests planned)")
-    print("targets")
     for name, ours, limit, unit in (("metadata read by a loading rank", med["read"] / 1e6, 5.0, "MB"),
                                     ("open + plan one rank's load", med["seconds"], 1.0, "s"),
                                     ("peak RSS of open + plan", med["rss"] / 1e6, 200.0, "MB")):
-        print(f"  {name:40s} {ours:10.2f} {unit} (<= {limit:g} {unit})  {'MET' if ours <= limit else 'MISSED'}")
+        print(f"  v{version} {name:40s} {ours:10.2f} {unit} (<= {limit:g} {unit})  "
+              f"{'MET' if ours <= limit else 'MISSED'}")
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -157,6 +157,10 @@ class CheckpointReader(abc.ABC):
         alias too, with the chunks of ``key``, so a reader of one key needs to know nothing of this."""
         return {}
 
+    def focus(self, wanted: Mapping[str, Sequence[Box]]) -> None:
+        """Before planning: the boxes (fqn -> boxes) that will be read.  A reader that fetches chunk
+        records lazily fetches those that cover them, and only those; the others hold them all already."""
+
     @abc.abstractmethod
     def read(self, requests: Sequence[ReadRequest]) -> None:
         """Fill every request's ``out``.  Validate all requests before writing any."""

@@ -208,10 +208,11 @@ def lowest_replica(tensor: torch.Tensor) -> bool:
 
 
 def layout_of(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """``{"shape", "dim_names", "placements"}`` of a DTensor's mesh (``None`` for a plain tensor): what
+    """``{"shape", "dim_names", "placements", "specs"}`` of a DTensor's mesh (``None`` for a plain tensor): what
     the manifest records so ``inspect`` can show how the job held each tensor."""
     if not is_dtensor(tensor):
         return None
     mesh = tensor.device_mesh
     return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or []),
-            "placements": [str(p) for p in tensor.placements]}
+            "placements": [str(p) for p in tensor.placements],
+            "specs": [list(s) for s in placement_specs(tensor.placements, tensor.ndim)]}

@@ -83,12 +83,12 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
     report = VerifyReport(src, fmt)
     try:
         reader = open_reader(storage, format=fmt)
+        entries = reader.tensors()  # a version-3 checkpoint reads its index files here
     except ShardkitError as exc:
         report.problems.append(str(exc))
         report.seconds = time.monotonic() - start
         return report
     try:
-        entries = reader.tensors()
         report.tensors = len(entries)
         for fqn, entry in entries.items():
             problem = check_cover(entry.shape, [c.box for c in entry.chunks])

@@ -250,6 +250,7 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
     one box for most layouts, several row ranges for a ``_StridedShard`` that holds them, each
     read straight into its view of the local tensor.  Raises before anything is read when keys,
     dtypes or shapes do not match."""
+    reader.focus({key: [g for g, _ in local_pieces(target, key) or ()] for key, target in flat.tensors.items()})
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)

@@ -104,16 +104,16 @@ class SavePlan:
 
 def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
     """How the job held its tensors: ``[{"mesh": {"shape", "dim_names"}, "placements": [...],
-    "tensors": [fqn, ...]}, ...]``, one entry per distinct mesh and placements, widest mesh first.
+    "specs": [...], "tensors": [fqn, ...]}, ...]``, one entry per distinct mesh and placements, widest mesh first.
     Plain tensors are not listed (every rank holds them whole)."""
     groups: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         layout = layout_of(tensor)
         if layout is None:
             continue
-        mesh = {"shape": layout["shape"], "dim_names": layout["dim_names"]}
-        entry = groups.setdefault(repr((mesh, layout["placements"])),
-                                  {"mesh": mesh, "placements": layout["placements"], "tensors": []})
+        entry = groups.setdefault(repr((layout["shape"], layout["dim_names"], layout["placements"])), {
+            "mesh": {"shape": layout["shape"], "dim_names": layout["dim_names"]}, "placements": layout["placements"],
+            "specs": layout["specs"], "tensors": []})
         entry["tensors"].append(key)
     return sorted(groups.values(), key=lambda e: (-len(e["mesh"]["shape"]), -math.prod(e["mesh"]["shape"])))
 

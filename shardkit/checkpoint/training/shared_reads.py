@@ -50,7 +50,9 @@ class SharedReads:
 
 
 def _name(r: ReadRequest) -> str:
-    return f"{r.fqn}|{r.chunk}|{list(r.box[0])}|{list(r.box[1])}"
+    """What a request reads, the same on every rank: stored chunks never overlap, so the key and box name
+    the bytes (a chunk's number need not be: a rank that read some index files numbers only their chunks)."""
+    return f"{r.fqn}|{list(r.box[0])}|{list(r.box[1])}"
 
 
 def share_reads(requests: Sequence[ReadRequest], dist: Dist) -> SharedReads:

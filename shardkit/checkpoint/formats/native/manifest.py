@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats.codec import (
     code_to_dtype,
@@ -45,17 +45,29 @@ from shardkit.checkpoint.formats.codec import (
     pack_crcs,
     unpack_crcs,
 )
-from shardkit.checkpoint.geometry.boxes import check_cover
+from shardkit.checkpoint.formats.native.regions import (
+    Regions,
+    Rule,
+    by_writer,
+    overlapping_writers,
+    regions_problem,
+    rule_by_writer,
+    rule_overlapping_writers,
+    rule_problem,
+)
+from shardkit.checkpoint.geometry.boxes import Box, check_cover
 from shardkit.checkpoint.geometry.strips import strip_boxes
 from shardkit.checkpoint.io.names import check_name
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion
 
-__all__ = ["FORMAT_NAME", "VERSION", "STRIPS_VERSION", "MANIFEST_NAME", "crc_count", "MAX_MANIFEST_BYTES", "CODECS",
+__all__ = ["FORMAT_NAME", "VERSION", "STRIPS_VERSION", "INDEXED_VERSION", "IndexRecord", "parse_chunk",
+           "json_object", "expect_object", "MANIFEST_NAME", "crc_count", "MAX_MANIFEST_BYTES", "CODECS",
            "ChunkRecord", "TensorRecord", "FileRecord", "Manifest", "parse_manifest", "dump_manifest"]
 
 FORMAT_NAME = "shardkit"
-VERSION = 2            # the highest version this shardkit reads
+VERSION = 3            # the highest version this shardkit reads
 STRIPS_VERSION = 2     # the first version whose chunks may carry ``strips``
+INDEXED_VERSION = 3    # the first version whose chunk records live in per-writer index files
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 CODECS = ("raw", "zstd")
@@ -133,6 +145,15 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class IndexRecord:
+    """A writer's index file (version 3): its size and crc32c, checked before it is parsed."""
+
+    size: int
+    crc32c: int
+    writer: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     tensors: dict[str, TensorRecord]
     values: dict[str, Any] = field(default_factory=dict)
@@ -141,11 +162,31 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     version: int = VERSION     # as read; dump_manifest writes the lowest version that holds the manifest
     aliases: dict[str, str] = field(default_factory=dict)  # tied key -> the key whose tensor it is
+    # version 3 (see index.py): rules, each tensor's rule index or listed regions, the index files; and
+    # whether every index file's chunk records are in ``tensors`` (a loading rank reads only some)
+    rules: tuple[Rule, ...] = ()
+    regions: dict[str, int | Regions] = field(default_factory=dict)
+    indexes: dict[str, IndexRecord] = field(default_factory=dict)
+    complete: bool = True
+
+    def regions_by_writer(self, fqn: str) -> Mapping[int, Sequence[Box]]:
+        """Which writer stored which boxes of ``fqn`` (version 3; computed once per shape and rule)."""
+        found = self.regions[fqn]
+        shape = self.tensors[fqn].shape
+        return rule_by_writer(shape, self.rules[found]) if isinstance(found, int) else by_writer(found)
+
+    def writers_of(self, fqn: str, boxes: Sequence[Box]) -> set[int]:
+        """The writers whose regions of ``fqn`` meet any of ``boxes`` (computed once per shape, rule and boxes)."""
+        found = self.regions[fqn]
+        if isinstance(found, int):
+            return set(rule_overlapping_writers(self.tensors[fqn].shape, self.rules[found], tuple(boxes)))
+        return overlapping_writers(found, boxes)
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
     """Serialise (deterministic key order within each tensor, compact), as the lowest format version that
-    holds it: version 1 unless a chunk is stored as strips, so older readers keep reading what they can."""
+    holds it: version 1 unless a chunk is stored as strips, so older readers keep reading what they can.
+    (A version-3 manifest, whose records are in index files, is dumped by :mod:`.index`.)"""
     striped = any(c.strips for t in manifest.tensors.values() for c in t.chunks)
     doc = {
         "format": FORMAT_NAME,
@@ -174,7 +215,8 @@ def _ints(value: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
     return tuple(_int(v, where, 0, _MAX_DIM) for v in value)
 
 
-def _obj(value: Any, where: str) -> dict:
+def expect_object(value: Any, where: str) -> dict:
+    """``value`` if it is a JSON object, else one clear error naming ``where``."""
     if not isinstance(value, dict):
         raise InvalidManifest(f"{where} must be a JSON object")
     return value
@@ -189,15 +231,20 @@ def _name(value: Any, where: str) -> str:
         raise InvalidManifest(f"{where}: bad file name {value!r}") from None
 
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Parse and fully validate manifest bytes read from ``where`` (a URL, for messages)."""
+def json_object(data: bytes, where: str) -> dict:
+    """``data`` (a manifest or index file read from ``where``) as a JSON object: bounded, UTF-8, valid."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise InvalidManifest(f"{where} is {len(data)} bytes, larger than the {MAX_MANIFEST_BYTES} allowed")
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidManifest(f"{where} is not valid JSON ({exc}); the checkpoint is damaged") from None
-    doc = _obj(doc, where)
+    return expect_object(doc, where)
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where`` (a URL, for messages)."""
+    doc = json_object(data, where)
     if doc.get("format") != FORMAT_NAME:
         raise InvalidManifest(f"{where} is not a shardkit manifest (format {doc.get('format')!r})")
     version = doc.get("version")
@@ -206,24 +253,103 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if version > VERSION:
         raise UnsupportedVersion(f"{where} was written by format version {version}; this shardkit reads up to "
                                  f"version {VERSION}. Upgrade shardkit to load it.")
+    if version >= INDEXED_VERSION:
+        return _parse_indexed(doc, where, version)
     files: dict[str, FileRecord] = {}
-    for name, info in _obj(doc.get("files", {}), f"{where}: files").items():
+    for name, info in expect_object(doc.get("files", {}), f"{where}: files").items():
         _name(name, f"{where}: files")
-        info = _obj(info, f"{where}: files[{name!r}]")
+        info = expect_object(info, f"{where}: files[{name!r}]")
         files[name] = FileRecord(_int(info.get("size"), f"{where}: size of {name}"),
                                  _int(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
     tensors: dict[str, TensorRecord] = {}
-    for fqn, info in _obj(doc.get("tensors", {}), f"{where}: tensors").items():
-        tensors[fqn] = _parse_tensor(fqn, _obj(info, f"{where}: tensor {fqn!r}"), files, where, version)
-    values = _obj(doc.get("values", {}), f"{where}: values")
+    for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items():
+        tensors[fqn] = _parse_tensor(fqn, expect_object(info, f"{where}: tensor {fqn!r}"), files, where, version)
+    values = expect_object(doc.get("values", {}), f"{where}: values")
     clash = set(values) & set(tensors)
     if clash:
         raise InvalidManifest(f"{where}: keys {sorted(clash)[:5]} are both tensors and values")
-    aliases = _parse_aliases(_obj(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
-    meta = _obj(doc.get("meta", {}), f"{where}: meta")
-    writer = _obj(doc.get("writer", {}), f"{where}: writer")
+    aliases = _parse_aliases(expect_object(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
+    meta = expect_object(doc.get("meta", {}), f"{where}: meta")
+    writer = expect_object(doc.get("writer", {}), f"{where}: writer")
     return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version,
                     aliases=aliases)
+
+
+def _parse_indexed(doc: dict, where: str, version: int) -> Manifest:
+    """A version-3 manifest: tensors with regions, no chunks yet (:mod:`.index` attaches them)."""
+    rules = tuple(_parse_rule(expect_object(r, f"{where}: rule {i}"), f"{where}: rule {i}")
+                  for i, r in enumerate(_list(doc.get("rules", []), f"{where}: rules")))
+    indexes: dict[str, IndexRecord] = {}
+    for name, info in expect_object(doc.get("indexes", {}), f"{where}: indexes").items():
+        at = f"{where}: index {name!r}"
+        _name(name, at)
+        info = expect_object(info, at)
+        indexes[name] = IndexRecord(_int(info.get("size"), f"{at} size"), unpack_crcs(info.get("crc32c"), 1, at)[0],
+                                    _int(info.get("writer"), f"{at} writer", 0, 1 << 31))
+    writers = {i.writer for i in indexes.values()}
+    for i, (_, _, grid) in enumerate(rules):
+        missing = set(grid) - writers - {-1}
+        if missing:
+            raise InvalidManifest(f"{where}: rule {i} names writers {sorted(missing)[:5]}, which have no index file")
+    tensors: dict[str, TensorRecord] = {}
+    regions: dict[str, int | Regions] = {}
+    for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items():
+        at = f"{where}: tensor {fqn!r}"
+        info = expect_object(info, at)
+        code = info.get("dtype")
+        shape = _ints(info.get("shape"), f"{at} shape")
+        if math.prod(shape) * itemsize(code_to_dtype(code, at)) >= 1 << 62:
+            raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
+        tensors[fqn] = TensorRecord(code, shape, ())
+        if "rule" in info:
+            regions[fqn] = _int(info["rule"], f"{at} rule", 0, len(rules) - 1)
+        else:
+            regions[fqn] = tuple((_int(r[0], f"{at} region writer", 0, 1 << 31),
+                                  (_ints(r[1], f"{at} region offsets", len(shape)),
+                                   _ints(r[2], f"{at} region shape", len(shape))))
+                                 for r in (_list(r, f"{at} region", 3)
+                                           for r in _list(info.get("regions"), f"{at} regions")))
+            missing = {w for w, _ in regions[fqn]} - writers
+            if missing:
+                raise InvalidManifest(f"{at}: writers {sorted(missing)[:5]} have regions but no index file")
+        found = regions[fqn]
+        problem = rule_problem(shape, rules[found]) if isinstance(found, int) else regions_problem(shape, found)
+        if problem:
+            raise InvalidManifest(f"{at}: writer regions: {problem}")
+    values = expect_object(doc.get("values", {}), f"{where}: values")
+    clash = set(values) & set(tensors)
+    if clash:
+        raise InvalidManifest(f"{where}: keys {sorted(clash)[:5]} are both tensors and values")
+    aliases = _parse_aliases(expect_object(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
+    return Manifest(tensors=tensors, values=values, meta=expect_object(doc.get("meta", {}), f"{where}: meta"),
+                    writer=expect_object(doc.get("writer", {}), f"{where}: writer"), version=version, aliases=aliases,
+                    rules=rules, regions=regions, indexes=indexes, complete=not tensors)
+
+
+def _list(value: Any, where: str, length: int | None = None) -> list:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise InvalidManifest(f"{where} must be a list{f' of {length}' if length else ''}, got {value!r:.200}")
+    return value
+
+
+_SPEC_ARGS = {"replicate": 0, "shard": 1, "strided": 2}
+
+
+def _parse_rule(info: dict, at: str) -> Rule:
+    mesh = _ints(info.get("mesh"), f"{at} mesh")
+    if not mesh or math.prod(mesh) > 1 << 24 or 0 in mesh:
+        raise InvalidManifest(f"{at}: mesh {list(mesh)} must be 1 to 64 positive sizes of at most 2**24 ranks")
+    specs = []
+    for spec in _list(info.get("placements"), f"{at} placements", len(mesh)):
+        spec = _list(spec, f"{at} placement")
+        if not spec or spec[0] not in _SPEC_ARGS or len(spec) != 1 + _SPEC_ARGS[spec[0]]:
+            raise InvalidManifest(f"{at}: placement {spec!r:.100} is not [replicate], [shard, dim] or "
+                                  f"[strided, dim, split_factor]")
+        specs.append((spec[0], *(_int(v, f"{at} placement", 0 if j == 0 else 1, _MAX_NDIM if j == 0 else 1 << 24)
+                                 for j, v in enumerate(spec[1:]))))
+    writers = tuple(_int(w, f"{at} writer", -1, 1 << 31)
+                    for w in _list(info.get("writers"), f"{at} writers", math.prod(mesh)))
+    return mesh, tuple(specs), writers
 
 
 def _parse_aliases(doc: dict, tensors: Mapping[str, TensorRecord], values: Mapping[str, Any],
@@ -260,6 +386,38 @@ def _strips(value: Any, shape: tuple[int, ...], codec: str, version: int, where:
     return dim, _int(value[1], f"{where} strips width", 1, shape[dim])
 
 
+def parse_chunk(c: dict, cat: str, shape: tuple[int, ...], code: str, files: Mapping[str, FileRecord],
+                version: int) -> ChunkRecord:
+    """One chunk record of a tensor of ``shape`` and dtype ``code``, checked against ``files`` (name -> record)."""
+    size = itemsize(code_to_dtype(code, cat))
+    offsets = _ints(c.get("offsets"), f"{cat} offsets", len(shape))
+    cshape = _ints(c.get("shape"), f"{cat} shape", len(shape))
+    if any(o + s > n for o, s, n in zip(offsets, cshape, shape)):
+        raise InvalidManifest(f"{cat}: offsets {list(offsets)} + shape {list(cshape)} exceed the tensor's "
+                              f"shape {list(shape)}")
+    file = _name(c.get("file"), cat)
+    if file not in files:
+        raise InvalidManifest(f"{cat} names file {file!r}, which the manifest's file list does not hold")
+    key = c.get("key")
+    if not isinstance(key, str) or len(key) > 4096:
+        raise InvalidManifest(f"{cat}: key must be a string")
+    codec = c.get("codec")
+    if codec not in CODECS:
+        raise InvalidManifest(f"{cat}: unknown codec {codec!r} (known: {list(CODECS)})")
+    start = _int(c.get("start"), f"{cat} start")
+    nbytes = _int(c.get("nbytes"), f"{cat} nbytes")
+    raw = math.prod(cshape) * size
+    if codec == "raw" and nbytes != raw:
+        raise InvalidManifest(f"{cat}: {nbytes} stored bytes, shape {list(cshape)} x {code} needs {raw}")
+    if start + nbytes > files[file].size:
+        raise InvalidManifest(f"{cat}: bytes [{start}, {start + nbytes}) lie beyond the end of {file} "
+                              f"({files[file].size} bytes)")
+    block = _int(c.get("block"), f"{cat} block", 1)
+    strips = _strips(c.get("strips"), cshape, codec, version, cat)
+    crcs = tuple(unpack_crcs(c.get("crc32c"), crc_count((offsets, cshape), nbytes, block, strips), cat))
+    return ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs, strips)
+
+
 def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str,
                   version: int) -> TensorRecord:
     at = f"{where}: tensor {fqn!r}"
@@ -271,36 +429,8 @@ def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: 
     raw_chunks = info.get("chunks")
     if not isinstance(raw_chunks, list):
         raise InvalidManifest(f"{at}: chunks must be a list")
-    chunks = []
-    for i, c in enumerate(raw_chunks):
-        cat = f"{at} chunk {i}"
-        c = _obj(c, cat)
-        offsets = _ints(c.get("offsets"), f"{cat} offsets", len(shape))
-        cshape = _ints(c.get("shape"), f"{cat} shape", len(shape))
-        if any(o + s > n for o, s, n in zip(offsets, cshape, shape)):
-            raise InvalidManifest(f"{cat}: offsets {list(offsets)} + shape {list(cshape)} exceed the tensor's "
-                                  f"shape {list(shape)}")
-        file = _name(c.get("file"), cat)
-        if file not in files:
-            raise InvalidManifest(f"{cat} names file {file!r}, which the manifest's file list does not hold")
-        key = c.get("key")
-        if not isinstance(key, str) or len(key) > 4096:
-            raise InvalidManifest(f"{cat}: key must be a string")
-        codec = c.get("codec")
-        if codec not in CODECS:
-            raise InvalidManifest(f"{cat}: unknown codec {codec!r} (known: {list(CODECS)})")
-        start = _int(c.get("start"), f"{cat} start")
-        nbytes = _int(c.get("nbytes"), f"{cat} nbytes")
-        raw = math.prod(cshape) * size
-        if codec == "raw" and nbytes != raw:
-            raise InvalidManifest(f"{cat}: {nbytes} stored bytes, shape {list(cshape)} x {code} needs {raw}")
-        if start + nbytes > files[file].size:
-            raise InvalidManifest(f"{cat}: bytes [{start}, {start + nbytes}) lie beyond the end of {file} "
-                                  f"({files[file].size} bytes)")
-        block = _int(c.get("block"), f"{cat} block", 1)
-        strips = _strips(c.get("strips"), cshape, codec, version, cat)
-        crcs = tuple(unpack_crcs(c.get("crc32c"), crc_count((offsets, cshape), nbytes, block, strips), cat))
-        chunks.append(ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs, strips))
+    chunks = [parse_chunk(expect_object(c, f"{at} chunk {i}"), f"{at} chunk {i}", shape, code, files, version)
+              for i, c in enumerate(raw_chunks)]
     problem = check_cover(shape, [c.box for c in chunks])
     if problem:
         raise InvalidManifest(f"{at}: {problem}")

@@ -10,6 +10,8 @@ A name is shardkit's when it has the exact shape shardkit gives its files:
 
 * ``manifest.json`` (the commit marker) and its temporary ``manifest.json.tmp-<12 hex>``;
 * ``data/<10 hex>-<writer>-<part>.safetensors`` (data files, see ``native_write.data_file_name``);
+* ``index/<10 hex>-<writer>.json`` (format version 3's index files) and their temporary
+  ``...json.tmp-<12 hex>``;
 * ``.shardkit-resume/<data file>.json`` (the offline resume journal);
 * ``extra/...`` (side files an offline convert copied), only beside shardkit
   data or a shardkit manifest.
@@ -27,21 +29,25 @@ from shardkit.checkpoint.formats import FORMATS
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["DATA_DIR", "RESUME_DIR", "EXTRA_DIR", "DirectorySurvey", "survey", "is_native_data_name", "remove_owned"]
+__all__ = ["DATA_DIR", "INDEX_DIR", "RESUME_DIR", "EXTRA_DIR", "DirectorySurvey", "survey", "is_native_file_name",
+           "remove_owned"]
 
 DATA_DIR = "data"
+INDEX_DIR = "index"
 RESUME_DIR = ".shardkit-resume"
 EXTRA_DIR = "extra"
 _DATA_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors$")
 _MANIFEST_TMP = re.compile(r"^" + re.escape(MANIFEST_NAME) + r"\.tmp-[0-9a-f]{12}$")
 _JOURNAL_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors\.json$")
+_INDEX_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}\.json(\.tmp-[0-9a-f]{12})?$")
+_PATTERNS = {DATA_DIR: _DATA_NAME, INDEX_DIR: _INDEX_NAME, RESUME_DIR: _JOURNAL_NAME}
 
 
 
-def is_native_data_name(name: str) -> bool:
-    """Whether ``name`` (relative to a checkpoint directory) has the shape of a shardkit data file."""
+def is_native_file_name(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint directory) has the shape of a shardkit data or index file."""
     head, _, tail = name.partition("/")
-    return head == DATA_DIR and bool(_DATA_NAME.match(tail))
+    return head in (DATA_DIR, INDEX_DIR) and bool(_PATTERNS[head].match(tail))
 
 
 @dataclass
@@ -84,7 +90,7 @@ class DirectorySurvey:
 
 
 def survey(storage: Storage) -> DirectorySurvey:
-    """List ``storage`` (two levels: the directory, ``data/``, the journal and ``extra/``) and sort
+    """List ``storage`` (two levels: the directory, ``data/``, ``index/``, the journal and ``extra/``) and sort
     every name into shardkit's or foreign."""
     found = DirectorySurvey(storage.url)
     extra: list[str] = []
@@ -94,8 +100,8 @@ def survey(storage: Storage) -> DirectorySurvey:
             found.owned.append(name)
         elif _MANIFEST_TMP.match(name):
             found.owned.append(name)
-        elif name in (DATA_DIR, RESUME_DIR, EXTRA_DIR) and storage.is_dir(name):
-            pattern = {DATA_DIR: _DATA_NAME, RESUME_DIR: _JOURNAL_NAME, EXTRA_DIR: None}[name]
+        elif name in (DATA_DIR, INDEX_DIR, RESUME_DIR, EXTRA_DIR) and storage.is_dir(name):
+            pattern = _PATTERNS.get(name)
             for inner in storage.listdir(name):
                 path = f"{name}/{inner}"
                 if pattern is None:
@@ -121,7 +127,7 @@ def remove_owned(storage: Storage, found: DirectorySurvey) -> None:
     storage.delete([n for n in files if n not in trees])
     for tree in trees:
         storage.delete_tree(tree)
-    for sub in (DATA_DIR, RESUME_DIR, EXTRA_DIR):
+    for sub in (DATA_DIR, INDEX_DIR, RESUME_DIR, EXTRA_DIR):
         if storage.is_dir(sub) and not storage.listdir(sub):
             storage.delete_tree(sub)
     if not found.foreign and not storage.listdir():

@@ -47,12 +47,14 @@ from shardkit.checkpoint.formats.codec import (
     zstd_decompress_into,
 )
 from shardkit.checkpoint.formats.native.checksums import CHECK_SPAN, STEP_BYTES, check_chunk
+from shardkit.checkpoint.formats.native.index import attach_indexes, needed_indexes, read_indexes
 from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
     Manifest,
     parse_manifest,
 )
+from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.plan import byte_runs
 from shardkit.checkpoint.io.concurrency import (
     DEFAULT_IO_THREADS,
@@ -77,14 +79,20 @@ _MAX_GAP = 256 << 10
 _MAX_BATCH = 16 << 20
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """Read and validate ``manifest.json``; a directory without one is not a checkpoint."""
+def read_manifest(storage: Storage, *, chunks: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> Manifest:
+    """Read and validate ``manifest.json``; a directory without one is not a checkpoint.
+
+    ``chunks``: also read every index file of a version-3 checkpoint, so the manifest holds every chunk
+    record (else only the regions; :func:`~.index.attach_indexes` adds the records of some writers)."""
     try:
         data = storage.read_bytes(MANIFEST_NAME)
     except CheckpointNotFound:
         raise CheckpointNotFound(f"{storage.url} holds no {MANIFEST_NAME}: not a committed shardkit checkpoint "
                                  f"(the save may have been interrupted, or the URL is wrong)") from None
-    return parse_manifest(data, storage.where(MANIFEST_NAME))
+    manifest = parse_manifest(data, storage.where(MANIFEST_NAME))
+    if not chunks or manifest.complete:
+        return manifest
+    return attach_indexes(manifest, read_indexes(storage, manifest, manifest.indexes, io_threads), storage)
 
 
 def is_committed(storage: Storage) -> bool:
@@ -110,33 +118,60 @@ class NativeReader(CheckpointReader):
                  io_threads: int = DEFAULT_IO_THREADS, manifest: Manifest | None = None) -> None:
         super().__init__()
         self.storage = storage if isinstance(storage, Storage) else Storage(storage, storage_options)
-        self.manifest = manifest if manifest is not None else read_manifest(self.storage)
-        writer = self.manifest.writer
-        self.info = CheckpointInfo("shardkit", self.storage.url, self.manifest.version,
+        self.io_threads = io_threads
+        self._base = manifest if manifest is not None else read_manifest(self.storage, chunks=False)
+        self._focused = False  # focus() chose which index files to read; else the first use reads them all
+        self._loaded: set[str] = set()
+        self._use(self._base)
+        writer = self._base.writer
+        self.info = CheckpointInfo("shardkit", self.storage.url, self._base.version,
                                    writer.get("world_size") if isinstance(writer.get("world_size"), int) else None,
                                    writer.get("mesh") if isinstance(writer.get("mesh"), dict) else None,
-                                   self.manifest.meta, _layouts(writer.get("layouts")))
-        self.io_threads = io_threads
-        self._entries = {
-            fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
-                             tuple(StoredChunk(p.offsets, p.shape, p) for c in t.chunks for p in c.pieces()))
-            for fqn, t in self.manifest.tensors.items()}
-        for alias, target in self.manifest.aliases.items():  # the same stored chunks under the tied key
-            t = self._entries[target]
-            self._entries[alias] = TensorEntry(alias, t.dtype, t.shape, t.chunks)
+                                   self._base.meta, _layouts(writer.get("layouts")))
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
         self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
 
+    def _use(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._entries = {
+            fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
+                             tuple(StoredChunk(p.offsets, p.shape, p) for c in t.chunks for p in c.pieces()))
+            for fqn, t in manifest.tensors.items()}
+        for alias, target in manifest.aliases.items():  # the same stored chunks under the tied key
+            t = self._entries[target]
+            self._entries[alias] = TensorEntry(alias, t.dtype, t.shape, t.chunks)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest with every chunk record -- unless :meth:`focus` chose the index files to read."""
+        if not self._focused and not self._manifest.complete:
+            docs = read_indexes(self.storage, self._base, self._base.indexes, self.io_threads)
+            self._use(attach_indexes(self._base, docs, self.storage))
+        return self._manifest
+
+    def focus(self, wanted: Mapping[str, Sequence[Box]]) -> None:
+        """Read only the index files of the writers that stored part of ``wanted`` (fqn -> boxes): a rank
+        of a large job reads the records of its neighbours, not of every rank (version 3)."""
+        if self._manifest.complete:
+            return
+        self._focused = True
+        names = set(needed_indexes(self._base, wanted)) | {n for n in self._base.indexes if n in self._loaded}
+        if names - self._loaded:
+            docs = read_indexes(self.storage, self._base, names, self.io_threads)
+            self._use(attach_indexes(self._base, docs, self.storage))
+            self._loaded = set(names)
+
     def tensors(self) -> Mapping[str, TensorEntry]:
+        self.manifest  # noqa: B018 - every chunk record, unless focus() chose
         return self._entries
 
     def values(self) -> Mapping[str, Any]:
-        return self.manifest.values
+        return self._base.values
 
     def aliases(self) -> Mapping[str, str]:
-        return self.manifest.aliases
+        return self._base.aliases
 
     def close(self) -> None:
         self._local = threading.local()
@@ -147,7 +182,7 @@ class NativeReader(CheckpointReader):
         todo = sorted(set(names) - self._checked)
 
         def check(name: str) -> None:
-            want = self.manifest.files[name].size
+            want = self._manifest.files[name].size
             try:
                 got = self.storage.size(name)
             except CheckpointNotFound:

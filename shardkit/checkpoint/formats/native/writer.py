@@ -14,7 +14,7 @@ import logging
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Collection, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -26,6 +26,7 @@ from shardkit.checkpoint.formats.codec import (
     itemsize,
     zstd_compress,
 )
+from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
@@ -36,9 +37,10 @@ from shardkit.checkpoint.formats.native.manifest import (
     dump_manifest,
     parse_manifest,
 )
-from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_data_name
+from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_file_name
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
+from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError, UnsupportedFormat
 
@@ -246,29 +248,41 @@ class NativeWriter:
         """The one native commit, for ``save`` and the offline writers alike: validate ``manifest``
         as a reader would, publish it atomically, then remove what the new checkpoint does not use.
 
-        Removal comes only after the commit (a crash before it leaves the old
-        checkpoint whole) and takes only shardkit's own names: data files the
-        manifest does not reference and the ``leftovers`` folders (e.g. a
-        resume journal).  It is best effort: the checkpoint is complete without it.
+        A manifest of :data:`~.index.INDEXED_FROM_CHUNKS` chunk records or more is committed as
+        version 3: each writer's index file is written (under a fresh name) before the manifest that
+        lists it.  Removal comes only after the commit (a crash before it leaves the old checkpoint
+        whole) and takes only shardkit's own names: data and index files the manifest does not
+        reference and the ``leftovers`` folders (e.g. a resume journal).  It is best effort: the
+        checkpoint is complete without it.
         """
-        data = dump_manifest(manifest)
-        parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
+        docs: dict[str, bytes] = {}
+        kept = set(manifest.files)
+        if sum(len(t.chunks) for t in manifest.tensors.values()) >= index.INDEXED_FROM_CHUNKS:
+            manifest, docs = index.split_into_indexes(manifest, new_token())
+            kept |= set(docs)
+        data = index.dump_indexed_manifest(manifest) if docs else dump_manifest(manifest)
+        parsed = parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
+        if docs:
+            index.attach_indexes(parsed, docs, self.storage)
+            parallel_map(lambda item: self.storage.put_atomic(*item), sorted(docs.items()),
+                         1 if self.storage.is_local else DEFAULT_IO_THREADS)
+            self.storage.sync_dir(index.INDEX_DIR)
         self.storage.sync_dir(DATA_DIR)
         self.storage.put_atomic(MANIFEST_NAME, data)
         try:
             for folder in leftovers:
                 self.storage.delete_tree(folder)
-            self.storage.delete(unreferenced_files(self.storage, manifest))
+            self.storage.delete(unreferenced_files(self.storage, kept))
         except ShardkitError as exc:
             log.warning("committed %s, but could not remove older files: %s", self.storage.url, exc)
         return data
 
 
-def unreferenced_files(storage: Storage, manifest: Manifest) -> list[str]:
-    """Shardkit data files under ``data/`` the manifest does not name (left by older or interrupted
-    saves); a file shardkit did not name so is never one of them."""
-    return [f"{DATA_DIR}/{n}" for n in storage.listdir(DATA_DIR)
-            if f"{DATA_DIR}/{n}" not in manifest.files and is_native_data_name(f"{DATA_DIR}/{n}")]
+def unreferenced_files(storage: Storage, kept: Collection[str]) -> list[str]:
+    """Shardkit data and index files not in ``kept`` (left by older or interrupted saves); a file shardkit
+    did not name so is never one of them."""
+    return [f"{folder}/{n}" for folder in (DATA_DIR, index.INDEX_DIR) for n in storage.listdir(folder)
+            if f"{folder}/{n}" not in kept and is_native_file_name(f"{folder}/{n}")]
 
 
 def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
