@@ -59,14 +59,21 @@ def _sharded(values: dict[str, torch.Tensor], mesh_shape: tuple[int, ...], kind:
     return {k: distribute_tensor(v, mesh, _placements(kind, v.ndim)) if v.ndim else v for k, v in values.items()}
 
 
-def _save(url: str, mesh_shape: tuple[int, ...], kind: str) -> None:
+def _save(url: str, mesh_shape: tuple[int, ...], kind: str, options: dict | None = None,
+          background: bool = False) -> None:
     import shardkit.checkpoint as skc
 
+    state = _sharded(_truth(), mesh_shape, kind)
     with always_indexed():
-        skc.save(_sharded(_truth(), mesh_shape, kind), url, chunk_bytes=1024, block_bytes=512, meta={"step": 7})
+        if background:
+            skc.async_save(state, url, storage_options=options, chunk_bytes=1024, block_bytes=512,
+                           meta={"step": 7}).result()
+        else:
+            skc.save(state, url, storage_options=options, chunk_bytes=1024, block_bytes=512, meta={"step": 7})
 
 
-def _load(url: str, mesh_shape: tuple[int, ...], kind: str) -> tuple[bool, int, list[str]]:
+def _load(url: str, mesh_shape: tuple[int, ...], kind: str, options: dict | None = None
+          ) -> tuple[bool, int, list[str]]:
     """(every target bitwise equal, the saved step, the index files this rank read)."""
     import shardkit.checkpoint as skc
     from shardkit.checkpoint.io.storage import Storage
@@ -81,7 +88,7 @@ def _load(url: str, mesh_shape: tuple[int, ...], kind: str) -> tuple[bool, int, 
     targets = _sharded({k: torch.zeros(s) for k, s in SHAPES.items()}, mesh_shape, kind)
     Storage.read_bytes = counted
     try:
-        meta = skc.load(targets, url)
+        meta = skc.load(targets, url, storage_options=options)
     finally:
         Storage.read_bytes = read_bytes
     truth = _truth()
@@ -199,6 +206,28 @@ def test_an_index_file_that_disagrees_with_the_manifests_regions_is_refused(fsdp
         skc.load({k: torch.zeros(s) for k, s in SHAPES.items()}, str(url))
 
 
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d["rules"][0]["placements"].__setitem__(0, ["shard", 5]), "shards a dimension"),
+    (lambda d: d["rules"][0]["writers"].__setitem__(1, 9), "no index file"),
+    (lambda d: d["rules"][0]["writers"].__setitem__(1, 0), "disagree|same box"),
+    (lambda d: d["tensors"]["optim.step"].__setitem__("regions", [[0, [], []], [1, [], []]]), "same box|stored more"),
+    (lambda d: d["indexes"].__setitem__("../x.json", {"size": 1, "crc32c": "AAAAAA==", "writer": 7}), "x.json"),
+    (lambda d: d["rules"][0].__setitem__("mesh", [0]), "mesh"),
+], ids=["dim", "writer-without-index", "writer-moved", "scalar-twice", "bad-name", "empty-mesh"])
+def test_a_damaged_version_3_manifest_is_refused_with_one_clear_error(fsdp4, tmp_path, edit, words):
+    import shardkit.checkpoint as skc
+    from shardkit.errors import ShardkitError
+
+    url = _copy(fsdp4, tmp_path / "edited")
+    doc = _manifest(url)
+    edit(doc)
+    (url / "manifest.json").write_text(json.dumps(doc))
+    targets = {k: torch.full(s, 7.0) for k, s in SHAPES.items()}
+    with pytest.raises(ShardkitError, match=words):
+        skc.load(targets, str(url))
+    assert all(bool(t.eq(7.0).all()) for t in targets.values())
+
+
 def test_a_save_that_dies_before_its_manifest_keeps_the_old_checkpoint_and_the_next_removes_its_index_files(
         tmp_path, monkeypatch):
     import shardkit.checkpoint as skc
@@ -240,3 +269,23 @@ def test_retention_removes_the_index_files_of_a_dropped_step(tmp_path):
         assert list((root / "step-0000000001" / "index").iterdir())
         manager.save(2, torch.nn.Linear(40, 40))
     assert manager.steps() == [2] and [p.name for p in root.iterdir()] == ["step-0000000002"]
+
+
+def test_on_s3_a_background_save_commits_index_files_a_later_save_replaces_them_and_three_ranks_load(s3_url):
+    import s3fs
+
+    root, options = s3_url
+    url = f"{root}/indexed/ck"
+    run_on_ranks(2, _save, url, (2,), "S0", options, True)
+    fs = s3fs.S3FileSystem(**options)
+    first = set(fs.ls(f"{url}/index", refresh=True))
+    assert len(first) == 2 and _s3_manifest(fs, url)["version"] == 3
+    run_on_ranks(2, _save, url, (2,), "S0", options, False)
+    second = set(fs.ls(f"{url}/index", refresh=True))
+    assert len(second) == 2 and not first & second  # the old index files went after the new commit
+    results = run_on_ranks(3, _load, url, (3,), "S0", options)
+    assert all(same and step == 7 and names for same, step, names in results)
+
+
+def _s3_manifest(fs, url: str) -> dict:
+    return json.loads(fs.cat_file(f"{url}/manifest.json"))

@@ -1,8 +1,10 @@
 """Checkpoints written by every earlier version of the native format still load, reshard and convert.
 
 ``tests/fixtures/format-v1`` was written by the version-1 writer (before column
-strips existed) and ``tests/fixtures/format-v2`` by the version-2 writer (its
-dim-1 sharded matrix stored as column strips), both at two ranks: a dim-0
+strips existed), ``tests/fixtures/format-v2`` by the version-2 writer (its
+dim-1 sharded matrix stored as column strips) and ``tests/fixtures/format-v3``
+by the version-3 writer (chunk records in one index file per writer, forced on
+this small state), all at two ranks: a dim-0
 sharded embedding and AdamW moment, a dim-1 sharded matrix, a plain vector, a
 bf16 tensor, a scalar step and JSON values.  Every tensor's content is a
 formula of its shape (:func:`expected_state`), so each test can say exactly
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-FIXTURES = {version: Path(__file__).parent / "fixtures" / f"format-v{version}" for version in (1, 2)}
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"format-v{version}" for version in (1, 2, 3)}
 FIXTURE_SHAPES = {
     "model.emb.weight": ((37, 26), torch.float32),
     "model.w2.weight": ((26, 51), torch.float32),
@@ -66,8 +68,17 @@ versions = pytest.mark.parametrize("version", sorted(FIXTURES), ids=[f"v{v}" for
 def test_each_fixture_is_a_checkpoint_of_its_version_from_two_writers(version):
     manifest = json.loads((FIXTURES[version] / "manifest.json").read_text())
     assert manifest["version"] == version
-    assert {f["writer"] for f in manifest["files"].values()} == {0, 1}
-    striped = {k for k, t in manifest["tensors"].items() if any("strips" in c for c in t["chunks"])}
+    if version < 3:
+        writers = {f["writer"] for f in manifest["files"].values()}
+        chunks = {k: t["chunks"] for k, t in manifest["tensors"].items()}
+    else:  # the chunk records are in the writers' index files, which the manifest lists
+        indexes = [json.loads((FIXTURES[version] / name).read_text()) for name in manifest["indexes"]]
+        writers = {i["writer"] for i in indexes}
+        chunks = {k: [c for i in indexes for c in i["chunks"].get(k, [])] for k in manifest["tensors"]}
+        assert {k for k, t in manifest["tensors"].items() if "rule" in t} == {
+            "model.emb.weight", "model.w2.weight", "optim.state.emb.weight.exp_avg"}
+    assert writers == {0, 1}
+    striped = {k for k, c in chunks.items() if any("strips" in r for r in c)}
     assert striped == (set() if version == 1 else {"model.w2.weight"})
 
 

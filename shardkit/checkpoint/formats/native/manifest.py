@@ -303,6 +303,8 @@ def _parse_indexed(doc: dict, where: str, version: int) -> Manifest:
         tensors[fqn] = TensorRecord(code, shape, ())
         if "rule" in info:
             regions[fqn] = _int(info["rule"], f"{at} rule", 0, len(rules) - 1)
+            if any(spec[0] != "replicate" and spec[1] >= len(shape) for spec in rules[regions[fqn]][1]):
+                raise InvalidManifest(f"{at}: rule {regions[fqn]} shards a dimension a {len(shape)}-D tensor lacks")
         else:
             regions[fqn] = tuple((_int(r[0], f"{at} region writer", 0, 1 << 31),
                                   (_ints(r[1], f"{at} region offsets", len(shape)),
