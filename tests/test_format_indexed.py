@@ -289,3 +289,18 @@ def test_on_s3_a_background_save_commits_index_files_a_later_save_replaces_them_
 
 def _s3_manifest(fs, url: str) -> dict:
     return json.loads(fs.cat_file(f"{url}/manifest.json"))
+
+
+def test_an_offline_reshard_writes_version_3_by_rule_and_a_loading_rank_reads_its_writers_only(fsdp4, tmp_path):
+    from shardkit.checkpoint import diff, reshard
+
+    out = str(tmp_path / "ws4")
+    with always_indexed():
+        reshard(fsdp4, out, world_size=4)  # the offline writer: row range i of every tensor is writer i's
+    doc = _manifest(out)
+    assert doc["version"] == 3 and doc["rules"] == [{"mesh": [4], "placements": [["shard", 0]],
+                                                      "writers": [0, 1, 2, 3]}]
+    assert diff(fsdp4, out).equal
+    results = run_on_ranks(4, _load, out, (4,), "S0")
+    assert all(same for same, _, _ in results)
+    assert [len(names) for _, _, names in results] == [1, 2, 2, 2]  # its rows' writer, and 0 for the scalar
