@@ -304,3 +304,34 @@ def test_an_offline_reshard_writes_version_3_by_rule_and_a_loading_rank_reads_it
     results = run_on_ranks(4, _load, out, (4,), "S0")
     assert all(same for same, _, _ in results)
     assert [len(names) for _, _, names in results] == [1, 2, 2, 2]  # its rows' writer, and 0 for the scalar
+
+
+def test_a_directory_where_an_index_file_would_be_does_not_turn_a_committed_save_into_a_failed_one(tmp_path):
+    import shardkit.checkpoint as skc
+
+    url = tmp_path / "ck"
+    with always_indexed():
+        skc.save({"w": torch.zeros(3000)}, str(url), chunk_bytes=1024)
+        (url / "index" / "0123456789-7.json").mkdir()  # named like shardkit's, but not a file: cleanup cannot take it
+        skc.save({"w": torch.ones(3000)}, str(url), chunk_bytes=1024)
+    loaded = {"w": torch.zeros(3000)}
+    skc.load(loaded, str(url))
+    assert torch.equal(loaded["w"], torch.ones(3000))
+
+
+def test_the_managers_input_state_targets_need_no_index_file(fsdp4):
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.training.manager import stored_input_state
+
+    read_bytes, names = Storage.read_bytes, []
+
+    def counted(self, name, start=None, end=None):
+        names.append(name)
+        return read_bytes(self, name, start, end)
+
+    Storage.read_bytes = counted
+    try:
+        assert stored_input_state(fsdp4) == {}
+    finally:
+        Storage.read_bytes = read_bytes
+    assert names == ["manifest.json"]

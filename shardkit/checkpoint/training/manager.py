@@ -318,6 +318,7 @@ def stored_input_state(url: str, storage_options: Mapping[str, Any] | None = Non
     """
     reader = open_reader(url, storage_options)
     try:
+        reader.focus({})  # dtypes and shapes only: no chunk record is needed (a version-3 reader reads no index)
         ours = tuple(f"{k}." for k in INPUT_KEYS)
         values = {k: from_json_value(v) for k, v in reader.values().items() if k.startswith(ours)}
         tensors = {k: torch.empty(e.shape, dtype=e.dtype) for k, e in reader.tensors().items() if k.startswith(ours)}

@@ -176,7 +176,8 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
         where = storage.where(name)
         writer = manifest.indexes[name].writer
         doc = json_object(data, where)
-        if doc.get("format") != INDEX_FORMAT or doc.get("version") != INDEXED_VERSION or doc.get("writer") != writer:
+        if (doc.get("format") != INDEX_FORMAT or type(doc.get("version")) is not int
+                or doc["version"] != INDEXED_VERSION or type(doc.get("writer")) is not int or doc["writer"] != writer):
             raise InvalidManifest(f"{where} is not the version-{INDEXED_VERSION} index file of writer {writer}")
         mine: dict[str, FileRecord] = {}
         for file, size in expect_object(doc.get("files"), f"{where}: files").items():
@@ -187,8 +188,10 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
         files.update(mine)
         for fqn, records in expect_object(doc.get("chunks"), f"{where}: chunks").items():
             t = manifest.tensors.get(fqn)
-            if t is None or not isinstance(records, list):
+            if t is None:
                 raise InvalidManifest(f"{where}: chunks of {fqn!r:.200}, which the manifest holds no tensor of")
+            if not isinstance(records, list):
+                raise InvalidManifest(f"{where}: the chunks of {fqn!r:.200} must be a list")
             for i, c in enumerate(records):
                 rec = parse_chunk(expect_object(c, where), f"{where}: {fqn!r} chunk {i}", t.shape, t.dtype, mine,
                                   INDEXED_VERSION)

@@ -51,6 +51,7 @@ from shardkit.checkpoint.formats.native.regions import (
     by_writer,
     overlapping_writers,
     regions_problem,
+    rule_boxes,
     rule_by_writer,
     rule_overlapping_writers,
     rule_problem,
@@ -253,16 +254,15 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if version > VERSION:
         raise UnsupportedVersion(f"{where} was written by format version {version}; this shardkit reads up to "
                                  f"version {VERSION}. Upgrade shardkit to load it.")
-    if version >= INDEXED_VERSION:
-        return _parse_indexed(doc, where, version)
+    indexed = _parse_indexed(doc, where) if version >= INDEXED_VERSION else {}
     files: dict[str, FileRecord] = {}
     for name, info in expect_object(doc.get("files", {}), f"{where}: files").items():
         _name(name, f"{where}: files")
         info = expect_object(info, f"{where}: files[{name!r}]")
         files[name] = FileRecord(_int(info.get("size"), f"{where}: size of {name}"),
                                  _int(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
-    tensors: dict[str, TensorRecord] = {}
-    for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items():
+    tensors: dict[str, TensorRecord] = indexed.pop("tensors", {})
+    for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items() if not indexed else ():
         tensors[fqn] = _parse_tensor(fqn, expect_object(info, f"{where}: tensor {fqn!r}"), files, where, version)
     values = expect_object(doc.get("values", {}), f"{where}: values")
     clash = set(values) & set(tensors)
@@ -272,25 +272,28 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     meta = expect_object(doc.get("meta", {}), f"{where}: meta")
     writer = expect_object(doc.get("writer", {}), f"{where}: writer")
     return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version,
-                    aliases=aliases)
+                    aliases=aliases, **indexed)
 
 
-def _parse_indexed(doc: dict, where: str, version: int) -> Manifest:
-    """A version-3 manifest: tensors with regions, no chunks yet (:mod:`.index` attaches them)."""
+def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
+    """A version-3 manifest's tensors (no chunks yet: :mod:`.index` attaches them), regions, rules and
+    index files, as :class:`Manifest` fields."""
     rules = tuple(_parse_rule(expect_object(r, f"{where}: rule {i}"), f"{where}: rule {i}")
                   for i, r in enumerate(_list(doc.get("rules", []), f"{where}: rules")))
     indexes: dict[str, IndexRecord] = {}
     for name, info in expect_object(doc.get("indexes", {}), f"{where}: indexes").items():
         at = f"{where}: index {name!r}"
-        _name(name, at)
         info = expect_object(info, at)
-        indexes[name] = IndexRecord(_int(info.get("size"), f"{at} size"), unpack_crcs(info.get("crc32c"), 1, at)[0],
-                                    _int(info.get("writer"), f"{at} writer", 0, 1 << 31))
+        indexes[_name(name, at)] = IndexRecord(_int(info.get("size"), f"{at} size"),
+                                               unpack_crcs(info.get("crc32c"), 1, at)[0],
+                                               _int(info.get("writer"), f"{at} writer", 0, 1 << 31))
     writers = {i.writer for i in indexes.values()}
     for i, (_, _, grid) in enumerate(rules):
         missing = set(grid) - writers - {-1}
         if missing:
             raise InvalidManifest(f"{where}: rule {i} names writers {sorted(missing)[:5]}, which have no index file")
+    expanded: dict[tuple[tuple[int, ...], int], int] = {}  # (shape, rule) -> boxes it expands to
+    total = 0
     tensors: dict[str, TensorRecord] = {}
     regions: dict[str, int | Regions] = {}
     for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items():
@@ -302,30 +305,26 @@ def _parse_indexed(doc: dict, where: str, version: int) -> Manifest:
             raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
         tensors[fqn] = TensorRecord(code, shape, ())
         if "rule" in info:
-            regions[fqn] = _int(info["rule"], f"{at} rule", 0, len(rules) - 1)
-            if any(spec[0] != "replicate" and spec[1] >= len(shape) for spec in rules[regions[fqn]][1]):
-                raise InvalidManifest(f"{at}: rule {regions[fqn]} shards a dimension a {len(shape)}-D tensor lacks")
+            found = regions[fqn] = _int(info["rule"], f"{at} rule", 0, len(rules) - 1)
+            if any(spec[0] != "replicate" and spec[1] >= len(shape) for spec in rules[found][1]):
+                raise InvalidManifest(f"{at}: rule {found} shards a dimension a {len(shape)}-D tensor lacks")
+            if (shape, found) not in expanded:
+                expanded[(shape, found)] = rule_boxes(rules[found])
+                total += expanded[(shape, found)]
+                if total > MAX_REGION_BOXES:
+                    raise InvalidManifest(f"{where}: the rules give more than {MAX_REGION_BOXES} boxes in all")
+            problem = rule_problem(shape, rules[found])
         else:
-            regions[fqn] = tuple((_int(r[0], f"{at} region writer", 0, 1 << 31),
-                                  (_ints(r[1], f"{at} region offsets", len(shape)),
-                                   _ints(r[2], f"{at} region shape", len(shape))))
-                                 for r in (_list(r, f"{at} region", 3)
-                                           for r in _list(info.get("regions"), f"{at} regions")))
-            missing = {w for w, _ in regions[fqn]} - writers
-            if missing:
-                raise InvalidManifest(f"{at}: writers {sorted(missing)[:5]} have regions but no index file")
-        found = regions[fqn]
-        problem = rule_problem(shape, rules[found]) if isinstance(found, int) else regions_problem(shape, found)
+            found = regions[fqn] = tuple(
+                (_int(r[0], f"{at} region writer", 0, 1 << 31), (_ints(r[1], f"{at} region offsets", len(shape)),
+                                                                 _ints(r[2], f"{at} region shape", len(shape))))
+                for r in (_list(r, f"{at} region", 3) for r in _list(info.get("regions"), f"{at} regions")))
+            missing = {w for w, _ in found} - writers
+            problem = regions_problem(shape, found) or (
+                f"writers {sorted(missing)[:5]} have regions but no index file" if missing else None)
         if problem:
             raise InvalidManifest(f"{at}: writer regions: {problem}")
-    values = expect_object(doc.get("values", {}), f"{where}: values")
-    clash = set(values) & set(tensors)
-    if clash:
-        raise InvalidManifest(f"{where}: keys {sorted(clash)[:5]} are both tensors and values")
-    aliases = _parse_aliases(expect_object(doc.get("aliases", {}), f"{where}: aliases"), tensors, values, where)
-    return Manifest(tensors=tensors, values=values, meta=expect_object(doc.get("meta", {}), f"{where}: meta"),
-                    writer=expect_object(doc.get("writer", {}), f"{where}: writer"), version=version, aliases=aliases,
-                    rules=rules, regions=regions, indexes=indexes, complete=not tensors)
+    return {"tensors": tensors, "rules": rules, "regions": regions, "indexes": indexes, "complete": not tensors}
 
 
 def _list(value: Any, where: str, length: int | None = None) -> list:
@@ -335,6 +334,8 @@ def _list(value: Any, where: str, length: int | None = None) -> list:
 
 
 _SPEC_ARGS = {"replicate": 0, "shard": 1, "strided": 2}
+MAX_RULE_BOXES = 1 << 18    # boxes one rule may give a tensor (coordinates x strided pieces)
+MAX_REGION_BOXES = 1 << 21  # boxes a manifest's rules may expand to in all, each (shape, rule) counted once
 
 
 def _parse_rule(info: dict, at: str) -> Rule:
@@ -344,11 +345,15 @@ def _parse_rule(info: dict, at: str) -> Rule:
     specs = []
     for spec in _list(info.get("placements"), f"{at} placements", len(mesh)):
         spec = _list(spec, f"{at} placement")
-        if not spec or spec[0] not in _SPEC_ARGS or len(spec) != 1 + _SPEC_ARGS[spec[0]]:
+        if not spec or not isinstance(spec[0], str) or spec[0] not in _SPEC_ARGS or len(spec) != 1 + _SPEC_ARGS[spec[0]]:
             raise InvalidManifest(f"{at}: placement {spec!r:.100} is not [replicate], [shard, dim] or "
                                   f"[strided, dim, split_factor]")
         specs.append((spec[0], *(_int(v, f"{at} placement", 0 if j == 0 else 1, _MAX_NDIM if j == 0 else 1 << 24)
                                  for j, v in enumerate(spec[1:]))))
+    boxes = rule_boxes((mesh, tuple(specs), ()))
+    if boxes > MAX_RULE_BOXES:
+        raise InvalidManifest(f"{at}: mesh {list(mesh)} with its split factors gives {boxes} boxes per tensor, more "
+                              f"than the {MAX_RULE_BOXES} a reader accepts")
     writers = tuple(_int(w, f"{at} writer", -1, 1 << 31)
                     for w in _list(info.get("writers"), f"{at} writers", math.prod(mesh)))
     return mesh, tuple(specs), writers

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 from shardkit.checkpoint.geometry.boxes import Box, box_contains, check_cover, intersect
 from shardkit.checkpoint.geometry.placements import Spec, held_pieces
 
-__all__ = ["Rule", "Regions", "rule_regions", "derive_regions", "regions_problem", "rule_problem", "chunks_problem",
+__all__ = ["Rule", "Regions", "rule_regions", "derive_regions", "regions_problem", "rule_boxes", "rule_problem", "chunks_problem",
            "by_writer", "rule_by_writer", "overlapping_writers", "rule_overlapping_writers"]
 
 Rule = tuple[tuple[int, ...], tuple[Spec, ...], tuple[int, ...]]  # (mesh shape, specs, writer per coordinate)
@@ -126,10 +126,22 @@ def regions_problem(shape: Sequence[int], regions: Regions) -> str | None:
     return check_cover(shape, boxes)
 
 
+def rule_boxes(rule: Rule) -> int:
+    """The most boxes ``rule`` can give a tensor: one per coordinate and strided piece."""
+    return math.prod(rule[0]) * math.prod(s[2] for s in rule[1] if s[0] == "strided")
+
+
 @lru_cache(maxsize=4096)
 def rule_problem(shape: tuple[int, ...], rule: Rule) -> str | None:
-    """:func:`regions_problem` of a rule's regions, once per shape: the layers of a model share their shapes."""
-    return regions_problem(shape, rule_regions(shape, rule))
+    """Why a rule's regions do not tile a tensor of ``shape``, or ``None``; once per shape (the layers of a
+    model share their shapes).  The boxes the coordinates hold tile the tensor by construction (the DTensor
+    box rule: replicas hold the same box, other coordinates disjoint ones), so what is left to check is that
+    the replicas of a box name one writer: linear, where a general tiling check is not."""
+    writer_of: dict[Box, int] = {}
+    for writer, box in rule_regions(shape, rule):
+        if writer_of.setdefault(box, writer) != writer:
+            return f"the box at {list(box[0])} is named by writers {writer_of[box]} and {writer}"
+    return None
 
 
 def by_writer(regions: Regions) -> dict[int, tuple[Box, ...]]:

@@ -42,7 +42,7 @@ from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import ShardkitError, UnsupportedFormat
+from shardkit.errors import UnsupportedFormat
 
 __all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_MAX_STRIPS", "COLUMN_STRIPS",
@@ -273,7 +273,7 @@ class NativeWriter:
             for folder in leftovers:
                 self.storage.delete_tree(folder)
             self.storage.delete(unreferenced_files(self.storage, kept))
-        except ShardkitError as exc:
+        except Exception as exc:  # noqa: BLE001 - committed: a failed cleanup must not read as a failed save
             log.warning("committed %s, but could not remove older files: %s", self.storage.url, exc)
         return data
 
