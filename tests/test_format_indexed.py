@@ -335,3 +335,14 @@ def test_the_managers_input_state_targets_need_no_index_file(fsdp4):
     finally:
         Storage.read_bytes = read_bytes
     assert names == ["manifest.json"]
+
+
+def test_an_offline_reshard_onto_a_replicated_mesh_describes_its_writers_by_rule(fsdp4, tmp_path):
+    from shardkit.checkpoint import diff, reshard
+
+    out = str(tmp_path / "hsdp")
+    with always_indexed():
+        reshard(fsdp4, out, world_size=4, mesh=(2, 2))  # two replicas of two row ranges: writers 0 and 1
+    doc = _manifest(out)
+    assert doc["rules"] == [{"mesh": [2], "placements": [["shard", 0]], "writers": [0, 1]}]
+    assert diff(fsdp4, out).equal

@@ -63,7 +63,8 @@ def index_file_name(token: str, writer: int) -> str:
 
 def _candidates(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], tuple]]]:
     """Layouts each tensor may have been saved with: the job's recorded layout, then one writer per
-    ``Shard(0)`` row range over the world (how the offline tools write)."""
+    ``Shard(0)`` row range over the world or over the writers (how the offline tools write: a
+    ``--mesh RxS`` output has S writers)."""
     out: dict[str, list] = {}
     layouts = manifest.writer.get("layouts")
     for layout in layouts if isinstance(layouts, list) else ():
@@ -75,10 +76,10 @@ def _candidates(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], tup
         for fqn in layout.get("tensors", ()):
             out.setdefault(fqn, []).append((mesh, specs))
     world = manifest.writer.get("world_size")
-    if isinstance(world, int) and world > 0:
-        for fqn, t in manifest.tensors.items():
-            if t.shape:
-                out.setdefault(fqn, []).append(((world,), (("shard", 0),)))
+    sizes = {world if isinstance(world, int) and world > 0 else 0, len({f.writer for f in manifest.files.values()})}
+    for fqn, t in manifest.tensors.items():
+        if t.shape:
+            out.setdefault(fqn, []).extend(((n,), (("shard", 0),)) for n in sorted(sizes, reverse=True) if n)
     return out
 
 
