@@ -98,18 +98,16 @@ def split_into_indexes(manifest: Manifest, token: str) -> tuple[Manifest, dict[s
     rules, regions = derive_regions({fqn: t.shape for fqn, t in manifest.tensors.items()}, chunks,
                                     _candidates(manifest))
     docs: dict[str, bytes] = {}
-    writer_of: dict[str, int] = {}
+    indexes: dict[str, IndexRecord] = {}
     for writer, (files, records) in sorted(per_writer.items()):
         name = index_file_name(token, writer)
-        writer_of[name] = writer
         docs[name] = json.dumps({"format": INDEX_FORMAT, "version": INDEXED_VERSION, "writer": writer,
                                  "files": files, "chunks": records}, separators=(",", ":"),
                                 allow_nan=False).encode("utf-8")
+        indexes[name] = IndexRecord(len(docs[name]), crc32c(docs[name]), writer)
     indexed = Manifest(tensors={fqn: TensorRecord(t.dtype, t.shape, ()) for fqn, t in manifest.tensors.items()},
                        values=manifest.values, meta=manifest.meta, writer=manifest.writer, version=INDEXED_VERSION,
-                       aliases=manifest.aliases, rules=tuple(rules), regions=regions,
-                       indexes={name: IndexRecord(len(data), crc32c(data), writer_of[name])
-                                for name, data in docs.items()},
+                       aliases=manifest.aliases, rules=tuple(rules), regions=regions, indexes=indexes,
                        complete=False)
     return indexed, docs
 

@@ -157,7 +157,7 @@ class NativeReader(CheckpointReader):
         if self._manifest.complete:
             return
         self._focused = True
-        names = set(needed_indexes(self._base, wanted)) | {n for n in self._base.indexes if n in self._loaded}
+        names = set(needed_indexes(self._base, wanted)) | self._loaded
         if names - self._loaded:
             docs = read_indexes(self.storage, self._base, names, self.io_threads)
             self._use(attach_indexes(self._base, docs, self.storage))
