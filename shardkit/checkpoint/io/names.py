@@ -1,5 +1,10 @@
 """Names inside a checkpoint: every relative name a manifest, index or user gives is checked to stay
-inside the checkpoint before any file is opened under it."""
+inside the checkpoint before any file is opened under it.
+
+The one exception is a *reference* (format version 4, ``CheckpointManager(dedup=True)``): a data
+file of a sibling checkpoint under the same root, spelled ``../<sibling>/<name>`` -- exactly one
+level up, one plain directory name, then a plain relative name.  References are only ever read.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 
 from shardkit.errors import UnsafeCheckpoint
 
-__all__ = ["check_name", "join_url"]
+__all__ = ["check_name", "join_url", "REFERENCE_PREFIX", "split_reference", "check_reference"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
 
@@ -20,6 +25,29 @@ def check_name(name: Any, where: str = "") -> str:
     if not ok:
         raise UnsafeCheckpoint(f"file name {name!r}{' in ' + where if where else ''} points outside the "
                                f"checkpoint or is not a plain relative path; refusing to touch it")
+    return name
+
+
+REFERENCE_PREFIX = "../"
+_SIBLING_RE = re.compile(r"^[A-Za-z0-9_\-+=@,][A-Za-z0-9_.\-+=@,]*$")
+
+
+def split_reference(name: str) -> tuple[str, str] | None:
+    """``(sibling, name inside it)`` for a reference ``../<sibling>/<name>``; ``None`` for any other name
+    (unchecked: see :func:`check_reference`)."""
+    if not isinstance(name, str) or not name.startswith(REFERENCE_PREFIX):
+        return None
+    sibling, _, inner = name[len(REFERENCE_PREFIX):].partition("/")
+    return sibling, inner
+
+
+def check_reference(name: Any, where: str = "") -> str:
+    """Validate a reference ``../<sibling>/<plain relative name>``; return it unchanged."""
+    parts = split_reference(name)
+    if parts is None or _SIBLING_RE.match(parts[0]) is None or parts[0] in (".", ".."):
+        raise UnsafeCheckpoint(f"file name {name!r}{' in ' + where if where else ''} is not a reference of the "
+                               f"form ../<sibling checkpoint>/<file>; refusing to touch it")
+    check_name(parts[1], where)
     return name
 
 

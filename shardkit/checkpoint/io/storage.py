@@ -7,6 +7,7 @@ one place:
   writers or from a manifest read off disk) is checked by :func:`check_name`:
   relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no
   backslash or NUL.  A violation raises :class:`~shardkit.errors.UnsafeCheckpoint`.
+  Reads alone also take a reference to a sibling checkpoint's file (:meth:`Storage.read_path`).
 * **Commit is one atomic step.**  :meth:`Storage.put_atomic` writes a small
   object so that readers see either the old or the new one: temporary file +
   fsync + ``os.replace`` + directory fsync on local disks, a single PUT on
@@ -47,6 +48,7 @@ from shardkit.errors import (
     ConfigurationError,
     CorruptCheckpoint,
     ShardkitError,
+    UnsafeCheckpoint,
 )
 
 __all__ = ["Storage", "split_file"]
@@ -55,7 +57,7 @@ T = TypeVar("T")
 
 _BACKOFF_S = 0.2
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
-from shardkit.checkpoint.io.names import check_name, join_url
+from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +98,21 @@ class Storage:
         """The filesystem path of ``name`` (checked: see :func:`check_name`)."""
         return self.root + "/" + check_name(name)
 
+    def read_path(self, name: str) -> str:
+        """:meth:`path`, or a sibling checkpoint's file for a reference ``../<sibling>/<name>`` (reads only)."""
+        if (parts := split_reference(name)) is None:
+            return self.path(name)
+        if not (parent := self.root.rpartition("/")[0]):
+            raise UnsafeCheckpoint(f"{self.url} has no parent directory, so {name!r} cannot name a sibling checkpoint")
+        return f"{parent}/{parts[0]}/{check_reference(name)[len(parts[0]) + 4:]}"
+
     def _path_or_root(self, name: str) -> str:
         """``""`` is the checkpoint directory (or file) itself, for the calls that take it."""
         return self.path(name) if name else self.root
 
     def where(self, name: str) -> str:
-        return join_url(self.url, name)
+        parts = split_reference(name)
+        return join_url(self.url.rpartition("/")[0] if parts else self.url, "/".join(parts) if parts else name)
 
     def child(self, name: str) -> "Storage":
         """The storage of a sub-directory (e.g. one step under a manager root)."""
@@ -162,7 +173,7 @@ class Storage:
 
     def _probe(self, name: str, local: Callable[[str], bool], method: str) -> bool:
         """Only "not found" means no: any other failure (a 403, a timeout) raises StorageError."""
-        path = self._path_or_root(name)
+        path = self.read_path(name) if name else self.root
         if self.is_local:
             return local(path)
         self._fresh(path)
@@ -179,7 +190,7 @@ class Storage:
         return found
 
     def size(self, name: str) -> int:
-        path = self.path(name)
+        path = self.read_path(name)
         if self.is_local:
             try:
                 return os.stat(path).st_size
@@ -212,7 +223,7 @@ class Storage:
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        path = self.path(name)
+        path = self.read_path(name)
         what = f"reading {self.where(name)}"
         if self.is_local:
             def local() -> bytes:
@@ -236,7 +247,7 @@ class Storage:
         if not self.is_local or not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self.path(name), os.O_RDONLY)
+            fd = os.open(self.read_path(name), os.O_RDONLY)
         except OSError:
             return
         try:
@@ -258,7 +269,7 @@ class Storage:
         n = sum(p.numel() for p in parts)
         if n == 0:
             return
-        path = self.path(name)
+        path = self.read_path(name)
         what = f"reading {n} bytes at {start} of {self.where(name)}"
         truncated = f"{self.where(name)} ends before byte {start + n}; the file is truncated"
         if self.is_local:

@@ -38,15 +38,14 @@ from shardkit.checkpoint.formats.native.manifest import (
     IndexRecord,
     Manifest,
     TensorRecord,
-    expect_object,
-    json_object,
     parse_chunk,
 )
+from shardkit.checkpoint.formats.native.fields import expect_object, json_object
+from shardkit.checkpoint.formats.native.references import REFERENCES_VERSION, check_file_name, referenced_dirs
 from shardkit.checkpoint.formats.native.ownership import INDEX_DIR
 from shardkit.checkpoint.formats.native.regions import chunks_problem, derive_regions
 from shardkit.checkpoint.geometry.boxes import Box, check_cover
 from shardkit.checkpoint.io.concurrency import parallel_map
-from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, CorruptCheckpoint, InvalidManifest
 
@@ -105,10 +104,11 @@ def split_into_indexes(manifest: Manifest, token: str) -> tuple[Manifest, dict[s
                                  "files": files, "chunks": records}, separators=(",", ":"),
                                 allow_nan=False).encode("utf-8")
         indexes[name] = IndexRecord(len(docs[name]), crc32c(docs[name]), writer)
+    references = referenced_dirs(manifest.files)
     indexed = Manifest(tensors={fqn: TensorRecord(t.dtype, t.shape, ()) for fqn, t in manifest.tensors.items()},
-                       values=manifest.values, meta=manifest.meta, writer=manifest.writer, version=INDEXED_VERSION,
-                       aliases=manifest.aliases, rules=tuple(rules), regions=regions, indexes=indexes,
-                       complete=False)
+                       values=manifest.values, meta=manifest.meta, writer=manifest.writer,
+                       version=REFERENCES_VERSION if references else INDEXED_VERSION, aliases=manifest.aliases,
+                       rules=tuple(rules), regions=regions, indexes=indexes, complete=False, references=references)
     return indexed, docs
 
 
@@ -122,7 +122,9 @@ def dump_indexed_manifest(manifest: Manifest) -> bytes:
         return {"regions": [[w, list(box[0]), list(box[1])] for w, box in found]}
 
     doc = {
-        "format": FORMAT_NAME, "version": INDEXED_VERSION, "meta": manifest.meta, "writer": manifest.writer,
+        "format": FORMAT_NAME, "version": REFERENCES_VERSION if manifest.references else INDEXED_VERSION,
+        **({"references": list(manifest.references)} if manifest.references else {}),
+        "meta": manifest.meta, "writer": manifest.writer,
         "rules": [{"mesh": list(mesh), "placements": [list(s) for s in specs], "writers": list(writers)}
                   for mesh, specs, writers in manifest.rules],
         "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape), **regions(fqn)}
@@ -180,7 +182,7 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
             raise InvalidManifest(f"{where} is not the version-{INDEXED_VERSION} index file of writer {writer}")
         mine: dict[str, FileRecord] = {}
         for file, size in expect_object(doc.get("files"), f"{where}: files").items():
-            check_name(file, f"{where}: files")
+            check_file_name(file, f"{where}: files", manifest.version)
             if type(size) is not int or size < 0 or file in files:
                 raise InvalidManifest(f"{where}: file {file!r} has a bad size {size!r} or is listed twice")
             mine[file] = FileRecord(size, writer)
@@ -193,9 +195,13 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
                 raise InvalidManifest(f"{where}: the chunks of {fqn!r:.200} must be a list")
             for i, c in enumerate(records):
                 rec = parse_chunk(expect_object(c, where), f"{where}: {fqn!r} chunk {i}", t.shape, t.dtype, mine,
-                                  INDEXED_VERSION)
+                                  manifest.version)
                 found[fqn].append(rec)
                 writers.setdefault(fqn, []).append((writer, rec.box))
+    unlisted = set(referenced_dirs(files)) - set(manifest.references)
+    if unlisted:
+        raise InvalidManifest(f"{storage.where('manifest.json')}: index files reference {sorted(unlisted)[:3]}, "
+                              f"which the manifest's 'references' does not list")
     complete = set(docs) >= set(manifest.indexes)
     loaded = {manifest.indexes[name].writer for name in docs}
     tensors = {}
@@ -209,4 +215,5 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
         tensors[fqn] = TensorRecord(t.dtype, t.shape, tuple(sorted(found[fqn], key=lambda c: c.offsets)))
     return Manifest(tensors=tensors, values=manifest.values, files=files, meta=manifest.meta, writer=manifest.writer,
                     version=manifest.version, aliases=manifest.aliases, rules=manifest.rules,
-                    regions=manifest.regions, indexes=manifest.indexes, complete=complete)
+                    regions=manifest.regions, indexes=manifest.indexes, complete=complete,
+                    references=manifest.references)

@@ -1,15 +1,17 @@
 """The native manifest: the one JSON document that describes, and commits, a checkpoint.
 
-Schema (version 2; docs/format.md is the full specification)::
+Schema (versions 1, 2 and 4 without index files; docs/format.md is the full specification)::
 
-    {"format": "shardkit", "version": 1 | 2,
+    {"format": "shardkit", "version": 1 | 2 | 4,
+     "references": ["step-0000000100", ...],   # version 4: siblings whose data files are referenced
      "meta":   {...user metadata, e.g. "step"...},
      "writer": {"world_size": 2, "mesh": {"shape": [2], "dim_names": [], "placements": [...]} | null},
      "tensors": {fqn: {"dtype": "F32", "shape": [...],
                        "chunks": [{"offsets": [...], "shape": [...], "file": "data/...safetensors",
                                    "key": "...", "start": int, "nbytes": int, "codec": "raw" | "zstd",
                                    "block": int, "crc32c": "<base64 LE uint32 per block>",
-                                   "strips": [dim, width]}]}},   # optional, version 2: column strips
+                                   "strips": [dim, width],       # optional, version 2: column strips
+                                   "sha256": "<hex>"}]}},        # optional: digest of the raw bytes
      "values": {fqn: <JSON value>},
      "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
      "files":  {name: {"size": int, "writer": int}}}
@@ -45,6 +47,24 @@ from shardkit.checkpoint.formats.codec import (
     pack_crcs,
     unpack_crcs,
 )
+from shardkit.checkpoint.formats.native.fields import (
+    MAX_DIM,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    expect_object,
+    int_field,
+    ints_field,
+    json_object,
+    list_field,
+)
+from shardkit.checkpoint.formats.native.references import (
+    DIGEST_NAME,
+    REFERENCES_VERSION,
+    check_file_name,
+    parse_digest,
+    parse_references,
+    referenced_dirs,
+)
 from shardkit.checkpoint.formats.native.regions import (
     Regions,
     Rule,
@@ -58,22 +78,20 @@ from shardkit.checkpoint.formats.native.regions import (
 )
 from shardkit.checkpoint.geometry.boxes import Box, check_cover
 from shardkit.checkpoint.geometry.strips import strip_boxes
-from shardkit.checkpoint.io.names import check_name
-from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion
+from shardkit.errors import InvalidManifest, UnsupportedVersion
 
 __all__ = ["FORMAT_NAME", "VERSION", "STRIPS_VERSION", "INDEXED_VERSION", "IndexRecord", "parse_chunk",
            "json_object", "expect_object", "MANIFEST_NAME", "crc_count", "MAX_MANIFEST_BYTES", "CODECS",
            "ChunkRecord", "TensorRecord", "FileRecord", "Manifest", "parse_manifest", "dump_manifest"]
 
 FORMAT_NAME = "shardkit"
-VERSION = 3            # the highest version this shardkit reads
+VERSION = 4            # the highest version this shardkit reads
 STRIPS_VERSION = 2     # the first version whose chunks may carry ``strips``
 INDEXED_VERSION = 3    # the first version whose chunk records live in per-writer index files
 MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 1 << 30
 CODECS = ("raw", "zstd")
-_MAX_DIM = 1 << 48
-_MAX_NDIM = 64
+MAX_DIM = 1 << 48
+MAX_NDIM = 64
 _MAX_KEY = 4096
 
 
@@ -91,6 +109,7 @@ class ChunkRecord:
     block: int                 # checksum block size in bytes (over the stored bytes)
     crc32c: tuple[int, ...]    # one crc32c per block (per block of each strip, strip after strip)
     strips: tuple[int, int] | None = None  # (dim, width): stored as column strips, see the module docstring
+    sha256: str | None = None  # hex digest of the raw bytes, written for dedup (references.py)
 
     @property
     def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -115,7 +134,8 @@ class ChunkRecord:
     def to_json(self) -> dict[str, Any]:
         return {"offsets": list(self.offsets), "shape": list(self.shape), "file": self.file, "key": self.key,
                 "start": self.start, "nbytes": self.nbytes, "codec": self.codec, "block": self.block,
-                "crc32c": pack_crcs(self.crc32c), **({"strips": list(self.strips)} if self.strips else {})}
+                "crc32c": pack_crcs(self.crc32c), **({"strips": list(self.strips)} if self.strips else {}),
+                **({DIGEST_NAME: self.sha256} if self.sha256 else {})}
 
 
 def crc_count(box: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, block: int,
@@ -169,6 +189,7 @@ class Manifest:
     regions: dict[str, int | Regions] = field(default_factory=dict)
     indexes: dict[str, IndexRecord] = field(default_factory=dict)
     complete: bool = True
+    references: tuple[str, ...] = ()  # version 4: sibling directories whose data files this one reads
 
     def regions_by_writer(self, fqn: str) -> Mapping[int, Sequence[Box]]:
         """Which writer stored which boxes of ``fqn`` (version 3; computed once per shape and rule)."""
@@ -189,9 +210,11 @@ def dump_manifest(manifest: Manifest) -> bytes:
     holds it: version 1 unless a chunk is stored as strips, so older readers keep reading what they can.
     (A version-3 manifest, whose records are in index files, is dumped by :mod:`.index`.)"""
     striped = any(c.strips for t in manifest.tensors.values() for c in t.chunks)
+    references = referenced_dirs(manifest.files)
     doc = {
         "format": FORMAT_NAME,
-        "version": STRIPS_VERSION if striped else 1,
+        "version": REFERENCES_VERSION if references else STRIPS_VERSION if striped else 1,
+        **({"references": list(references)} if references else {}),
         "meta": manifest.meta,
         "writer": manifest.writer,
         "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape), "chunks": [c.to_json() for c in t.chunks]}
@@ -201,46 +224,6 @@ def dump_manifest(manifest: Manifest) -> bytes:
         "files": {name: {"size": f.size, "writer": f.writer} for name, f in manifest.files.items()},
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-
-def _int(value: Any, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise InvalidManifest(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _ints(value: Any, where: str, ndim: int | None = None) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > _MAX_NDIM or (ndim is not None and len(value) != ndim):
-        raise InvalidManifest(f"{where} must be a list of {ndim if ndim is not None else 'at most 64'} integers, "
-                              f"got {value!r:.200}")
-    return tuple(_int(v, where, 0, _MAX_DIM) for v in value)
-
-
-def expect_object(value: Any, where: str) -> dict:
-    """``value`` if it is a JSON object, else one clear error naming ``where``."""
-    if not isinstance(value, dict):
-        raise InvalidManifest(f"{where} must be a JSON object")
-    return value
-
-
-def _name(value: Any, where: str) -> str:
-    try:
-        return check_name(value, where)
-    except UnsafeCheckpoint:
-        raise
-    except Exception:  # pragma: no cover - check_name raises only UnsafeCheckpoint
-        raise InvalidManifest(f"{where}: bad file name {value!r}") from None
-
-
-def json_object(data: bytes, where: str) -> dict:
-    """``data`` (a manifest or index file read from ``where``) as a JSON object: bounded, UTF-8, valid."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise InvalidManifest(f"{where} is {len(data)} bytes, larger than the {MAX_MANIFEST_BYTES} allowed")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidManifest(f"{where} is not valid JSON ({exc}); the checkpoint is damaged") from None
-    return expect_object(doc, where)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -254,16 +237,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if version > VERSION:
         raise UnsupportedVersion(f"{where} was written by format version {version}; this shardkit reads up to "
                                  f"version {VERSION}. Upgrade shardkit to load it.")
-    indexed = _parse_indexed(doc, where) if version >= INDEXED_VERSION else {}
+    indexed = _parse_indexed(doc, where) if version == INDEXED_VERSION or (
+        version >= REFERENCES_VERSION and "indexes" in doc) else {}
+    references = parse_references(doc.get("references", []), where)
     files: dict[str, FileRecord] = {}
     for name, info in expect_object(doc.get("files", {}), f"{where}: files").items():
-        _name(name, f"{where}: files")
+        check_file_name(name, f"{where}: files", version)
         info = expect_object(info, f"{where}: files[{name!r}]")
-        files[name] = FileRecord(_int(info.get("size"), f"{where}: size of {name}"),
-                                 _int(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
+        files[name] = FileRecord(int_field(info.get("size"), f"{where}: size of {name}"),
+                                 int_field(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
     tensors: dict[str, TensorRecord] = indexed.pop("tensors", {})
     for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items() if not indexed else ():
         tensors[fqn] = _parse_tensor(fqn, expect_object(info, f"{where}: tensor {fqn!r}"), files, where, version)
+    unlisted = set(referenced_dirs(files)) - set(references)
+    if unlisted:
+        raise InvalidManifest(f"{where}: files reference {sorted(unlisted)[:3]}, which 'references' does not list")
     values = expect_object(doc.get("values", {}), f"{where}: values")
     clash = set(values) & set(tensors)
     if clash:
@@ -272,21 +260,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     meta = expect_object(doc.get("meta", {}), f"{where}: meta")
     writer = expect_object(doc.get("writer", {}), f"{where}: writer")
     return Manifest(tensors=tensors, values=values, files=files, meta=meta, writer=writer, version=version,
-                    aliases=aliases, **indexed)
+                    aliases=aliases, references=references, **indexed)
 
 
 def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
     """A version-3 manifest's tensors (no chunks yet: :mod:`.index` attaches them), regions, rules and
     index files, as :class:`Manifest` fields."""
     rules = tuple(_parse_rule(expect_object(r, f"{where}: rule {i}"), f"{where}: rule {i}")
-                  for i, r in enumerate(_list(doc.get("rules", []), f"{where}: rules")))
+                  for i, r in enumerate(list_field(doc.get("rules", []), f"{where}: rules")))
     indexes: dict[str, IndexRecord] = {}
     for name, info in expect_object(doc.get("indexes", {}), f"{where}: indexes").items():
         at = f"{where}: index {name!r}"
         info = expect_object(info, at)
-        indexes[_name(name, at)] = IndexRecord(_int(info.get("size"), f"{at} size"),
+        indexes[check_file_name(name, at, 1)] = IndexRecord(int_field(info.get("size"), f"{at} size"),
                                                unpack_crcs(info.get("crc32c"), 1, at)[0],
-                                               _int(info.get("writer"), f"{at} writer", 0, 1 << 31))
+                                               int_field(info.get("writer"), f"{at} writer", 0, 1 << 31))
     writers = {i.writer for i in indexes.values()}
     for i, (_, _, grid) in enumerate(rules):
         missing = set(grid) - writers - {-1}
@@ -300,12 +288,12 @@ def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
         at = f"{where}: tensor {fqn!r}"
         info = expect_object(info, at)
         code = info.get("dtype")
-        shape = _ints(info.get("shape"), f"{at} shape")
+        shape = ints_field(info.get("shape"), f"{at} shape")
         if math.prod(shape) * itemsize(code_to_dtype(code, at)) >= 1 << 62:
             raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
         tensors[fqn] = TensorRecord(code, shape, ())
         if "rule" in info:
-            found = regions[fqn] = _int(info["rule"], f"{at} rule", 0, len(rules) - 1)
+            found = regions[fqn] = int_field(info["rule"], f"{at} rule", 0, len(rules) - 1)
             if any(spec[0] != "replicate" and spec[1] >= len(shape) for spec in rules[found][1]):
                 raise InvalidManifest(f"{at}: rule {found} shards a dimension a {len(shape)}-D tensor lacks")
             if (shape, found) not in expanded:
@@ -316,9 +304,9 @@ def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
             problem = rule_problem(shape, rules[found])
         else:
             found = regions[fqn] = tuple(
-                (_int(r[0], f"{at} region writer", 0, 1 << 31), (_ints(r[1], f"{at} region offsets", len(shape)),
-                                                                 _ints(r[2], f"{at} region shape", len(shape))))
-                for r in (_list(r, f"{at} region", 3) for r in _list(info.get("regions"), f"{at} regions")))
+                (int_field(r[0], f"{at} region writer", 0, 1 << 31), (ints_field(r[1], f"{at} region offsets", len(shape)),
+                                                                 ints_field(r[2], f"{at} region shape", len(shape))))
+                for r in (list_field(r, f"{at} region", 3) for r in list_field(info.get("regions"), f"{at} regions")))
             missing = {w for w, _ in found} - writers
             problem = regions_problem(shape, found) or (
                 f"writers {sorted(missing)[:5]} have regions but no index file" if missing else None)
@@ -327,35 +315,29 @@ def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
     return {"tensors": tensors, "rules": rules, "regions": regions, "indexes": indexes, "complete": not tensors}
 
 
-def _list(value: Any, where: str, length: int | None = None) -> list:
-    if not isinstance(value, list) or (length is not None and len(value) != length):
-        raise InvalidManifest(f"{where} must be a list{f' of {length}' if length else ''}, got {value!r:.200}")
-    return value
-
-
 _SPEC_ARGS = {"replicate": 0, "shard": 1, "strided": 2}
 MAX_RULE_BOXES = 1 << 18    # boxes one rule may give a tensor (coordinates x strided pieces)
 MAX_REGION_BOXES = 1 << 21  # boxes a manifest's rules may expand to in all, each (shape, rule) counted once
 
 
 def _parse_rule(info: dict, at: str) -> Rule:
-    mesh = _ints(info.get("mesh"), f"{at} mesh")
+    mesh = ints_field(info.get("mesh"), f"{at} mesh")
     if not mesh or math.prod(mesh) > 1 << 24 or 0 in mesh:
         raise InvalidManifest(f"{at}: mesh {list(mesh)} must be 1 to 64 positive sizes of at most 2**24 ranks")
     specs = []
-    for spec in _list(info.get("placements"), f"{at} placements", len(mesh)):
-        spec = _list(spec, f"{at} placement")
+    for spec in list_field(info.get("placements"), f"{at} placements", len(mesh)):
+        spec = list_field(spec, f"{at} placement")
         if not spec or not isinstance(spec[0], str) or spec[0] not in _SPEC_ARGS or len(spec) != 1 + _SPEC_ARGS[spec[0]]:
             raise InvalidManifest(f"{at}: placement {spec!r:.100} is not [replicate], [shard, dim] or "
                                   f"[strided, dim, split_factor]")
-        specs.append((spec[0], *(_int(v, f"{at} placement", 0 if j == 0 else 1, _MAX_NDIM if j == 0 else 1 << 24)
+        specs.append((spec[0], *(int_field(v, f"{at} placement", 0 if j == 0 else 1, MAX_NDIM if j == 0 else 1 << 24)
                                  for j, v in enumerate(spec[1:]))))
     boxes = rule_boxes((mesh, tuple(specs), ()))
     if boxes > MAX_RULE_BOXES:
         raise InvalidManifest(f"{at}: mesh {list(mesh)} with its split factors gives {boxes} boxes per tensor, more "
                               f"than the {MAX_RULE_BOXES} a reader accepts")
-    writers = tuple(_int(w, f"{at} writer", -1, 1 << 31)
-                    for w in _list(info.get("writers"), f"{at} writers", math.prod(mesh)))
+    writers = tuple(int_field(w, f"{at} writer", -1, 1 << 31)
+                    for w in list_field(info.get("writers"), f"{at} writers", math.prod(mesh)))
     return mesh, tuple(specs), writers
 
 
@@ -387,22 +369,22 @@ def _strips(value: Any, shape: tuple[int, ...], codec: str, version: int, where:
         raise InvalidManifest(f"{where}: 'strips' needs format version {STRIPS_VERSION}, the manifest says {version}")
     if not isinstance(value, list) or len(value) != 2:
         raise InvalidManifest(f"{where}: strips must be [dim, width], got {value!r:.200}")
-    dim = _int(value[0], f"{where} strips dim", 1, max(1, len(shape) - 1))
+    dim = int_field(value[0], f"{where} strips dim", 1, max(1, len(shape) - 1))
     if len(shape) < 2 or codec != "raw" or math.prod(shape) == 0:
         raise InvalidManifest(f"{where}: only a non-empty raw chunk of two or more dims can be stored as strips")
-    return dim, _int(value[1], f"{where} strips width", 1, shape[dim])
+    return dim, int_field(value[1], f"{where} strips width", 1, shape[dim])
 
 
 def parse_chunk(c: dict, cat: str, shape: tuple[int, ...], code: str, files: Mapping[str, FileRecord],
                 version: int) -> ChunkRecord:
     """One chunk record of a tensor of ``shape`` and dtype ``code``, checked against ``files`` (name -> record)."""
     size = itemsize(code_to_dtype(code, cat))
-    offsets = _ints(c.get("offsets"), f"{cat} offsets", len(shape))
-    cshape = _ints(c.get("shape"), f"{cat} shape", len(shape))
+    offsets = ints_field(c.get("offsets"), f"{cat} offsets", len(shape))
+    cshape = ints_field(c.get("shape"), f"{cat} shape", len(shape))
     if any(o + s > n for o, s, n in zip(offsets, cshape, shape)):
         raise InvalidManifest(f"{cat}: offsets {list(offsets)} + shape {list(cshape)} exceed the tensor's "
                               f"shape {list(shape)}")
-    file = _name(c.get("file"), cat)
+    file = check_file_name(c.get("file"), cat, version)
     if file not in files:
         raise InvalidManifest(f"{cat} names file {file!r}, which the manifest's file list does not hold")
     key = c.get("key")
@@ -411,18 +393,19 @@ def parse_chunk(c: dict, cat: str, shape: tuple[int, ...], code: str, files: Map
     codec = c.get("codec")
     if codec not in CODECS:
         raise InvalidManifest(f"{cat}: unknown codec {codec!r} (known: {list(CODECS)})")
-    start = _int(c.get("start"), f"{cat} start")
-    nbytes = _int(c.get("nbytes"), f"{cat} nbytes")
+    start = int_field(c.get("start"), f"{cat} start")
+    nbytes = int_field(c.get("nbytes"), f"{cat} nbytes")
     raw = math.prod(cshape) * size
     if codec == "raw" and nbytes != raw:
         raise InvalidManifest(f"{cat}: {nbytes} stored bytes, shape {list(cshape)} x {code} needs {raw}")
     if start + nbytes > files[file].size:
         raise InvalidManifest(f"{cat}: bytes [{start}, {start + nbytes}) lie beyond the end of {file} "
                               f"({files[file].size} bytes)")
-    block = _int(c.get("block"), f"{cat} block", 1)
+    block = int_field(c.get("block"), f"{cat} block", 1)
     strips = _strips(c.get("strips"), cshape, codec, version, cat)
     crcs = tuple(unpack_crcs(c.get("crc32c"), crc_count((offsets, cshape), nbytes, block, strips), cat))
-    return ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs, strips)
+    return ChunkRecord(offsets, cshape, file, key, start, nbytes, codec, block, crcs, strips,
+                       parse_digest(c.get(DIGEST_NAME), cat))
 
 
 def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: str,
@@ -430,7 +413,7 @@ def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: 
     at = f"{where}: tensor {fqn!r}"
     code = info.get("dtype")
     size = itemsize(code_to_dtype(code, at))
-    shape = _ints(info.get("shape"), f"{at} shape")
+    shape = ints_field(info.get("shape"), f"{at} shape")
     if math.prod(shape) * size >= 1 << 62:
         raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
     raw_chunks = info.get("chunks")

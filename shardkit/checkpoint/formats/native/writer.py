@@ -38,6 +38,7 @@ from shardkit.checkpoint.formats.native.manifest import (
     parse_manifest,
 )
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_file_name
+from shardkit.checkpoint.formats.native.references import DIGEST_NAME
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
@@ -123,7 +124,8 @@ class WrittenFile:
             count = crc_count(box, c["nbytes"], c["block"], strips)
             chunks.append((fqn, ChunkRecord(*box, c["file"], c["key"], c["start"],
                                             c["nbytes"], c["codec"], c["block"],
-                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])), strips)))
+                                            tuple(unpack_crcs(c["crc32c"], count, doc["name"])), strips,
+                                            c.get(DIGEST_NAME))))
         return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks))
 
 

@@ -1,0 +1,78 @@
+"""Format version 4: chunks a checkpoint shares with an earlier checkpoint beside it, and chunk digests.
+
+``CheckpointManager(dedup=True)`` stores, with every chunk it writes, the
+sha256 of the chunk's raw bytes (row-major, little-endian, before any
+compression).  A later step whose chunk has the same key, box, dtype and
+digest does not write it again: its record points at the earlier step's data
+file through a *reference* ``../<step dir>/data/<file>`` -- a sibling under
+the same root, exactly one level up (:func:`~shardkit.checkpoint.io.names.check_reference`).
+Chains never form: a reference copied from a step that itself referenced
+stays pointing at the step that wrote the bytes.
+
+``manifest.json`` lists the sibling directories it references under
+``"references"``, so retention can keep them without reading any chunk
+record; every referenced file must lie in one of them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+from shardkit.checkpoint.io.names import check_name, check_reference, split_reference
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint
+
+__all__ = ["REFERENCES_VERSION", "DIGEST_NAME", "check_file_name", "referenced_dirs", "parse_digest",
+           "parse_references", "rebase_reference"]
+
+REFERENCES_VERSION = 4   # the first format version whose files may be references
+DIGEST_NAME = "sha256"   # the chunk record field holding the digest of the chunk's raw bytes
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_file_name(name: Any, where: str, version: int) -> str:
+    """A data file name of a manifest of ``version``: a plain name inside the checkpoint, or (version 4
+    on) a reference to a data file of a sibling checkpoint."""
+    parts = split_reference(name)
+    if parts is None:
+        return check_name(name, where)
+    if version < REFERENCES_VERSION:
+        raise UnsafeCheckpoint(f"file name {name!r} in {where} points outside the checkpoint, which format version "
+                               f"{version} never does; refusing to touch it")
+    check_reference(name, where)
+    if not parts[1].startswith("data/"):
+        raise InvalidManifest(f"{where}: reference {name!r} must name a data file (../<step>/data/<file>)")
+    return name
+
+
+def referenced_dirs(files: Iterable[str]) -> tuple[str, ...]:
+    """The sibling directories the file names reference, sorted."""
+    return tuple(sorted({parts[0] for name in files if (parts := split_reference(name)) is not None}))
+
+
+def parse_references(value: Any, where: str) -> tuple[str, ...]:
+    """A manifest's ``"references"``: a list of sibling directory names."""
+    if not isinstance(value, list) or len(value) > 1 << 20:
+        raise InvalidManifest(f"{where}: references must be a list of sibling directory names")
+    found = tuple(check_reference(f"../{d}/data", where).split("/")[1] if isinstance(d, str) and "/" not in d
+                  else _bad_dir(d, where) for d in value)
+    return tuple(sorted(set(found)))
+
+
+def _bad_dir(value: Any, where: str) -> str:
+    raise InvalidManifest(f"{where}: reference {value!r:.200} is not a directory name")
+
+
+def parse_digest(value: Any, where: str) -> str | None:
+    """A chunk record's optional ``"sha256"``: 64 lower-case hex digits."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _HEX64.match(value):
+        raise InvalidManifest(f"{where}: {DIGEST_NAME} must be 64 lower-case hex digits, got {value!r:.100}")
+    return value
+
+
+def rebase_reference(name: str, sibling: str) -> str:
+    """How a checkpoint beside ``sibling`` names ``sibling``'s file ``name``: its own files become
+    references into it, and its references stay as they are (they already name a sibling)."""
+    return name if split_reference(name) is not None else f"../{sibling}/{name}"
