@@ -127,7 +127,7 @@ def test_storage_options_the_writer_process_cannot_receive_are_refused_naming_th
 
 def _exchanges_over_saves(url: str) -> dict:
     """How often saves exchange every rank's boxes: once per structure, not once per save."""
-    from shardkit.checkpoint.training import save as save_module
+    from shardkit.checkpoint.training import writer_assignment as save_module
 
     def state(fill: float) -> dict:  # a structure no other test saves, so no earlier exchange is reused
         from torch.distributed.tensor import Shard, distribute_tensor

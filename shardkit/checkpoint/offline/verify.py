@@ -35,6 +35,7 @@ from shardkit.checkpoint.formats.native.checksums import check_chunk
 from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.geometry.boxes import check_cover
 from shardkit.checkpoint.io.concurrency import parallel_map
+from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.errors import ShardkitError
@@ -132,7 +133,9 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         try:
             size = storage.size(name)
         except ShardkitError:
-            return [f"{where}: missing"], 0
+            shared = split_reference(name)
+            return [f"{where}: missing" + (f"; this checkpoint references that file of {shared[0]}, whose data was "
+                                           f"deleted or moved by hand" if shared else "")], 0
         want = manifest.files[name].size if name in manifest.files else None
         if want is not None and size != want:
             return [f"{where}: {size} bytes, the manifest records {want} (truncated or replaced)"], 0

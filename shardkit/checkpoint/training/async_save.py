@@ -82,7 +82,8 @@ class BackgroundSaver:
                io_threads: int, process_group: Any = None, direct_io: bool = True,
                keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
                column_strips: str = "cut", writer: str = "process",
-               child_options: Mapping[str, Any] | None = None) -> Future:
+               child_options: Mapping[str, Any] | None = None, digests: bool = False,
+               reuse_from: str | None = None) -> Future:
         """Plan and stage on this thread, write and commit in the background; ``child_options``: the
         storage options the writer process rebuilds the storage from (see :func:`choose_writer`)."""
         with self._lock:
@@ -110,7 +111,8 @@ class BackgroundSaver:
             def write_in_background() -> None:
                 pool.wait_copied()
                 write_and_commit(storage, plan, error, dist, io_threads=io_threads, meta=meta_copy,
-                                 overwrite=overwrite, write_files=write_files, **options)
+                                 overwrite=overwrite, write_files=write_files, digests=digests,
+                                 reuse_from=reuse_from, **options)
 
             self._pending = self._executor.submit(write_in_background)
             return self._pending
@@ -158,7 +160,8 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
                only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-               column_strips: str = "cut", writer: str | None = None) -> Future:
+               column_strips: str = "cut", writer: str | None = None, digests: bool = False,
+               reuse_from: str | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     ``writer``: ``"process"`` (the default wherever it can reach the storage)
@@ -171,6 +174,7 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     first call (a collective).  Staging buffers are reused from save to save,
     so host memory stays flat; a new ``async_save`` first waits for the
     previous one.  The returned future raises what the save raised.
+    ``digests``/``reuse_from``: as for :func:`save` (the hashing runs in the background).
     """
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
@@ -180,4 +184,5 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                                      overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
                                      direct_io=direct_io, keys=(only, exclude), column_strips=column_strips,
-                                     writer=mode, child_options=child_options)
+                                     writer=mode, child_options=child_options, digests=digests,
+                                     reuse_from=reuse_from)

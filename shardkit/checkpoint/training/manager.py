@@ -11,6 +11,11 @@ listings sort).  The rules that make it crash-safe:
   a step's manifest first (so it stops being a checkpoint at once) and its data
   after, and never touches the newest committed step.  Interrupted shardkit
   saves older than the newest committed step are removed too.
+* ``dedup=True`` saves each step's unchanged chunks as references to the newest
+  committed step's data files (``dedup.py``, format version 4).  Retention keeps
+  every step a kept step references, whole, however old; it reads only the kept
+  steps' ``manifest.json`` to know which, and deletes no committed step in a
+  round where one of them cannot be read.
 * The manager only ever deletes what it can prove it wrote
   (:mod:`~shardkit.checkpoint.formats.native.ownership`): a ``step-<N>`` that holds a torch DCP
   or Hugging Face checkpoint, or any file shardkit did not write, is left alone
@@ -43,6 +48,7 @@ from shardkit.checkpoint.formats.native.ownership import (
     remove_owned,
     survey,
 )
+from shardkit.checkpoint.formats.native.siblings import UnknownReferences, references_of
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
@@ -79,9 +85,12 @@ class CheckpointManager:
     and uploads in the background (the next ``save`` or :meth:`wait` waits for
     it), through ``writer`` (see :func:`~shardkit.checkpoint.async_save`).
     ``compression`` and ``storage_options`` are passed to every save/load.
+    ``dedup``: store the sha256 of every chunk, and reference the chunks the
+    newest committed step already stores instead of writing them again (a
+    fine-tune's frozen base is then written once).
     """
 
-    def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
+    def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False, dedup: bool = False,
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, writer: str | None = None, **save_options: Any) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -94,6 +103,7 @@ class CheckpointManager:
         self.root_url = self.root.url
         self.keep_last = keep_last
         self.async_save = async_save
+        self.dedup = bool(dedup)
         self.compression = compression
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
@@ -145,6 +155,11 @@ class CheckpointManager:
         url = self.url_of(step)
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
                     **self.save_options)
+        if self.dedup:
+            base = max((s for s in self.steps() if s != step), default=None) if Dist(self.process_group).rank == 0 \
+                else None
+            base = Dist(self.process_group).broadcast_json(base)  # every rank references the same step
+            opts.update(digests=True, reuse_from=None if base is None else self.url_of(base))
         if self.async_save:
             upload = _async_save(state, url, writer=self.writer, **opts)
             done: Future = Future()
@@ -193,6 +208,7 @@ class CheckpointManager:
         newest = max(committed_steps, default=committed)
         doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
             else set()
+        doomed -= self._referenced({s: dirs[s] for s in committed_steps}, doomed)
         surveys: dict[int, DirectorySurvey] = {}
         for s in sorted(dirs):
             if s in committed_steps or s >= newest or s == self._pending_step:
@@ -210,6 +226,26 @@ class CheckpointManager:
             log.info("retention removed step %d at %s", s, step_store.url)
             if found.foreign:
                 self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
+
+    def _referenced(self, committed: Mapping[int, str], doomed: set[int]) -> set[int]:
+        """The doomed steps that a step staying (a kept one, or one kept for it) references; all of them
+        when a kept step's manifest cannot be read."""
+        by_dir = {name: s for s, name in committed.items()}
+        kept, todo = set(), [s for s in committed if s not in doomed]
+        while todo:
+            s = todo.pop()
+            try:
+                refs = references_of(self.root.child(committed[s]))
+            except UnknownReferences as exc:
+                self._warn_once(f"retention deletes no step this time: {exc}")
+                return set(doomed)
+            for name in refs:
+                if by_dir.get(name) in doomed and by_dir[name] not in kept:
+                    kept.add(by_dir[name])
+                    todo.append(by_dir[name])
+        if kept:
+            log.info("retention keeps steps %s: newer steps reference their data", sorted(kept))
+        return kept
 
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

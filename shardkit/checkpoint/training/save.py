@@ -5,7 +5,7 @@ plain in one process).
    holds each tensor as one or more boxes of the global tensor
    (:func:`~shardkit.checkpoint.geometry.placements.local_pieces`: any mesh,
    ``Shard``, ``_StridedShard``, ``Replicate``); the ranks exchange their boxes
-   and the lowest rank holding a box writes it (:func:`assign_writers`), so
+   and the lowest rank holding a box writes it (:func:`~.writer_assignment.assign_writers`), so
    every stored element is written exactly once -- replicas on a mesh dim of
    the tensor's own mesh (HSDP), ranks outside that mesh holding the same data
    (a tensor FSDP shards over the dp sub-mesh, copied on every tp rank) and
@@ -61,6 +61,8 @@ from shardkit.checkpoint.state.tree import (
     keep_keys,
     to_json_value,
 )
+from shardkit.checkpoint.training.dedup import deduplicate, with_digests
+from shardkit.checkpoint.training.writer_assignment import WriterAssignments, writer_assignments
 from shardkit.errors import (
     CheckpointError,
     CheckpointExists,
@@ -72,8 +74,7 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "plan_save", "assign_writers", "layouts_of", "write_and_commit", "save_options",
-           "structure_of"]
+__all__ = ["save", "SavePlan", "plan_save", "layouts_of", "write_and_commit", "save_options", "structure_of"]
 
 
 class SavePlan:
@@ -116,65 +117,6 @@ def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
             "specs": layout["specs"], "tensors": []})
         entry["tensors"].append(key)
     return sorted(groups.values(), key=lambda e: (-len(e["mesh"]["shape"]), -math.prod(e["mesh"]["shape"])))
-
-
-def assign_writers(dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict[str, list[Box]]:
-    """Of the boxes this rank holds (``{fqn: [box, ...]}``), the ones it writes: those no lower rank holds.
-
-    Collective: every rank must call it, in the same order; a rank whose
-    planning failed passes ``None`` (it holds nothing) so the others do not
-    wait for it.  Only boxes this rank may write after the local rule
-    (:func:`~shardkit.checkpoint.geometry.placements.lowest_replica`) travel,
-    as JSON; a box held identically by several ranks -- whether the replica
-    dimension is part of the tensor's own mesh or not -- is written by the
-    lowest of them.  Boxes are compared whole: two ranks holding *different*
-    but overlapping boxes of one tensor is a layout no mesh produces, and the
-    manifest check at commit refuses it, naming the tensor.
-    """
-    mine = {k: [[list(b[0]), list(b[1])] for b in boxes] for k, boxes in (held or {}).items()}
-    everyone = dist.all_gather_json(mine)
-    taken: dict[str, set[str]] = {}
-    for rank_boxes in everyone[:dist.group_rank]:
-        for key, boxes in (rank_boxes or {}).items():
-            taken.setdefault(key, set()).update(repr(b) for b in boxes)
-    return {key: [tuple(map(tuple, b)) for b in boxes if repr(b) not in taken.get(key, ())]
-            for key, boxes in mine.items()}
-
-
-class WriterAssignments:
-    """The last :func:`assign_writers` result of one process group, reused while nothing changed.
-
-    A training job saves the same structure again and again; the exchange of
-    every rank's boxes is then the same each time.  Every rank keeps what it
-    held and what it was told to write at the last exchange, numbered by a
-    generation all ranks count together.  A later save agrees in one small
-    all-reduce that every rank holds exactly what it held then, at the same
-    generation -- then each reuses its answer -- else all exchange again.
-    """
-
-    def __init__(self) -> None:
-        self._groups: dict[int, tuple[Any, int, str | None, dict[str, list[Box]] | None]] = {}
-
-    @staticmethod
-    def signature(dist: Dist, held: Mapping[str, Sequence[Box]]) -> str:
-        return repr((dist.group_rank, dist.group_size, sorted(
-            (k, [tuple(map(tuple, b)) for b in boxes]) for k, boxes in held.items())))
-
-    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None,
-               signature: str | None = None) -> dict[str, list[Box]]:
-        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known)."""
-        if held is not None and signature is None:
-            signature = self.signature(dist, held)
-        group, generation, last, writes = self._groups.get(id(dist.group), (dist.group, 0, None, None))
-        if group is dist.group and dist.all_same(signature is not None and signature == last, generation):
-            assert writes is not None
-            return {k: list(boxes) for k, boxes in writes.items()}
-        writes = assign_writers(dist, held)
-        self._groups[id(dist.group)] = (dist.group, generation + 1, signature, writes if held is not None else None)
-        return writes
-
-
-_assignments = WriterAssignments()
 
 
 class _LastPlan:
@@ -268,7 +210,8 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None)) -> SavePlan:
     """Chunks this rank writes (each stored box by one rank, tied tensors once), grouped into files balanced
     by bytes.  ``keys`` = (only, exclude) globs choose the keys saved.  Collective
-    (:func:`assign_writers`, reused across saves of the same structure by :class:`WriterAssignments`):
+    (:func:`~.writer_assignment.assign_writers`, reused across saves of the same structure by
+    :class:`~.writer_assignment.WriterAssignments`):
     every rank reaches the exchange even when its own planning failed, and raises that failure after it.
     A save of the structure the last one had reuses its per-tensor planning (:class:`_LastPlan`)."""
     derived: dict[str, Any] | None = None
@@ -282,7 +225,7 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
             _last_plans.put(dist, signature, derived)
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange
         error, derived = exc, None
-    writes = _assignments.assign(dist, None if derived is None else derived["held"],
+    writes = writer_assignments.assign(dist, None if derived is None else derived["held"],
                                  None if derived is None else derived["held_signature"])
     if error is not None or derived is None:
         raise error or CheckpointError("save planning failed")
@@ -300,36 +243,45 @@ FileJobs = list[tuple[str, list[WriteChunk]]]
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
                      compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
                      meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True,
-                     column_strips: str = "cut",
+                     column_strips: str = "cut", digests: bool = False, reuse_from: str | None = None,
                      write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
 
     ``write_files`` writes ``[(file name, chunks), ...]`` and returns the files' records (the
     ``async_save`` writer process); by default this process writes them, one I/O thread per file.
+    ``digests``/``reuse_from``: see :mod:`~shardkit.checkpoint.training.dedup`.
     """
     writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
                           direct_io=direct_io, column_strips=column_strips)
     files: list[WrittenFile] = []
+    reused: list[WrittenFile] = []
     started = time.perf_counter()
     if local_error is None and plan is not None:
         try:
             token = new_token()
-            jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(plan.groups)]
+            groups = plan.groups
+            if digests or reuse_from is not None:
+                found = deduplicate(groups, storage, reuse_from, dist.rank, io_threads)
+                groups, reused = found.groups, found.reused
+            jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(groups)]
             if write_files is not None:
                 files = write_files(jobs)
             else:
                 files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
+            if digests or reuse_from is not None:
+                files = with_digests(files, found.digests)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
     written = {fqn for f in files for fqn, _ in f.chunks}
     payload = {"error": None if local_error is None else error_record(local_error),
-               "files": [f.to_json() for f in files],
+               "files": [f.to_json() for f in files + reused],
                "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
                            if k in written},
                "aliases": plan.aliases if plan else {}}
     if local_error is None:
-        log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s", dist.rank, len(files),
-                 sum(f.size for f in files), storage.url, time.perf_counter() - started)
+        log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s%s", dist.rank, len(files),
+                 sum(f.size for f in files), storage.url, time.perf_counter() - started,
+                 f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
     gathered = dist.gather_json(payload)
     commit_error = None
     if gathered is not None:
@@ -405,7 +357,8 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
          io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
-         exclude: Sequence[str] | None = None, column_strips: str = "cut") -> None:
+         exclude: Sequence[str] | None = None, column_strips: str = "cut", digests: bool = False,
+         reuse_from: str | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``only``/``exclude``: globs over the flattened keys (``model.*lora*``,
@@ -425,6 +378,9 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     what it needs -- by default those whose columns this layout cut (tensor
     parallelism's ``Shard(1)``); ``"all"`` for a checkpoint of whole rows that
     will be loaded under tensor parallelism (docs/format.md).
+    ``digests`` stores every chunk's sha256; ``reuse_from`` (an earlier committed checkpoint in the same
+    directory) references its chunks that are unchanged instead of writing them again (what
+    ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
     """
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     meta = to_json_value(dict(meta), "meta") if meta else None
@@ -443,6 +399,6 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
         error = exc
     write_and_commit(storage, plan, error, dist, compression=comp, block_bytes=block_bytes, fsync=fsync,
                      io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io,
-                     column_strips=column_strips)
+                     column_strips=column_strips, digests=digests, reuse_from=reuse_from)
 
 

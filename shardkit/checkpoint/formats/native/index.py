@@ -30,6 +30,7 @@ import json
 from typing import Any, Iterable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.codec import crc32c, pack_crcs
+from shardkit.checkpoint.formats.native.fields import expect_object, json_object
 from shardkit.checkpoint.formats.native.manifest import (
     FORMAT_NAME,
     INDEXED_VERSION,
@@ -40,9 +41,8 @@ from shardkit.checkpoint.formats.native.manifest import (
     TensorRecord,
     parse_chunk,
 )
-from shardkit.checkpoint.formats.native.fields import expect_object, json_object
-from shardkit.checkpoint.formats.native.references import REFERENCES_VERSION, check_file_name, referenced_dirs
 from shardkit.checkpoint.formats.native.ownership import INDEX_DIR
+from shardkit.checkpoint.formats.native.references import REFERENCES_VERSION, check_file_name, referenced_dirs
 from shardkit.checkpoint.formats.native.regions import chunks_problem, derive_regions
 from shardkit.checkpoint.geometry.boxes import Box, check_cover
 from shardkit.checkpoint.io.concurrency import parallel_map

@@ -48,7 +48,6 @@ from shardkit.checkpoint.formats.codec import (
     unpack_crcs,
 )
 from shardkit.checkpoint.formats.native.fields import (
-    MAX_DIM,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     expect_object,
@@ -90,8 +89,6 @@ STRIPS_VERSION = 2     # the first version whose chunks may carry ``strips``
 INDEXED_VERSION = 3    # the first version whose chunk records live in per-writer index files
 MANIFEST_NAME = "manifest.json"
 CODECS = ("raw", "zstd")
-MAX_DIM = 1 << 48
-MAX_NDIM = 64
 _MAX_KEY = 4096
 
 

@@ -55,12 +55,13 @@ from shardkit.checkpoint.formats.native.manifest import (
     parse_manifest,
 )
 from shardkit.checkpoint.geometry.boxes import Box
-from shardkit.checkpoint.geometry.plan import byte_runs
+from shardkit.checkpoint.geometry.plan import byte_runs, merge_ranges
 from shardkit.checkpoint.io.concurrency import (
     DEFAULT_IO_THREADS,
     ByteBudget,
     parallel_map,
 )
+from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import (
     CheckpointNotFound,
@@ -186,8 +187,11 @@ class NativeReader(CheckpointReader):
             try:
                 got = self.storage.size(name)
             except CheckpointNotFound:
-                raise CorruptCheckpoint(f"{self.storage.where(name)} is missing; the checkpoint is incomplete "
-                                        f"-- restore the file or load another checkpoint") from None
+                shared = split_reference(name)
+                raise CorruptCheckpoint(f"{self.storage.where(name)} is missing; " + (
+                    f"this checkpoint references that file of {shared[0]}, whose data was deleted or moved "
+                    f"by hand -- restore {shared[0]} or load another checkpoint" if shared else
+                    "the checkpoint is incomplete -- restore the file or load another checkpoint")) from None
             if got != want:
                 raise CorruptCheckpoint(f"{self.storage.where(name)} has {got} bytes, the manifest records {want}: "
                                         f"the file is truncated or was replaced")
@@ -254,7 +258,7 @@ class NativeReader(CheckpointReader):
         items: list[tuple[str, ChunkRecord, int, int]] = []
         for fqn, rec, ranges in spans.values():
             step = rec.nbytes if rec.codec == "zstd" else max(rec.block, CHECK_SPAN // rec.block * rec.block)
-            for lo, hi in _merge(ranges):
+            for lo, hi in merge_ranges(ranges):
                 items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
         items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
         self._prefetch([(rec.file, rec.start + lo, rec.start + hi) for _, rec, lo, hi in items])
@@ -286,7 +290,7 @@ class NativeReader(CheckpointReader):
         budget = _PREFETCH_BYTES
         for file, spans in by_file.items():
             hinted = []
-            for a, b in _merge(spans):
+            for a, b in merge_ranges(spans):
                 if budget <= 0:
                     break
                 hinted.append((a, min(b, a + budget)))
@@ -419,16 +423,6 @@ def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tens
             if off == parts[i].numel():
                 i, off = i + 1, 0
         yield out
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:

@@ -39,6 +39,7 @@ from shardkit.checkpoint.formats.native.manifest import (
 )
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_file_name
 from shardkit.checkpoint.formats.native.references import DIGEST_NAME
+from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
@@ -254,8 +255,9 @@ class NativeWriter:
         version 3: each writer's index file is written (under a fresh name) before the manifest that
         lists it.  Removal comes only after the commit (a crash before it leaves the old checkpoint
         whole) and takes only shardkit's own names: data and index files the manifest does not
-        reference and the ``leftovers`` folders (e.g. a resume journal).  It is best effort: the
-        checkpoint is complete without it.
+        reference and the ``leftovers`` folders (e.g. a resume journal) -- never a file a checkpoint
+        beside this one references (``siblings.py``).  It is best effort: the checkpoint is complete
+        without it.
         """
         docs: dict[str, bytes] = {}
         kept = set(manifest.files)
@@ -274,7 +276,10 @@ class NativeWriter:
         try:
             for folder in leftovers:
                 self.storage.delete_tree(folder)
-            self.storage.delete(unreferenced_files(self.storage, kept))
+            doomed = unreferenced_files(self.storage, kept)
+            if doomed:  # an older save here: keep what a checkpoint beside this one references
+                shared = referenced_by_siblings(self.storage)
+                self.storage.delete([name for name in doomed if name not in shared])
         except Exception as exc:  # noqa: BLE001 - committed: a failed cleanup must not read as a failed save
             log.warning("committed %s, but could not remove older files: %s", self.storage.url, exc)
         return data

@@ -1,0 +1,55 @@
+"""What the checkpoints beside one read from it: its files that a sibling's references name.
+
+References (format version 4) make a checkpoint depend on files of an older
+one under the same root.  Those files must outlive the step that wrote them:
+retention keeps a step while a kept step references it, and a checkpoint
+written again over an older one keeps the older files a sibling references.
+When a sibling's manifest cannot be read, nothing it might reference is
+deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.formats.native.reader import read_manifest
+from shardkit.checkpoint.io.names import split_reference
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import ShardkitError
+
+__all__ = ["references_of", "referenced_by_siblings", "UnknownReferences"]
+
+log = logging.getLogger(__name__)
+
+
+class UnknownReferences(ShardkitError):
+    """A sibling checkpoint's manifest could not be read, so what it references is unknown."""
+
+
+def references_of(storage: Storage) -> tuple[str, ...]:
+    """The sibling directories a committed checkpoint references (its manifest alone is read)."""
+    try:
+        return read_manifest(storage, chunks=False).references
+    except ShardkitError as exc:
+        raise UnknownReferences(f"cannot tell what {storage.url} references: {exc}") from exc
+
+
+def referenced_by_siblings(storage: Storage) -> set[str]:
+    """Names inside ``storage`` (``data/...``) that a committed checkpoint beside it references."""
+    parent_url, _, own = storage.url.rstrip("/").rpartition("/")
+    if not parent_url or parent_url.endswith(":/"):
+        return set()
+    parent = Storage(parent_url, storage.storage_options)
+    found: set[str] = set()
+    for name in parent.listdir():
+        sibling = parent.child(name) if name != own else None
+        if sibling is None or not sibling.exists(MANIFEST_NAME) or own not in references_of(sibling):
+            continue
+        try:
+            files = read_manifest(sibling).files
+        except ShardkitError as exc:
+            raise UnknownReferences(f"cannot tell which files of {storage.url} {sibling.url} references: {exc}") \
+                from exc
+        found |= {parts[1] for f in files if (parts := split_reference(f)) is not None and parts[0] == own}
+    return found

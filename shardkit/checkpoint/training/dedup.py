@@ -1,0 +1,152 @@
+"""Saves that store only what changed: chunks equal to an earlier sibling checkpoint's are referenced.
+
+A fine-tune with a frozen base rewrites the same bytes at every step.  With
+``digests`` a save records the sha256 of every chunk it writes; with
+``reuse_from`` (an earlier committed checkpoint in the same parent directory,
+as ``CheckpointManager(dedup=True)`` passes its newest step) each rank hashes
+the chunks it is about to write and, where the earlier checkpoint stored a
+chunk of the same key, box and dtype with the same digest *and* its data file
+is still there with the recorded size, records a reference to that file
+instead of writing the bytes again (format version 4, see
+:mod:`~shardkit.checkpoint.formats.native.references`).
+
+Why a digest and not the crc32c already stored: a crc32c per block misses
+one changed block in 2**32, which a job writing terabytes per step would meet;
+sha256 does not.  Hashing runs on the save's I/O threads (``hashlib`` releases
+the GIL), in the background for ``async_save``.
+
+A rank only references files its own rank number wrote or referenced in the
+earlier checkpoint (the same layout saves the same boxes from the same ranks),
+so two ranks never claim one file.  Anything unusable -- no earlier
+checkpoint, one from another layout, a damaged manifest -- only means the
+chunks are written in full; dedup never fails a save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from shardkit.checkpoint.formats.base import WriteChunk
+from shardkit.checkpoint.formats.codec import as_bytes, dtype_to_code
+from shardkit.checkpoint.formats.native.manifest import ChunkRecord
+from shardkit.checkpoint.formats.native.reader import NativeReader
+from shardkit.checkpoint.formats.native.references import rebase_reference
+from shardkit.checkpoint.formats.native.writer import WrittenFile
+from shardkit.checkpoint.io.concurrency import parallel_map
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import CheckpointNotFound, ConfigurationError, ShardkitError
+
+__all__ = ["chunk_digest", "sibling_name", "Deduplicated", "deduplicate", "with_digests"]
+
+log = logging.getLogger(__name__)
+
+_Key = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def chunk_digest(chunk: WriteChunk) -> str:
+    """sha256 (hex) of the chunk's raw bytes: row-major, little-endian, as a raw record stores them."""
+    return hashlib.sha256(memoryview(as_bytes(chunk.materialize()).numpy())).hexdigest()
+
+
+def sibling_name(storage: Storage, base_url: str) -> str:
+    """The directory name of ``base_url`` when it lies beside ``storage`` (same parent, another name)."""
+    parent, _, name = base_url.rstrip("/").rpartition("/")
+    own_parent, _, own = storage.url.rstrip("/").rpartition("/")
+    if not name or parent != own_parent or name == own:
+        raise ConfigurationError(f"reuse_from={base_url!r} must be another checkpoint in the same directory as "
+                                 f"{storage.url} (references name a sibling: ../<name>/data/...)")
+    return name
+
+
+@dataclass
+class Deduplicated:
+    """What is left to write (``groups``), the references made instead (``reused``, one entry per
+    referenced file) and every chunk's digest (fqn, offsets) -> hex."""
+
+    groups: list[list[WriteChunk]]
+    reused: list[WrittenFile]
+    digests: dict[tuple[str, tuple[int, ...]], str]
+
+    @property
+    def reused_bytes(self) -> int:
+        return sum(rec.nbytes for f in self.reused for _, rec in f.chunks)
+
+
+def deduplicate(groups: Sequence[Sequence[WriteChunk]], storage: Storage, reuse_from: str | None, writer: int,
+                io_threads: int) -> Deduplicated:
+    """Hash every chunk of ``groups``; drop those the checkpoint at ``reuse_from`` already stores."""
+    chunks = [c for g in groups for c in g]
+    digests = dict(zip(((c.fqn, tuple(c.offsets)) for c in chunks), parallel_map(chunk_digest, chunks, io_threads)))
+    if reuse_from is None or not chunks:
+        return Deduplicated([list(g) for g in groups], [], digests)
+    sibling = sibling_name(storage, reuse_from)
+    stored = _stored_chunks(storage, reuse_from, sibling, chunks, writer)
+    reused: dict[str, list[tuple[str, ChunkRecord]]] = {}
+    sizes: dict[str, int] = {}
+    kept_groups = []
+    for group in groups:
+        kept = []
+        for c in group:
+            found = stored.get((c.fqn, tuple(c.offsets), tuple(c.shape)))
+            if found is not None and found[0] == dtype_to_code(c.dtype) and found[1].sha256 == digests[
+                    (c.fqn, tuple(c.offsets))]:
+                reused.setdefault(found[1].file, []).append((c.fqn, found[1]))
+                sizes[found[1].file] = found[2]
+            else:
+                kept.append(c)
+        if kept:
+            kept_groups.append(kept)
+    files = [WrittenFile(name, sizes[name], writer, tuple(recs)) for name, recs in sorted(reused.items())]
+    return Deduplicated(kept_groups, files, digests)
+
+
+def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequence[WriteChunk],
+                   writer: int) -> dict[_Key, tuple[str, ChunkRecord, int]]:
+    """The earlier checkpoint's records of these chunks' boxes -- dtype code, record (file rebased to
+    a reference from ``storage``), file size -- for files of this writer that are still whole."""
+    try:
+        reader = NativeReader(Storage(reuse_from, storage.storage_options))
+        wanted: dict[str, list] = {}
+        for c in chunks:
+            wanted.setdefault(c.fqn, []).append((tuple(c.offsets), tuple(c.shape)))
+        reader.focus(wanted)
+        manifest = reader.manifest
+    except (ShardkitError, OSError) as exc:
+        log.warning("writing every chunk: could not read %s to reuse its chunks (%s)", reuse_from, exc)
+        return {}
+    out: dict[_Key, tuple[str, ChunkRecord, int]] = {}
+    usable: dict[str, bool] = {}
+    for fqn, boxes in wanted.items():
+        t = manifest.tensors.get(fqn)
+        for rec in t.chunks if t is not None else ():
+            info = manifest.files[rec.file]
+            if rec.sha256 is None or info.writer != writer or rec.box not in boxes:
+                continue
+            name = rebase_reference(rec.file, sibling)
+            if name not in usable:
+                usable[name] = _still_whole(storage, name, info.size)
+            if usable[name]:
+                out[(fqn, *rec.box)] = (t.dtype, replace(rec, file=name), info.size)
+    return out
+
+
+def _still_whole(storage: Storage, name: str, size: int) -> bool:
+    """A referenced file must be there with the size its checkpoint recorded (it may have been deleted by
+    hand); otherwise its chunks are written again."""
+    try:
+        found = storage.size(name)
+    except (CheckpointNotFound, ShardkitError, OSError):
+        found = None
+    if found != size:
+        log.warning("not reusing %s: it is %s, the checkpoint that wrote it records %d bytes", storage.where(name),
+                    "missing" if found is None else f"{found} bytes", size)
+    return found == size
+
+
+def with_digests(files: Sequence[WrittenFile], digests: dict[tuple[str, tuple[int, ...]], str]) -> list[WrittenFile]:
+    """``files`` with each chunk record carrying its digest."""
+    return [replace(f, chunks=tuple((fqn, replace(rec, sha256=digests.get((fqn, rec.offsets), rec.sha256)))
+                                    for fqn, rec in f.chunks)) for f in files]

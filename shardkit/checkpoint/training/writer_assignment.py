@@ -1,0 +1,75 @@
+"""Which rank writes which box: the lowest rank holding it, agreed once and reused while nothing changed.
+
+Every stored element must be written exactly once, whether it is replicated on
+a mesh dim of its tensor (HSDP), held by ranks outside the tensor's mesh, or a
+plain tensor.  The ranks exchange the boxes they hold (JSON over the process
+group) and each writes the boxes no lower rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.geometry.boxes import Box
+from shardkit.checkpoint.io.dist import Dist
+
+__all__ = ["assign_writers", "WriterAssignments", "writer_assignments"]
+
+
+def assign_writers(dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict[str, list[Box]]:
+    """Of the boxes this rank holds (``{fqn: [box, ...]}``), the ones it writes: those no lower rank holds.
+
+    Collective: every rank must call it, in the same order; a rank whose
+    planning failed passes ``None`` (it holds nothing) so the others do not
+    wait for it.  Only boxes this rank may write after the local rule
+    (:func:`~shardkit.checkpoint.geometry.placements.lowest_replica`) travel,
+    as JSON; a box held identically by several ranks -- whether the replica
+    dimension is part of the tensor's own mesh or not -- is written by the
+    lowest of them.  Boxes are compared whole: two ranks holding *different*
+    but overlapping boxes of one tensor is a layout no mesh produces, and the
+    manifest check at commit refuses it, naming the tensor.
+    """
+    mine = {k: [[list(b[0]), list(b[1])] for b in boxes] for k, boxes in (held or {}).items()}
+    everyone = dist.all_gather_json(mine)
+    taken: dict[str, set[str]] = {}
+    for rank_boxes in everyone[:dist.group_rank]:
+        for key, boxes in (rank_boxes or {}).items():
+            taken.setdefault(key, set()).update(repr(b) for b in boxes)
+    return {key: [tuple(map(tuple, b)) for b in boxes if repr(b) not in taken.get(key, ())]
+            for key, boxes in mine.items()}
+
+
+class WriterAssignments:
+    """The last :func:`assign_writers` result of one process group, reused while nothing changed.
+
+    A training job saves the same structure again and again; the exchange of
+    every rank's boxes is then the same each time.  Every rank keeps what it
+    held and what it was told to write at the last exchange, numbered by a
+    generation all ranks count together.  A later save agrees in one small
+    all-reduce that every rank holds exactly what it held then, at the same
+    generation -- then each reuses its answer -- else all exchange again.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, tuple[Any, int, str | None, dict[str, list[Box]] | None]] = {}
+
+    @staticmethod
+    def signature(dist: Dist, held: Mapping[str, Sequence[Box]]) -> str:
+        return repr((dist.group_rank, dist.group_size, sorted(
+            (k, [tuple(map(tuple, b)) for b in boxes]) for k, boxes in held.items())))
+
+    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None,
+               signature: str | None = None) -> dict[str, list[Box]]:
+        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known)."""
+        if held is not None and signature is None:
+            signature = self.signature(dist, held)
+        group, generation, last, writes = self._groups.get(id(dist.group), (dist.group, 0, None, None))
+        if group is dist.group and dist.all_same(signature is not None and signature == last, generation):
+            assert writes is not None
+            return {k: list(boxes) for k, boxes in writes.items()}
+        writes = assign_writers(dist, held)
+        self._groups[id(dist.group)] = (dist.group, generation + 1, signature, writes if held is not None else None)
+        return writes
+
+
+writer_assignments = WriterAssignments()  # one per process: the last exchange of each process group
