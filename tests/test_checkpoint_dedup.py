@@ -77,7 +77,7 @@ def same(a: nn.Module, b: nn.Module) -> bool:
 
 
 def three_steps(root: Path, **options) -> skc.CheckpointManager:
-    manager = skc.CheckpointManager(str(root), dedup=True, chunk_bytes=CHUNK, **options)
+    manager = skc.CheckpointManager(str(root), **{"dedup": True, **options}, chunk_bytes=CHUNK)
     model = FineTune()
     for step in (1, 2, 3):
         manager.save(step, at_step(model, step), rng=False)
@@ -94,7 +94,7 @@ def test_a_step_that_changed_only_the_head_writes_only_the_head(tmp_path):
     doc = manifest_of(third)
     assert doc["version"] == 4 and doc["references"] == [first.name]
     chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
-    assert all(len(c["sha256"]) == 64 for c in chunks)
+    assert all(c["digest"].startswith("xxh3-128:") and len(c["digest"]) == 9 + 32 for c in chunks)
     assert {c["file"].split("/")[1] for c in chunks if c["file"].startswith("../")} == {first.name}
     assert same(loaded(str(third)), at_step(FineTune(), 3))
     assert skc.verify(str(third)).ok
@@ -207,8 +207,9 @@ def test_a_referenced_file_deleted_by_hand_is_written_again_by_the_next_save(tmp
     assert same(loaded(manager.url_of(4)), at_step(FineTune(), 4))
 
 
-def test_async_dedup_saves_reference_too(tmp_path):
-    manager = three_steps(tmp_path, async_save=True, writer="thread")
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_dedup_saves_reference_too(tmp_path, writer):
+    manager = three_steps(tmp_path, async_save=True, writer=writer)
     assert manifest_of(step_path(tmp_path, 3))["references"] == [step_path(tmp_path, 1).name]
     assert same(loaded(manager.url_of(3)), at_step(FineTune(), 3))
 
@@ -257,10 +258,37 @@ def test_a_malformed_digest_is_refused(tmp_path):
     three_steps(tmp_path)
     third = step_path(tmp_path, 3)
     doc = manifest_of(third)
-    next(iter(doc["tensors"].values()))["chunks"][0]["sha256"] = "XYZ"
+    next(iter(doc["tensors"].values()))["chunks"][0]["digest"] = "md5:XYZ"
     (third / "manifest.json").write_text(json.dumps(doc))
-    with pytest.raises(InvalidManifest, match="sha256"):
+    with pytest.raises(InvalidManifest, match="digest"):
         skc.open_reader(str(third))
+
+
+def test_sha256_digests_for_those_who_need_a_cryptographic_hash(tmp_path):
+    three_steps(tmp_path, dedup="sha256")
+    doc = manifest_of(step_path(tmp_path, 3))
+    assert doc["references"] == [step_path(tmp_path, 1).name]
+    assert all(c["digest"].startswith("sha256:") for t in doc["tensors"].values() for c in t["chunks"])
+    assert same(loaded(str(step_path(tmp_path, 3))), at_step(FineTune(), 3))
+
+
+def test_a_step_hashed_with_another_algorithm_is_not_reused(tmp_path):
+    three_steps(tmp_path, dedup="sha256")
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    manager.save(4, at_step(FineTune(), 4), rng=False)
+    assert "references" not in manifest_of(step_path(tmp_path, 4))
+    manager.save(5, at_step(FineTune(), 5), rng=False)
+    assert manifest_of(step_path(tmp_path, 5))["references"] == [step_path(tmp_path, 4).name]
+
+
+def test_an_unknown_digest_algorithm_is_refused_up_front(tmp_path):
+    from shardkit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="md5"):
+        skc.CheckpointManager(str(tmp_path), dedup="md5")
+    with pytest.raises(ConfigurationError, match="md5"):
+        skc.save({"x": torch.zeros(3)}, str(tmp_path / "x"), digests="md5")
+    assert not (tmp_path / "x").exists()
 
 
 # -- a kill at any moment of a dedup save ------------------------------------------------------------

@@ -35,6 +35,7 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.repeat_staging import RepeatStaging
 from shardkit.checkpoint.training.save import save_options, write_and_commit
 from shardkit.checkpoint.training.staging import StagingPool
@@ -82,7 +83,7 @@ class BackgroundSaver:
                io_threads: int, process_group: Any = None, direct_io: bool = True,
                keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
                column_strips: str = "cut", writer: str = "process",
-               child_options: Mapping[str, Any] | None = None, digests: bool = False,
+               child_options: Mapping[str, Any] | None = None, digests: bool | str = False,
                reuse_from: str | None = None) -> Future:
         """Plan and stage on this thread, write and commit in the background; ``child_options``: the
         storage options the writer process rebuilds the storage from (see :func:`choose_writer`)."""
@@ -160,7 +161,7 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
                only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-               column_strips: str = "cut", writer: str | None = None, digests: bool = False,
+               column_strips: str = "cut", writer: str | None = None, digests: bool | str = False,
                reuse_from: str | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
@@ -177,6 +178,7 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     ``digests``/``reuse_from``: as for :func:`save` (the hashing runs in the background).
     """
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
+    digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None
     storage = Storage(url, storage_options)
     mode, child_options = choose_writer(writer, storage, storage_options)

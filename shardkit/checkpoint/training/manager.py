@@ -54,6 +54,7 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
 from shardkit.checkpoint.state.tree import from_json_value, to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
+from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.load import load
 from shardkit.checkpoint.training.save import save
 from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest
@@ -85,12 +86,14 @@ class CheckpointManager:
     and uploads in the background (the next ``save`` or :meth:`wait` waits for
     it), through ``writer`` (see :func:`~shardkit.checkpoint.async_save`).
     ``compression`` and ``storage_options`` are passed to every save/load.
-    ``dedup``: store the sha256 of every chunk, and reference the chunks the
-    newest committed step already stores instead of writing them again (a
-    fine-tune's frozen base is then written once).
+    ``dedup``: store a digest of every chunk (``True``: xxh3-128; or name the
+    algorithm, ``"sha256"``), and reference the chunks the newest committed
+    step already stores instead of writing them again (a fine-tune's frozen
+    base is then written once).
     """
 
-    def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False, dedup: bool = False,
+    def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
+                 dedup: bool | str = False,
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, writer: str | None = None, **save_options: Any) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -103,7 +106,7 @@ class CheckpointManager:
         self.root_url = self.root.url
         self.keep_last = keep_last
         self.async_save = async_save
-        self.dedup = bool(dedup)
+        self.dedup = digest_algorithm(dedup) if dedup else None
         self.compression = compression
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
@@ -159,7 +162,7 @@ class CheckpointManager:
             base = max((s for s in self.steps() if s != step), default=None) if Dist(self.process_group).rank == 0 \
                 else None
             base = Dist(self.process_group).broadcast_json(base)  # every rank references the same step
-            opts.update(digests=True, reuse_from=None if base is None else self.url_of(base))
+            opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
         if self.async_save:
             upload = _async_save(state, url, writer=self.writer, **opts)
             done: Future = Future()

@@ -61,7 +61,7 @@ from shardkit.checkpoint.state.tree import (
     keep_keys,
     to_json_value,
 )
-from shardkit.checkpoint.training.dedup import deduplicate, with_digests
+from shardkit.checkpoint.training.dedup import deduplicate, digest_algorithm, with_digests
 from shardkit.checkpoint.training.writer_assignment import WriterAssignments, writer_assignments
 from shardkit.errors import (
     CheckpointError,
@@ -243,7 +243,7 @@ FileJobs = list[tuple[str, list[WriteChunk]]]
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
                      compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
                      meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True,
-                     column_strips: str = "cut", digests: bool = False, reuse_from: str | None = None,
+                     column_strips: str = "cut", digests: bool | str = False, reuse_from: str | None = None,
                      write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
 
@@ -261,7 +261,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
             token = new_token()
             groups = plan.groups
             if digests or reuse_from is not None:
-                found = deduplicate(groups, storage, reuse_from, dist.rank, io_threads)
+                found = deduplicate(groups, storage, reuse_from, dist.rank, io_threads, digest_algorithm(digests or True))
                 groups, reused = found.groups, found.reused
             jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(groups)]
             if write_files is not None:
@@ -357,7 +357,7 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
          io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
-         exclude: Sequence[str] | None = None, column_strips: str = "cut", digests: bool = False,
+         exclude: Sequence[str] | None = None, column_strips: str = "cut", digests: bool | str = False,
          reuse_from: str | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
@@ -378,11 +378,12 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     what it needs -- by default those whose columns this layout cut (tensor
     parallelism's ``Shard(1)``); ``"all"`` for a checkpoint of whole rows that
     will be loaded under tensor parallelism (docs/format.md).
-    ``digests`` stores every chunk's sha256; ``reuse_from`` (an earlier committed checkpoint in the same
+    ``digests`` stores every chunk's digest (``True``: xxh3-128, or ``"sha256"``); ``reuse_from`` (an earlier committed checkpoint in the same
     directory) references its chunks that are unchanged instead of writing them again (what
     ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
     """
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
+    digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None
     dist = Dist(process_group)
     storage = Storage(url, storage_options)

@@ -11,7 +11,7 @@ Schema (versions 1, 2 and 4 without index files; docs/format.md is the full spec
                                    "key": "...", "start": int, "nbytes": int, "codec": "raw" | "zstd",
                                    "block": int, "crc32c": "<base64 LE uint32 per block>",
                                    "strips": [dim, width],       # optional, version 2: column strips
-                                   "sha256": "<hex>"}]}},        # optional: digest of the raw bytes
+                                   "digest": "xxh3-128:<hex>"}]}},  # optional: of the raw bytes (dedup)
      "values": {fqn: <JSON value>},
      "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
      "files":  {name: {"size": int, "writer": int}}}
@@ -106,7 +106,7 @@ class ChunkRecord:
     block: int                 # checksum block size in bytes (over the stored bytes)
     crc32c: tuple[int, ...]    # one crc32c per block (per block of each strip, strip after strip)
     strips: tuple[int, int] | None = None  # (dim, width): stored as column strips, see the module docstring
-    sha256: str | None = None  # hex digest of the raw bytes, written for dedup (references.py)
+    digest: str | None = None  # "<algorithm>:<hex>" of the raw bytes, written for dedup (references.py)
 
     @property
     def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -132,7 +132,7 @@ class ChunkRecord:
         return {"offsets": list(self.offsets), "shape": list(self.shape), "file": self.file, "key": self.key,
                 "start": self.start, "nbytes": self.nbytes, "codec": self.codec, "block": self.block,
                 "crc32c": pack_crcs(self.crc32c), **({"strips": list(self.strips)} if self.strips else {}),
-                **({DIGEST_NAME: self.sha256} if self.sha256 else {})}
+                **({DIGEST_NAME: self.digest} if self.digest else {})}
 
 
 def crc_count(box: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, block: int,

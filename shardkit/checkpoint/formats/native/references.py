@@ -1,8 +1,10 @@
 """Format version 4: chunks a checkpoint shares with an earlier checkpoint beside it, and chunk digests.
 
-``CheckpointManager(dedup=True)`` stores, with every chunk it writes, the
-sha256 of the chunk's raw bytes (row-major, little-endian, before any
-compression).  A later step whose chunk has the same key, box, dtype and
+``CheckpointManager(dedup=True)`` stores, with every chunk it writes, a
+digest of the chunk's raw bytes (row-major, little-endian, before any
+compression): ``"digest": "<algorithm>:<hex>"``, where the algorithm is
+``xxh3-128`` (XXH3's 128-bit hash, seed 0, canonical big-endian hex: 32
+digits) or ``sha256`` (64 digits).  A later step whose chunk has the same key, box, dtype and
 digest does not write it again: its record points at the earlier step's data
 file through a *reference* ``../<step dir>/data/<file>`` -- a sibling under
 the same root, exactly one level up (:func:`~shardkit.checkpoint.io.names.check_reference`).
@@ -22,12 +24,13 @@ from typing import Any, Iterable
 from shardkit.checkpoint.io.names import check_name, check_reference, split_reference
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 
-__all__ = ["REFERENCES_VERSION", "DIGEST_NAME", "check_file_name", "referenced_dirs", "parse_digest",
-           "parse_references", "rebase_reference"]
+__all__ = ["REFERENCES_VERSION", "DIGEST_NAME", "DIGEST_ALGORITHMS", "check_file_name", "referenced_dirs",
+           "parse_digest", "parse_references", "rebase_reference"]
 
 REFERENCES_VERSION = 4   # the first format version whose files may be references
-DIGEST_NAME = "sha256"   # the chunk record field holding the digest of the chunk's raw bytes
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+DIGEST_NAME = "digest"   # the chunk record field holding the digest of the chunk's raw bytes
+DIGEST_ALGORITHMS = {"xxh3-128": 32, "sha256": 64}  # algorithm -> hex digits
+_DIGEST = re.compile(r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$")
 
 
 def check_file_name(name: Any, where: str, version: int) -> str:
@@ -64,11 +67,12 @@ def _bad_dir(value: Any, where: str) -> str:
 
 
 def parse_digest(value: Any, where: str) -> str | None:
-    """A chunk record's optional ``"sha256"``: 64 lower-case hex digits."""
+    """A chunk record's optional ``"digest"``: ``xxh3-128:`` and 32 or ``sha256:`` and 64 lower-case hex digits."""
     if value is None:
         return None
-    if not isinstance(value, str) or not _HEX64.match(value):
-        raise InvalidManifest(f"{where}: {DIGEST_NAME} must be 64 lower-case hex digits, got {value!r:.100}")
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise InvalidManifest(f"{where}: {DIGEST_NAME} must be 'xxh3-128:<32 hex digits>' or 'sha256:<64 hex "
+                              f"digits>', got {value!r:.100}")
     return value
 
 
