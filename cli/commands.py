@@ -273,6 +273,8 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     tot = info["totals"]
     click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
                f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")
+    for sibling, nbytes in info.get("references", {}).items():
+        click.echo(f"references {human_bytes(nbytes)} of unchanged chunks stored by ../{sibling}")
     return 0
 
 

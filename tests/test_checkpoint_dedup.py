@@ -174,6 +174,10 @@ def test_a_hand_deleted_referenced_step_is_named_by_verify(tmp_path):
     assert not report.ok
     assert any(step_path(tmp_path, 1).name in p and "deleted or moved by hand" in p for p in report.problems), \
         report.problems
+    from tests.offline_cli import run_cli
+
+    out = run_cli("verify", str(step_path(tmp_path, 3)))
+    assert out.exit_code != 0 and "deleted or moved by hand" in out.stdout + out.stderr
 
 
 def test_load_fails_before_writing_any_target_when_a_referenced_file_is_missing(tmp_path):
@@ -381,3 +385,18 @@ def test_every_rank_references_its_own_unchanged_chunks(tmp_path, layout, indexe
     assert all(torch.equal(plain[k], v) for k, v in _values(2).items())
     assert run_on_ranks(3, _load_on_ranks, str(second)) == [True] * 3
     assert skc.verify(str(second)).ok
+
+
+def test_inspect_names_the_steps_a_checkpoint_references(tmp_path):
+    from tests.offline_cli import run_cli
+
+    three_steps(tmp_path)
+    third, first = str(step_path(tmp_path, 3)), step_path(tmp_path, 1).name
+    info = skc.inspect(third)
+    assert info["version"] == 4 and list(info["references"]) == [first]
+    assert info["references"][first] == info["totals"]["bytes"] - head_bytes(FineTune())
+    assert "references" not in skc.inspect(str(step_path(tmp_path, 1)))
+    out = run_cli("inspect", third)
+    assert out.exit_code == 0 and f"stored by ../{first}" in out.stdout
+    out = run_cli("verify", third)
+    assert out.exit_code == 0, out.stderr

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 from shardkit.checkpoint.formats import format_module, normalize_format, open_reader
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
+from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.common import (
     DEFAULT_MAX_MEMORY,
@@ -295,6 +296,16 @@ def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(model_keys) if model_keys is not None else None
 
 
+def _referenced_bytes(source: Any) -> dict[str, int]:
+    """Stored bytes per sibling checkpoint a native checkpoint references (empty for any other)."""
+    out: dict[str, int] = {}
+    for t in source.manifest.tensors.values() if getattr(source.info, "format", "") == "shardkit" else ():
+        for rec in t.chunks:
+            if (parts := split_reference(rec.file)) is not None:
+                out[parts[0]] = out.get(parts[0], 0) + rec.nbytes
+    return dict(sorted(out.items()))
+
+
 def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
 
@@ -304,6 +315,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     Where the writer recorded how it held its tensors (native checkpoints
     saved by a job), ``layout["layouts"]`` lists each mesh and placements with
     its number of tensors, and each tensor carries its ``mesh`` and ``placements``.
+    A native checkpoint saved with dedup lists under ``references`` the sibling
+    checkpoints whose data files it reads, with the bytes it reads from each.
     """
     source = open_reader(src, storage_options)
     try:
@@ -320,11 +333,13 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
         layouts = [{"mesh": e["mesh"], "placements": e["placements"], "tensors": len(e["tensors"])}
                    for e in info.layouts]
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh), ("layouts", layouts)) if v}
+        shared = _referenced_bytes(source)
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
                            "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
                            "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}}
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))},
+                **({"references": shared} if shared else {})}
     finally:
         source.close()
