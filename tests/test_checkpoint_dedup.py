@@ -400,3 +400,28 @@ def test_inspect_names_the_steps_a_checkpoint_references(tmp_path):
     assert out.exit_code == 0 and f"stored by ../{first}" in out.stdout
     out = run_cli("verify", third)
     assert out.exit_code == 0, out.stderr
+
+
+def test_saving_a_step_again_with_dedup_keeps_using_its_own_files(tmp_path):
+    manager = three_steps(tmp_path)
+    manager.save(1, at_step(FineTune(), 1), rng=False)  # reuses from step 3, which reads step 1's base
+    assert "references" not in manifest_of(step_path(tmp_path, 1))
+    shutil.rmtree(step_path(tmp_path, 2))
+    shutil.rmtree(step_path(tmp_path, 3))
+    assert skc.verify(manager.url_of(1)).ok
+    assert same(loaded(manager.url_of(1)), at_step(FineTune(), 1))
+
+
+def test_load_latest_falls_back_past_a_step_whose_referenced_data_is_gone(tmp_path, caplog):
+    manager = three_steps(tmp_path)
+    model = at_step(FineTune(), 4)
+    with torch.no_grad():
+        model.base.weight.add_(1.0)
+        model.base.bias.add_(1.0)
+    manager.save(4, model, rng=False)  # a new base, written in full
+    manager.save(5, at_step(model, 5), rng=False)  # reads step 4's base
+    shutil.rmtree(step_path(tmp_path, 4) / "data")
+    fresh = FineTune()
+    step, _ = manager.load_latest(fresh)
+    assert step == 3 and same(fresh, at_step(FineTune(), 3))
+    assert step_path(tmp_path, 4).name in caplog.text

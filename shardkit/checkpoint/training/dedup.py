@@ -149,7 +149,7 @@ def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequ
             info = manifest.files[rec.file]
             if rec.digest is None or info.writer != writer or rec.box not in boxes:
                 continue
-            name = rebase_reference(rec.file, sibling)
+            name = rebase_reference(rec.file, sibling, storage.url.rstrip("/").rpartition("/")[2])
             if name not in usable:
                 usable[name] = _still_whole(storage, name, info.size)
             if usable[name]:

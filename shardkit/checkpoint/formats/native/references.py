@@ -76,7 +76,11 @@ def parse_digest(value: Any, where: str) -> str | None:
     return value
 
 
-def rebase_reference(name: str, sibling: str) -> str:
-    """How a checkpoint beside ``sibling`` names ``sibling``'s file ``name``: its own files become
-    references into it, and its references stay as they are (they already name a sibling)."""
-    return name if split_reference(name) is not None else f"../{sibling}/{name}"
+def rebase_reference(name: str, sibling: str, own: str) -> str:
+    """How checkpoint ``own`` names file ``name`` of its sibling ``sibling``: the sibling's own files become
+    references into it, its references stay as they are (they already name a sibling) -- except one into
+    ``own`` itself, which becomes a plain name again (so the cleanup after a commit sees it is used)."""
+    parts = split_reference(name)
+    if parts is None:
+        return f"../{sibling}/{name}"
+    return parts[1] if parts[0] == own else name
