@@ -68,13 +68,15 @@ from shardkit.errors import (
     CheckpointExists,
     ConfigurationError,
     ShardkitError,
+    UnsupportedFormat,
     error_record,
     from_record,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "plan_save", "layouts_of", "write_and_commit", "save_options", "structure_of"]
+__all__ = ["save", "SavePlan", "plan_save", "layouts_of", "write_and_commit", "save_options", "structure_of",
+           "check_storable"]
 
 
 class SavePlan:
@@ -170,7 +172,7 @@ def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, A
     held: dict[str, list[Box]] = {}
     local_boxes: dict[tuple[str, Box], Box] = {}
     for key, tensor in flat_tensors.items():
-        dtype_to_code(tensor.dtype)  # unsupported dtypes fail here, before anything is written
+        check_storable(key, tensor)  # unsupported dtypes and tensor subclasses fail here, before anything is written
         if key in aliases:
             continue
         tensors[key] = (tensor.dtype, tuple(tensor.shape))
@@ -184,6 +186,18 @@ def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, A
     return {"aliases": aliases, "tensors": tensors, "held": held, "local_boxes": local_boxes,
             "layouts": layouts_of(flat_tensors), "held_signature": WriterAssignments.signature(dist, held),
             "chunks": None}
+
+
+def check_storable(key: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor the native format cannot hold: a dtype without a code, or a tensor subclass that
+    dispatches its own operations (torchao's float8 weights, NF4, any wrapper subclass) -- its bytes are
+    not the values it stands for, and saving them would load back wrong, so it is named instead."""
+    dtype_to_code(tensor.dtype)
+    local = local_tensor(tensor)
+    if getattr(type(local), "__torch_dispatch__", None) is not getattr(torch.Tensor, "__torch_dispatch__", None):
+        raise UnsupportedFormat(f"{key!r} is a {type(local).__module__}.{type(local).__qualname__}, a tensor "
+                                f"subclass whose stored bytes are not its values; save a plain tensor of what it "
+                                f"holds instead (e.g. its dequantized or high-precision form)")
 
 
 def _chunk_boxes(derived: dict[str, Any], writes: Mapping[str, Sequence[Box]], chunk_bytes: int

@@ -38,10 +38,13 @@ from shardkit.errors import (
     UnsupportedFormat,
 )
 
-__all__ = ["write_torch_save", "write_archive", "check_tensors", "TensorRef"]
+__all__ = ["write_torch_save", "write_archive", "check_tensors", "TensorRef", "UNTYPED_STORAGE_DTYPES"]
 
 _ALIGN = 64
 _ARCHIVE = "archive"
+# dtypes torch.save writes as an UntypedStorage and _rebuild_tensor_v3 (no typed storage class exists)
+UNTYPED_STORAGE_DTYPES = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
 
 
 def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
@@ -51,10 +54,10 @@ def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -
     there is never removed for a conversion that would fail midway.
     """
     for fqn, dtype, _ in tensors:
-        if dtype not in STORAGE_TYPES:
+        if dtype not in STORAGE_TYPES and dtype not in UNTYPED_STORAGE_DTYPES:
+            supported = sorted(str(d).replace("torch.", "") for d in (*STORAGE_TYPES, *UNTYPED_STORAGE_DTYPES))
             raise UnsupportedFormat(f"{fqn!r} is {dtype}, which torch.save/DCP output cannot hold (supported: "
-                                    f"{', '.join(sorted(str(d).replace('torch.', '') for d in STORAGE_TYPES))}); "
-                                    "exclude it or cast it with --dtype")
+                                    f"{', '.join(supported)}); exclude it or cast it with --dtype")
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,20 @@ class TensorRef:
 
 def _rebuild(ref: Any) -> Call | None:
     """The ``data.pkl`` form of a tensor, as torch.save writes it: ``_rebuild_tensor_v2`` of a
-    persistent storage reference, contiguous strides, no grad, no hooks."""
+    persistent storage reference, contiguous strides, no grad, no hooks -- or, for a dtype with no
+    typed storage class (float8), ``_rebuild_tensor_v3`` of an ``UntypedStorage`` of its bytes, with
+    the dtype last."""
     if not isinstance(ref, TensorRef):
         return None
-    storage = Persistent(("storage", Global("torch", STORAGE_TYPES[ref.dtype]), ref.key, "cpu",
-                          math.prod(ref.shape)))
-    return Call("torch._utils", "_rebuild_tensor_v2", (storage, 0, PickleTuple(ref.shape),
-                                                       PickleTuple(contiguous_strides(ref.shape)), False,
-                                                       Call("collections", "OrderedDict", ())))
+    args = (0, PickleTuple(ref.shape), PickleTuple(contiguous_strides(ref.shape)), False,
+            Call("collections", "OrderedDict", ()))
+    if ref.dtype in STORAGE_TYPES:
+        storage = Persistent(("storage", Global("torch", STORAGE_TYPES[ref.dtype]), ref.key, "cpu",
+                              math.prod(ref.shape)))
+        return Call("torch._utils", "_rebuild_tensor_v2", (storage, *args))
+    storage = Persistent(("storage", Global("torch.storage", "UntypedStorage"), ref.key, "cpu",
+                          math.prod(ref.shape) * ref.dtype.itemsize))
+    return Call("torch._utils", "_rebuild_tensor_v3", (storage, *args, ref.dtype))
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
