@@ -155,3 +155,79 @@ def test_a_plain_python_subclass_is_its_bytes_and_saves(tmp_path):
     out = {"t": torch.empty(5)}
     skc.load(out, str(tmp_path / "ckpt"))
     assert torch.equal(out["t"], t.as_subclass(torch.Tensor))
+
+
+# -- blockwise-scaled FP8 checkpoints (DeepSeek-V3's layout), dequantized by --dtype ---------------------
+
+def reference_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The published formula, block by block: ``y[i, j] = x[i, j] * s[i // 128, j // 128]`` in float32."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for bi in range(scale_inv.shape[0]):
+        for bj in range(scale_inv.shape[1]):
+            rows, cols = slice(bi * 128, (bi + 1) * 128), slice(bj * 128, (bj + 1) * 128)
+            out[rows, cols] = weight[rows, cols].to(torch.float32) * scale_inv[bi, bj]
+    return out.to(dtype)
+
+
+def fp8_hf_folder(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(11)
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(300, 200, generator=g) * 4).to(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.rand(3, 2, generator=g) / 100,
+        "model.layers.0.mlp.gate_proj.weight": (torch.randn(130, 257, generator=g) * 4).to(torch.float8_e4m3fn),
+        "model.layers.0.mlp.gate_proj.weight_scale_inv": torch.rand(2, 3, generator=g) / 100,
+        "model.norm.weight": torch.rand(200, generator=g).to(torch.bfloat16),
+    }
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def test_convert_dtype_dequantizes_blockwise_fp8_like_the_published_formula(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.offline_cli import run_cli
+
+    src = fp8_hf_folder(tmp_path / "fp8")
+    result = run_cli("convert", str(tmp_path / "fp8"), str(tmp_path / "bf16"), "--to", "hf", "--dtype", "bf16")
+    assert result.exit_code == 0, result.stderr
+    out = load_file(str(tmp_path / "bf16" / "model-00001-of-00001.safetensors"))
+    assert not any(k.endswith("_scale_inv") for k in out)
+    for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+        assert out[key].dtype == torch.bfloat16
+        assert torch.equal(out[key], reference_dequant(src[key], src[key + "_scale_inv"], torch.bfloat16)), key
+    assert torch.equal(out["model.norm.weight"], src["model.norm.weight"])
+
+
+def test_reshard_dequantizes_boxes_that_do_not_start_on_a_block_edge(tmp_path):
+    src = fp8_hf_folder(tmp_path / "fp8")
+    skc.reshard(str(tmp_path / "fp8"), str(tmp_path / "ws3"), world_size=3, dtype="fp32")  # rows 100, 100, 100
+    key = "model.layers.0.mlp.down_proj.weight"
+    reader = skc.open_reader(str(tmp_path / "ws3"))
+    assert [c.shape[0] for c in reader.tensors()[f"model.{key}"].chunks] == [100, 100, 100]
+    assert not any(k.endswith("_scale_inv") for k in reader.tensors())
+    out = {f"model.{key}": torch.empty(300, 200)}
+    skc.load(out, str(tmp_path / "ws3"), strict=False)
+    assert torch.equal(out[f"model.{key}"], reference_dequant(src[key], src[key + "_scale_inv"], torch.float32))
+
+
+def test_fp8_without_dtype_is_copied_as_it_is_scales_included(tmp_path):
+    src = fp8_hf_folder(tmp_path / "fp8")
+    skc.convert(str(tmp_path / "fp8"), str(tmp_path / "copy"), to="shardkit")
+    entries = skc.open_reader(str(tmp_path / "copy")).tensors()
+    assert {k[len("model."):] for k in entries} == set(src)
+
+
+def test_a_scale_that_is_not_one_per_block_is_refused_naming_both_keys(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardkit.errors import ConfigurationError
+
+    (tmp_path / "fp8").mkdir()
+    save_file({"w.weight": torch.zeros(300, 200).to(torch.float8_e4m3fn), "w.weight_scale_inv": torch.ones(2, 2)},
+              str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ConfigurationError, match="w.weight_scale_inv.*w.weight"):
+        skc.convert(str(tmp_path / "fp8"), str(tmp_path / "out"), to="hf", dtype="bf16")
+    assert not (tmp_path / "out").exists()

@@ -196,7 +196,7 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
     native output resumes and parallelises; see docs/cli.md).
     """
     storage = dest.storage
-    fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True)
+    fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales)
     block = _block_bytes(budget)
     on_bytes = progress.update if progress else (lambda n: None)
     if progress:

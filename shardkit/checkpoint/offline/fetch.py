@@ -6,7 +6,10 @@ engine's :func:`~shardkit.checkpoint.formats.base.plan_reads` (overlap of the
 stored chunks with the box) and lets the source's reader fill it -- ranged,
 checksum-verified reads for native, header-addressed ranges for safetensors.
 Renames and dtype casts of the selection are applied here, so writers only
-ever see output names and output dtypes.
+ever see output names and output dtypes; so is the dequantization of
+blockwise-scaled FP8 weights (``scales``: output name -> source key of its
+``_scale_inv``): ``out[i, j] = weight[i, j] * scale_inv[i // 128, j // 128]``
+in float32, then cast.
 
 Memory is the box (plus its cast, when casting), so a writer that asks for
 boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
@@ -29,6 +32,7 @@ import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["Fetcher"]
@@ -38,7 +42,8 @@ class Fetcher:
     """``fetch(name, offsets, shape)`` → tensor, reading from ``reader`` (thread-safe if the reader is)."""
 
     def __init__(self, reader: CheckpointReader, dtype_for: Mapping[str, torch.dtype] | None = None,
-                 rename_back: Mapping[str, str] | None = None, *, reuse: bool = False) -> None:
+                 rename_back: Mapping[str, str] | None = None, *, reuse: bool = False,
+                 scales: Mapping[str, str] | None = None) -> None:
         self.reader = reader
         self.entries = reader.tensors()
         self.dtype_for = dict(dtype_for or {})
@@ -46,6 +51,7 @@ class Fetcher:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.reuse = reuse
+        self.scales = dict(scales or {})
         self.bytes = 0
 
     def entry(self, name: str) -> TensorEntry:
@@ -66,6 +72,8 @@ class Fetcher:
         with self._lock:
             self.bytes += buf.numel() * buf.element_size()
         want = self.dtype_for.get(name, entry.dtype)
+        if name in self.scales:
+            return self._dequantized(buf, self.scales[name], offsets, shape).to(want)
         if want == entry.dtype:
             return buf
         if not self.reuse:
@@ -73,6 +81,17 @@ class Fetcher:
         out = self._buffer(want, tuple(shape), slot="cast")  # the cast reuses its own buffer too
         out.copy_(buf)
         return out
+
+    def _dequantized(self, weight: torch.Tensor, scale_key: str, offsets: tuple[int, ...],
+                     shape: tuple[int, ...]) -> torch.Tensor:
+        """``weight`` (the box ``offsets``/``shape`` of an FP8 matrix) times its blocks' scales, in float32."""
+        first = tuple(o // SCALE_BLOCK for o in offsets)
+        count = tuple(-(-(o + n) // SCALE_BLOCK) - f for o, n, f in zip(offsets, shape, first))
+        scale = torch.empty(count, dtype=self.entries[scale_key].dtype)
+        if scale.numel():
+            self.reader.read(plan_reads(self.reader, [(scale_key, (first, count), scale)]))
+        rows, cols = (torch.arange(o, o + n) // SCALE_BLOCK - f for o, n, f in zip(offsets, shape, first))
+        return weight.float() * scale.float()[rows][:, cols]
 
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: str = "read") -> torch.Tensor:
         """A view of this thread's ``slot`` buffer, grown to the largest box seen (never shrunk)."""

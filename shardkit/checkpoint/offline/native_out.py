@@ -176,7 +176,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
 
     Returns the records and the number of bytes kept from an earlier run.
     """
-    fetch = Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True)
+    fetch = Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales)
     dtypes = sel.dtype_for
     shapes = {name: shape for name, _, shape in sel.triples}
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)

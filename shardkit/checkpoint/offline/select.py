@@ -6,6 +6,13 @@ the same plain list of ``(name, dtype, shape)`` and a map back to the source
 names.  Errors (a rename that makes two tensors collide, a filter that keeps
 nothing, a dtype that is not a float) are raised before DST is touched.
 
+Blockwise-scaled FP8 weights (as DeepSeek-V3 ships them: ``X.weight`` in
+float8 with ``X.weight_scale_inv`` in float32, one scale per 128x128 block)
+are dequantized by ``--dtype``: the output ``X.weight`` is ``weight *
+scale_inv`` of its block, in the asked dtype, and ``X.weight_scale_inv`` is
+not written (the :class:`~shardkit.checkpoint.offline.fetch.Fetcher` does the
+arithmetic box by box).
+
 Tied keys (a source's aliases) stay tied under their output names when both
 keys are kept in the same dtype; an alias whose key is filtered out, or cast
 differently, becomes a tensor of its own (read from the stored one).
@@ -25,7 +32,10 @@ from shardkit.checkpoint.formats.base import TensorEntry
 from shardkit.checkpoint.formats.codec import itemsize
 from shardkit.errors import ConfigurationError
 
-__all__ = ["Selection", "OutputTensor", "select", "parse_dtype", "parse_rename"]
+__all__ = ["Selection", "OutputTensor", "select", "parse_dtype", "parse_rename", "SCALE_SUFFIX", "SCALE_BLOCK"]
+
+SCALE_SUFFIX = "_scale_inv"  # X.weight_scale_inv scales X.weight, block by block
+SCALE_BLOCK = 128
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -64,6 +74,7 @@ class OutputTensor:
     source: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    scale_inv: str | None = None  # source key of the blockwise scales this FP8 weight is dequantized with
 
 
 @dataclass
@@ -85,6 +96,11 @@ class Selection:
     @property
     def dtype_for(self) -> dict[str, torch.dtype]:
         return {t.name: t.dtype for t in self.tensors}
+
+    @property
+    def scales(self) -> dict[str, str]:
+        """Output name -> source key of its blockwise scales, for the weights ``--dtype`` dequantizes."""
+        return {t.name: t.scale_inv for t in self.tensors if t.scale_inv}
 
     @property
     def triples(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -131,8 +147,9 @@ def select(entries: dict[str, TensorEntry], values: dict[str, Any], *, only: Seq
             name = pattern.sub(repl, name)
         return name
 
+    scales = _blockwise_scales(entries) if want_dtype is not None else {}
     for name, entry in entries.items():
-        if not keep(name):
+        if not keep(name) or name in scales.values():
             dropped.append(name)
             continue
         new = renamed(name)
@@ -142,7 +159,7 @@ def select(entries: dict[str, TensorEntry], values: dict[str, Any], *, only: Seq
         dt = entry.dtype
         if want_dtype is not None and entry.dtype.is_floating_point and (_is_model(name) or dtype_optim):
             dt = want_dtype
-        out.append(OutputTensor(new, name, dt, entry.shape))
+        out.append(OutputTensor(new, name, dt, entry.shape, scales.get(name) if dt == want_dtype else None))
     for name, value in values.items():
         if keep(name):
             kept_values[renamed(name)] = value
@@ -157,3 +174,20 @@ def select(entries: dict[str, TensorEntry], values: dict[str, Any], *, only: Seq
         if a is not None and t is not None and a.dtype == t.dtype:
             tied[a.name] = t.name
     return Selection(out, kept_values, dropped, tied)
+
+
+def _blockwise_scales(entries: Mapping[str, TensorEntry]) -> dict[str, str]:
+    """FP8 weight key -> its ``_scale_inv`` key, for every float8 matrix stored with one float scale per
+    128x128 block; a scale of any other shape is refused, naming both keys."""
+    found = {}
+    for name, entry in entries.items():
+        scale = entries.get(name + SCALE_SUFFIX)
+        if scale is None or entry.dtype.itemsize != 1 or not entry.dtype.is_floating_point:
+            continue
+        want = tuple(-(-n // SCALE_BLOCK) for n in entry.shape)
+        if len(entry.shape) != 2 or tuple(scale.shape) != want or not scale.dtype.is_floating_point:
+            raise ConfigurationError(f"{name + SCALE_SUFFIX!r} is {scale.dtype} {list(scale.shape)}; dequantizing "
+                                     f"{name!r} {list(entry.shape)} needs one float scale per {SCALE_BLOCK}x"
+                                     f"{SCALE_BLOCK} block, {list(want)}")
+        found[name] = name + SCALE_SUFFIX
+    return found
