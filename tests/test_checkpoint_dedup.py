@@ -425,3 +425,12 @@ def test_load_latest_falls_back_past_a_step_whose_referenced_data_is_gone(tmp_pa
     step, _ = manager.load_latest(fresh)
     assert step == 3 and same(fresh, at_step(FineTune(), 3))
     assert step_path(tmp_path, 4).name in caplog.text
+
+
+def test_retention_keeps_referenced_data_even_when_its_manifest_was_deleted_by_hand(tmp_path):
+    manager = three_steps(tmp_path, keep_last=1)
+    (step_path(tmp_path, 1) / "manifest.json").unlink()  # step 1 is no checkpoint now, but step 3 reads its data
+    manager.save(4, at_step(FineTune(), 4), rng=False)  # retention would sweep an interrupted save
+    assert (step_path(tmp_path, 1) / "data").is_dir()
+    assert skc.verify(manager.url_of(4)).ok
+    assert same(loaded(manager.url_of(4)), at_step(FineTune(), 4))

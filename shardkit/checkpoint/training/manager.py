@@ -211,7 +211,6 @@ class CheckpointManager:
         newest = max(committed_steps, default=committed)
         doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
             else set()
-        doomed -= self._referenced({s: dirs[s] for s in committed_steps}, doomed)
         surveys: dict[int, DirectorySurvey] = {}
         for s in sorted(dirs):
             if s in committed_steps or s >= newest or s == self._pending_step:
@@ -222,7 +221,13 @@ class CheckpointManager:
             elif found.foreign:
                 self._warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
                                 f"wrote; move or delete it yourself")
+        pinned = self._pinned({s: dirs[s] for s in committed_steps}, doomed)
+        if pinned is None:
+            return
         for s in sorted(doomed):
+            if dirs[s] in pinned:
+                log.info("retention keeps %s: a step it keeps reads data files from it", dirs[s])
+                continue
             step_store = self.root.child(dirs[s])
             found = surveys[s] if s in surveys else survey(step_store)
             remove_owned(step_store, found)
@@ -230,25 +235,24 @@ class CheckpointManager:
             if found.foreign:
                 self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
 
-    def _referenced(self, committed: Mapping[int, str], doomed: set[int]) -> set[int]:
-        """The doomed steps that a step staying (a kept one, or one kept for it) references; all of them
-        when a kept step's manifest cannot be read."""
+    def _pinned(self, committed: Mapping[int, str], doomed: set[int]) -> set[str] | None:
+        """The step directories whose data a staying step reads -- a kept step, or one kept for it, and a
+        directory whose manifest is gone counts too (its data files are what is read) -- or ``None``
+        when a staying step's manifest cannot be read, so nothing may go this time."""
         by_dir = {name: s for s, name in committed.items()}
-        kept, todo = set(), [s for s in committed if s not in doomed]
+        pinned: set[str] = set()
+        todo = [s for s in committed if s not in doomed]
         while todo:
-            s = todo.pop()
             try:
-                refs = references_of(self.root.child(committed[s]))
+                refs = references_of(self.root.child(committed[todo.pop()]))
             except UnknownReferences as exc:
                 self._warn_once(f"retention deletes no step this time: {exc}")
-                return set(doomed)
-            for name in refs:
-                if by_dir.get(name) in doomed and by_dir[name] not in kept:
-                    kept.add(by_dir[name])
+                return None
+            for name in set(refs) - pinned:
+                pinned.add(name)
+                if name in by_dir:
                     todo.append(by_dir[name])
-        if kept:
-            log.info("retention keeps steps %s: newer steps reference their data", sorted(kept))
-        return kept
+        return pinned
 
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
