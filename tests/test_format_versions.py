@@ -4,7 +4,9 @@
 strips existed), ``tests/fixtures/format-v2`` by the version-2 writer (its
 dim-1 sharded matrix stored as column strips) and ``tests/fixtures/format-v3``
 by the version-3 writer (chunk records in one index file per writer, forced on
-this small state), all at two ranks: a dim-0
+this small state) and ``tests/fixtures/format-v4/step-0000000002`` by the
+version-4 writer (a dedup save: every chunk but those of ``model.norm.weight``
+referenced from ``step-0000000001`` beside it), all at two ranks: a dim-0
 sharded embedding and AdamW moment, a dim-1 sharded matrix, a plain vector, a
 bf16 tensor, a scalar step and JSON values.  Every tensor's content is a
 formula of its shape (:func:`expected_state`), so each test can say exactly
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 FIXTURES = {version: Path(__file__).parent / "fixtures" / f"format-v{version}" for version in (1, 2, 3)}
+FIXTURES[4] = Path(__file__).parent / "fixtures" / "format-v4" / "step-0000000002"  # reads its sibling's data
 FIXTURE_SHAPES = {
     "model.emb.weight": ((37, 26), torch.float32),
     "model.w2.weight": ((26, 51), torch.float32),
@@ -68,7 +71,7 @@ versions = pytest.mark.parametrize("version", sorted(FIXTURES), ids=[f"v{v}" for
 def test_each_fixture_is_a_checkpoint_of_its_version_from_two_writers(version):
     manifest = json.loads((FIXTURES[version] / "manifest.json").read_text())
     assert manifest["version"] == version
-    if version < 3:
+    if "indexes" not in manifest:
         writers = {f["writer"] for f in manifest["files"].values()}
         chunks = {k: t["chunks"] for k, t in manifest["tensors"].items()}
     else:  # the chunk records are in the writers' index files, which the manifest lists
@@ -78,6 +81,9 @@ def test_each_fixture_is_a_checkpoint_of_its_version_from_two_writers(version):
         assert {k for k, t in manifest["tensors"].items() if "rule" in t} == {
             "model.emb.weight", "model.w2.weight", "optim.state.emb.weight.exp_avg"}
     assert writers == {0, 1}
+    if version == 4:
+        assert manifest["references"] == ["step-0000000001"]
+        assert {k for k, c in chunks.items() if all(not r["file"].startswith("../") for r in c)} == {"model.norm.weight"}
     striped = {k for k, c in chunks.items() if any("strips" in r for r in c)}
     assert striped == (set() if version == 1 else {"model.w2.weight"})
 
@@ -122,7 +128,11 @@ def test_an_older_version_reshards_and_converts_to_every_format_bitwise(tmp_path
     from shardkit.checkpoint import convert, reshard, verify
 
     src = tmp_path / f"v{version}"
-    shutil.copytree(FIXTURES[version], src)  # the offline tools only read it; a copy keeps the fixture clean regardless
+    if version >= 4:  # the step with the sibling it references
+        shutil.copytree(FIXTURES[version].parent, tmp_path / "root")
+        src = tmp_path / "root" / FIXTURES[version].name
+    else:  # the offline tools only read it; a copy keeps the fixture clean regardless
+        shutil.copytree(FIXTURES[version], src)
     assert verify(str(src)).ok
     reshard(str(src), str(tmp_path / "n3"), world_size=3)
     _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "n3")))
