@@ -434,3 +434,42 @@ def test_retention_keeps_referenced_data_even_when_its_manifest_was_deleted_by_h
     assert (step_path(tmp_path, 1) / "data").is_dir()
     assert skc.verify(manager.url_of(4)).ok
     assert same(loaded(manager.url_of(4)), at_step(FineTune(), 4))
+
+
+def test_an_offline_overwrite_of_a_referenced_step_keeps_the_data_its_sibling_reads(tmp_path):
+    three_steps(tmp_path)
+    other = tmp_path / "other"
+    skc.save({"model": at_step(FineTune(), 7).state_dict()}, str(other))
+    skc.convert(str(other), str(step_path(tmp_path, 1)), overwrite=True)  # step 1 is now another checkpoint
+    assert same(loaded(str(step_path(tmp_path, 1))), at_step(FineTune(), 7))
+    assert skc.verify(str(step_path(tmp_path, 3))).ok
+    skc.reshard(str(step_path(tmp_path, 3)), str(step_path(tmp_path, 2)), world_size=2, overwrite=True)
+    for s in (2, 3):
+        assert same(loaded(str(step_path(tmp_path, s))), at_step(FineTune(), 3))
+
+
+def test_retention_keeps_a_step_that_a_checkpoint_beside_the_steps_references(tmp_path):
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, keep_last=1, chunk_bytes=CHUNK)
+    model = FineTune()
+    manager.save(1, at_step(model, 1), rng=False)
+    skc.save({"model": at_step(model, 9).state_dict()}, str(tmp_path / "best"), chunk_bytes=CHUNK, digests=True,
+             reuse_from=manager.url_of(1))
+    with torch.no_grad():  # the base changes: later steps no longer read step 1, but "best" does
+        model.base.weight.add_(1)
+        model.base.bias.add_(1)
+    manager.save(2, at_step(model, 2), rng=False)
+    manager.save(3, at_step(model, 3), rng=False)
+    assert manager.steps() == [1, 2, 3]  # 1 for "best", 2 for step 3 (the new base)
+    assert same(loaded(str(tmp_path / "best")), at_step(FineTune(), 9))
+    shutil.rmtree(tmp_path / "best")
+    manager.save(4, at_step(model, 4), rng=False)
+    assert manager.steps() == [2, 4]
+
+
+def test_another_tools_manifest_json_beside_a_checkpoint_does_not_stop_its_cleanup(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "manifest.json").write_text('{"name": "my experiment notes"}')
+    for fill in (1.0, 2.0):
+        skc.save({"x": torch.full((1000,), fill)}, str(tmp_path / "ck"))
+    assert len(list((tmp_path / "ck" / "data").iterdir())) == 1
+    assert (tmp_path / "notes" / "manifest.json").exists()

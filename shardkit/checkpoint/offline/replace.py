@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats import COMMIT_MARKERS
 from shardkit.checkpoint.formats.native.ownership import survey
+from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
@@ -67,10 +68,13 @@ class Destination:
         if not stale:
             return
         try:
+            shared = referenced_by_siblings(self.storage)  # a dedup step beside this one may read them
+            stale = [n for n in stale if n not in shared]
             self.storage.delete(stale)
             if any(n.startswith("data/") for n in stale) and not self.storage.listdir("data"):
                 self.storage.delete_tree("data")  # an empty local directory left by the old native layout
-        except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless
+        except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless (and unknown
+            # references -- a damaged sibling manifest -- keep everything)
             log.warning("could not remove %d files of the replaced checkpoint at %s: %s",
                         len(stale), self.storage.url, exc)
         log.info("removed %d files of the replaced checkpoint at %s", len(stale), self.storage.url)

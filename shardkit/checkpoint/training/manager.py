@@ -236,22 +236,24 @@ class CheckpointManager:
                 self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
 
     def _pinned(self, committed: Mapping[int, str], doomed: set[int]) -> set[str] | None:
-        """The step directories whose data a staying step reads -- a kept step, or one kept for it, and a
-        directory whose manifest is gone counts too (its data files are what is read) -- or ``None``
-        when a staying step's manifest cannot be read, so nothing may go this time."""
+        """The directories under the root whose data a staying checkpoint reads -- a kept step, one kept
+        for it, or any other checkpoint beside the steps (``save(..., reuse_from=<a step>)`` to
+        ``<root>/best``); a directory whose manifest is gone counts too (its data files are what is
+        read) -- or ``None`` when a staying manifest cannot be read, so nothing may go this time."""
         by_dir = {name: s for s, name in committed.items()}
+        others = [name for name in self.root.listdir() if not _STEP_RE.match(name) and self.root.is_dir(name)]
         pinned: set[str] = set()
-        todo = [s for s in committed if s not in doomed]
+        todo = [name for s, name in committed.items() if s not in doomed] + others
         while todo:
             try:
-                refs = references_of(self.root.child(committed[todo.pop()]))
+                refs = references_of(self.root.child(todo.pop()))
             except UnknownReferences as exc:
                 self._warn_once(f"retention deletes no step this time: {exc}")
                 return None
             for name in set(refs) - pinned:
                 pinned.add(name)
                 if name in by_dir:
-                    todo.append(by_dir[name])
+                    todo.append(name)
         return pinned
 
     # -- loading ---------------------------------------------------------

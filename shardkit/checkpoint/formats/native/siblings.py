@@ -4,19 +4,20 @@ References (format version 4) make a checkpoint depend on files of an older
 one under the same root.  Those files must outlive the step that wrote them:
 retention keeps a step while a kept step references it, and a checkpoint
 written again over an older one keeps the older files a sibling references.
-When a sibling's manifest cannot be read, nothing it might reference is
-deleted.
+When a sibling's shardkit manifest cannot be read, nothing it might
+reference is deleted; another tool's ``manifest.json`` references nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME, parse_manifest
 from shardkit.checkpoint.formats.native.reader import read_manifest
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import ShardkitError
+from shardkit.errors import CheckpointNotFound, ShardkitError
 
 __all__ = ["references_of", "referenced_by_siblings", "UnknownReferences"]
 
@@ -28,9 +29,22 @@ class UnknownReferences(ShardkitError):
 
 
 def references_of(storage: Storage) -> tuple[str, ...]:
-    """The sibling directories a committed checkpoint references (its manifest alone is read)."""
+    """The sibling directories a committed checkpoint references (its manifest alone is read); none for a
+    directory without ``manifest.json`` or whose ``manifest.json`` is another tool's JSON document."""
     try:
-        return read_manifest(storage, chunks=False).references
+        data = storage.read_bytes(MANIFEST_NAME)
+    except CheckpointNotFound:
+        return ()
+    except ShardkitError as exc:
+        raise UnknownReferences(f"cannot tell what {storage.url} references: {exc}") from exc
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        doc = None  # unreadable: perhaps a damaged shardkit manifest, so unknown
+    if isinstance(doc, dict) and doc.get("format") != FORMAT_NAME:
+        return ()
+    try:
+        return parse_manifest(data, storage.where(MANIFEST_NAME)).references
     except ShardkitError as exc:
         raise UnknownReferences(f"cannot tell what {storage.url} references: {exc}") from exc
 
@@ -44,7 +58,7 @@ def referenced_by_siblings(storage: Storage) -> set[str]:
     found: set[str] = set()
     for name in parent.listdir():
         sibling = parent.child(name) if name != own else None
-        if sibling is None or not sibling.exists(MANIFEST_NAME) or own not in references_of(sibling):
+        if sibling is None or own not in references_of(sibling):
             continue
         try:
             files = read_manifest(sibling).files
