@@ -473,3 +473,24 @@ def test_another_tools_manifest_json_beside_a_checkpoint_does_not_stop_its_clean
         skc.save({"x": torch.full((1000,), fill)}, str(tmp_path / "ck"))
     assert len(list((tmp_path / "ck" / "data").iterdir())) == 1
     assert (tmp_path / "notes" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_dedup_steps_on_object_storage_and_in_memory(tmp_path, where, request):
+    import uuid
+
+    if where == "s3":
+        root, options = request.getfixturevalue("s3_url")
+        root = f"{root}/run"
+    else:
+        root, options = f"memory://dedup-{uuid.uuid4().hex[:8]}/run", None
+    manager = skc.CheckpointManager(root, dedup=True, keep_last=1, chunk_bytes=CHUNK, storage_options=options)
+    model = FineTune()
+    for step in (1, 2, 3):
+        manager.save(step, at_step(model, step), rng=False)
+    assert manager.steps() == [1, 3]
+    third = manager.url_of(3)
+    assert skc.inspect(third, storage_options=options)["references"].keys() == {"step-0000000001"}
+    assert skc.verify(third, storage_options=options).ok
+    fresh = FineTune()
+    assert manager.load_latest(fresh)[0] == 3 and same(fresh, at_step(FineTune(), 3))
