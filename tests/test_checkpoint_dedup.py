@@ -494,3 +494,19 @@ def test_dedup_steps_on_object_storage_and_in_memory(tmp_path, where, request):
     assert skc.verify(third, storage_options=options).ok
     fresh = FineTune()
     assert manager.load_latest(fresh)[0] == 3 and same(fresh, at_step(FineTune(), 3))
+
+
+def test_odd_names_and_plain_files_beside_checkpoints_never_stop_a_cleanup(tmp_path):
+    (tmp_path / "my notes").mkdir()
+    (tmp_path / "readme.txt").write_text("not a checkpoint")
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, keep_last=1, chunk_bytes=CHUNK)
+    model = FineTune()
+    with torch.no_grad():
+        for step in (1, 2, 3):
+            model.base.weight.add_(1)  # every step a new base: nothing to keep for references
+            model.base.bias.fill_(step)
+            manager.save(step, at_step(model, step), rng=False)
+    manager.save(3, at_step(model, 3), rng=False)  # an overwrite: its older files go
+    assert manager.steps() == [3]
+    assert len(list((step_path(tmp_path, 3) / "data").iterdir())) == len(manifest_of(step_path(tmp_path, 3))["files"])
+    assert (tmp_path / "my notes").is_dir() and (tmp_path / "readme.txt").exists()

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardkit.errors import UnsafeCheckpoint
 
-__all__ = ["check_name", "join_url", "REFERENCE_PREFIX", "split_reference", "check_reference"]
+__all__ = ["check_name", "join_url", "REFERENCE_PREFIX", "split_reference", "check_reference", "is_sibling_name"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
 
@@ -49,6 +49,12 @@ def check_reference(name: Any, where: str = "") -> str:
                                f"form ../<sibling checkpoint>/<file>; refusing to touch it")
     check_name(parts[1], where)
     return name
+
+
+def is_sibling_name(name: str) -> bool:
+    """Whether a directory entry's name could be named by a reference (so whether to look at it at all)."""
+    return isinstance(name, str) and _SIBLING_RE.match(name) is not None and name not in (".", "..") \
+        and len(name) <= 255
 
 
 def join_url(url: str, name: str) -> str:

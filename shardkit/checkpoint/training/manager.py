@@ -50,6 +50,7 @@ from shardkit.checkpoint.formats.native.ownership import (
 )
 from shardkit.checkpoint.formats.native.siblings import UnknownReferences, references_of
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.names import is_sibling_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
 from shardkit.checkpoint.state.tree import from_json_value, to_json_value
@@ -241,7 +242,8 @@ class CheckpointManager:
         ``<root>/best``); a directory whose manifest is gone counts too (its data files are what is
         read) -- or ``None`` when a staying manifest cannot be read, so nothing may go this time."""
         by_dir = {name: s for s, name in committed.items()}
-        others = [name for name in self.root.listdir() if not _STEP_RE.match(name) and self.root.is_dir(name)]
+        others = [name for name in self.root.listdir()
+                  if not _STEP_RE.match(name) and is_sibling_name(name) and self.root.is_dir(name)]
         pinned: set[str] = set()
         todo = [name for s, name in committed.items() if s not in doomed] + others
         while todo:

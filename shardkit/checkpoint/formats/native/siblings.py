@@ -15,7 +15,7 @@ import logging
 
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME, parse_manifest
 from shardkit.checkpoint.formats.native.reader import read_manifest
-from shardkit.checkpoint.io.names import split_reference
+from shardkit.checkpoint.io.names import is_sibling_name, split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ShardkitError
 
@@ -52,13 +52,15 @@ def references_of(storage: Storage) -> tuple[str, ...]:
 def referenced_by_siblings(storage: Storage) -> set[str]:
     """Names inside ``storage`` (``data/...``) that a committed checkpoint beside it references."""
     parent_url, _, own = storage.url.rstrip("/").rpartition("/")
-    if not parent_url or parent_url.endswith(":/"):
-        return set()
+    if not parent_url or parent_url.endswith(":/") or not is_sibling_name(own):
+        return set()  # no reference can name this directory
     parent = Storage(parent_url, storage.storage_options)
     found: set[str] = set()
     for name in parent.listdir():
-        sibling = parent.child(name) if name != own else None
-        if sibling is None or own not in references_of(sibling):
+        if name == own or not is_sibling_name(name) or not parent.is_dir(name):
+            continue
+        sibling = parent.child(name)
+        if own not in references_of(sibling):
             continue
         try:
             files = read_manifest(sibling).files
