@@ -45,7 +45,7 @@ from shardkit.checkpoint.formats.native.references import DIGEST_ALGORITHMS, reb
 from shardkit.checkpoint.formats.native.writer import WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import CheckpointNotFound, ConfigurationError, ShardkitError
+from shardkit.errors import ConfigurationError, ShardkitError
 
 __all__ = ["DEFAULT_DIGEST", "digest_algorithm", "chunk_digest", "sibling_name", "Deduplicated", "deduplicate",
            "with_digests"]
@@ -92,10 +92,6 @@ class Deduplicated:
     reused: list[WrittenFile]
     digests: dict[tuple[str, tuple[int, ...]], str]
 
-    @property
-    def reused_bytes(self) -> int:
-        return sum(rec.nbytes for f in self.reused for _, rec in f.chunks)
-
 
 def deduplicate(groups: Sequence[Sequence[WriteChunk]], storage: Storage, reuse_from: str | None, writer: int,
                 io_threads: int, algorithm: str = DEFAULT_DIGEST) -> Deduplicated:
@@ -133,23 +129,24 @@ def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequ
     a reference from ``storage``), file size -- for files of this writer that are still whole."""
     try:
         reader = NativeReader(Storage(reuse_from, storage.storage_options))
-        wanted: dict[str, list] = {}
+        wanted: dict[str, set] = {}
         for c in chunks:
-            wanted.setdefault(c.fqn, []).append((tuple(c.offsets), tuple(c.shape)))
-        reader.focus(wanted)
+            wanted.setdefault(c.fqn, set()).add((tuple(c.offsets), tuple(c.shape)))
+        reader.focus({fqn: sorted(boxes) for fqn, boxes in wanted.items()})
         manifest = reader.manifest
     except (ShardkitError, OSError) as exc:
         log.warning("writing every chunk: could not read %s to reuse its chunks (%s)", reuse_from, exc)
         return {}
     out: dict[_Key, tuple[str, ChunkRecord, int]] = {}
     usable: dict[str, bool] = {}
+    own = storage.url.rstrip("/").rpartition("/")[2]
     for fqn, boxes in wanted.items():
         t = manifest.tensors.get(fqn)
         for rec in t.chunks if t is not None else ():
             info = manifest.files[rec.file]
             if rec.digest is None or info.writer != writer or rec.box not in boxes:
                 continue
-            name = rebase_reference(rec.file, sibling, storage.url.rstrip("/").rpartition("/")[2])
+            name = rebase_reference(rec.file, sibling, own)
             if name not in usable:
                 usable[name] = _still_whole(storage, name, info.size)
             if usable[name]:
@@ -162,7 +159,7 @@ def _still_whole(storage: Storage, name: str, size: int) -> bool:
     hand); otherwise its chunks are written again."""
     try:
         found = storage.size(name)
-    except (CheckpointNotFound, ShardkitError, OSError):
+    except (ShardkitError, OSError):  # missing (CheckpointNotFound) or unreachable
         found = None
     if found != size:
         log.warning("not reusing %s: it is %s, the checkpoint that wrote it records %d bytes", storage.where(name),

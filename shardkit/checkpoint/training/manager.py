@@ -160,9 +160,9 @@ class CheckpointManager:
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
                     **self.save_options)
         if self.dedup:
-            base = max((s for s in self.steps() if s != step), default=None) if Dist(self.process_group).rank == 0 \
-                else None
-            base = Dist(self.process_group).broadcast_json(base)  # every rank references the same step
+            dist = Dist(self.process_group)
+            base = max((s for s in self.steps() if s != step), default=None) if dist.rank == 0 else None
+            base = dist.broadcast_json(base)  # every rank references the same step
             opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
         if self.async_save:
             upload = _async_save(state, url, writer=self.writer, **opts)
