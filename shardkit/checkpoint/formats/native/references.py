@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from shardkit.checkpoint.io.names import check_name, check_reference, split_reference
+from shardkit.checkpoint.io.names import check_name, check_reference, is_sibling_name, split_reference
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 
 __all__ = ["REFERENCES_VERSION", "DIGEST_NAME", "DIGEST_ALGORITHMS", "check_file_name", "referenced_dirs",
@@ -55,15 +55,9 @@ def referenced_dirs(files: Iterable[str]) -> tuple[str, ...]:
 
 def parse_references(value: Any, where: str) -> tuple[str, ...]:
     """A manifest's ``"references"``: a list of sibling directory names."""
-    if not isinstance(value, list) or len(value) > 1 << 20:
-        raise InvalidManifest(f"{where}: references must be a list of sibling directory names")
-    found = tuple(check_reference(f"../{d}/data", where).split("/")[1] if isinstance(d, str) and "/" not in d
-                  else _bad_dir(d, where) for d in value)
-    return tuple(sorted(set(found)))
-
-
-def _bad_dir(value: Any, where: str) -> str:
-    raise InvalidManifest(f"{where}: reference {value!r:.200} is not a directory name")
+    if not isinstance(value, list) or len(value) > 1 << 20 or not all(is_sibling_name(d) for d in value):
+        raise InvalidManifest(f"{where}: references must be a list of sibling directory names, got {value!r:.200}")
+    return tuple(sorted(set(value)))
 
 
 def parse_digest(value: Any, where: str) -> str | None:

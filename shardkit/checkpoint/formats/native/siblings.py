@@ -11,7 +11,6 @@ reference is deleted; another tool's ``manifest.json`` references nothing.
 from __future__ import annotations
 
 import json
-import logging
 
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME, parse_manifest
 from shardkit.checkpoint.formats.native.reader import read_manifest
@@ -20,8 +19,6 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ShardkitError
 
 __all__ = ["references_of", "referenced_by_siblings", "UnknownReferences"]
-
-log = logging.getLogger(__name__)
 
 
 class UnknownReferences(ShardkitError):
