@@ -44,7 +44,7 @@ def split_reference(name: str) -> tuple[str, str] | None:
 def check_reference(name: Any, where: str = "") -> str:
     """Validate a reference ``../<sibling>/<plain relative name>``; return it unchanged."""
     parts = split_reference(name)
-    if parts is None or _SIBLING_RE.match(parts[0]) is None or parts[0] in (".", ".."):
+    if parts is None or not is_sibling_name(parts[0]):
         raise UnsafeCheckpoint(f"file name {name!r}{' in ' + where if where else ''} is not a reference of the "
                                f"form ../<sibling checkpoint>/<file>; refusing to touch it")
     check_name(parts[1], where)

@@ -5,9 +5,8 @@ one place:
 
 * **Names stay inside the checkpoint.**  Every name handed in (from our own
   writers or from a manifest read off disk) is checked by :func:`check_name`:
-  relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no
-  backslash or NUL.  A violation raises :class:`~shardkit.errors.UnsafeCheckpoint`.
-  Reads alone also take a reference to a sibling checkpoint's file (:meth:`Storage.read_path`).
+  relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no backslash or NUL
+  (:class:`~shardkit.errors.UnsafeCheckpoint`); reads alone also take a sibling's file (:meth:`Storage.read_path`).
 * **Commit is one atomic step.**  :meth:`Storage.put_atomic` writes a small
   object so that readers see either the old or the new one: temporary file +
   fsync + ``os.replace`` + directory fsync on local disks, a single PUT on
@@ -104,7 +103,8 @@ class Storage:
             return self.path(name)
         if not (parent := self.root.rpartition("/")[0]):
             raise UnsafeCheckpoint(f"{self.url} has no parent directory, so {name!r} cannot name a sibling checkpoint")
-        return f"{parent}/{parts[0]}/{check_reference(name)[len(parts[0]) + 4:]}"
+        check_reference(name)
+        return f"{parent}/{parts[0]}/{parts[1]}"
 
     def _path_or_root(self, name: str) -> str:
         """``""`` is the checkpoint directory (or file) itself, for the calls that take it."""

@@ -30,7 +30,7 @@ __all__ = ["REFERENCES_VERSION", "DIGEST_NAME", "DIGEST_ALGORITHMS", "check_file
 REFERENCES_VERSION = 4   # the first format version whose files may be references
 DIGEST_NAME = "digest"   # the chunk record field holding the digest of the chunk's raw bytes
 DIGEST_ALGORITHMS = {"xxh3-128": 32, "sha256": 64}  # algorithm -> hex digits
-_DIGEST = re.compile(r"^(xxh3-128:[0-9a-f]{32}|sha256:[0-9a-f]{64})$")
+_DIGEST = re.compile("^(" + "|".join(f"{re.escape(a)}:[0-9a-f]{{{n}}}" for a, n in DIGEST_ALGORITHMS.items()) + ")$")
 
 
 def check_file_name(name: Any, where: str, version: int) -> str:
