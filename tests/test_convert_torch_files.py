@@ -57,9 +57,9 @@ def test_trust_pickle_converts_a_trusted_file_with_a_warning_and_leaves_out_what
     src = tmp_path / "run.pt"
     weights = _trusted_file(src)
     out = tmp_path / "out"
-    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint.formats.torchsave.reader"):
+    with caplog.at_level(logging.WARNING, logger="shardkit.checkpoint.formats.torchsave.mapped"):
         result = convert(str(src), str(out), to="shardkit", trust_pickle=True)
-    warned = [r for r in caplog.records if r.name == "shardkit.checkpoint.formats.torchsave.reader"]
+    warned = [r for r in caplog.records if r.name == "shardkit.checkpoint.formats.torchsave.mapped"]
     assert warned and warned[0].levelno == logging.WARNING and "trust_pickle" in warned[0].getMessage()
     assert result.tensors == 1
     state = {"model": {"w": torch.zeros(5, 3)}, "step": 0}

@@ -49,7 +49,8 @@ from shardkit.checkpoint.formats.dcp.metadata import (
     read_dcp_metadata,
 )
 from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
-from shardkit.checkpoint.formats.torchsave.reader import refusal, value_path
+from shardkit.checkpoint.formats.torchsave.mapped import refusal
+from shardkit.checkpoint.formats.torchsave.reader import value_path
 from shardkit.checkpoint.formats.torchsave.writer import TensorRef, check_tensors, write_archive
 from shardkit.checkpoint.formats.torchsave.zip_records import (
     CheckedOnce,
