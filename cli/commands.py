@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from shardkit.checkpoint.formats import FORMATS
+from shardkit.checkpoint.formats import FORMATS, WRITABLE
 from shardkit.checkpoint.offline.common import (
     DEFAULT_MAX_MEMORY_TEXT,
     DEFAULT_MAX_SHARD_SIZE,
@@ -166,7 +166,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", required=True, type=click.Choice(list(FORMATS)),
+@click.option("--to", "to", required=True, type=click.Choice(list(WRITABLE)),
               help="Output format.")
 @click.option("--from", "src_format", type=click.Choice(list(FORMATS)),
               help="Source format (detected when omitted).")

@@ -22,7 +22,7 @@ from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import CheckpointNotFound, ConfigurationError, UnsupportedFormat
 
-__all__ = ["Format", "FORMATS", "COMMIT_MARKERS", "normalize_format", "format_module", "detect_format",
+__all__ = ["Format", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "normalize_format", "format_module", "detect_format",
            "open_reader"]
 
 
@@ -33,7 +33,7 @@ class Format:
     name: str
     description: str
     reader: str                       # module: detect(), open_reader()
-    writer: str                       # module: check_tensors(), the write function
+    writer: str | None                # module: check_tensors(), the write function; None: read only
     aliases: tuple[str, ...] = ()     # other spellings a user may type (--from/--to)
     markers: tuple[str, ...] = ()     # files whose presence makes a directory this format's checkpoint
     open_options: tuple[str, ...] = ()  # keyword options its open_reader takes
@@ -49,7 +49,11 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "shardkit.checkpoint.formats.torchsave.writer", ("pt", "torch.save"), (), ("torch_options",)),
     Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.checkpoint",
            "shardkit.checkpoint.formats.dcp.checkpoint", (), (".metadata",)),
+    Format("deepspeed", "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)",
+           "shardkit.checkpoint.formats.deepspeed.checkpoint", None, ("ds", "zero"), ("latest",)),
 )}
+
+WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writer)
 
 COMMIT_MARKERS: tuple[str, ...] = tuple(m for f in FORMATS.values() for m in f.markers)
 
@@ -68,6 +72,9 @@ def format_module(name: str, role: str = "reader") -> Any:
     fmt = FORMATS.get(name)
     if fmt is None:
         raise UnsupportedFormat(f"unknown checkpoint format {name!r}; known: {sorted(FORMATS)}")
+    if getattr(fmt, role) is None:
+        raise UnsupportedFormat(f"shardkit reads {name} checkpoints and does not write them; convert to one of "
+                                f"{', '.join(WRITABLE)}")
     try:
         return importlib.import_module(getattr(fmt, role))
     except ImportError as exc:

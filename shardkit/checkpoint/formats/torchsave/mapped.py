@@ -34,7 +34,7 @@ from shardkit.checkpoint.io.files import download
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import InvalidManifest, ShardkitError, UnsafeCheckpoint
 
-__all__ = ["MappedTorchFile", "refusal", "release_pages"]
+__all__ = ["MappedTorchFile", "refusal", "release_pages", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,23 @@ class MappedTorchFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
             self._tmp = None
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in an unpickled object (dicts, lists, tuples, and the fields of allowlisted objects)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            stack.extend(vars(value).values())
+    return found
 
 
 def release_pages(rows: torch.Tensor) -> None:

@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO checkpoints, read (never written) without running their pickles."""

@@ -1,0 +1,378 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2, 3): read parameter by parameter, in bounded memory.
+
+A DeepSpeed checkpoint directory holds ``latest`` (the newest tag) and one
+folder per tag (``global_step100/``) with ``*_model_states.pt`` (the module's
+state dict and every parameter's shape) and one ``*_optim_states.pt`` per
+data-parallel rank (that rank's flat fp32 master partition and the optimizer
+state of the same shape).  SRC may be the directory (its ``latest`` tag is
+read) or a tag folder.
+
+What the reader serves, keyed as shardkit keys a model and its optimizer:
+
+* ``model.<name>``: each trainable parameter in fp32, from the master
+  partitions (:mod:`.layout` says where its elements lie); frozen parameters
+  and buffers from the model-state files; tied parameters as aliases;
+* ``optim.state.<name>.<key>``: every optimizer state tensor the ZeRO
+  optimizer keeps per element (Adam's ``exp_avg``/``exp_avg_sq``, or
+  whatever another optimizer keeps, under its own key), cut per parameter the
+  same way, and per-group scalars (``step``) given to each parameter;
+* ``optim.param_groups``: the hyperparameters, with each group's parameters
+  named; ``lr_scheduler.*``: the scheduler's state, when it is plain data.
+
+Every file is opened with :class:`~shardkit.checkpoint.formats.torchsave.mapped.MappedTorchFile`:
+memory-mapped, each zip record CRC-checked before use, and unpickled by
+torch's allowlisting unpickler extended only by :mod:`.allowlist`.  Nothing
+is gathered: a read copies the elements of the rows it asks for, partition
+by partition, so memory is what the caller asks for, not a flat group.
+Model-parallel (``mp_rank_01``) and pipeline (``layer_*``) checkpoints are
+refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Hashable, Mapping, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
+from shardkit.checkpoint.formats.deepspeed.allowlist import ALLOWED_CLASSES, SAFE_GLOBALS
+from shardkit.checkpoint.formats.deepspeed.layout import Piece, spread_pieces, zero3_pieces, zero12_pieces
+from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, release_pages, tensors_in
+from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.tree import flatten, to_json_value
+from shardkit.errors import ConfigurationError, InvalidManifest, ShardkitError, UnsupportedFormat
+
+__all__ = ["DeepSpeedReader", "detect", "open_reader", "LATEST"]
+
+LATEST = "latest"
+_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_PIPELINE = re.compile(r"^layer_\d+-model.*\.pt$")
+_HINT = ("shardkit reads DeepSpeed's own classes (" + ", ".join(sorted(ALLOWED_CLASSES)) + ") as data and no "
+         "other; a file naming anything else is not a checkpoint DeepSpeed's ZeRO writes by itself")
+
+
+def _tag_folder(storage: Storage) -> tuple[Storage, str | None]:
+    """The folder holding the state files: ``storage`` itself, or the tag its ``latest`` names."""
+    names = storage.listdir()
+    if any(_MODEL.match(n) for n in names):
+        return storage, None
+    if LATEST not in names:
+        raise UnsupportedFormat(f"{storage.url}: neither a DeepSpeed tag folder (*_model_states.pt) nor a "
+                                f"checkpoint directory with a {LATEST!r} file")
+    tag = storage.read_bytes(LATEST).decode("utf-8", "replace").strip()
+    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
+        raise InvalidManifest(f"{storage.where(LATEST)}: names {tag!r}, not a tag folder of this directory")
+    if not storage.is_dir(tag):
+        raise InvalidManifest(f"{storage.where(LATEST)}: names tag {tag!r}, and {storage.where(tag)} does not exist")
+    return storage.child(tag), tag
+
+
+def detect(storage: Storage) -> bool:
+    """A folder with ``*_model_states.pt``, or one whose ``latest`` names such a folder."""
+    try:
+        if not storage.is_dir():
+            return False
+        folder, _ = _tag_folder(storage)
+        return any(_MODEL.match(n) for n in folder.listdir())
+    except (ShardkitError, OSError, UnicodeError):
+        return False
+
+
+def open_reader(storage: Storage) -> "DeepSpeedReader":
+    return DeepSpeedReader(storage)
+
+
+class DeepSpeedReader(CheckpointReader):
+    """A ZeRO checkpoint; see the module docstring."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
+        self._files: list[MappedTorchFile] = []
+        self._entries: dict[str, TensorEntry] = {}
+        self._values: dict[str, Any] = {}
+        self._aliases: dict[str, str] = {}
+        self.skipped_side_files: list[str] = []
+        try:
+            self._open(storage)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ opening
+    def _open(self, storage: Storage) -> None:
+        folder, tag = _tag_folder(storage)
+        self.folder = folder
+        names = folder.listdir()
+        for n in names:
+            m = _MODEL.match(n) or _OPTIM.match(n)
+            if (m and int(m.group(2)) != 0) or _PIPELINE.match(n):
+                raise UnsupportedFormat(f"{folder.where(n)}: a tensor- or pipeline-parallel DeepSpeed checkpoint; "
+                                        "shardkit reads ZeRO data-parallel checkpoints (mp_rank_00 only)")
+        model_names = sorted((n for n in names if _MODEL.match(n)), key=lambda n: int(_MODEL.match(n).group(1) or 0))
+        optim_names = sorted((n for n in names if _OPTIM.match(n)), key=lambda n: int(_OPTIM.match(n).group(1)))
+        self.file_names = model_names + optim_names
+        models = [self._load(folder, n) for n in model_names]
+        optims = [self._load(folder, n) for n in optim_names]
+        model = models[0]
+        for name, obj in zip(model_names, models):
+            if not isinstance(obj, dict) or not isinstance(obj.get("module"), dict):
+                raise InvalidManifest(f"{folder.where(name)}: not a DeepSpeed model-state file (no 'module')")
+        where = folder.url
+        sd = [o.get("optimizer_state_dict") if isinstance(o, dict) else None for o in optims]
+        for name, s in zip(optim_names, sd):
+            if not isinstance(s, dict):
+                raise InvalidManifest(f"{folder.where(name)}: not a DeepSpeed optimizer-state file "
+                                      "(no 'optimizer_state_dict')")
+        stage = int(sd[0].get("zero_stage", 1)) if sd else 0
+        world = self._world_size(sd, optim_names, folder)
+        ranks = [int(_OPTIM.match(n).group(1)) for n in optim_names]
+        if ranks != list(range(len(ranks))):
+            raise InvalidManifest(f"{where}: optimizer-state files for ranks {ranks}; a rank's file is missing")
+        shapes = model.get("param_shapes") or []
+        groups = [{str(k): tuple(int(x) for x in v) for k, v in g.items()} for g in shapes]
+        self._module(model)
+        if stage == 0 or not sd:
+            self.skipped_side_files.append("the optimizer state of a ZeRO stage-0 checkpoint (not partitioned; "
+                                           "convert the model)")
+            self._full_params(model)
+        elif stage in (1, 2):
+            self._zero12(sd, groups, models, where)
+        elif stage == 3:
+            self._zero3(sd, groups, models, where)
+        else:
+            raise UnsupportedFormat(f"{where}: ZeRO stage {stage} is unknown")
+        for alias, target in (model.get("shared_params") or {}).items():
+            if f"model.{target}" in self._entries:
+                self._aliases[f"model.{alias}"] = f"model.{target}"
+                self._entries[f"model.{alias}"] = self._entries[f"model.{target}"]
+        self._scheduler(model.get("lr_scheduler"))
+        meta = {"step": model.get("global_steps"), "zero_stage": stage, "tag": tag,
+                "deepspeed_version": model.get("ds_version")}
+        self.info = CheckpointInfo("deepspeed", storage.url, world_size=world,
+                                   meta={k: v for k, v in meta.items() if v is not None})
+
+    def _load(self, folder: Storage, name: str) -> Any:
+        f = MappedTorchFile(folder.child(name), unsafe_hint=_HINT, safe_globals=SAFE_GLOBALS)
+        self._files.append(f)
+        f.map_tensors(tensors_in(f.obj))  # each record is checked the first time a tensor of it is read
+        return f.obj
+
+    @staticmethod
+    def _world_size(sd: Sequence[dict], names: Sequence[str], folder: Storage) -> int | None:
+        if not sd:
+            return None
+        counts = sd[0].get("partition_count")
+        if isinstance(counts, (list, tuple)):
+            if len(set(counts)) > 1:
+                raise UnsupportedFormat(f"{folder.where(names[0])}: param groups partitioned over different "
+                                        f"numbers of ranks ({list(counts)}; expert parallelism) are not supported")
+            counts = counts[0] if counts else len(sd)
+        if int(counts) != len(sd):
+            raise InvalidManifest(f"{folder.url}: partitioned over {counts} ranks, and {len(sd)} optimizer-state "
+                                  "files are there (a rank's file missing, or files of another save)")
+        return int(counts)
+
+    # -------------------------------------------------------------- entries
+    def _add(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces: Sequence[tuple]) -> None:
+        self._entries[key] = TensorEntry(key, dtype, shape, (StoredChunk((0,) * len(shape), shape, tuple(pieces)),))
+
+    def _resolved(self, pieces: Sequence[Piece], flats: Mapping[Hashable, tuple[torch.Tensor, MappedTorchFile]]
+                  ) -> list[tuple]:
+        return [(*flats[p.source], p.start, p.count) for p in pieces]
+
+    def _module(self, model: dict) -> None:
+        """Buffers come from the module state dict as stored (DeepSpeed's reconstruction keeps them too)."""
+        file = self._files[0]
+        module = model["module"]
+        for name in model.get("buffer_names") or ():
+            t = module.get(name)
+            if isinstance(t, torch.Tensor):
+                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+
+    def _full_params(self, model: dict) -> None:
+        """Stage 0: the module state dict holds every parameter whole."""
+        file = self._files[0]
+        for name, t in model["module"].items():
+            if isinstance(t, torch.Tensor) and f"model.{name}" not in self._entries:
+                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+
+    def _frozen(self, models: Sequence[dict]) -> None:
+        """Frozen parameters: whole in the model-state file (stages 1/2) or one share per rank's (stage 3)."""
+        shapes = models[0].get("frozen_param_shapes") or {}
+        for name, shape in shapes.items():
+            shape = tuple(int(x) for x in shape)
+            frags = [(m.get("frozen_param_fragments") or {}).get(name) for m in models]
+            if any(not isinstance(f, torch.Tensor) for f in frags):
+                raise InvalidManifest(f"{self.folder.url}: frozen parameter {name!r} has no stored fragment")
+            flats = {r: (f.reshape(-1), self._files[r]) for r, f in enumerate(frags)}
+            pieces = spread_pieces(math.prod(shape), [f.numel() for f in frags], list(range(len(frags))))
+            self._add(f"model.{name}", frags[0].dtype, shape, self._resolved(pieces, flats))
+
+    def _zero12(self, sd: Sequence[dict], groups: Sequence[Mapping[str, Any]], models: Sequence[dict],
+                where: str) -> None:
+        parts = [s.get("single_partition_of_fp32_groups") for s in sd]
+        if any(not isinstance(p, (list, tuple)) or len(p) != len(groups) for p in parts):
+            raise InvalidManifest(f"{where}: every optimizer-state file holds one fp32 partition per param group "
+                                  f"({len(groups)}); one does not")
+        files = self._files[-len(sd):]
+        layout = zero12_pieces(groups, [[t.numel() for t in p] for p in parts], sd[0].get("param_alignment_paddings"),
+                               where)
+        flats = {(r, g): (t.reshape(-1), files[r]) for r, p in enumerate(parts) for g, t in enumerate(p)}
+        for name, (g, pieces) in layout.items():
+            self._add(f"model.{name}", parts[0][g].dtype, groups[g][name], self._resolved(pieces, flats))
+        self._frozen(models[:1])  # stages 1/2 store each frozen parameter whole in the one model-state file
+        inner = [s.get("base_optimizer_state") for s in sd]
+        self._optimizer(inner, parts, {n: (g, g, p) for n, (g, p) in layout.items()}, groups, files, where)
+
+    def _zero3(self, sd: Sequence[dict], groups: Sequence[Mapping[str, Any]], models: Sequence[dict],
+               where: str) -> None:
+        parts = [s.get("fp32_flat_groups") for s in sd]
+        if any(not isinstance(p, (list, tuple)) for p in parts):
+            raise InvalidManifest(f"{where}: an optimizer-state file holds no fp32_flat_groups")
+        files = self._files[-len(sd):]
+        layout = zero3_pieces(groups, [[t.numel() for t in p] for p in parts], where)
+        flats = {(r, s): (t.reshape(-1), files[r]) for r, p in enumerate(parts) for s, t in enumerate(p)}
+        for name, (g, _, pieces) in layout.items():
+            self._add(f"model.{name}", parts[0][0].dtype, groups[g][name], self._resolved(pieces, flats))
+        if len(models) != len(sd):
+            raise InvalidManifest(f"{where}: {len(sd)} optimizer-state files and {len(models)} model-state files; "
+                                  "stage 3 writes one of each per rank")
+        self._frozen(models)
+        inner = [s.get("optimizer_state_dict") for s in sd]
+        self._optimizer(inner, parts, layout, groups, files, where)
+
+    def _optimizer(self, inner: Sequence[Any], parts: Sequence[Sequence[torch.Tensor]],
+                   layout: Mapping[str, tuple[int, int, list[Piece]]], groups: Sequence[Mapping[str, Any]],
+                   files: Sequence[MappedTorchFile], where: str) -> None:
+        """Per-element state cut per parameter; scalars given to each parameter of their group."""
+        if any(not isinstance(o, dict) or not isinstance(o.get("state"), dict) for o in inner):
+            self.skipped_side_files.append("the optimizer state (the ZeRO files hold none a torch optimizer keeps)")
+            return
+        states = [o["state"] for o in inner]
+        flats: dict[Hashable, tuple[torch.Tensor, MappedTorchFile]] = {}
+        kinds: dict[int, dict[str, Any]] = {}  # partition -> key -> "elements", or the scalar every parameter gets
+        for s, part in enumerate(parts[0]):
+            for key, value in (states[0].get(s) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == part.numel():
+                    kinds.setdefault(s, {})[key] = "elements"
+                elif not isinstance(value, torch.Tensor) or value.numel() == 1:
+                    kinds.setdefault(s, {})[key] = value
+                else:
+                    self.skipped_side_files.append(f"optimizer state {key!r} of partition {s} "
+                                                   f"({tuple(value.shape)}): not one value per element, so it "
+                                                   "cannot be cut per parameter")
+        for r, state in enumerate(states):
+            for s, part in enumerate(parts[r]):
+                for key in [k for k, kind in kinds.get(s, {}).items() if isinstance(kind, str)]:
+                    value = (state.get(s) or {}).get(key)
+                    if not isinstance(value, torch.Tensor) or value.numel() != part.numel():
+                        raise InvalidManifest(f"{files[r].url}: optimizer state {key!r} of partition {s} is "
+                                              f"missing or not {part.numel()} elements, as on rank 0")
+                    flats[(key, r, s)] = (value.reshape(-1), files[r])
+        for name, (g, sub, pieces) in layout.items():
+            for key, kind in kinds.get(sub, {}).items():
+                full = f"optim.state.{name}.{key}"
+                if isinstance(kind, str):
+                    keyed = [Piece((key, *p.source), p.start, p.count) for p in pieces]
+                    self._add(full, flats[(key, 0, sub)][0].dtype, tuple(groups[g][name]), self._resolved(keyed, flats))
+                elif isinstance(kind, torch.Tensor):
+                    self._add(full, kind.dtype, tuple(kind.shape), [(kind.reshape(-1), files[0], 0, 1)])
+                elif (value := self._json(kind, full)) is not _DROPPED:
+                    self._values[full] = value
+        self._param_groups(inner[0].get("param_groups"), layout, groups, where)
+
+    def _param_groups(self, inner_groups: Any, layout: Mapping[str, tuple[int, int, list[Piece]]],
+                      groups: Sequence[Mapping[str, Any]], where: str) -> None:
+        """One group per DeepSpeed param group, its hyperparameters those of the partition holding its first
+        parameter (stage 3 splits a group into sub-groups with the same hyperparameters)."""
+        if not isinstance(inner_groups, (list, tuple)):
+            return
+        out = []
+        for g, shapes in enumerate(groups):
+            names = [n for n in shapes if n in layout]
+            if not names:
+                continue
+            sub = layout[names[0]][1]
+            if sub >= len(inner_groups) or not isinstance(inner_groups[sub], dict):
+                raise InvalidManifest(f"{where}: no optimizer param group for partition {sub}")
+            hyper = {k: self._json(v, f"optim.param_groups.{g}.{k}") for k, v in inner_groups[sub].items()
+                     if k != "params"}
+            out.append({**{k: v for k, v in hyper.items() if v is not _DROPPED}, "params": names})
+        self._values["optim.param_groups"] = out
+
+    def _json(self, value: Any, key: str) -> Any:
+        try:
+            return to_json_value(value.item() if isinstance(value, torch.Tensor) else value, key)
+        except ConfigurationError:
+            self.skipped_side_files.append(f"{key}: a {type(value).__name__}, neither a tensor nor a JSON value")
+            return _DROPPED
+
+    def _scheduler(self, state: Any) -> None:
+        if not isinstance(state, dict) or not state:
+            return
+        try:
+            flat = flatten({"lr_scheduler": state})
+        except ConfigurationError as exc:
+            self.skipped_side_files.append(f"the lr_scheduler state ({exc})")
+            return
+        if flat.tensors:
+            self.skipped_side_files.append("the lr_scheduler state (it holds tensors)")
+            return
+        self._values.update(flat.values)
+
+    # ------------------------------------------------------------------ reading
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        return self._entries
+
+    def values(self) -> Mapping[str, Any]:
+        return self._values
+
+    def aliases(self) -> Mapping[str, str]:
+        return self._aliases
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        entries = self._check_requests(requests)
+        for r, entry in zip(requests, entries):  # every record the requests need is checked before any out is written
+            for flat, file, _, _ in entry.chunks[0].locator:
+                file.ensure_checked(flat, f"{file.url} [{r.fqn}]")
+        for r, entry in zip(requests, entries):
+            chunk = entry.chunks[0]
+            r0, r1 = row_range(chunk.offsets, r.box)
+            row = math.prod(entry.shape[1:]) if entry.shape else 1
+            flat = _gather(chunk.locator, r0 * row, (r1 - r0) * row, entry.dtype)
+            rows = flat.view(()) if not entry.shape else flat.view((r1 - r0, *entry.shape[1:]))
+            copy_rows_into(rows, chunk.offsets, r.box, r.out)
+            self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
+
+
+_DROPPED = object()
+
+
+def _gather(pieces: Sequence[tuple], lo: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[lo, lo + n)`` of a tensor stored as ``pieces``: a view of the mapped file when one
+    piece holds them all, else a copy of just those elements."""
+    spans = []
+    at = 0
+    for flat, _, start, count in pieces:
+        a, b = max(lo, at), min(lo + n, at + count)
+        if a < b:
+            spans.append(flat[start + a - at:start + b - at])
+        at += count
+    if len(spans) == 1:
+        return spans[0]
+    out = torch.empty(n, dtype=dtype)
+    done = 0
+    for span in spans:
+        out[done:done + span.numel()].copy_(span)
+        release_pages(span)
+        done += span.numel()
+    return out
