@@ -19,6 +19,8 @@ What is checked depends on what the format records:
   ``bytes_checked=0``) rather than claiming data it never read.
 * torch.save: the zip CRC-32 of every record, streamed the same way (a file
   written without CRC-32s, every one 0, gets ``scope="headers"``).
+* DeepSpeed: the same for every model- and optimizer-state file of the tag;
+  the partitions were checked against ``param_shapes`` when it was opened.
 
 Problems are collected, not raised one by one, so one run names all the
 damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.
@@ -99,8 +101,10 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
             report.bytes_checked = _verify_native(reader, report.problems, workers, progress)
         elif fmt == "dcp":
             report.bytes_checked = _verify_dcp(reader, report.problems, progress)
-        elif fmt == "torch":
-            report.bytes_checked = _verify_zip(storage, report.problems)
+        elif fmt in ("torch", "deepspeed"):  # zip archives: every record carries a CRC-32
+            files = ([(reader.tag_folder, n) for n in reader.file_names] if fmt == "deepspeed"
+                     else [split_file(storage)])
+            report.bytes_checked = sum(_verify_zip(folder, name, report.problems) for folder, name in files)
             if not report.bytes_checked and not report.problems:  # written without CRC-32s: nothing to check
                 report.scope = "headers"
         else:  # HF: headers were validated on open; safetensors has no checksum to check the data against
@@ -177,10 +181,9 @@ def _verify_dcp(reader: Any, problems: list[str], progress: Progress | None) -> 
     return nbytes
 
 
-def _verify_zip(storage: Storage, problems: list[str]) -> int:
-    parent, name = split_file(storage)
+def _verify_zip(folder: Storage, name: str, problems: list[str]) -> int:
     try:
-        return check_zip_records(parent, name, 0, parent.size(name), storage.url)
+        return check_zip_records(folder, name, 0, folder.size(name), folder.where(name))
     except ShardkitError as exc:
         problems.append(str(exc))
         return 0

@@ -39,6 +39,7 @@ import torch
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
 from shardkit.checkpoint.formats.deepspeed.allowlist import ALLOWED_CLASSES, SAFE_GLOBALS
 from shardkit.checkpoint.formats.deepspeed.layout import Piece, spread_pieces, zero3_pieces, zero12_pieces
+from shardkit.checkpoint.formats.hf import side_files_in
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, release_pages, tensors_in
 from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
 from shardkit.checkpoint.io.storage import Storage
@@ -105,7 +106,9 @@ class DeepSpeedReader(CheckpointReader):
     # ------------------------------------------------------------------ opening
     def _open(self, storage: Storage) -> None:
         folder, tag = _tag_folder(storage)
-        self.folder = folder
+        self.tag_folder = folder
+        # config.json and tokenizer files beside the tag folders (a Trainer's checkpoint-N/), for --to hf
+        self.folder, self.side_files = storage, (side_files_in(storage)[0] if tag is not None else [])
         names = folder.listdir()
         for n in names:
             m = _MODEL.match(n) or _OPTIM.match(n)
@@ -207,7 +210,7 @@ class DeepSpeedReader(CheckpointReader):
             shape = tuple(int(x) for x in shape)
             frags = [(m.get("frozen_param_fragments") or {}).get(name) for m in models]
             if any(not isinstance(f, torch.Tensor) for f in frags):
-                raise InvalidManifest(f"{self.folder.url}: frozen parameter {name!r} has no stored fragment")
+                raise InvalidManifest(f"{self.tag_folder.url}: frozen parameter {name!r} has no stored fragment")
             flats = {r: (f.reshape(-1), self._files[r]) for r, f in enumerate(frags)}
             pieces = spread_pieces(math.prod(shape), [f.numel() for f in frags], list(range(len(frags))))
             self._add(f"model.{name}", frags[0].dtype, shape, self._resolved(pieces, flats))

@@ -1,0 +1,186 @@
+"""DeepSpeed ZeRO checkpoints written by the real DeepSpeed (stages 1, 2, 3, on CPU with gloo) are read
+bitwise as DeepSpeed itself reconstructs them, converted to every format, resumed by shardkit at other world
+sizes, and refused when their pickles name a class outside the allowlist."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from shardkit.checkpoint import convert, diff, inspect, reshard, verify  # noqa: E402
+from shardkit.checkpoint.formats import open_reader  # noqa: E402
+from shardkit.checkpoint.formats.base import read_box  # noqa: E402
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat  # noqa: E402
+from tests.deepspeed_helpers import (  # noqa: E402
+    CASES,
+    STATE_KEYS,
+    STEPS_AFTER,
+    STEPS_SAVED,
+    build_model,
+    global_batch,
+    llama_config,
+    write_checkpoints,
+)
+from tests.dist import run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def zero(tmp_path_factory):
+    """One run of the real DeepSpeed writing every case (about 15 s)."""
+    out = tmp_path_factory.mktemp("deepspeed")
+    write_checkpoints(out)
+    return out
+
+
+def _reference(zero, case: str, which: str) -> dict[str, torch.Tensor]:
+    return safetensors_torch.load_file(str(zero / f"{case}.{which}.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_weights_equal_deepspeeds_own_zero_to_fp32_bitwise(zero, case):
+    expected = _reference(zero, case, "zero_to_fp32")  # buffers, frozen and tied parameters included
+    with open_reader(str(zero / case)) as reader:
+        assert reader.info.format == "deepspeed" and reader.info.world_size == 2
+        assert reader.info.meta["zero_stage"] == CASES[case][0] and reader.info.meta["step"] == STEPS_SAVED
+        model_keys = {k for k in reader.tensors() if k.startswith("model.")}
+        assert model_keys == set(expected)
+        for key, tensor in expected.items():
+            got = read_box(reader, key)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_master_weights_and_optimizer_state_equal_the_live_engines_bitwise(zero, case):
+    """Adam's moments (Adagrad's sum) per parameter, as DeepSpeed's safe_get_full_optimizer_state gives them."""
+    live = _reference(zero, case, "live")
+    keys = STATE_KEYS[CASES[case][1]]
+    with open_reader(str(zero / case)) as reader:
+        state_keys = {k for k in reader.tensors() if k.startswith("optim.state.")}
+        assert {k for k in live if k.startswith("optim.state.")} <= state_keys
+        assert all(k.rsplit(".", 1)[1] in (*keys, "step") for k in state_keys)
+        for key, tensor in live.items():
+            assert torch.equal(read_box(reader, key), tensor), key
+        step = read_box(reader, "optim.state.model.embed_tokens.weight.step")
+        assert step.item() == STEPS_SAVED
+
+
+def test_param_groups_name_the_trainable_parameters_and_keep_the_hyperparameters(zero):
+    with open_reader(str(zero / "stage3-tied-frozen")) as reader:
+        (group,) = reader.values()["optim.param_groups"]
+    model = build_model(tied=True)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]  # FQNs, as torch's optimizers key them
+    assert group["params"] == trainable and "model.norm.weight" not in group["params"]
+    assert group["lr"] == 1e-2 and group["weight_decay"] == 0.01 and group["betas"] == [0.9, 0.999]
+
+
+def test_convert_to_every_format_and_reshard_round_trip_bitwise(zero, tmp_path):
+    src = str(zero / "stage3")
+    for to in ("shardkit", "torch", "dcp"):
+        out = tmp_path / to
+        convert(src, str(out), to=to)
+        report = diff(src, str(out))
+        assert report.equal, (to, report)
+    out = tmp_path / "resharded"
+    reshard(src, str(out), world_size=3)
+    assert diff(src, str(out)).equal and verify(str(out)).ok
+
+
+def test_convert_to_hf_gives_a_model_from_pretrained_loads_with_deepspeeds_weights(zero, tmp_path):
+    ckpt = tmp_path / "checkpoint-2"   # as a Trainer run lays it out: config.json beside latest and global_step2/
+    shutil.copytree(zero / "stage3-tied-frozen", ckpt)
+    llama_config(tied=True).save_pretrained(ckpt)
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf")
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    expected = build_model(tied=True)
+    expected.load_state_dict({k[len("model."):]: v for k, v in _reference(zero, "stage3-tied-frozen",
+                                                                        "zero_to_fp32").items()})
+    ids = global_batch(STEPS_SAVED + 1)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+def resume_and_train(ckpt: str, tied: bool) -> list[float]:
+    """On every rank: a fully sharded Llama and a torch AdamW (wrong hyperparameters on purpose) loaded from
+    a DeepSpeed checkpoint, then trained on the steps DeepSpeed trained after its save (each rank sees the
+    whole job's batch, so any world size computes the same step)."""
+    import shardkit.checkpoint as skc
+    from shardkit import fully_shard
+
+    torch.manual_seed(123)
+    model = build_model(tied)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5, weight_decay=0.5)
+    sd = skc.get_state_dict(model, opt)
+    skc.load(sd, ckpt)
+    skc.set_state_dict(model, opt, sd)
+    losses = []
+    for step in range(STEPS_SAVED + 1, STEPS_SAVED + STEPS_AFTER + 1):
+        ids = global_batch(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("case,world", [("stage3", 1), ("stage2-tied-frozen", 3)])
+def test_load_resumes_a_deepspeed_run_at_another_world_size_with_its_losses(zero, case, world):
+    expected = json.loads((zero / f"{case}.losses.json").read_text())["after_save"]
+    for losses in run_on_ranks(world, resume_and_train, str(zero / case), CASES[case][2]):
+        assert losses == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_a_client_state_naming_a_class_outside_the_allowlist_is_refused_naming_it(zero, tmp_path):
+    with pytest.raises(UnsafeCheckpoint, match=r"argparse\.Namespace"):
+        open_reader(str(zero / "unsafe"))
+    report = verify(str(zero / "unsafe"))
+    assert not report.ok and "argparse.Namespace" in report.problems[0]
+    with pytest.raises(UnsafeCheckpoint, match=r"argparse\.Namespace"):
+        convert(str(zero / "unsafe"), str(tmp_path / "out"), to="shardkit")
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_checks_every_record_and_names_a_damaged_partition(zero, tmp_path):
+    good = verify(str(zero / "stage2"))
+    assert good.ok and good.scope == "checksums" and good.bytes_checked > 0
+    bad = tmp_path / "stage2"
+    shutil.copytree(zero / "stage2", bad)
+    victim = bad / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    report = verify(str(bad))
+    assert not report.ok and "zero_pp_rank_1_mp_rank_00_optim_states" in report.problems[0]
+
+
+def test_a_missing_rank_file_or_a_latest_naming_nothing_is_refused(zero, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(zero / "stage2", partial)
+    (partial / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(InvalidManifest, match="2 ranks.*1 optimizer-state file"):
+        open_reader(str(partial))
+    dangling = tmp_path / "dangling"
+    shutil.copytree(zero / "stage2", dangling)
+    (dangling / "latest").write_text("global_step9")
+    with pytest.raises(InvalidManifest, match="global_step9"):
+        open_reader(str(dangling), format="deepspeed")
+
+
+def test_inspect_names_the_stage_and_deepspeed_is_read_only(zero, tmp_path):
+    info = inspect(str(zero / "stage1"))
+    assert info["format"] == "deepspeed" and info["meta"]["zero_stage"] == 1
+    with pytest.raises(UnsupportedFormat, match="does not write"):
+        convert(str(zero / "stage1"), str(tmp_path / "out"), to="deepspeed")
