@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +113,19 @@ def torch_and_native(root: Path) -> tuple[Path, Path]:
     native = root / "native"
     reshard(str(src), str(native), world_size=2)
     return src, native
+
+
+def peak_rss(cmd: list[str]) -> tuple[int, int]:
+    """(exit code, peak RSS bytes) of ``cmd``: its own VmHWM, sampled until it exits."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
+    peak = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+        time.sleep(0.005)
+    return proc.returncode, peak

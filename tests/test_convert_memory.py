@@ -8,36 +8,17 @@ threads' buffers and the writer's staging buffer share the remaining ~50 MiB.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 
 import torch
 
 from shardkit.checkpoint import reshard, verify
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
-from tests.offline_helpers import write_torch_state
+from tests.offline_helpers import peak_rss, write_torch_state
 
 MiB = 1 << 20
 BUDGET = 16 * MiB
-
-
-def _peak_rss(cmd: list[str]) -> tuple[int, int]:
-    """(exit code, peak RSS bytes) of ``cmd``: its own VmHWM, sampled until it exits."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
-    peak = 0
-    while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-        except OSError:
-            pass
-        time.sleep(0.005)
-    return proc.returncode, peak
 
 
 def _spot_check(url: str, big: torch.Tensor) -> None:
@@ -61,7 +42,7 @@ def test_reshard_and_convert_of_a_tensor_8x_the_budget_stay_within_budget_plus_2
     jobs += [(f"convert-{to}", ["convert", native, str(tmp_path / f"c-{to}{'.pt' if to == 'torch' else ''}"),
                                 "--to", to]) for to in ("hf", "torch", "dcp")]
     for name, args in jobs:
-        code, peak = _peak_rss([sys.executable, "-m", "shardkit", "-q", *args, "--max-memory", "16MiB"])
+        code, peak = peak_rss([sys.executable, "-m", "shardkit", "-q", *args, "--max-memory", "16MiB"])
         assert code == 0, name
         assert peak <= BUDGET + 256 * MiB, f"{name}: peak RSS {peak / MiB:.0f} MiB > budget 16 MiB + 256 MiB"
         out = args[2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -29,15 +30,21 @@ from tests.deepspeed_helpers import (  # noqa: E402
     write_checkpoints,
 )
 from tests.dist import run_on_ranks  # noqa: E402
+from tests.offline_helpers import peak_rss  # noqa: E402
+
+MiB = 1 << 20
 
 pytestmark = pytest.mark.slow
 
 
+BIG_ROWS = 16384  # the big case: embedding and lm_head of 16384 x 1024 fp32, 128 MiB of weights
+
+
 @pytest.fixture(scope="module")
 def zero(tmp_path_factory):
-    """One run of the real DeepSpeed writing every case (about 15 s)."""
+    """One run of the real DeepSpeed writing every case (about 25 s)."""
     out = tmp_path_factory.mktemp("deepspeed")
-    write_checkpoints(out)
+    write_checkpoints(out, "--big-embedding", str(BIG_ROWS))
     return out
 
 
@@ -184,3 +191,19 @@ def test_inspect_names_the_stage_and_deepspeed_is_read_only(zero, tmp_path):
     assert info["format"] == "deepspeed" and info["meta"]["zero_stage"] == 1
     with pytest.raises(UnsupportedFormat, match="does not write"):
         convert(str(zero / "stage1"), str(tmp_path / "out"), to="deepspeed")
+
+
+def test_convert_of_a_checkpoint_8x_the_budget_stays_within_budget_plus_256mib(zero, tmp_path):
+    """128 MiB of weights and 256 MiB of Adam moments in flat partitions, converted whole at --max-memory
+    16MiB in a fresh process: peak RSS (interpreter and torch included) <= 16 MiB + 256 MiB."""
+    src, out = str(zero / "big"), str(tmp_path / "out")
+    code, peak = peak_rss([sys.executable, "-m", "shardkit", "-q", "convert", src, out, "--to", "shardkit",
+                           "--max-memory", "16MiB"])
+    assert code == 0
+    assert peak <= 16 * MiB + 256 * MiB, f"peak RSS {peak / MiB:.0f} MiB"
+    with open_reader(src) as reader:
+        assert sum(e.nbytes for e in reader.tensors().values()) >= 3 * 128 * MiB
+    rows = ((BIG_ROWS - 100, 0), (100, 1024))
+    with open_reader(src) as a, open_reader(out) as b:
+        for key in ("model.lm_head.weight", "optim.state.lm_head.weight.exp_avg_sq"):
+            assert torch.equal(read_box(a, key, rows), read_box(b, key, rows)), key

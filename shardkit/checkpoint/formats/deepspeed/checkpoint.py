@@ -346,9 +346,13 @@ class DeepSpeedReader(CheckpointReader):
             chunk = entry.chunks[0]
             r0, r1 = row_range(chunk.offsets, r.box)
             row = math.prod(entry.shape[1:]) if entry.shape else 1
-            flat = _gather(chunk.locator, r0 * row, (r1 - r0) * row, entry.dtype)
+            spans = _spans(chunk.locator, r0 * row, (r1 - r0) * row)
+            # a view of the mapped file, or a copy of just these elements
+            flat = spans[0] if len(spans) == 1 else torch.cat(spans) if spans else torch.empty(0, dtype=entry.dtype)
             rows = flat.view(()) if not entry.shape else flat.view((r1 - r0, *entry.shape[1:]))
             copy_rows_into(rows, chunk.offsets, r.box, r.out)
+            for span in spans:  # the mapped pages just copied leave this process's RSS
+                release_pages(span)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def close(self) -> None:
@@ -360,9 +364,8 @@ class DeepSpeedReader(CheckpointReader):
 _DROPPED = object()
 
 
-def _gather(pieces: Sequence[tuple], lo: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Elements ``[lo, lo + n)`` of a tensor stored as ``pieces``: a view of the mapped file when one
-    piece holds them all, else a copy of just those elements."""
+def _spans(pieces: Sequence[tuple], lo: int, n: int) -> list[torch.Tensor]:
+    """Elements ``[lo, lo + n)`` of a tensor stored as ``pieces``: views of the mapped files, in order."""
     spans = []
     at = 0
     for flat, _, start, count in pieces:
@@ -370,12 +373,4 @@ def _gather(pieces: Sequence[tuple], lo: int, n: int, dtype: torch.dtype) -> tor
         if a < b:
             spans.append(flat[start + a - at:start + b - at])
         at += count
-    if len(spans) == 1:
-        return spans[0]
-    out = torch.empty(n, dtype=dtype)
-    done = 0
-    for span in spans:
-        out[done:done + span.numel()].copy_(span)
-        release_pages(span)
-        done += span.numel()
-    return out
+    return spans
