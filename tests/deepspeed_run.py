@@ -42,7 +42,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.deepspeed_helpers import (  # noqa: E402
+from tests.framework_helpers import (  # noqa: E402
     CASES,
     STATE_KEYS,
     STEPS_AFTER,

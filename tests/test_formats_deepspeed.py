@@ -19,17 +19,17 @@ from shardkit.checkpoint import convert, diff, inspect, reshard, verify  # noqa:
 from shardkit.checkpoint.formats import open_reader  # noqa: E402
 from shardkit.checkpoint.formats.base import read_box  # noqa: E402
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat  # noqa: E402
-from tests.deepspeed_helpers import (  # noqa: E402
+from tests.dist import run_on_ranks  # noqa: E402
+from tests.framework_helpers import (  # noqa: E402
     CASES,
     STATE_KEYS,
-    STEPS_AFTER,
     STEPS_SAVED,
     build_model,
     global_batch,
     llama_config,
+    resume_and_train,
     write_checkpoints,
 )
-from tests.dist import run_on_ranks  # noqa: E402
 from tests.offline_helpers import peak_rss  # noqa: E402
 
 MiB = 1 << 20
@@ -44,7 +44,7 @@ BIG_ROWS = 16384  # the big case: embedding and lm_head of 16384 x 1024 fp32, 12
 def zero(tmp_path_factory):
     """One run of the real DeepSpeed writing every case (about 25 s)."""
     out = tmp_path_factory.mktemp("deepspeed")
-    write_checkpoints(out, "--big-embedding", str(BIG_ROWS))
+    write_checkpoints("deepspeed_run.py", out, "--big-embedding", str(BIG_ROWS))
     return out
 
 
@@ -114,33 +114,6 @@ def test_convert_to_hf_gives_a_model_from_pretrained_loads_with_deepspeeds_weigh
     ids = global_batch(STEPS_SAVED + 1)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
-
-
-def resume_and_train(ckpt: str, tied: bool) -> list[float]:
-    """On every rank: a fully sharded Llama and a torch AdamW (wrong hyperparameters on purpose) loaded from
-    a DeepSpeed checkpoint, then trained on the steps DeepSpeed trained after its save (each rank sees the
-    whole job's batch, so any world size computes the same step)."""
-    import shardkit.checkpoint as skc
-    from shardkit import fully_shard
-
-    torch.manual_seed(123)
-    model = build_model(tied)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5, weight_decay=0.5)
-    sd = skc.get_state_dict(model, opt)
-    skc.load(sd, ckpt)
-    skc.set_state_dict(model, opt, sd)
-    losses = []
-    for step in range(STEPS_SAVED + 1, STEPS_SAVED + STEPS_AFTER + 1):
-        ids = global_batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("case,world", [("stage3", 1), ("stage2-tied-frozen", 3)])

@@ -42,6 +42,10 @@ class Format:
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("shardkit", "native: manifest.json + safetensors chunks", "shardkit.checkpoint.formats.native.reader",
            "shardkit.checkpoint.formats.native.writer", ("native",), ("manifest.json",), ("io_threads",)),
+    # before hf: a Trainer's checkpoint-N/ holds model.safetensors too, beside the optimizer and RNG states
+    Format("trainer", "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)",
+           "shardkit.checkpoint.formats.trainer.checkpoint", None, ("accelerate", "hf-trainer"), (),
+           ("torch_options",)),
     Format("hf", "Hugging Face safetensors file or folder", "shardkit.checkpoint.formats.hf",
            "shardkit.checkpoint.formats.hf", ("huggingface", "safetensors"),
            ("model.safetensors.index.json", "model.safetensors")),

@@ -1,0 +1,1 @@
+"""Hugging Face Trainer and Accelerate checkpoint folders: their parts read as one checkpoint."""

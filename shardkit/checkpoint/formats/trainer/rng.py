@@ -1,0 +1,103 @@
+"""The per-rank RNG files of an Accelerate or Trainer checkpoint, as shardkit's ``rng.*`` state.
+
+Accelerate's ``save_state`` writes ``random_states_<rank>.pkl`` (``random_state``,
+``numpy_random_seed``, ``torch_manual_seed``, ``torch_cuda_manual_seed``), the
+Trainer ``rng_state_<rank>.pth`` (``python``, ``numpy``, ``cpu``, ``cuda``):
+``torch.save`` files of Python's ``random.getstate()``, numpy's legacy
+``np.random.get_state()`` and torch's generator states.  Read here with torch's
+allowlisting unpickler plus numpy's array reconstruction (``_reconstruct``,
+``ndarray``, ``dtype`` and the uint32 dtype class: numpy's own constructors,
+which run no code the file names), and re-expressed as
+:mod:`shardkit.data.rng` keeps a rank's state (``rng.world_size``,
+``rng.rank<r>.python``, ``.numpy``, ``.torch``, ``.cuda``), so
+``shardkit.data`` restores them: exactly at the same world size, reseeded
+from them (deterministically, with a warning) at another.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+
+from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import InvalidManifest
+
+__all__ = ["RNG_FILE", "rng_files", "read_rng_state"]
+
+RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
+# the keys each framework stores each generator under
+_PYTHON, _NUMPY, _TORCH, _CUDA = ("random_state", "python"), ("numpy_random_seed", "numpy"), \
+    ("torch_manual_seed", "cpu"), ("torch_cuda_manual_seed", "cuda")
+
+
+def rng_files(names: Sequence[str]) -> list[str]:
+    """The RNG files among ``names``, in rank order (one file name pattern per framework)."""
+    found = sorted((n for n in names if RNG_FILE.match(n)), key=lambda n: int(RNG_FILE.match(n).group(1)))
+    ranks = [int(RNG_FILE.match(n).group(1)) for n in found]
+    return found if ranks == list(range(len(ranks))) else []
+
+
+def _numpy_globals() -> list[tuple[Callable, str]]:
+    """numpy's array and dtype reconstruction, under the names numpy 1 and 2 pickle them as."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    reconstruct = np.core.multiarray._reconstruct if not hasattr(np, "_core") else np._core.multiarray._reconstruct
+    names = [(reconstruct, "numpy._core.multiarray._reconstruct"), (reconstruct, "numpy.core.multiarray._reconstruct"),
+             (np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype")]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        names.append((dtypes.UInt32DType, "numpy.dtypes.UInt32DType"))
+    return names
+
+
+def _first(state: dict, keys: tuple[str, str]) -> Any:
+    return next((state[k] for k in keys if k in state), None)
+
+
+def _rank_state(state: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One rank's file as shardkit's rng state of that rank: (tensors, values), keys relative to the rank."""
+    if not isinstance(state, dict):
+        raise InvalidManifest(f"{where}: holds a {type(state).__name__}, not a dict of RNG states")
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    python = _first(state, _PYTHON)
+    if isinstance(python, tuple) and len(python) == 3:
+        version, internal, gauss = python
+        values.update({"python.version": int(version), "python.state": [int(x) for x in internal],
+                       "python.gauss": gauss})
+    legacy = _first(state, _NUMPY)
+    if isinstance(legacy, tuple) and len(legacy) == 5:
+        kind, key, pos, has_gauss, cached = legacy
+        tensors["numpy.key"] = torch.as_tensor(key.astype("int64"))
+        values.update({"numpy.kind": str(kind), "numpy.pos": int(pos), "numpy.has_gauss": int(has_gauss),
+                       "numpy.cached_gaussian": float(cached)})
+    cpu = _first(state, _TORCH)
+    if isinstance(cpu, torch.Tensor):
+        tensors["torch"] = cpu.clone()
+    cuda = _first(state, _CUDA)
+    if isinstance(cuda, torch.Tensor):
+        tensors["cuda.0"] = cuda.clone()
+    if "torch" not in tensors or "python.state" not in values:
+        raise InvalidManifest(f"{where}: no Python and torch generator states (found {sorted(state)})")
+    return tensors, values
+
+
+def read_rng_state(folder: Storage, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every rank's RNG file, as ``rng.*`` tensors and values."""
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {"rng.world_size": len(names)}
+    for rank, name in enumerate(names):
+        file = MappedTorchFile(folder.child(name), safe_globals=_numpy_globals(), unsafe_hint=(
+            "an RNG file holds Python, numpy and torch generator states and nothing else"))
+        try:
+            t, v = _rank_state(file.obj, folder.where(name))
+        finally:
+            file.close()
+        tensors.update({f"rng.rank{rank}.{k}": x for k, x in t.items()})
+        values.update({f"rng.rank{rank}.{k}": x for k, x in v.items()})
+    return tensors, values
