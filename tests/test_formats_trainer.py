@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from shardkit.checkpoint import convert, verify  # noqa: E402
+from shardkit.checkpoint import convert, diff, verify  # noqa: E402
 from shardkit.checkpoint.formats import open_reader  # noqa: E402
 from shardkit.checkpoint.formats.base import read_box  # noqa: E402
 from shardkit.data.rng import restore_rng_state  # noqa: E402
@@ -84,7 +85,15 @@ def test_a_trainer_checkpoint_holds_the_trained_weights_and_its_step(runs, case)
             assert "model.norm.weight" in groups[1]["params"]
 
 
-@pytest.mark.parametrize("case,world", [("fsdp2-sharded", 1), ("fsdp2-full", 3), ("fsdp1-sharded", 3), ("ddp", 1)])
+def test_fsdp2_full_and_fsdp1_sharded_checkpoints_hold_the_fsdp2_sharded_state_bitwise(runs):
+    """The same training in three FSDP set-ups: model, optimizer and RNG read back bit for bit alike, so the
+    resumes below speak for all three."""
+    for case in ("fsdp2-full", "fsdp1-sharded"):
+        report = diff(str(runs / "fsdp2-sharded"), str(runs / case))
+        assert report.equal and len(report.tensors) == 88 and not report.values, (case, report)
+
+
+@pytest.mark.parametrize("case,world", [("fsdp2-sharded", 3), ("ddp", 1)])
 def test_converted_to_shardkit_resumes_at_another_world_size_with_accelerates_losses(runs, case, world, tmp_path):
     out = tmp_path / "sk"
     keys = _model_keys() if case == "ddp" else None  # a plain loop's numbered optimizer state needs its names
@@ -134,3 +143,16 @@ def test_every_ranks_rng_file_becomes_shardkit_rng_state_that_restores_it_exactl
     finally:
         torch.set_rng_state(saved[0])
         random.setstate(saved[1])
+
+
+def test_verify_checks_every_part_and_names_the_damaged_one(runs, tmp_path):
+    good = verify(str(runs / "fsdp2-sharded"))
+    assert good.ok and good.scope == "checksums" and good.bytes_checked > 0
+    bad = tmp_path / "fsdp2-sharded"
+    shutil.copytree(runs / "fsdp2-sharded", bad)
+    victim = bad / "optimizer_0" / "__1_0.distcp"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    report = verify(str(bad))
+    assert not report.ok and "optimizer_0/__1_0.distcp" in report.problems[0]

@@ -21,6 +21,8 @@ What is checked depends on what the format records:
   written without CRC-32s, every one 0, gets ``scope="headers"``).
 * DeepSpeed: the same for every model- and optimizer-state file of the tag;
   the partitions were checked against ``param_shapes`` when it was opened.
+* Trainer/Accelerate folders: each part as its format is checked (DCP folders,
+  torch.save files, RNG and scheduler files); safetensors weights by headers.
 
 Problems are collected, not raised one by one, so one run names all the
 damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.
@@ -101,10 +103,11 @@ def verify(src: str, *, storage_options: Mapping[str, Any] | None = None, worker
             report.bytes_checked = _verify_native(reader, report.problems, workers, progress)
         elif fmt == "dcp":
             report.bytes_checked = _verify_dcp(reader, report.problems, progress)
-        elif fmt in ("torch", "deepspeed"):  # zip archives: every record carries a CRC-32
-            files = ([(reader.tag_folder, n) for n in reader.file_names] if fmt == "deepspeed"
-                     else [split_file(storage)])
+        elif fmt in ("torch", "deepspeed", "trainer"):  # zip archives: every record carries a CRC-32
+            files = reader.archives() if fmt != "torch" else [split_file(storage)]
             report.bytes_checked = sum(_verify_zip(folder, name, report.problems) for folder, name in files)
+            for part in getattr(reader, "dcp_parts", list)():  # a Trainer's sharded model and optimizer
+                report.bytes_checked += _verify_dcp(part, report.problems, None)
             if not report.bytes_checked and not report.problems:  # written without CRC-32s: nothing to check
                 report.scope = "headers"
         else:  # HF: headers were validated on open; safetensors has no checksum to check the data against

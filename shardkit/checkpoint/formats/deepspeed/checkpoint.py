@@ -355,6 +355,10 @@ class DeepSpeedReader(CheckpointReader):
                 release_pages(span)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
+    def archives(self) -> list[tuple[Storage, str]]:
+        """The torch.save files this checkpoint is read from (``verify`` checks their CRC-32s)."""
+        return [(self.tag_folder, n) for n in self.file_names]
+
     def close(self) -> None:
         for f in self._files:
             f.close()

@@ -122,6 +122,9 @@ class TrainerReader(CheckpointReader):
         # config.json, generation_config.json and tokenizer files travel to --to hf
         self.folder, self.side_files = storage, side_files_in(storage)[0]
         opts = torch_options or TorchLoadOptions()
+        if opts.trust_pickle:
+            raise ConfigurationError(f"{storage.url}: --trust-pickle applies to one torch.save file; the parts of a "
+                                     "Trainer/Accelerate folder are always read through the allowlist")
         try:
             names = storage.listdir()
             self._model(storage, names)
@@ -255,6 +258,15 @@ class TrainerReader(CheckpointReader):
         for part, mine in by_part.values():  # each part validates all of its requests before writing any
             part.reader.read(mine)
         self.stats.add(read=sum(r.out.numel() * r.out.element_size() for r in requests), requests=len(requests))
+
+    def archives(self) -> list[tuple[Storage, str]]:
+        """The torch.save files of this folder (weights, optimizer, RNG, scheduler): ``verify`` checks them."""
+        names = self.storage.listdir()
+        return [(self.storage, n) for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))
+                and (n in MODEL_PARTS or n in OPTIMIZER_PARTS or n in SCHEDULER_PARTS or n in rng_files(names))]
+
+    def dcp_parts(self) -> list[DcpReader]:
+        return [p.reader for p in self.parts if isinstance(p.reader, DcpReader)]
 
     def close(self) -> None:
         for part in self.parts:
