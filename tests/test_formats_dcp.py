@@ -275,3 +275,30 @@ def test_reading_and_writing_dcp_never_imports_torch_distributed_checkpoint(tmp_
             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_plain_dcp_save_of_a_model_state_dict_is_read_as_the_model(tmp_path):
+    """``dcp.save(model.state_dict())`` (no ``model`` level, as torch's examples and torchtitan write it) is
+    read as ``model.*`` and ``optimizer.*`` as ``optim.*``: convert --to hf gives a folder from_pretrained
+    loads, where accelerate's merge-weights refuses such a directory."""
+    import torch.distributed.checkpoint as dcp
+
+    transformers = pytest.importorskip("transformers")
+    from shardkit.checkpoint import convert
+    from tests.framework_helpers import build_model, llama_config
+
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.arange(8)[None]).logits.sum().backward()
+    opt.step()
+    osd = {"state": {n: opt.state[p] for n, p in model.named_parameters()}, "param_groups": []}
+    dcp.save({**model.state_dict(), "optimizer": osd, "lr_scheduler": {"last_epoch": 1}},
+             checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    with DcpReader(Storage(str(tmp_path / "plain"))) as reader:
+        keys = set(reader.tensors())
+        assert "model.model.embed_tokens.weight" in keys and "optim.state.lm_head.weight.exp_avg" in keys
+        assert "lr_scheduler.last_epoch" in reader.values()
+    llama_config().save_pretrained(tmp_path / "config")
+    convert(str(tmp_path / "plain"), str(tmp_path / "hf"), to="hf", config=str(tmp_path / "config"))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -88,6 +88,36 @@ def open_reader(storage: Storage) -> "DcpReader":
     return DcpReader(storage)
 
 
+# top-level names a bare checkpoint keeps beside its model keys (torchtitan: optimizer, lr_scheduler, dataloader,
+# train_state; shardkit's own input and extra state); everything else at the top of such a checkpoint is the model
+_BESIDE_THE_MODEL = ("optimizer", "optim", "lr_scheduler", "dataloader", "train_state", "extra", "data", "rng")
+
+
+def shardkit_names(keys: Sequence[str], tensor_keys: Collection[str]) -> dict[str, str]:
+    """Stored key -> shardkit key.
+
+    A DCP whose tensors all sit under ``model``, ``optim``/``optimizer`` and
+    the names kept beside a model (shardkit's own, accelerate's
+    ``{"model": ...}`` and ``{"optimizer": ...}``, ``get_state_dict`` saved as
+    ``{"model": ..., "optim": ...}``) keeps its keys.  One with tensors
+    elsewhere was saved from a bare ``model.state_dict()``
+    (``dcp.save(model.state_dict())``, torchtitan's model keys): its keys are
+    read as ``model.*``, as a bare torch.save file's are, so ``convert --to hf``
+    finds the weights and ``load`` fills a model from them.  Either way
+    ``optimizer.*`` is read as ``optim.*`` (unless both are there).
+    """
+    tops = {k.split(".", 1)[0] for k in keys}
+    bare = any(k.split(".", 1)[0] not in ("model", *_BESIDE_THE_MODEL) for k in tensor_keys)
+    out = {}
+    for k in keys:
+        top = k.split(".", 1)[0]
+        if top == "optimizer" and "optim" not in tops:
+            out[k] = "optim" + k[len("optimizer"):]
+        else:
+            out[k] = f"model.{k}" if bare and top not in _BESIDE_THE_MODEL else k
+    return out
+
+
 def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
     """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -119,6 +149,9 @@ class DcpReader(CheckpointReader):
         self._where = where
         self._entries: dict[str, TensorEntry] = {}
         self._value_keys: list[str] = []
+        self._ours = shardkit_names(list(self._md.state_dict_metadata), [
+            k for k, md in self._md.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)])
+        self._theirs = {ours: theirs for theirs, ours in self._ours.items()}
         for fqn, md in self._md.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 shape = tuple(int(s) for s in md.size)
@@ -132,7 +165,7 @@ class DcpReader(CheckpointReader):
                     if info is None:
                         raise InvalidManifest(f"{url}: no storage entry for chunk {offsets} of {fqn!r}")
                     chunks.append(StoredChunk(offsets, sizes, info))
-                self._entries[fqn] = TensorEntry(fqn, md.properties.dtype, shape, tuple(chunks))
+                self._entries[self._ours[fqn]] = TensorEntry(self._ours[fqn], md.properties.dtype, shape, tuple(chunks))
             elif isinstance(md, BytesStorageMetadata):
                 self._value_keys.append(fqn)
             else:
@@ -189,7 +222,7 @@ class DcpReader(CheckpointReader):
                     raw[key] = to_json_value(self._decode(info, where), key)
                 except ConfigurationError as exc:
                     raise UnsupportedFormat(f"{where}: {exc}") from None
-            self._values = _nest_param_groups(raw)
+            self._values = _nest_param_groups({self._ours[k]: v for k, v in raw.items()})
         return self._values
 
     def chunk_tensor(self, entry: TensorEntry, index: int) -> torch.Tensor:
@@ -203,7 +236,7 @@ class DcpReader(CheckpointReader):
         where = f"{self.storage.where(str(info.relative_path))} [{entry.fqn} @ {list(chunk.offsets)}]"
         head = self.storage.read_bytes(str(info.relative_path), int(info.offset), int(info.offset) + 9)
         if head[:4] != b"PK\x03\x04" and head[8:9] == b"{" and not getattr(info, "transform_descriptors", None):
-            tensor = self._safetensors_item(entry.fqn, info, where)
+            tensor = self._safetensors_item(self._theirs[entry.fqn], info, where)
         else:
             tensor = self._decode(info, where)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:

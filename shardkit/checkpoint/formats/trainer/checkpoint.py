@@ -159,11 +159,9 @@ class TrainerReader(CheckpointReader):
         if name is None:
             return
         reader = self._open(storage, name)
-        if isinstance(reader, DcpReader):  # accelerate saves {"optimizer": ...}
-            self.parts.append(_Part(name, reader, lambda k: "optim." + k[len("optimizer."):]
-                                    if k.startswith("optimizer.") else None))
-            self._values.update({"optim." + k[len("optimizer."):]: v for k, v in reader.values().items()
-                                 if k.startswith("optimizer.")})
+        if isinstance(reader, DcpReader):  # accelerate saves {"optimizer": ...}, which DCP's reader reads as optim.*
+            self.parts.append(_Part(name, reader, lambda k: k if k.startswith("optim.") else None))
+            self._values.update({k: v for k, v in reader.values().items() if k.startswith("optim.")})
             return
         numbers = self._numbering(storage, name, reader, opts)
         if numbers is None:
