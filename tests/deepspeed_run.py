@@ -55,11 +55,15 @@ from tests.framework_helpers import (  # noqa: E402
 ds_comm.build_shm_op = lambda: None  # the optional shm kernel: gloo does the all-reduce
 
 
-def engine_for(model: torch.nn.Module, stage: int, optimizer: str) -> deepspeed.DeepSpeedEngine:
+def engine_for(model: torch.nn.Module, stage: int, optimizer: str, variant: str = "") -> deepspeed.DeepSpeedEngine:
+    zero = {"stage": stage, **({"sub_group_size": 3000} if variant == "groups" else {})}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": 0.0}
-    params = [p for p in model.parameters() if p.requires_grad]
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params: list = [p for _, p in trainable]
+    if variant == "groups":
+        params = [{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.01},
+                  {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}]
     if optimizer == "adamw":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
@@ -94,10 +98,10 @@ def live_state(engine: deepspeed.DeepSpeedEngine, keys: tuple[str, ...]) -> dict
     return out
 
 
-def write_case(out: str, name: str, stage: int, optimizer: str, tied: bool, client_state: dict | None = None,
-               **model_kw: int) -> None:
-    model = build_model(tied, **model_kw)
-    engine = engine_for(model, stage, optimizer)
+def write_case(out: str, name: str, stage: int, optimizer: str, tied: bool, variant: str = "",
+               client_state: dict | None = None, **model_kw: int) -> None:
+    model = build_model(tied, odd=variant == "odd", **model_kw)
+    engine = engine_for(model, stage, optimizer, variant)
     vocab = model_kw.get("vocab", VOCAB)
     big = bool(model_kw)
     train(engine, range(1, 2 if big else STEPS_SAVED + 1), vocab)
@@ -127,8 +131,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     deepspeed.init_distributed(dist_backend="gloo")
     if not args.only_big:
-        for name, (stage, optimizer, tied) in CASES.items():
-            write_case(args.out, name, stage, optimizer, tied)
+        for name, (stage, optimizer, tied, variant) in CASES.items():
+            write_case(args.out, name, stage, optimizer, tied, variant)
         write_case(args.out, "unsafe", 2, "adamw", False, client_state={"args": argparse.Namespace(lr=0.01)})
     if args.big_embedding:
         write_case(args.out, "big", 2, "adamw", False, hidden=1024, vocab=args.big_embedding)

@@ -20,14 +20,19 @@ VOCAB = 64
 STEPS_SAVED = 2   # steps trained before the save
 STEPS_AFTER = 2   # steps DeepSpeed trains after it, whose losses a resumed run must reproduce
 DS_WORLD = 2      # the ranks the frameworks train on
-# DeepSpeed cases, name: (stage, optimizer, tied embeddings and a frozen norm)
+# DeepSpeed cases, name: (stage, optimizer, tied embeddings and a frozen norm, variant), where the variant is
+# "odd" (a parameter count that is not a multiple of 2 x world size, so ZeRO pads the last rank's partition)
+# or "groups" (two param groups, the norms without weight decay, and at stage 3 sub-groups of 3000 elements)
 CASES = {
-    "stage1": (1, "adamw", False),
-    "stage2": (2, "adamw", False),
-    "stage3": (3, "adamw", False),
-    "stage2-adagrad": (2, "adagrad", False),
-    "stage3-tied-frozen": (3, "adamw", True),
-    "stage2-tied-frozen": (2, "adamw", True),
+    "stage1": (1, "adamw", False, ""),
+    "stage2": (2, "adamw", False, ""),
+    "stage3": (3, "adamw", False, ""),
+    "stage2-adagrad": (2, "adagrad", False, ""),
+    "stage3-tied-frozen": (3, "adamw", True, ""),
+    "stage2-tied-frozen": (2, "adamw", True, ""),
+    "stage1-odd": (1, "adamw", False, "odd"),
+    "stage3-odd": (3, "adamw", False, "odd"),
+    "stage3-groups": (3, "adamw", False, "groups"),
 }
 STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",)}
 # Accelerate cases, name: (FSDP version or 0 for the DDP fallback, state_dict_type)
@@ -41,20 +46,24 @@ TRAINER_CASES = {"trainer-fsdp2-sharded": (2, "SHARDED_STATE_DICT"), "trainer-dd
 PROBE = torch.arange(24).reshape(3, 8) % VOCAB  # the input whose logits a converted model must reproduce
 
 
-def build_model(tied: bool = False, hidden: int = 32, vocab: int = VOCAB) -> torch.nn.Module:
+def build_model(tied: bool = False, hidden: int = 32, vocab: int = VOCAB, odd: bool = False) -> torch.nn.Module:
     """The tiny Llama every case trains (seeded: the same weights on every rank and in every test)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(tied, hidden, vocab))
+    model = LlamaForCausalLM(llama_config(tied, hidden, vocab, odd))
     if tied:
         model.model.norm.weight.requires_grad_(False)
     return model
 
 
-def llama_config(tied: bool = False, hidden: int = 32, vocab: int = VOCAB):
+def llama_config(tied: bool = False, hidden: int = 32, vocab: int = VOCAB, odd: bool = False):
+    """The tiny Llama's config; ``odd``: sizes that make 23,970 parameters (2 more than a multiple of 4)."""
     from transformers import LlamaConfig
 
+    if odd:
+        return LlamaConfig(vocab_size=67, hidden_size=34, intermediate_size=49, num_hidden_layers=2,
+                           num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=tied)
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
 

@@ -277,28 +277,43 @@ def test_reading_and_writing_dcp_never_imports_torch_distributed_checkpoint(tmp_
     assert out.strip() == "[]"
 
 
-def test_a_plain_dcp_save_of_a_model_state_dict_is_read_as_the_model(tmp_path):
-    """``dcp.save(model.state_dict())`` (no ``model`` level, as torch's examples and torchtitan write it) is
-    read as ``model.*`` and ``optimizer.*`` as ``optim.*``: convert --to hf gives a folder from_pretrained
-    loads, where accelerate's merge-weights refuses such a directory."""
+def test_a_dcp_of_a_bare_model_state_dict_is_read_as_the_model_and_its_optimizer_as_optim(tmp_path):
+    """``dcp.save({**model.state_dict(), "optimizer": ...})``, as torchtitan lays it out: the bare model keys
+    are read as ``model.*`` and ``optimizer.*`` as ``optim.*``, so ``load`` fills a model and its optimizer."""
     import torch.distributed.checkpoint as dcp
 
-    transformers = pytest.importorskip("transformers")
-    from shardkit.checkpoint import convert
-    from tests.framework_helpers import build_model, llama_config
+    import shardkit.checkpoint as skc
 
-    model = build_model()
-    opt = torch.optim.AdamW(model.parameters())
-    model(input_ids=torch.arange(8)[None]).logits.sum().backward()
+    model = Transformer(ModelArgs())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.arange(8)[None]).sum().backward()
     opt.step()
-    osd = {"state": {n: opt.state[p] for n, p in model.named_parameters()}, "param_groups": []}
+    osd = {"state": {n: opt.state[p] for n, p in model.named_parameters()},
+           "param_groups": [{**opt.param_groups[0], "params": [n for n, _ in model.named_parameters()]}]}
     dcp.save({**model.state_dict(), "optimizer": osd, "lr_scheduler": {"last_epoch": 1}},
-             checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    with DcpReader(Storage(str(tmp_path / "plain"))) as reader:
-        keys = set(reader.tensors())
-        assert "model.model.embed_tokens.weight" in keys and "optim.state.lm_head.weight.exp_avg" in keys
-        assert "lr_scheduler.last_epoch" in reader.values()
-    llama_config().save_pretrained(tmp_path / "config")
-    convert(str(tmp_path / "plain"), str(tmp_path / "hf"), to="hf", config=str(tmp_path / "config"))
-    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+             checkpoint_id=str(tmp_path / "bare"), no_dist=True)
+    with DcpReader(Storage(str(tmp_path / "bare"))) as reader:
+        name = next(iter(model.state_dict()))
+        assert f"model.{name}" in reader.tensors() and f"optim.state.{name}.exp_avg" in reader.tensors()
+        assert reader.values()["lr_scheduler.last_epoch"] == 1
+    fresh = Transformer(ModelArgs())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    sd = skc.get_state_dict(fresh, fresh_opt)
+    skc.load(sd, str(tmp_path / "bare"), strict=False)  # the lr_scheduler is not this state dict's
+    skc.set_state_dict(fresh, fresh_opt, sd)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert fresh_opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("state", [
+    {"model": {"w": torch.ones(2)}, "step": torch.tensor(3)},            # shardkit-style, a tensor beside
+    {"model": {"w": torch.ones(2)}, "ema": {"w": torch.ones(2)}},         # another top-level tensor
+    {"app": {"model": {"w": torch.ones(2)}, "optim": {"state": {"w": {"exp_avg": torch.ones(2)}}}}},  # AppState
+], ids=["tensor-beside-model", "ema-beside-model", "nested-app-state"])
+def test_a_dcp_that_nests_its_model_keeps_its_keys(tmp_path, state):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    with DcpReader(Storage(str(tmp_path / "d"))) as reader:
+        stored = set(read_dcp_metadata((tmp_path / "d" / ".metadata").read_bytes(), "x").state_dict_metadata)
+        assert set(reader.tensors()) <= stored

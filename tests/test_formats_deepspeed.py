@@ -87,6 +87,12 @@ def test_param_groups_name_the_trainable_parameters_and_keep_the_hyperparameters
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]  # FQNs, as torch's optimizers key them
     assert group["params"] == trainable and "model.norm.weight" not in group["params"]
     assert group["lr"] == 1e-2 and group["weight_decay"] == 0.01 and group["betas"] == [0.9, 0.999]
+    with open_reader(str(zero / "stage3-groups")) as reader:  # 2 groups, split into sub-groups of 3000 elements
+        assert reader.info.meta["zero_stage"] == 3
+        decay, no_decay = reader.values()["optim.param_groups"]
+    names = [n for n, _ in build_model().named_parameters()]
+    assert decay["params"] == [n for n in names if "norm" not in n] and decay["weight_decay"] == 0.01
+    assert no_decay["params"] == [n for n in names if "norm" in n] and no_decay["weight_decay"] == 0.0
 
 
 def test_convert_to_every_format_and_reshard_round_trip_bitwise(zero, tmp_path):

@@ -42,6 +42,9 @@ class Format:
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("shardkit", "native: manifest.json + safetensors chunks", "shardkit.checkpoint.formats.native.reader",
            "shardkit.checkpoint.formats.native.writer", ("native",), ("manifest.json",), ("io_threads",)),
+    # before trainer: a Trainer run with DeepSpeed keeps its ZeRO state (latest, global_stepN/) in checkpoint-N/
+    Format("deepspeed", "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)",
+           "shardkit.checkpoint.formats.deepspeed.checkpoint", None, ("ds", "zero"), ("latest",)),
     # before hf: a Trainer's checkpoint-N/ holds model.safetensors too, beside the optimizer and RNG states
     Format("trainer", "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)",
            "shardkit.checkpoint.formats.trainer.checkpoint", None, ("accelerate", "hf-trainer"), (),
@@ -53,8 +56,6 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "shardkit.checkpoint.formats.torchsave.writer", ("pt", "torch.save"), (), ("torch_options",)),
     Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.checkpoint",
            "shardkit.checkpoint.formats.dcp.checkpoint", (), (".metadata",)),
-    Format("deepspeed", "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)",
-           "shardkit.checkpoint.formats.deepspeed.checkpoint", None, ("ds", "zero"), ("latest",)),
 )}
 
 WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writer)

@@ -15,7 +15,7 @@ import torch
 
 from shardkit.checkpoint.geometry.boxes import itemsize
 
-__all__ = ["rows_per_block", "iter_row_blocks", "row_range", "copy_rows_into"]
+__all__ = ["rows_per_block", "iter_row_blocks", "row_range", "copy_rows_into", "copy_box"]
 
 
 def rows_per_block(dtype: torch.dtype, shape: tuple[int, ...], budget: int) -> int:
@@ -53,3 +53,12 @@ def copy_rows_into(rows: torch.Tensor, chunk_offsets: tuple[int, ...], box: Any,
     index = (slice(None),) + tuple(slice(o - c, o - c + s) for o, c, s in
                                    zip(box[0][1:], chunk_offsets[1:], box[1][1:]))
     out.copy_(rows[index])
+
+
+def copy_box(chunk: torch.Tensor, chunk_offsets: tuple[int, ...], box: Any, out: torch.Tensor) -> torch.Tensor:
+    """Copy the request box out of a whole stored ``chunk`` into ``out``; return the rows copied from
+    (a reader of a memory-mapped file releases their pages after)."""
+    r0, r1 = row_range(chunk_offsets, box)
+    rows = chunk if chunk.dim() == 0 else chunk[r0:r1]
+    copy_rows_into(rows, chunk_offsets, box, out)
+    return rows

@@ -29,7 +29,8 @@ import torch
 
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 
-__all__ = ["keep_keys", "object_path", "Flat", "flatten", "to_json_value", "from_json_value", "restore_like"]
+__all__ = ["keep_keys", "object_path", "Flat", "flatten", "plain_values", "to_json_value", "from_json_value",
+           "restore_like"]
 
 
 @dataclass
@@ -85,6 +86,15 @@ def flatten(state_dict: dict[str, Any]) -> Flat:
 
     visit("", None, None, state_dict)
     return flat
+
+
+def plain_values(prefix: str, state: Any) -> dict[str, Any]:
+    """``state`` (a dict of JSON values, e.g. an LR scheduler's ``state_dict()``) as flat values under
+    ``prefix``; raises :class:`ConfigurationError` saying why when it holds tensors or other objects."""
+    flat = flatten({prefix: state})
+    if flat.tensors:
+        raise ConfigurationError(f"{prefix!r} holds tensors ({', '.join(sorted(flat.tensors)[:3])})")
+    return flat.values
 
 
 def to_json_value(value: Any, key: str) -> Any:

@@ -58,6 +58,7 @@ from shardkit.checkpoint.formats.torchsave.zip_records import (
     check_zip_records,
 )
 from shardkit.checkpoint.geometry.rows import (
+    copy_box,
     copy_rows_into,
     iter_row_blocks,
     row_range,
@@ -91,23 +92,28 @@ def open_reader(storage: Storage) -> "DcpReader":
 # top-level names a bare checkpoint keeps beside its model keys (torchtitan: optimizer, lr_scheduler, dataloader,
 # train_state; shardkit's own input and extra state); everything else at the top of such a checkpoint is the model
 _BESIDE_THE_MODEL = ("optimizer", "optim", "lr_scheduler", "dataloader", "train_state", "extra", "data", "rng")
+# path parts that say a key nests a whole training state, not a model's parameter
+_NESTED_STATE = ("model", "optim", "optimizer", "state", "param_groups")
 
 
 def shardkit_names(keys: Sequence[str], tensor_keys: Collection[str]) -> dict[str, str]:
     """Stored key -> shardkit key.
 
-    A DCP whose tensors all sit under ``model``, ``optim``/``optimizer`` and
-    the names kept beside a model (shardkit's own, accelerate's
-    ``{"model": ...}`` and ``{"optimizer": ...}``, ``get_state_dict`` saved as
-    ``{"model": ..., "optim": ...}``) keeps its keys.  One with tensors
-    elsewhere was saved from a bare ``model.state_dict()``
-    (``dcp.save(model.state_dict())``, torchtitan's model keys): its keys are
-    read as ``model.*``, as a bare torch.save file's are, so ``convert --to hf``
-    finds the weights and ``load`` fills a model from them.  Either way
-    ``optimizer.*`` is read as ``optim.*`` (unless both are there).
+    A DCP with tensors under ``model`` or ``optim`` (shardkit's own,
+    accelerate's ``{"model": ...}``, ``get_state_dict`` saved as ``{"model":
+    ..., "optim": ...}``) keeps its keys.  So does one whose other keys nest a
+    model or optimizer deeper (``{"app": AppState}``, torch's recipe): what is
+    model there is the user's to say (``--rename``).  One whose tensors sit
+    only at the top level of a bare ``model.state_dict()`` (``dcp.save(
+    model.state_dict())``, torchtitan's model keys beside ``optimizer``,
+    ``lr_scheduler``, ``dataloader``, ``train_state``) is read as ``model.*``,
+    as a bare torch.save file is.  ``optimizer.*`` is read as ``optim.*``
+    (unless both are there), so ``load`` fills an optimizer from it.
     """
     tops = {k.split(".", 1)[0] for k in keys}
-    bare = any(k.split(".", 1)[0] not in ("model", *_BESIDE_THE_MODEL) for k in tensor_keys)
+    outside = [k for k in tensor_keys if k.split(".", 1)[0] not in _BESIDE_THE_MODEL]
+    bare = ("model" not in tops and bool(outside)
+            and not any(part in _NESTED_STATE for k in outside for part in k.split(".")))
     out = {}
     for k in keys:
         top = k.split(".", 1)[0]
@@ -280,8 +286,7 @@ class DcpReader(CheckpointReader):
                 if rows is not r.out:
                     copy_rows_into(rows, offsets, r.box, r.out)
             else:
-                tensor = self.chunk_tensor(entry, r.chunk)
-                copy_rows_into(tensor if tensor.dim() == 0 else tensor[r0:r1], offsets, r.box, r.out)
+                copy_box(self.chunk_tensor(entry, r.chunk), offsets, r.box, r.out)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def _check_payload(self, entry: TensorEntry, index: int) -> None:

@@ -38,12 +38,20 @@ import torch
 
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
 from shardkit.checkpoint.formats.deepspeed.allowlist import ALLOWED_CLASSES, SAFE_GLOBALS
-from shardkit.checkpoint.formats.deepspeed.layout import Piece, spread_pieces, zero3_pieces, zero12_pieces
+from shardkit.checkpoint.formats.deepspeed.layout import (
+    Piece,
+    cut,
+    spread_pieces,
+    starts_of,
+    zero3_pieces,
+    zero12_pieces,
+)
 from shardkit.checkpoint.formats.hf import side_files_in
-from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, release_pages, tensors_in
+from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, tensors_in
 from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
+from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.tree import flatten, to_json_value
+from shardkit.checkpoint.state.tree import plain_values, to_json_value
 from shardkit.errors import ConfigurationError, InvalidManifest, ShardkitError, UnsupportedFormat
 
 __all__ = ["DeepSpeedReader", "detect", "open_reader", "LATEST"]
@@ -64,8 +72,8 @@ def _tag_folder(storage: Storage) -> tuple[Storage, str | None]:
     if LATEST not in names:
         raise UnsupportedFormat(f"{storage.url}: neither a DeepSpeed tag folder (*_model_states.pt) nor a "
                                 f"checkpoint directory with a {LATEST!r} file")
-    tag = storage.read_bytes(LATEST).decode("utf-8", "replace").strip()
-    if not tag or "/" in tag or "\\" in tag or tag in (".", "..") or not tag.isprintable():
+    tag = check_name(storage.read_bytes(LATEST).decode("utf-8", "replace").strip(), storage.where(LATEST))
+    if "/" in tag:
         raise InvalidManifest(f"{storage.where(LATEST)}: names {tag!r}, not a tag folder of this directory")
     if not storage.is_dir(tag):
         raise InvalidManifest(f"{storage.where(LATEST)}: names tag {tag!r}, and {storage.where(tag)} does not exist")
@@ -148,6 +156,7 @@ class DeepSpeedReader(CheckpointReader):
             self._zero3(sd, groups, models, where)
         else:
             raise UnsupportedFormat(f"{where}: ZeRO stage {stage} is unknown")
+        self._module_leftovers(model, groups)
         for alias, target in (model.get("shared_params") or {}).items():
             if f"model.{target}" in self._entries:
                 self._aliases[f"model.{alias}"] = f"model.{target}"
@@ -181,6 +190,10 @@ class DeepSpeedReader(CheckpointReader):
 
     # -------------------------------------------------------------- entries
     def _add(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces: Sequence[tuple]) -> None:
+        stored = sum(p[3] for p in pieces)
+        if stored != math.prod(shape):
+            raise InvalidManifest(f"{self.tag_folder.url}: {key!r} has shape {list(shape)}, and the files hold "
+                                  f"{stored} of its elements")
         self._entries[key] = TensorEntry(key, dtype, shape, (StoredChunk((0,) * len(shape), shape, tuple(pieces)),))
 
     def _resolved(self, pieces: Sequence[Piece], flats: Mapping[Hashable, tuple[torch.Tensor, MappedTorchFile]]
@@ -194,6 +207,16 @@ class DeepSpeedReader(CheckpointReader):
         for name in model.get("buffer_names") or ():
             t = module.get(name)
             if isinstance(t, torch.Tensor):
+                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+
+    def _module_leftovers(self, model: dict, groups: Sequence[Mapping[str, Any]]) -> None:
+        """Module tensors no partition holds: frozen parameters of a stage-1 save, which records no
+        ``frozen_param_shapes`` and keeps them only in the module state dict (in the module's dtype)."""
+        file = self._files[0]
+        trained = {n for g in groups for n in g} | set(model.get("shared_params") or {})
+        for name, t in model["module"].items():
+            if (isinstance(t, torch.Tensor) and t.numel() and name not in trained
+                    and f"model.{name}" not in self._entries):
                 self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
 
     def _full_params(self, model: dict) -> None:
@@ -229,7 +252,9 @@ class DeepSpeedReader(CheckpointReader):
             self._add(f"model.{name}", parts[0][g].dtype, groups[g][name], self._resolved(pieces, flats))
         self._frozen(models[:1])  # stages 1/2 store each frozen parameter whole in the one model-state file
         inner = [s.get("base_optimizer_state") for s in sd]
-        self._optimizer(inner, parts, {n: (g, g, p) for n, (g, p) in layout.items()}, groups, files, where)
+        # the saved fp32 partitions leave out the alignment padding of the last rank's; its optimizer state keeps it
+        pads = [list(s.get("group_paddings") or [0] * len(groups)) for s in sd]
+        self._optimizer(inner, parts, pads, {n: (g, g, p) for n, (g, p) in layout.items()}, groups, files, where)
 
     def _zero3(self, sd: Sequence[dict], groups: Sequence[Mapping[str, Any]], models: Sequence[dict],
                where: str) -> None:
@@ -246,12 +271,18 @@ class DeepSpeedReader(CheckpointReader):
                                   "stage 3 writes one of each per rank")
         self._frozen(models)
         inner = [s.get("optimizer_state_dict") for s in sd]
-        self._optimizer(inner, parts, layout, groups, files, where)
+        self._optimizer(inner, parts, [[0] * len(p) for p in parts], layout, groups, files, where)
 
-    def _optimizer(self, inner: Sequence[Any], parts: Sequence[Sequence[torch.Tensor]],
+    def _optimizer(self, inner: Sequence[Any], parts: Sequence[Sequence[torch.Tensor]], pads: Sequence[Sequence[int]],
                    layout: Mapping[str, tuple[int, int, list[Piece]]], groups: Sequence[Mapping[str, Any]],
                    files: Sequence[MappedTorchFile], where: str) -> None:
-        """Per-element state cut per parameter; scalars given to each parameter of their group."""
+        """Per-element state cut per parameter; scalars given to each parameter of their group.  A state
+        tensor is per element when it has its partition's size, or that plus the partition's padding."""
+        def per_element(value: Any, r: int, s: int) -> bool:
+            n = parts[r][s].numel()
+            pad = int(pads[r][s]) if s < len(pads[r]) else 0
+            return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() in (n, n + pad)
+
         if any(not isinstance(o, dict) or not isinstance(o.get("state"), dict) for o in inner):
             self.skipped_side_files.append("the optimizer state (the ZeRO files hold none a torch optimizer keeps)")
             return
@@ -260,7 +291,7 @@ class DeepSpeedReader(CheckpointReader):
         kinds: dict[int, dict[str, Any]] = {}  # partition -> key -> "elements", or the scalar every parameter gets
         for s, part in enumerate(parts[0]):
             for key, value in (states[0].get(s) or {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == part.numel():
+                if per_element(value, 0, s):
                     kinds.setdefault(s, {})[key] = "elements"
                 elif not isinstance(value, torch.Tensor) or value.numel() == 1:
                     kinds.setdefault(s, {})[key] = value
@@ -272,9 +303,9 @@ class DeepSpeedReader(CheckpointReader):
             for s, part in enumerate(parts[r]):
                 for key in [k for k, kind in kinds.get(s, {}).items() if isinstance(kind, str)]:
                     value = (state.get(s) or {}).get(key)
-                    if not isinstance(value, torch.Tensor) or value.numel() != part.numel():
+                    if not per_element(value, r, s):
                         raise InvalidManifest(f"{files[r].url}: optimizer state {key!r} of partition {s} is "
-                                              f"missing or not {part.numel()} elements, as on rank 0")
+                                              f"missing or not {part.numel()} elements (plus padding), as on rank 0")
                     flats[(key, r, s)] = (value.reshape(-1), files[r])
         for name, (g, sub, pieces) in layout.items():
             for key, kind in kinds.get(sub, {}).items():
@@ -290,21 +321,29 @@ class DeepSpeedReader(CheckpointReader):
 
     def _param_groups(self, inner_groups: Any, layout: Mapping[str, tuple[int, int, list[Piece]]],
                       groups: Sequence[Mapping[str, Any]], where: str) -> None:
-        """One group per DeepSpeed param group, its hyperparameters those of the partition holding its first
-        parameter (stage 3 splits a group into sub-groups with the same hyperparameters)."""
+        """One group per param group of the optimizer DeepSpeed wraps, with its hyperparameters.  That
+        optimizer's groups list the partitions they own (stage 3 splits a group into sub-groups, each a
+        partition of its own), so each parameter goes to the group owning the partition that holds it."""
         if not isinstance(inner_groups, (list, tuple)):
             return
+        owner: dict[int, int] = {}
+        for gi, group in enumerate(inner_groups):
+            for partition in (group.get("params") or []) if isinstance(group, dict) else []:
+                if isinstance(partition, int):
+                    owner[partition] = gi
+        names_of: dict[int, list[str]] = {gi: [] for gi in range(len(inner_groups))}
+        for shapes in groups:
+            for name in shapes:
+                if name in layout:
+                    gi = owner.get(layout[name][1])
+                    if gi is None:
+                        raise InvalidManifest(f"{where}: no optimizer param group owns partition {layout[name][1]}, "
+                                              f"which holds {name!r}")
+                    names_of[gi].append(name)
         out = []
-        for g, shapes in enumerate(groups):
-            names = [n for n in shapes if n in layout]
-            if not names:
-                continue
-            sub = layout[names[0]][1]
-            if sub >= len(inner_groups) or not isinstance(inner_groups[sub], dict):
-                raise InvalidManifest(f"{where}: no optimizer param group for partition {sub}")
-            hyper = {k: self._json(v, f"optim.param_groups.{g}.{k}") for k, v in inner_groups[sub].items()
-                     if k != "params"}
-            out.append({**{k: v for k, v in hyper.items() if v is not _DROPPED}, "params": names})
+        for gi, group in enumerate(inner_groups):
+            hyper = {k: self._json(v, f"optim.param_groups.{gi}.{k}") for k, v in group.items() if k != "params"}
+            out.append({**{k: v for k, v in hyper.items() if v is not _DROPPED}, "params": names_of[gi]})
         self._values["optim.param_groups"] = out
 
     def _json(self, value: Any, key: str) -> Any:
@@ -318,14 +357,9 @@ class DeepSpeedReader(CheckpointReader):
         if not isinstance(state, dict) or not state:
             return
         try:
-            flat = flatten({"lr_scheduler": state})
+            self._values.update(plain_values("lr_scheduler", state))
         except ConfigurationError as exc:
             self.skipped_side_files.append(f"the lr_scheduler state ({exc})")
-            return
-        if flat.tensors:
-            self.skipped_side_files.append("the lr_scheduler state (it holds tensors)")
-            return
-        self._values.update(flat.values)
 
     # ------------------------------------------------------------------ reading
     def tensors(self) -> Mapping[str, TensorEntry]:
@@ -348,11 +382,12 @@ class DeepSpeedReader(CheckpointReader):
             row = math.prod(entry.shape[1:]) if entry.shape else 1
             spans = _spans(chunk.locator, r0 * row, (r1 - r0) * row)
             # a view of the mapped file, or a copy of just these elements
-            flat = spans[0] if len(spans) == 1 else torch.cat(spans) if spans else torch.empty(0, dtype=entry.dtype)
+            flat = (spans[0][0] if len(spans) == 1 else torch.cat([t for t, _ in spans]) if spans
+                    else torch.empty(0, dtype=entry.dtype))
             rows = flat.view(()) if not entry.shape else flat.view((r1 - r0, *entry.shape[1:]))
             copy_rows_into(rows, chunk.offsets, r.box, r.out)
-            for span in spans:  # the mapped pages just copied leave this process's RSS
-                release_pages(span)
+            for span, file in spans:  # the mapped pages just copied leave this process's RSS
+                file.release(span)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def archives(self) -> list[tuple[Storage, str]]:
@@ -368,13 +403,10 @@ class DeepSpeedReader(CheckpointReader):
 _DROPPED = object()
 
 
-def _spans(pieces: Sequence[tuple], lo: int, n: int) -> list[torch.Tensor]:
-    """Elements ``[lo, lo + n)`` of a tensor stored as ``pieces``: views of the mapped files, in order."""
-    spans = []
-    at = 0
-    for flat, _, start, count in pieces:
-        a, b = max(lo, at), min(lo + n, at + count)
-        if a < b:
-            spans.append(flat[start + a - at:start + b - at])
-        at += count
-    return spans
+def _spans(pieces: Sequence[tuple], lo: int, n: int) -> list[tuple[torch.Tensor, MappedTorchFile]]:
+    """Elements ``[lo, lo + n)`` of a tensor stored as ``pieces``: (view of the mapped file, the file), in
+    order.  Which pieces hold them is :func:`.layout.cut`'s rule, applied to the pieces themselves."""
+    sizes = [p[3] for p in pieces]
+    starts = starts_of(sizes)
+    return [(pieces[i][0][pieces[i][2] + p.start:pieces[i][2] + p.start + p.count], pieces[i][1])
+            for p in cut(lo, n, starts, sizes, range(len(pieces))) for i in (p.source,)]

@@ -29,7 +29,7 @@ from typing import Hashable, Mapping, Sequence
 
 from shardkit.errors import InvalidManifest
 
-__all__ = ["Piece", "zero12_pieces", "zero3_pieces", "spread_pieces"]
+__all__ = ["Piece", "cut", "starts_of", "zero12_pieces", "zero3_pieces", "spread_pieces"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Piece:
     count: int
 
 
-def _cut(lo: int, n: int, starts: Sequence[int], sizes: Sequence[int], source: Sequence[Hashable]) -> list[Piece]:
+def cut(lo: int, n: int, starts: Sequence[int], sizes: Sequence[int], source: Sequence[Hashable]) -> list[Piece]:
     """Elements ``[lo, lo + n)`` of a buffer made of consecutive parts (``starts``/``sizes``)."""
     pieces = []
     for start, size, src in zip(starts, sizes, source):
@@ -51,7 +51,7 @@ def _cut(lo: int, n: int, starts: Sequence[int], sizes: Sequence[int], source: S
     return pieces
 
 
-def _starts(sizes: Sequence[int]) -> list[int]:
+def starts_of(sizes: Sequence[int]) -> list[int]:
     out, acc = [], 0
     for s in sizes:
         out.append(acc)
@@ -70,7 +70,7 @@ def zero12_pieces(groups: Sequence[Mapping[str, Sequence[int]]], partition_numel
     out: dict[str, tuple[int, list[Piece]]] = {}
     for g, shapes in enumerate(groups):
         sizes = [p[g] for p in partition_numels]
-        starts, total = _starts(sizes), sum(sizes)
+        starts, total = starts_of(sizes), sum(sizes)
         pads = paddings[g] if paddings is not None else None
         if pads is not None and len(pads) != len(shapes):
             raise InvalidManifest(f"{where}: param group {g} lists {len(shapes)} parameters and {len(pads)} "
@@ -81,7 +81,7 @@ def zero12_pieces(groups: Sequence[Mapping[str, Sequence[int]]], partition_numel
             if offset + n > total:
                 raise InvalidManifest(f"{where}: parameter {name!r} ({n} elements at {offset}) runs past the "
                                       f"{total} elements of param group {g}'s partitions")
-            out[name] = (g, _cut(offset, n, starts, sizes, [(r, g) for r in range(world)]))
+            out[name] = (g, cut(offset, n, starts, sizes, [(r, g) for r in range(world)]))
             offset += n + (pads[i] if pads is not None else 0)
         align = 2 * world  # ZeRO pads each group to a multiple of 2 * world size
         if -(-offset // align) != -(-total // align):
@@ -101,7 +101,7 @@ def zero3_pieces(groups: Sequence[Mapping[str, Sequence[int]]], partition_numels
     if any(list(p) != sizes for p in partition_numels):
         raise InvalidManifest(f"{where}: the ranks' stage-3 partitions differ in size ({partition_numels[0]} on "
                               "rank 0); every rank holds an equal share")
-    starts, total = _starts(sizes), sum(sizes)
+    starts, total = starts_of(sizes), sum(sizes)
     out: dict[str, tuple[int, int, list[Piece]]] = {}
     offset = 0
     for g, shapes in enumerate(groups):
@@ -116,7 +116,7 @@ def zero3_pieces(groups: Sequence[Mapping[str, Sequence[int]]], partition_numels
                 count = min(share, n - r * share)
                 if count <= 0:
                     break
-                pieces.extend(_cut(offset, count, starts, sizes, [(r, s) for s in range(len(sizes))]))
+                pieces.extend(cut(offset, count, starts, sizes, [(r, s) for s in range(len(sizes))]))
             sub_group = max(s for s, start in enumerate(starts) if start <= offset) if sizes else 0
             out[name] = (g, sub_group, pieces)
             offset += share
@@ -128,4 +128,4 @@ def zero3_pieces(groups: Sequence[Mapping[str, Sequence[int]]], partition_numels
 
 def spread_pieces(numel: int, shares: Sequence[int], source: Sequence[Hashable]) -> list[Piece]:
     """A tensor stored as consecutive shares (stage 3's frozen parameters: one per rank, the last padded)."""
-    return _cut(0, numel, _starts(shares), shares, source)
+    return cut(0, numel, starts_of(shares), shares, source)

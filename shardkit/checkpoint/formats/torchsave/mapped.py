@@ -34,7 +34,7 @@ from shardkit.checkpoint.io.files import download
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import InvalidManifest, ShardkitError, UnsafeCheckpoint
 
-__all__ = ["MappedTorchFile", "refusal", "release_pages", "tensors_in"]
+__all__ = ["MappedTorchFile", "refusal", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class MappedTorchFile:
         self._record_at: dict[int, ZipRecord] = {}   # storage address -> its record
         self._data_at: dict[str, int] = {}
         self._records: list[ZipRecord] = []
+        self._mapping: tuple[int, int] | None = None  # [start, end) address of the file's mapping, once known
         try:
             self._file, self._name, path = self._local_file(storage)
             self._size = self._file.size(self._name)
@@ -122,14 +123,13 @@ class MappedTorchFile:
 
         ``mmap=True`` maps the whole file once and makes each storage a slice
         of that mapping starting at its record's bytes, so the storages'
-        addresses minus the records' data offsets are one constant.  When the
-        non-empty storages and records pair up one to one under that constant
-        (sizes agreeing), each tensor's record is known; anything else (a
-        torch that maps otherwise, tensors left out) tells us nothing, and
+        addresses minus the records' data offsets are one constant: the
+        mapping's address.  When the non-empty storages and records pair up
+        one to one under that constant (sizes agreeing), each tensor's record
+        is known, and so is the mapping (for :meth:`release`); anything else
+        (a torch that maps otherwise, tensors left out) tells us nothing, and
         then every record is checked now, before any byte is served.
         """
-        if not self._crc:
-            return
         data = {data_start(self._file, self._name, 0, r, self.url): r
                 for r in self._records if "/data/" in r.name and r.size}
         sizes: dict[int, int] = {}
@@ -141,18 +141,31 @@ class MappedTorchFile:
             base = min(sizes) - min(data)
             found = {address: data.get(address - base) for address in sizes}
             if all(rec is not None and rec.size == sizes[address] for address, rec in found.items()):
+                self._mapping = (base, base + self._size)
                 for address, rec in found.items():
                     assert rec is not None
                     self._data_at[rec.name] = address - base
                     self._record_at[address] = rec
                 return
-        for rec in data.values():
-            self._check(rec, self.url)
+        if self._crc:
+            for rec in data.values():
+                self._check(rec, self.url)
+
+    def release(self, view: torch.Tensor) -> None:
+        """Drop the file pages ``view`` (a view of this file's mapping, just copied from) from this process's
+        RSS (``MADV_DONTNEED``); the mapping is private and unmodified, so a later read faults them in again.
+        Anything not inside the mapping (a copy on the heap, whose pages this would zero) is left alone."""
+        n = view.numel() * view.element_size()
+        if self._mapping is None or n < (1 << 20) or not view.is_contiguous():
+            return
+        lo, hi = view.data_ptr(), view.data_ptr() + n
+        if self._mapping[0] <= lo and hi <= self._mapping[1]:
+            _madvise_dontneed(lo, hi)
 
     def ensure_checked(self, tensor: torch.Tensor, where: str) -> None:
         """Check the record behind ``tensor`` (once) before any of its bytes is served."""
         storage = tensor.untyped_storage()
-        rec = self._record_at.get(storage.data_ptr()) if storage.nbytes() else None
+        rec = self._record_at.get(storage.data_ptr()) if storage.nbytes() and self._crc else None
         if rec is not None:
             self._check(rec, where)
 
@@ -185,19 +198,14 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def release_pages(rows: torch.Tensor) -> None:
-    """Drop the mapped file pages just copied from (``MADV_DONTNEED``) so they leave this process's
-    RSS; the mapping is private and unmodified, so a later read simply faults them in again."""
-    n = rows.numel() * rows.element_size()
-    if n < (1 << 20) or not rows.is_contiguous():
-        return
+def _madvise_dontneed(lo: int, hi: int) -> None:
     try:
         import ctypes
         import mmap
 
         page = mmap.PAGESIZE
-        lo = -(-rows.data_ptr() // page) * page
-        hi = (rows.data_ptr() + n) // page * page
+        lo = -(-lo // page) * page
+        hi = hi // page * page
         if hi > lo:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED

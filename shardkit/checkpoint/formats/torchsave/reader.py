@@ -36,9 +36,9 @@ from shardkit.checkpoint.formats.base import (
     StoredChunk,
     TensorEntry,
 )
-from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, release_pages
+from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
 from shardkit.checkpoint.formats.torchsave.state import flatten_state
-from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
+from shardkit.checkpoint.geometry.rows import copy_box
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.state.tree import object_path
 from shardkit.errors import CheckpointNotFound
@@ -149,11 +149,8 @@ class TorchSaveReader(CheckpointReader):
         for r in requests:  # every record the requests need is checked before any out is written
             self._file.ensure_checked(self._tensors[r.fqn], f"{self.info.url} [{r.fqn}]")
         for r in requests:
-            t = self._tensors[r.fqn]
-            r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
-            rows = t if t.dim() == 0 else t[r0:r1]
-            copy_rows_into(rows, self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
-            release_pages(rows)
+            rows = copy_box(self._tensors[r.fqn], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
+            self._file.release(rows)
             self.stats.add(read=r.out.numel() * r.out.element_size(), requests=1)
 
     def close(self) -> None:

@@ -43,10 +43,10 @@ from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions, TorchSaveReader
 from shardkit.checkpoint.formats.torchsave.state import UNNAMED_HINT
 from shardkit.checkpoint.formats.trainer.param_order import fits, named_groupings
-from shardkit.checkpoint.formats.trainer.rng import read_rng_state, rng_files
-from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
+from shardkit.checkpoint.formats.trainer.rng import RNG_FILE, SINGLE_PROCESS_FILE, read_rng_state, rng_files
+from shardkit.checkpoint.geometry.rows import copy_box
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.tree import flatten
+from shardkit.checkpoint.state.tree import plain_values
 from shardkit.errors import ConfigurationError, UnsupportedFormat
 
 __all__ = ["TrainerReader", "detect", "open_reader", "MODEL_PARTS", "OPTIMIZER_PARTS"]
@@ -67,7 +67,8 @@ def detect(storage: Storage) -> bool:
     names = set(storage.listdir())
     if "pytorch_model_fsdp_0" in names or "pytorch_model_fsdp.bin" in names:
         return True
-    training = any(n in names for n in (*OPTIMIZER_PARTS, TRAINER_STATE)) or bool(rng_files(sorted(names)))
+    training = any(n in names for n in (*OPTIMIZER_PARTS, TRAINER_STATE)) or any(
+        RNG_FILE.match(n) or n == SINGLE_PROCESS_FILE for n in names)
     return training and any(n in names for n in MODEL_PARTS[2:])
 
 
@@ -103,9 +104,7 @@ class _InMemory(CheckpointReader):
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self._check_requests(requests)
         for r in requests:
-            t = self._tensors[r.fqn]
-            r0, r1 = row_range(self._entries[r.fqn].chunks[0].offsets, r.box)
-            copy_rows_into(t if t.dim() == 0 else t[r0:r1], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
+            copy_box(self._tensors[r.fqn], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
 
 
 class TrainerReader(CheckpointReader):
@@ -135,7 +134,7 @@ class TrainerReader(CheckpointReader):
         except BaseException:
             self.close()
             raise
-        rng = rng_files(names)
+        rng = rng_files(names, storage.url)
         self.info = CheckpointInfo("trainer", storage.url, world_size=len(rng) or None, meta=self._meta(storage))
 
     # ----------------------------------------------------------------- parts
@@ -207,7 +206,7 @@ class TrainerReader(CheckpointReader):
         return None
 
     def _extras(self, storage: Storage, names: Sequence[str]) -> None:
-        rng = rng_files(names)
+        rng = rng_files(names, storage.url)
         if rng:
             tensors, values = read_rng_state(storage, rng)
             self._values.update(values)
@@ -216,7 +215,7 @@ class TrainerReader(CheckpointReader):
         if name is not None:
             file = MappedTorchFile(storage.child(name), unsafe_hint="a scheduler file holds its state dict")
             try:
-                self._values.update(flatten({"lr_scheduler": file.obj}).values)
+                self._values.update(plain_values("lr_scheduler", file.obj))
             except ConfigurationError as exc:
                 self.skipped_side_files.append(f"{storage.where(name)}: {exc}")
             finally:
@@ -261,7 +260,8 @@ class TrainerReader(CheckpointReader):
         """The torch.save files of this folder (weights, optimizer, RNG, scheduler): ``verify`` checks them."""
         names = self.storage.listdir()
         return [(self.storage, n) for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))
-                and (n in MODEL_PARTS or n in OPTIMIZER_PARTS or n in SCHEDULER_PARTS or n in rng_files(names))]
+                and (n in MODEL_PARTS or n in OPTIMIZER_PARTS or n in SCHEDULER_PARTS
+                     or n in rng_files(names, self.storage.url))]
 
     def dcp_parts(self) -> list[DcpReader]:
         return [p.reader for p in self.parts if isinstance(p.reader, DcpReader)]

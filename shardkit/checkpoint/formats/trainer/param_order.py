@@ -38,8 +38,8 @@ def _meta_model(config: Mapping[str, Any]) -> Any:
         return None
     archs = config.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
-    if cls is None or not isinstance(cls, type):
-        return None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        return None  # only a model class: a config naming anything else builds nothing
     try:
         cfg = transformers.AutoConfig.for_model(**config)
         with torch.device("meta"):

@@ -21,37 +21,67 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
+from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, tensors_in
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
 
-__all__ = ["RNG_FILE", "rng_files", "read_rng_state"]
+__all__ = ["RNG_FILE", "SINGLE_PROCESS_FILE", "rng_files", "read_rng_state"]
 
 RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
+SINGLE_PROCESS_FILE = "rng_state.pth"  # the Trainer's, when one process trained
 # the keys each framework stores each generator under
 _PYTHON, _NUMPY, _TORCH, _CUDA = ("random_state", "python"), ("numpy_random_seed", "numpy"), \
     ("torch_manual_seed", "cpu"), ("torch_cuda_manual_seed", "cuda")
 
 
-def rng_files(names: Sequence[str]) -> list[str]:
-    """The RNG files among ``names``, in rank order (one file name pattern per framework)."""
+def rng_files(names: Sequence[str], where: str = "") -> list[str]:
+    """The RNG files among ``names``, in rank order; one missing rank is an error naming it."""
+    if SINGLE_PROCESS_FILE in names:
+        return [SINGLE_PROCESS_FILE]
     found = sorted((n for n in names if RNG_FILE.match(n)), key=lambda n: int(RNG_FILE.match(n).group(1)))
     ranks = [int(RNG_FILE.match(n).group(1)) for n in found]
-    return found if ranks == list(range(len(ranks))) else []
+    missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+    if missing:
+        raise InvalidManifest(f"{where}: the RNG files of ranks {ranks} are there, rank {missing[0]}'s is missing")
+    return found
+
+
+class _NdarrayName:
+    """What the name ``numpy.ndarray`` means in an RNG file: a marker :func:`_reconstruct` accepts, never
+    something the file can call."""
+
+
+def _uint32_dtype(name: Any, align: Any = False, copy: Any = True) -> Any:
+    """``numpy.dtype(...)`` as an RNG file may call it: the uint32 of a Mersenne Twister key, nothing else."""
+    import numpy as np
+
+    if name != "u4":
+        raise ValueError(f"numpy dtype {name!r}: an RNG state holds uint32 keys only")
+    return np.dtype("u4")
+
+
+def _reconstruct(cls: Any, shape: Any, typecode: Any) -> Any:
+    """``numpy.core.multiarray._reconstruct`` as pickle calls it: an empty array the BUILD that follows fills
+    (``ndarray.__setstate__`` refuses data that does not match its shape, so memory is what the file holds)."""
+    import numpy as np
+
+    if cls is not _NdarrayName or tuple(shape) != (0,):
+        raise ValueError("numpy arrays in an RNG file are rebuilt from their pickled bytes only")
+    return np.ndarray((0,), dtype="u1")
 
 
 def _numpy_globals() -> list[tuple[Callable, str]]:
-    """numpy's array and dtype reconstruction, under the names numpy 1 and 2 pickle them as."""
+    """The names numpy pickles an array under (numpy 1 and 2), mapped to the bounded stand-ins above; numpy's
+    array and uint32 dtype classes themselves are listed under names no pickle uses, only so that BUILD may
+    set their state."""
     try:
         import numpy as np
     except ImportError:
         return []
-    reconstruct = np.core.multiarray._reconstruct if not hasattr(np, "_core") else np._core.multiarray._reconstruct
-    names = [(reconstruct, "numpy._core.multiarray._reconstruct"), (reconstruct, "numpy.core.multiarray._reconstruct"),
-             (np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype")]
-    dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        names.append((dtypes.UInt32DType, "numpy.dtypes.UInt32DType"))
+    names: list[tuple[Callable, str]] = [
+        (_reconstruct, "numpy._core.multiarray._reconstruct"), (_reconstruct, "numpy.core.multiarray._reconstruct"),
+        (_NdarrayName, "numpy.ndarray"), (_uint32_dtype, "numpy.dtype"),
+        (np.ndarray, "shardkit.rng.ndarray-state"), (type(np.dtype("u4")), "shardkit.rng.uint32-dtype-state")]
     return names
 
 
@@ -73,15 +103,19 @@ def _rank_state(state: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[s
     legacy = _first(state, _NUMPY)
     if isinstance(legacy, tuple) and len(legacy) == 5:
         kind, key, pos, has_gauss, cached = legacy
-        tensors["numpy.key"] = torch.as_tensor(key.astype("int64"))
-        values.update({"numpy.kind": str(kind), "numpy.pos": int(pos), "numpy.has_gauss": int(has_gauss),
-                       "numpy.cached_gaussian": float(cached)})
+        try:
+            tensors["numpy.key"] = torch.as_tensor(key.astype("int64"))
+            values.update({"numpy.kind": str(kind), "numpy.pos": int(pos), "numpy.has_gauss": int(has_gauss),
+                           "numpy.cached_gaussian": float(cached)})
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise InvalidManifest(f"{where}: the numpy generator state is malformed ({exc})") from None
     cpu = _first(state, _TORCH)
     if isinstance(cpu, torch.Tensor):
         tensors["torch"] = cpu.clone()
-    cuda = _first(state, _CUDA)
-    if isinstance(cuda, torch.Tensor):
-        tensors["cuda.0"] = cuda.clone()
+    cuda = _first(state, _CUDA)  # one device's state, or every device's (get_rng_state_all)
+    for i, t in enumerate(cuda if isinstance(cuda, (list, tuple)) else [cuda]):
+        if isinstance(t, torch.Tensor):
+            tensors[f"cuda.{i}"] = t.clone()
     if "torch" not in tensors or "python.state" not in values:
         raise InvalidManifest(f"{where}: no Python and torch generator states (found {sorted(state)})")
     return tensors, values
@@ -95,6 +129,10 @@ def read_rng_state(folder: Storage, names: Sequence[str]) -> tuple[dict[str, tor
         file = MappedTorchFile(folder.child(name), safe_globals=_numpy_globals(), unsafe_hint=(
             "an RNG file holds Python, numpy and torch generator states and nothing else"))
         try:
+            stored = tensors_in(file.obj)
+            file.map_tensors(stored)
+            for t in stored:  # the generator states' records are checked before they are copied
+                file.ensure_checked(t, folder.where(name))
             t, v = _rank_state(file.obj, folder.where(name))
         finally:
             file.close()
