@@ -85,7 +85,7 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     and reads it again (see :func:`check_before_writing`).
     ``verify_first=False`` skips the check: one pass and no staging, but a
     checksum error may then leave targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
-    ``"dcp"``) is detected when ``None``.
+    ``"dcp"``, and the read-only ``"deepspeed"`` and ``"trainer"``) is detected when ``None``.
 
     ``dtype_cast=True`` lets a tensor load into a target of another floating
     dtype (a bf16 model from an fp32 checkpoint, as DCP allows): it is read in

@@ -47,7 +47,7 @@ from shardkit.checkpoint.formats.trainer.rng import RNG_FILE, SINGLE_PROCESS_FIL
 from shardkit.checkpoint.geometry.rows import copy_box
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import plain_values
-from shardkit.errors import ConfigurationError, UnsupportedFormat
+from shardkit.errors import ConfigurationError, InvalidManifest, UnsupportedFormat
 
 __all__ = ["TrainerReader", "detect", "open_reader", "MODEL_PARTS", "OPTIMIZER_PARTS"]
 
@@ -186,6 +186,11 @@ class TrainerReader(CheckpointReader):
             return None
         shapes = {(m.group(1), m.group(2)): tuple(e.shape) for k, e in reader.tensors().items()
                   if (m := _NUMBERED.match(k))}
+        listed = {str(p) for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+        stray = sorted({number for number, _ in shapes} - listed, key=int)
+        if stray:
+            raise InvalidManifest(f"{storage.where(name)}: the optimizer state holds parameter {stray[0]}, which no "
+                                  "param group lists")
         candidates = named_groupings(storage)
         if opts.model_keys is not None:
             sizes, keys, given = [len(g.get("params", ())) for g in groups], list(opts.model_keys), []

@@ -5,13 +5,16 @@ Accelerate's ``save_state`` writes ``random_states_<rank>.pkl`` (``random_state`
 Trainer ``rng_state_<rank>.pth`` (``python``, ``numpy``, ``cpu``, ``cuda``):
 ``torch.save`` files of Python's ``random.getstate()``, numpy's legacy
 ``np.random.get_state()`` and torch's generator states.  Read here with torch's
-allowlisting unpickler plus numpy's array reconstruction (``_reconstruct``,
-``ndarray``, ``dtype`` and the uint32 dtype class: numpy's own constructors,
-which run no code the file names), and re-expressed as
-:mod:`shardkit.data.rng` keeps a rank's state (``rng.world_size``,
-``rng.rank<r>.python``, ``.numpy``, ``.torch``, ``.cuda``), so
-``shardkit.data`` restores them: exactly at the same world size, reseeded
-from them (deterministically, with a warning) at another.
+allowlisting unpickler plus numpy's array pickling names, each mapped to a
+bounded stand-in: ``numpy.dtype`` gives the uint32 of a Mersenne Twister key
+and nothing else, ``_reconstruct`` only the empty array that the pickled bytes
+then fill (numpy refuses bytes that do not match the shape), so neither code
+nor memory beyond what the file holds comes from it.  The states are
+re-expressed as :mod:`shardkit.data.rng` keeps a rank's state
+(``rng.world_size``, ``rng.rank<r>.python``, ``.numpy``, ``.torch``,
+``.cuda.<device>``), so ``shardkit.data`` restores them: exactly at the same
+world size, reseeded from them (deterministically, with a warning) at another.
+A single-process Trainer's ``rng_state.pth`` is rank 0 of 1.
 """
 
 from __future__ import annotations
