@@ -6,8 +6,9 @@ ROWS x 1024 fp32, one AdamW step), so it holds ROWS * 8 KiB of fp32 weights
 in the flat master partitions, twice that in Adam moments, and the module's
 own copy in ``mp_rank_00_model_states.pt``.
 
-Each round runs, each in a fresh process (so peak RSS is the tool's own),
-interleaved round by round, medians reported:
+Each round runs, each in a fresh process (so peak RSS is the tool's own) with
+the page cache dropped first where the machine allows it (``reshard.py``'s
+``timed``), interleaved round by round, medians reported:
 
 * DeepSpeed: ``convert_zero_checkpoint_to_fp32_state_dict(SRC, OUT,
   safe_serialization=True)``, the function behind its ``zero_to_fp32.py``;
@@ -29,32 +30,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.reshard import timed  # noqa: E402
+
 MiB = 1 << 20
-
-
-def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of ``cmd``, which must succeed."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
-    peak = 0
-    while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-        except OSError:
-            pass
-        time.sleep(0.005)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read().decode()[-3000:]}")
-    return seconds, peak
 
 
 def write_fixture(root: str, rows: int) -> str:
@@ -104,11 +86,13 @@ def main() -> None:
               src, ds_out]
     sk_cmd = [sys.executable, "-m", "shardkit", "-q", "convert", src, sk_out, "--to", "hf", "--max-memory",
               args.budget, "--overwrite"]
+    os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's import picks its CPU accelerator
     runs: dict[str, list[tuple[float, int]]] = {"deepspeed": [], "shardkit": []}
     for _ in range(args.rounds):
         shutil.rmtree(ds_out, ignore_errors=True)
-        runs["deepspeed"].append(run_measured(ds_cmd, {"DS_ACCELERATOR": "cpu"}))
-        runs["shardkit"].append(run_measured(sk_cmd))
+        for name, cmd in (("deepspeed", ds_cmd), ("shardkit", sk_cmd)):
+            wall, _, peak = timed(cmd)  # a fresh process each, the page cache dropped first where allowed
+            runs[name].append((wall, peak))
     print(f"outputs bitwise equal: {same_weights(ds_out, sk_out)}")
 
     def med(name: str, i: int) -> float:

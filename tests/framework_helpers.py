@@ -24,8 +24,6 @@ DS_WORLD = 2      # the ranks the frameworks train on
 # "odd" (a parameter count that is not a multiple of 2 x world size, so ZeRO pads the last rank's partition)
 # or "groups" (two param groups, the norms without weight decay, and at stage 3 sub-groups of 3000 elements)
 CASES = {
-    "stage1": (1, "adamw", False, ""),
-    "stage2": (2, "adamw", False, ""),
     "stage3": (3, "adamw", False, ""),
     "stage2-adagrad": (2, "adagrad", False, ""),
     "stage3-tied-frozen": (3, "adamw", True, ""),

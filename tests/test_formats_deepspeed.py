@@ -122,7 +122,7 @@ def test_convert_to_hf_gives_a_model_from_pretrained_loads_with_deepspeeds_weigh
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
 
 
-@pytest.mark.parametrize("case,world", [("stage3", 1), ("stage2-tied-frozen", 3)])
+@pytest.mark.parametrize("case,world", [("stage2-tied-frozen", 3)])
 def test_load_resumes_a_deepspeed_run_at_another_world_size_with_its_losses(zero, case, world):
     expected = json.loads((zero / f"{case}.losses.json").read_text())["after_save"]
     for losses in run_on_ranks(world, resume_and_train, str(zero / case), CASES[case][2]):
@@ -140,10 +140,10 @@ def test_a_client_state_naming_a_class_outside_the_allowlist_is_refused_naming_i
 
 
 def test_verify_checks_every_record_and_names_a_damaged_partition(zero, tmp_path):
-    good = verify(str(zero / "stage2"))
+    good = verify(str(zero / "stage2-adagrad"))
     assert good.ok and good.scope == "checksums" and good.bytes_checked > 0
     bad = tmp_path / "stage2"
-    shutil.copytree(zero / "stage2", bad)
+    shutil.copytree(zero / "stage2-adagrad", bad)
     victim = bad / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x01
@@ -154,22 +154,22 @@ def test_verify_checks_every_record_and_names_a_damaged_partition(zero, tmp_path
 
 def test_a_missing_rank_file_or_a_latest_naming_nothing_is_refused(zero, tmp_path):
     partial = tmp_path / "partial"
-    shutil.copytree(zero / "stage2", partial)
+    shutil.copytree(zero / "stage2-adagrad", partial)
     (partial / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(InvalidManifest, match="2 ranks.*1 optimizer-state file"):
         open_reader(str(partial))
     dangling = tmp_path / "dangling"
-    shutil.copytree(zero / "stage2", dangling)
+    shutil.copytree(zero / "stage2-adagrad", dangling)
     (dangling / "latest").write_text("global_step9")
     with pytest.raises(InvalidManifest, match="global_step9"):
         open_reader(str(dangling), format="deepspeed")
 
 
 def test_inspect_names_the_stage_and_deepspeed_is_read_only(zero, tmp_path):
-    info = inspect(str(zero / "stage1"))
+    info = inspect(str(zero / "stage1-odd"))
     assert info["format"] == "deepspeed" and info["meta"]["zero_stage"] == 1
     with pytest.raises(UnsupportedFormat, match="does not write"):
-        convert(str(zero / "stage1"), str(tmp_path / "out"), to="deepspeed")
+        convert(str(zero / "stage1-odd"), str(tmp_path / "out"), to="deepspeed")
 
 
 def test_convert_of_a_checkpoint_8x_the_budget_stays_within_budget_plus_256mib(zero, tmp_path):
