@@ -186,3 +186,11 @@ def test_convert_of_a_checkpoint_8x_the_budget_stays_within_budget_plus_256mib(z
     with open_reader(src) as a, open_reader(out) as b:
         for key in ("model.lm_head.weight", "optim.state.lm_head.weight.exp_avg_sq"):
             assert torch.equal(read_box(a, key, rows), read_box(b, key, rows)), key
+
+
+def test_a_latest_naming_a_folder_without_model_states_is_refused_naming_it(tmp_path):
+    (tmp_path / "run" / "global_step1").mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("global_step1")
+    (tmp_path / "run" / "global_step1" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(InvalidManifest, match="no \\*_model_states.pt"):
+        open_reader(str(tmp_path / "run"), format="deepspeed")

@@ -126,6 +126,8 @@ class DeepSpeedReader(CheckpointReader):
         model_names = sorted((n for n in names if _MODEL.match(n)), key=lambda n: int(_MODEL.match(n).group(1) or 0))
         optim_names = sorted((n for n in names if _OPTIM.match(n)), key=lambda n: int(_OPTIM.match(n).group(1)))
         self.file_names = model_names + optim_names
+        if not model_names:
+            raise InvalidManifest(f"{folder.url}: no *_model_states.pt; not a DeepSpeed checkpoint's tag folder")
         models = [self._load(folder, n) for n in model_names]
         optims = [self._load(folder, n) for n in optim_names]
         model = models[0]

@@ -138,10 +138,11 @@ class TrainerReader(CheckpointReader):
         self.info = CheckpointInfo("trainer", storage.url, world_size=len(rng) or None, meta=self._meta(storage))
 
     # ----------------------------------------------------------------- parts
-    def _open(self, storage: Storage, name: str, **torch: Any) -> CheckpointReader:
+    def _open(self, storage: Storage, name: str) -> CheckpointReader:
+        """The reader of one part, by its name: a torch.save file, safetensors weights or a DCP folder."""
         child = storage.child(name)
         if name.endswith((".bin", ".pt")):
-            return TorchSaveReader(child, TorchLoadOptions(**torch))
+            return TorchSaveReader(child)
         if name.endswith(".safetensors") or name.endswith(".index.json"):
             return HfReader(storage)
         return DcpReader(child)
