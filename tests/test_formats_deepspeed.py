@@ -194,3 +194,20 @@ def test_a_latest_naming_a_folder_without_model_states_is_refused_naming_it(tmp_
     (tmp_path / "run" / "global_step1" / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(InvalidManifest, match="no \\*_model_states.pt"):
         open_reader(str(tmp_path / "run"), format="deepspeed")
+
+
+def test_a_trainer_checkpoint_with_deepspeed_is_read_as_deepspeed_with_its_config(zero, tmp_path):
+    """A Trainer run with DeepSpeed keeps latest and global_stepN/ in checkpoint-N/, beside model.safetensors,
+    rng_state_<r>.pth and trainer_state.json: the ZeRO state is what is read, and only the model's own files
+    travel to --to hf."""
+    import random
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(zero / "stage3", ckpt)
+    safetensors_torch.save_file({"lm_head.weight": torch.zeros(2, 2)}, str(ckpt / "model.safetensors"))
+    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()}, ckpt / "rng_state_0.pth")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 2}')
+    llama_config().save_pretrained(ckpt)
+    with open_reader(str(ckpt)) as reader:
+        assert reader.info.format == "deepspeed" and reader.side_files == ["config.json"]
+        assert "optim.state.lm_head.weight.exp_avg" in reader.tensors()

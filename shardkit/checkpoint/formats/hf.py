@@ -70,6 +70,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "merges.txt", "vocab.*")
 SIDE_FILE_CAP = 64 << 20
+# what a Trainer or DeepSpeed run keeps beside its weights that matches the patterns but is no model's file
+TRAINING_RUN_FILES = ("trainer_state.json", "zero_to_fp32.py", "zero_to_torch.py")
 _HEAD_GUESS = 1 << 16
 def read_header(storage: Storage, name: str, *, base: int = 0, where: str | None = None) -> Any:
     """Parse and strictly validate the safetensors header of the blob starting at byte ``base`` of
@@ -104,6 +106,8 @@ def side_file_problem(storage: Storage, name: str) -> str | None:
     """
     if not any(fnmatch.fnmatchcase(name, p) for p in SIDE_FILE_PATTERNS):
         return f"{name}: not a config, tokenizer or text file; not carried"
+    if name in TRAINING_RUN_FILES:
+        return f"{name}: a training run's own file, not the model's; not carried"
     try:
         check_name(name)
     except UnsafeCheckpoint:
