@@ -202,31 +202,32 @@ class DeepSpeedReader(CheckpointReader):
                   ) -> list[tuple]:
         return [(*flats[p.source], p.start, p.count) for p in pieces]
 
+    def _add_whole(self, name: str, t: torch.Tensor) -> None:
+        """``model.<name>`` stored whole in the (first) model-state file's module state dict."""
+        self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), self._files[0], 0, t.numel())])
+
     def _module(self, model: dict) -> None:
         """Buffers come from the module state dict as stored (DeepSpeed's reconstruction keeps them too)."""
-        file = self._files[0]
         module = model["module"]
         for name in model.get("buffer_names") or ():
             t = module.get(name)
             if isinstance(t, torch.Tensor):
-                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+                self._add_whole(name, t)
 
     def _module_leftovers(self, model: dict, groups: Sequence[Mapping[str, Any]]) -> None:
         """Module tensors no partition holds: frozen parameters of a stage-1 save, which records no
         ``frozen_param_shapes`` and keeps them only in the module state dict (in the module's dtype)."""
-        file = self._files[0]
         trained = {n for g in groups for n in g} | set(model.get("shared_params") or {})
         for name, t in model["module"].items():
             if (isinstance(t, torch.Tensor) and t.numel() and name not in trained
                     and f"model.{name}" not in self._entries):
-                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+                self._add_whole(name, t)
 
     def _full_params(self, model: dict) -> None:
         """Stage 0: the module state dict holds every parameter whole."""
-        file = self._files[0]
         for name, t in model["module"].items():
             if isinstance(t, torch.Tensor) and f"model.{name}" not in self._entries:
-                self._add(f"model.{name}", t.dtype, tuple(t.shape), [(t.reshape(-1), file, 0, t.numel())])
+                self._add_whole(name, t)
 
     def _frozen(self, models: Sequence[dict]) -> None:
         """Frozen parameters: whole in the model-state file (stages 1/2) or one share per rank's (stage 3)."""
