@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -149,17 +150,23 @@ def structure_of(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tu
     """What planning a save depends on -- every tensor's key, dtype, shape, placements, mesh and local
     shape, strides and address, plus ``options`` -- as one comparable tuple; and each key's local tensor.
 
-    Called on every save of a training run, so it reads each attribute once and builds nothing else.
+    Called on every save of a training run, so it reads as little as it can: a DTensor's spec (global
+    dtype, shape, placements and mesh in one object, usually the very object of the last save, so
+    comparing is an identity check) and its local tensor's geometry.
     """
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dtensor = api.DTensor if api is not None else ()
     parts: list[tuple] = [options]
     locals_: dict[str, torch.Tensor] = {}
     for key, tensor in flat_tensors.items():
-        local = local_tensor(tensor)
-        if local is not tensor:  # a DTensor
-            parts.append((key, tensor.dtype, tensor.shape, tensor.placements, id(tensor.device_mesh), local.shape,
-                          local.stride(), local.data_ptr()))
+        if isinstance(tensor, dtensor):
+            spec = tensor._spec
+            local = local_tensor(tensor)
+            described = spec if spec.tensor_meta is not None else (spec, tensor.dtype, tensor.shape)
+            parts.append((key, described, local.shape, local.stride(), local.data_ptr()))
         else:
-            parts.append((key, tensor.dtype, tensor.shape, None, None, None, tensor.stride(), tensor.data_ptr()))
+            local = tensor
+            parts.append((key, tensor.dtype, tensor.shape, tensor.stride(), tensor.data_ptr()))
         locals_[key] = local
     return tuple(parts), locals_
 

@@ -125,7 +125,8 @@ class StagingPool:
         self.shared = shared
         self.buffer: HostBuffer | None = None
         self._copied: Any = None  # the CUDA event the last staging's copies record
-        self._staged: tuple[list, HostBuffer, list[list[WriteChunk]]] | None = None  # (layout, buffer, chunks)
+        self._staged: tuple[list, HostBuffer, list[list[WriteChunk]], list[torch.Tensor]] | None = None
+        # (layout, buffer, chunks, each chunk's data in order)
         self._on_cuda = False
         self.staged_token: str | None = None  # names the chunks the last stage placed (None: none are kept)
 
@@ -142,29 +143,37 @@ class StagingPool:
             self.release()  # let the old one go before taking the new one
             self.buffer = HostBuffer(max(total, 1), shared=self.shared, pinned=on_cuda)
         if self._staged is None or self._staged[0] != layout or self._staged[1] is not self.buffer:
-            self._staged = (layout, self.buffer, self._place(groups))
+            placed = self._place(groups)
+            self._staged = (layout, self.buffer, placed, [s.data for g in placed for s in g])
             self.staged_token = uuid.uuid4().hex
         self._on_cuda = on_cuda
-        out = self._staged[2]
-        self._copy((s.data, c.data if isinstance(c.data, torch.Tensor) else c.materialize())  # one at a time
-                   for group, staged_group in zip(groups, out) for c, s in zip(group, staged_group))
-        return out
+        self._copy(self._staged[3], (c.data if isinstance(c.data, torch.Tensor) else c.materialize()  # one at a time
+                                     for g in groups for c in g))
+        return self._staged[2]
 
     def restage(self, sources: list[torch.Tensor]) -> list[list[WriteChunk]]:
         """Copy ``sources`` -- one per chunk, in the order of the last :meth:`stage` -- over that stage's
         copies and return its chunks: a save of the same chunks, with nothing to work out but the copy."""
         assert self._staged is not None
-        staged = self._staged[2]
-        self._copy(zip((s.data for g in staged for s in g), sources, strict=True))
-        return staged
+        if len(sources) != len(self._staged[3]):
+            raise ValueError(f"restage got {len(sources)} sources for {len(self._staged[3])} staged chunks")
+        self._copy(self._staged[3], sources)
+        return self._staged[2]
 
-    def _copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` for every pair; on CUDA on a side stream the training stream waits for."""
+    def _copy(self, dsts: list[torch.Tensor], srcs: Iterable[torch.Tensor]) -> None:
+        """``dst.copy_(src)`` pairwise; on CUDA on a side stream the training stream waits for.
+
+        Host sources in one list go in one ``_foreach_copy_`` call: a repeat save of hundreds of tensors
+        blocks for the copy, not for hundreds of Python-level calls."""
+        if not self._on_cuda and isinstance(srcs, list) and hasattr(torch, "_foreach_copy_"):
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+            return
         stream = torch.cuda.Stream() if self._on_cuda else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for dst, src in pairs:
+            for dst, src in zip(dsts, srcs, strict=True):
                 dst.copy_(src, non_blocking=src.is_cuda)
         if stream is not None:
             self._copied = stream.record_event()
