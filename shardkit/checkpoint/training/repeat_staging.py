@@ -16,8 +16,9 @@ finds its own structure unchanged copies optimistically), so the agreement
 costs little more than the other ranks' lag.  Any difference anywhere, on
 any rank, and all plan afresh (a rank that copied copies again).
 
-Only geometry is kept (strides and offsets), never a tensor, so nothing the
-training job frees stays alive.
+Only geometry is kept (strides, offsets and the DTensor specs, which name a
+mesh but hold no data), never a tensor, so nothing the training job frees
+stays alive.
 """
 
 from __future__ import annotations
