@@ -125,18 +125,21 @@ def _run_arm(arm: str, model, opt, state_of: Callable[[], dict], args: argparse.
     import torch.distributed as dist
 
     start_save = None if arm == "none" else _starter(arm, group, state_of())
+
+    def capture() -> Any:  # what one save is handed: the state dict, or for host-copy its local shards
+        return _local_tensors(state_of()) if arm == "host-copy" else state_of()
+
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     tokens = [torch.randint(0, 8192, (4, 129), generator=gen) for _ in range(args.train_steps)]
     if start_save is not None:  # the steady state: writer processes started, staging allocated
-        warmup = state_of() if arm != "host-copy" else _local_tensors(state_of())
-        _wait(start_save(warmup, os.path.join(root, f"{arm}-warmup")))
+        _wait(start_save(capture(), os.path.join(root, f"{arm}-warmup")))
     dist.barrier()
     steps, writing, blocking, future = [], [], [], None
     began = time.perf_counter()
     for i in range(args.train_steps):
         if start_save is not None and i % args.save_every == 0:
             _wait(future)
-            state = state_of() if arm != "host-copy" else _local_tensors(state_of())
+            state = capture()
             t0 = time.perf_counter()
             future = start_save(state, os.path.join(root, f"{arm}-{i}"))
             blocking.append(_max_over_ranks(time.perf_counter() - t0))
