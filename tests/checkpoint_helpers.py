@@ -57,13 +57,14 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, alone: bool = False) -> list[float]:
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, *, alone: bool = False,
+          args: ModelArgs = ARGS) -> list[float]:
     """Data-parallel steps on this rank's rows of each fixed global batch; global mean loss per step.
 
     ``alone``: train on whole batches without any collective (a plain reference inside a rank).
     """
     rank, size = (0, 1) if alone else world()
-    return train_rows(model, opt, steps, ARGS, rank, size, size)
+    return train_rows(model, opt, steps, args, rank, size, size)
 
 
 def train_rows(model: nn.Module, opt: torch.optim.Optimizer, steps: range, args: ModelArgs, rank: int, size: int,
@@ -117,23 +118,24 @@ def rel_close(a: list[float], b: list[float], rtol: float = 1e-6) -> bool:
 
 
 def save_trained_two_steps(url: str, storage_options: dict[str, Any] | None,
-                           compression: str | None) -> dict[str, Any]:
+                           compression: str | None, args: ModelArgs = ARGS) -> dict[str, Any]:
     """On every rank: the sharded Transformer after two steps, saved to ``url``; rank 0 returns its full state."""
     import shardkit.checkpoint as skc
 
-    model = build_model("shardkit", seed=1)
+    model = build_model("shardkit", seed=1, args=args)
     opt = make_optimizer(model)
-    train(model, opt, range(2))
+    train(model, opt, range(2), args=args)
     skc.save(skc.get_state_dict(model, opt), url, storage_options=storage_options, compression=compression,
              chunk_bytes=4096)
     return full_state(model, opt)
 
 
-def load_into_fresh(url: str, storage_options: dict[str, Any] | None, kind: str = "shardkit") -> dict[str, Any]:
+def load_into_fresh(url: str, storage_options: dict[str, Any] | None, kind: str = "shardkit",
+                    args: ModelArgs = ARGS) -> dict[str, Any]:
     """On every rank: a freshly initialised model and optimizer loaded from ``url``; rank 0 returns the full state."""
     import shardkit.checkpoint as skc
 
-    model = build_model(kind, seed=99)
+    model = build_model(kind, seed=99, args=args)
     opt = make_optimizer(model)
     sd = skc.get_state_dict(model, opt)
     skc.load(sd, url, storage_options=storage_options)

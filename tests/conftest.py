@@ -207,3 +207,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """Between tests, replace rank pools crowded with earlier tests' process groups (see tests/dist.py)."""
+    from tests.dist import recycle_crowded_pools
+
+    recycle_crowded_pools()

@@ -19,7 +19,9 @@ Why a pool: importing torch and forming a process group costs seconds per
 rank, and the suite has a ten-minute budget.  Ranks therefore stay up between
 tests, one pool per world size, and run one function after another.  A pool
 that saw any failure is torn down and rebuilt on next use, so a broken process
-group never leaks into the next test.
+group never leaks into the next test.  So is, between two tests, a pool whose
+ranks have gathered too many process groups (each one an idle gloo thread that
+still polls: see :func:`recycle_crowded_pools`).
 
 Failure semantics, which the tests rely on:
 
@@ -48,6 +50,7 @@ from typing import Any, Callable, Sequence
 
 PG_TIMEOUT_S = float(os.environ.get("SHARDKIT_TEST_PG_TIMEOUT", "20"))
 DEFAULT_CALL_TIMEOUT_S = 180.0
+POOL_MAX_THREADS = int(os.environ.get("SHARDKIT_TEST_POOL_MAX_THREADS", "64"))  # see recycle_crowded_pools
 _GRACE_AFTER_FAILURE_S = 3.0
 
 
@@ -253,6 +256,29 @@ def run_on_ranks(
     except RankFailure:
         _pools.pop(world_size, None)
         raise
+
+
+def _threads(pid: int | None) -> int:
+    """How many threads process ``pid`` runs (0 where that cannot be read)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def recycle_crowded_pools(max_threads: int = POOL_MAX_THREADS) -> None:
+    """Stop each pool whose ranks run more than ``max_threads`` threads; the next call starts a fresh one.
+
+    Every process group a test forms in the ranks (each mesh dimension, each ``new_group``) stays
+    there after the test, and with gloo each one keeps a thread that wakes every few milliseconds
+    even when idle: after a few hundred meshes, idle pools take a whole core from whatever runs
+    next.  Called between tests only (tests/conftest.py), never between two calls of one test, so
+    a test sees one pool throughout, as when an earlier test's failure replaced it.
+    """
+    for world_size, pool in list(_pools.items()):
+        if pool.procs and _threads(pool.procs[0].pid) > max_threads:
+            _pools.pop(world_size)
+            pool.close()
 
 
 def shutdown_pools() -> None:

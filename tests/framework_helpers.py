@@ -20,6 +20,7 @@ VOCAB = 64
 STEPS_SAVED = 2   # steps trained before the save
 STEPS_AFTER = 2   # steps DeepSpeed trains after it, whose losses a resumed run must reproduce
 DS_WORLD = 2      # the ranks the frameworks train on
+FRAMEWORK_RUN_S = 600  # deadline of one framework run that writes a test module's checkpoints
 # DeepSpeed cases, name: (stage, optimizer, tied embeddings and a frozen norm, variant), where the variant is
 # "odd" (a parameter count that is not a multiple of 2 x world size, so ZeRO pads the last rank's partition)
 # or "groups" (two param groups, the norms without weight decay, and at stage 3 sub-groups of 3000 elements)
@@ -76,9 +77,10 @@ def global_batch(step: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.cat([batch(step, r, vocab) for r in range(DS_WORLD)])
 
 
-def write_checkpoints(script: str, out: str | os.PathLike, *extra: str, timeout: float = 300) -> None:
+def write_checkpoints(script: str, out: str | os.PathLike, *extra: str, timeout: float | None = None) -> None:
     """Run ``script`` (``deepspeed_run.py``, ``accelerate_run.py``) on 2 gloo ranks, writing into ``out``."""
-    done = run_torchrun(Path(__file__).with_name(script), DS_WORLD, [str(out), *extra], timeout=timeout,
+    done = run_torchrun(Path(__file__).with_name(script), DS_WORLD, [str(out), *extra],
+                        timeout=FRAMEWORK_RUN_S if timeout is None else timeout,
                         env={"DS_ACCELERATOR": "cpu"})
     if done.returncode != 0:
         raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")

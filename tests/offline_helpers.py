@@ -117,15 +117,35 @@ def torch_and_native(root: Path) -> tuple[Path, Path]:
 
 def peak_rss(cmd: list[str]) -> tuple[int, int]:
     """(exit code, peak RSS bytes) of ``cmd``: its own VmHWM, sampled until it exits."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
-    peak = 0
-    while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-        except OSError:
-            pass
+    return peak_rss_all([cmd], at_once=1)[0]
+
+
+def peak_rss_all(cmds: list[list[str]], at_once: int = 2) -> list[tuple[int, int]]:
+    """(exit code, peak RSS bytes) of each command in ``cmds``, ``at_once`` of them running side by side.
+
+    Each figure is that process's own VmHWM, sampled until it exits: a high-water mark counts the
+    process's own pages only, whatever runs beside it, so independent commands need not wait for
+    one another (each spends most of its time importing torch).
+    """
+    results: list[tuple[int, int]] = [(0, 0)] * len(cmds)
+    waiting = list(enumerate(cmds))
+    running: dict[int, tuple[subprocess.Popen, list[int]]] = {}
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            index, cmd = waiting.pop(0)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
+            running[index] = (proc, [0])
+        for index, (proc, peak) in list(running.items()):
+            if proc.poll() is not None:
+                results[index] = (proc.returncode, peak[0])
+                del running[index]
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+            except OSError:
+                pass
         time.sleep(0.005)
-    return proc.returncode, peak
+    return results

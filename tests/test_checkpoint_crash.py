@@ -16,6 +16,8 @@ import torch.nn as nn
 import shardkit.checkpoint as skc
 
 KILLS = 20
+WRITER_EXIT_S = 30  # for a killed saver (and its writer process) to be gone: seconds on a loaded machine
+COMMIT_WAIT_S = 120  # for a fresh saver's first commit (it may start a writer process that imports torch)
 
 
 class _Blob(nn.Module):
@@ -74,6 +76,15 @@ def _writers_of(pid: int) -> list[int]:
     return found
 
 
+def _wait_for_a_commit_after(report: str, step: int, saver: multiprocessing.process.BaseProcess) -> None:
+    """Wait until ``saver`` reports a step newer than ``step`` committed (at most ``COMMIT_WAIT_S``)."""
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while _last_reported(report) <= step:
+        assert saver.is_alive(), "the saver died before its first commit"
+        assert time.monotonic() < deadline, f"no step committed within {COMMIT_WAIT_S} s"
+        time.sleep(0.05)
+
+
 def _save_forever_once(root: str, options: dict | None) -> None:
     model = _Blob()
     skc.CheckpointManager(root, storage_options=options).save(0, model)
@@ -104,16 +115,20 @@ def _kill_loop(root: str, options: dict | None, report: str, seed: int, delays: 
     rng = random.Random(seed)
     checker = skc.CheckpointManager(root, storage_options=options)
     loaded_steps = []
-    for _ in range(kills):
+    for kill in range(kills):
         steps = checker.steps()
         proc = ctx.Process(target=_save_forever,
                            args=(root, options, (steps[-1] + 1) if steps else 0, report, writer))
         proc.start()
+        if kill == kills - 1:
+            # the last kill waits for one more commit first, so the loop proves a step committed between
+            # kills survives too, however slow a loaded machine makes the savers
+            _wait_for_a_commit_after(report, steps[-1], proc)
         time.sleep(rng.uniform(*delays))
         os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        proc.join(WRITER_EXIT_S)
         assert proc.exitcode == -signal.SIGKILL
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + WRITER_EXIT_S
         while _writers_of(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _writers_of(proc.pid) == [], "the writer process outlived the killed training process"

@@ -61,10 +61,7 @@ def test_local_to_s3_to_local_with_a_reshard_on_the_way(local_ckpt, tmp_path, s3
     assert diff(local_ckpt, remote, b_storage_options=options).equal
 
 
-def _journal_count(bucket: str, options: dict, path: str) -> int:
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**options)
+def _journal_count(fs, bucket: str, path: str) -> int:
     try:
         return len([p for p in fs.ls(f"{bucket}/{path}/.shardkit-resume", refresh=True) if p.endswith(".json")])
     except FileNotFoundError:
@@ -72,15 +69,18 @@ def _journal_count(bucket: str, options: dict, path: str) -> int:
 
 
 def test_killed_migration_resumes_on_rerun_and_verifies(local_ckpt, s3_url):
+    import s3fs
+
     bucket, options = s3_url
     remote = f"{bucket}/resumed"
+    fs = s3fs.S3FileSystem(**options)  # one client for every poll: a new one per poll costs a core while it waits
     cmd = [sys.executable, "-m", "shardkit", "-q", "reshard", local_ckpt, remote, "--world-size", "32",
            "--workers", "1", *_cli_options("--dst-storage-option", options)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                             cwd=os.getcwd())
     deadline = time.monotonic() + 60
     try:
-        while _journal_count(bucket[len("s3://"):], options, "resumed") < 1:
+        while _journal_count(fs, bucket[len("s3://"):], "resumed") < 1:
             assert proc.poll() is None, "the migration finished before it could be interrupted"
             assert time.monotonic() < deadline, "no file was written within 60 s"
             time.sleep(0.05)
@@ -88,11 +88,8 @@ def test_killed_migration_resumes_on_rerun_and_verifies(local_ckpt, s3_url):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    done_before = _journal_count(bucket[len("s3://"):], options, "resumed")
+    done_before = _journal_count(fs, bucket[len("s3://"):], "resumed")
     assert 1 <= done_before < 32
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**options)
     assert not fs.exists(f"{remote}/manifest.json")
     assert run_cli("-q", "verify", remote, *_cli_options("--storage-option", options)).exit_code == 1
 

@@ -25,6 +25,7 @@ from tests.dist import run_on_ranks  # noqa: E402
 from tests.framework_helpers import (  # noqa: E402
     ACCELERATE_CASES,
     DS_WORLD,
+    FRAMEWORK_RUN_S,
     PROBE,
     STEPS_SAVED,
     TRAINER_CASES,
@@ -34,7 +35,9 @@ from tests.framework_helpers import (  # noqa: E402
     write_checkpoints,
 )
 
-pytestmark = pytest.mark.slow
+# the module's first test also waits for the framework run its fixture launches (tens of seconds on 2 cores,
+# minutes on a loaded machine): that launch has its own deadline (framework_helpers.FRAMEWORK_RUN_S)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(FRAMEWORK_RUN_S + 300)]
 
 
 @pytest.fixture(scope="module")
