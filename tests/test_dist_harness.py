@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import PG_TIMEOUT_S, RankFailure, run_on_ranks
+from tests.dist import PG_TIMEOUT_S, RankFailure, recycle_crowded_pools, run_on_ranks
 
 
 def _identity_and_sum():
@@ -86,3 +86,23 @@ def test_isolated_ranks_are_started_for_one_call_and_stopped_after_it():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert run_on_ranks(2, _pid) == pooled  # the pool is untouched
+
+
+def _form_groups(count: int) -> int:
+    for _ in range(count):
+        dist.new_group()
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_pool_crowded_with_process_groups_is_replaced_between_tests_and_a_quiet_one_kept():
+    pooled = run_on_ranks(2, _pid)
+    threads = run_on_ranks(2, _form_groups, 4)[0]
+    recycle_crowded_pools(max_threads=threads + 4)
+    assert run_on_ranks(2, _pid) == pooled  # under the limit: the same ranks
+    recycle_crowded_pools(max_threads=threads - 4)
+    fresh = run_on_ranks(2, _pid)
+    assert not set(fresh) & set(pooled)
+    time.sleep(0.5)
+    for pid in pooled:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
