@@ -40,6 +40,8 @@ with its verdict (MET/MISSED).
 
     python benchmarks/checkpoint.py --gb 2 --reps 5 --dir /tmp/shardkit-ckpt-bench
     python benchmarks/checkpoint.py --phases train --reps 3   # the training phase alone
+    python benchmarks/checkpoint.py --gb 2 --reps 5 --only-rep 0 --results R   # ... one call per repetition,
+    python benchmarks/checkpoint.py --gb 2 --reps 5 --report-only --results R  # then the report of all five
 """
 
 from __future__ import annotations
@@ -382,6 +384,12 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.0, help="total state (weights + AdamW) in GB")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/shardkit-ckpt-bench")
+    parser.add_argument("--results", default=None, help="folder that keeps each repetition's results "
+                        "(default: the parent of --dir)")
+    parser.add_argument("--only-rep", type=int, default=None, help="run repetition K alone and keep its "
+                        "results, no report (repetitions in separate invocations, e.g. under a time limit)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: report repetitions "
+                        "0..reps-1 from the results kept by earlier invocations")
     parser.add_argument("--phases", default="io,train,replicas", help="io (save/load/async), train (training "
                         "while saving), replicas (bytes read by an HSDP 2x2 load), comma-separated")
     parser.add_argument("--replica-gb", type=float, default=0.5, help="state size of the replicas phase")
@@ -392,51 +400,60 @@ def main() -> None:
     if args.worker:
         {"ws2": worker_two_ranks, "ws1": worker_one_process, "train": worker_training}[args.worker](args)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    parent = os.path.dirname(args.dir.rstrip("/")) or "."
+    results = args.results or os.path.dirname(args.dir.rstrip("/")) or "."
+    os.makedirs(results, exist_ok=True)
     phases = set(args.phases.split(","))
-    for rep in range(args.reps):
-        shutil.rmtree(args.dir, ignore_errors=True)
-        os.makedirs(args.dir)
-        base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep),
-                "--train-steps", str(args.train_steps), "--save-every", str(args.save_every),
-                "--train-dim", str(args.train_dim), "--train-layers", str(args.train_layers)]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        workers = (["ws2", "ws1"] if "io" in phases else []) + (["train"] if "train" in phases else [])
-        for ws in workers:
-            subprocess.run([*(torchrun if ws != "ws1" else [sys.executable]), *base, "--worker", ws], check=True,
-                           env=env)
-            # keep the results outside the directory the next repetition wipes
-            shutil.copy(os.path.join(args.dir, f"result-{ws}-{rep}.json"),
-                        os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json"))
-        if "replicas" in phases:
-            subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "replicated_load.py"),
-                            "--gb", str(args.replica_gb), "--reps", "1", "--rep", str(rep),
-                            "--dir", os.path.join(args.dir, "replicas"),
-                            "--json", os.path.join(parent, f"shardkit-ckpt-bench-replicas-{rep}.json")],
-                           check=True, env=env)
-        print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
-    targets = report(args) if "io" in phases else []
+    if not args.report_only:
+        for rep in range(args.reps) if args.only_rep is None else [args.only_rep]:
+            run_repetition(args, rep, phases, results)
+        if args.only_rep is not None:
+            return
+    targets = report(args, results) if "io" in phases else []
     if "train" in phases:
         runs = []
         for rep in range(args.reps):
-            with open(os.path.join(parent, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
+            with open(os.path.join(results, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
                 runs.append(json.load(f))
         targets += training.report(runs, args.save_every)
     if "replicas" in phases:
         import replicated_load  # here, not at the top: it imports this module's helpers
 
-        results = []
+        rounds = []
         for rep in range(args.reps):
-            with open(os.path.join(parent, f"shardkit-ckpt-bench-replicas-{rep}.json")) as f:
-                results.append(json.load(f))
-        targets += replicated_load.report({"size": results[0]["size"], "dropped": results[0]["dropped"],
-                                           "rounds": [r for res in results for r in res["rounds"]]})
+            with open(os.path.join(results, f"shardkit-ckpt-bench-replicas-{rep}.json")) as f:
+                rounds.append(json.load(f))
+        targets += replicated_load.report({"size": rounds[0]["size"], "dropped": rounds[0]["dropped"],
+                                           "rounds": [r for res in rounds for r in res["rounds"]]})
     print("\ntargets")
     for name, ours, limit, met in targets:
         print(f"  {name:72s} {ours:6.2f} (<= {limit:.2f})  {'MET' if met else 'MISSED'}")
+
+
+def run_repetition(args: argparse.Namespace, rep: int, phases: set[str], results: str) -> None:
+    """One repetition of every phase in ``phases``; its results are kept in ``results`` (outside ``--dir``,
+    which the next repetition wipes)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep),
+            "--train-steps", str(args.train_steps), "--save-every", str(args.save_every),
+            "--train-dim", str(args.train_dim), "--train-layers", str(args.train_layers)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    workers = (["ws2", "ws1"] if "io" in phases else []) + (["train"] if "train" in phases else [])
+    for ws in workers:
+        subprocess.run([*(torchrun if ws != "ws1" else [sys.executable]), *base, "--worker", ws], check=True,
+                       env=env)
+        shutil.copy(os.path.join(args.dir, f"result-{ws}-{rep}.json"),
+                    os.path.join(results, f"shardkit-ckpt-bench-{ws}-{rep}.json"))
+    if "replicas" in phases:
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                     "replicated_load.py"),
+                        "--gb", str(args.replica_gb), "--reps", "1", "--rep", str(rep),
+                        "--dir", os.path.join(args.dir, "replicas"),
+                        "--json", os.path.join(results, f"shardkit-ckpt-bench-replicas-{rep}.json")],
+                       check=True, env=env)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
 
 
 def worker_training(args: argparse.Namespace) -> None:
@@ -450,14 +467,14 @@ def worker_training(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace) -> list[tuple[str, float, float, bool]]:
-    """Print the save/load/async tables; return the targets as ``(name, ours, limit, met)``."""
+def report(args: argparse.Namespace, results: str) -> list[tuple[str, float, float, bool]]:
+    """Print the save/load/async tables from the results kept in ``results``; return the targets as
+    ``(name, ours, limit, met)``."""
     runs: dict[str, list[dict]] = {}
     state_gb = None
-    parent = os.path.dirname(args.dir.rstrip("/")) or "."
     for rep in range(args.reps):
         for ws in ("ws2", "ws1"):
-            with open(os.path.join(parent, f"shardkit-ckpt-bench-{ws}-{rep}.json")) as f:
+            with open(os.path.join(results, f"shardkit-ckpt-bench-{ws}-{rep}.json")) as f:
                 data = json.load(f)
             state_gb = data.pop("state_gb_total", state_gb)
             data.pop("rank_bytes", None)
