@@ -16,8 +16,9 @@ the TCPStore on a free loopback port, and each rank is a fresh interpreter
 joining the default process group through ``env://`` with the gloo backend.
 
 Why a pool: importing torch and forming a process group costs seconds per
-rank, and the suite has a ten-minute budget.  Ranks therefore stay up between
-tests, one pool per world size, and run one function after another.  A pool
+rank, and the whole suite must run within fifteen minutes on two cores.
+Ranks therefore stay up between tests, one pool per world size, and run one
+function after another.  A pool
 that saw any failure is torn down and rebuilt on next use, so a broken process
 group never leaks into the next test.  So is, between two tests, a pool whose
 ranks have gathered too many process groups (each one an idle gloo thread that
