@@ -18,11 +18,10 @@ joining the default process group through ``env://`` with the gloo backend.
 Why a pool: importing torch and forming a process group costs seconds per
 rank, and the whole suite must run within fifteen minutes on two cores.
 Ranks therefore stay up between tests, one pool per world size, and run one
-function after another.  A pool
-that saw any failure is torn down and rebuilt on next use, so a broken process
-group never leaks into the next test.  So is, between two tests, a pool whose
-ranks have gathered too many process groups (each one an idle gloo thread that
-still polls: see :func:`recycle_crowded_pools`).
+function after another.  A pool that saw any failure is torn down and rebuilt
+on next use, so a broken process group never leaks into the next test.  So
+is, between two tests, a pool whose ranks have gathered too many process
+groups (idle gloo groups go on polling: see :func:`recycle_crowded_pools`).
 
 Failure semantics, which the tests rely on:
 
@@ -273,8 +272,9 @@ def recycle_crowded_pools(max_threads: int = POOL_MAX_THREADS) -> None:
     Every process group a test forms in the ranks (each mesh dimension, each ``new_group``) stays
     there after the test, and with gloo each one keeps about three threads that go on polling when
     idle: a rank holding 100 idle groups burns 14% of a core here, so after a few hundred meshes
-    the idle pools take a whole core from whatever runs next.  Called between tests only (tests/conftest.py), never between two calls of one test, so
-    a test sees one pool throughout, as when an earlier test's failure replaced it.
+    the idle pools take a whole core from whatever runs next.  Called between tests only
+    (tests/conftest.py), never between two calls of one test, so a test sees one pool throughout,
+    as when an earlier test's failure replaced it.
     """
     for world_size, pool in list(_pools.items()):
         if pool.procs and _threads(pool.procs[0].pid) > max_threads:

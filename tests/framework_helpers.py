@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dist import run_torchrun
@@ -21,6 +22,9 @@ STEPS_SAVED = 2   # steps trained before the save
 STEPS_AFTER = 2   # steps DeepSpeed trains after it, whose losses a resumed run must reproduce
 DS_WORLD = 2      # the ranks the frameworks train on
 FRAMEWORK_RUN_S = 600  # deadline of one framework run that writes a test module's checkpoints
+# the pytest timeout of a module whose fixture launches such a run: its first test also waits for the run
+# (tens of seconds on 2 cores, minutes on a loaded machine), which has its own deadline above
+FRAMEWORK_MODULE_TIMEOUT = pytest.mark.timeout(FRAMEWORK_RUN_S + 300)
 # DeepSpeed cases, name: (stage, optimizer, tied embeddings and a frozen norm, variant), where the variant is
 # "odd" (a parameter count that is not a multiple of 2 x world size, so ZeRO pads the last rank's partition)
 # or "groups" (two param groups, the norms without weight decay, and at stage 3 sub-groups of 3000 elements)

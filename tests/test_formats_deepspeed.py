@@ -22,7 +22,7 @@ from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat
 from tests.dist import run_on_ranks  # noqa: E402
 from tests.framework_helpers import (  # noqa: E402
     CASES,
-    FRAMEWORK_RUN_S,
+    FRAMEWORK_MODULE_TIMEOUT,
     STATE_KEYS,
     STEPS_SAVED,
     build_model,
@@ -35,9 +35,7 @@ from tests.offline_helpers import peak_rss  # noqa: E402
 
 MiB = 1 << 20
 
-# the module's first test also waits for the framework run its fixture launches (tens of seconds on 2 cores,
-# minutes on a loaded machine): that launch has its own deadline (framework_helpers.FRAMEWORK_RUN_S)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(FRAMEWORK_RUN_S + 300)]
+pytestmark = [pytest.mark.slow, FRAMEWORK_MODULE_TIMEOUT]
 
 
 BIG_ROWS = 16384  # the big case: embedding and lm_head of 16384 x 1024 fp32, 128 MiB of weights

@@ -25,7 +25,7 @@ from tests.dist import run_on_ranks  # noqa: E402
 from tests.framework_helpers import (  # noqa: E402
     ACCELERATE_CASES,
     DS_WORLD,
-    FRAMEWORK_RUN_S,
+    FRAMEWORK_MODULE_TIMEOUT,
     PROBE,
     STEPS_SAVED,
     TRAINER_CASES,
@@ -35,9 +35,7 @@ from tests.framework_helpers import (  # noqa: E402
     write_checkpoints,
 )
 
-# the module's first test also waits for the framework run its fixture launches (tens of seconds on 2 cores,
-# minutes on a loaded machine): that launch has its own deadline (framework_helpers.FRAMEWORK_RUN_S)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(FRAMEWORK_RUN_S + 300)]
+pytestmark = [pytest.mark.slow, FRAMEWORK_MODULE_TIMEOUT]
 
 
 @pytest.fixture(scope="module")
