@@ -9,13 +9,18 @@ LLaMA-shaped state instead: vocabulary matrices, norms and a ``step`` scalar
 per parameter, as ``benchmarks/checkpoint.py`` does).  Per round, in an
 order that rotates every round: each system saves to a fresh directory
 (both make their data durable: shardkit fsyncs by default, DCP's
-``FileSystemWriter`` has ``sync_files=True``), then, with the page cache
-dropped, loads it back into zeroed targets.  A time is the slowest rank's,
-from a barrier to the end of the call; the figure is the median over rounds,
-and the ratio shardkit / DCP.  ``--cold-sleep S`` waits ``S`` seconds after
-dropping the cache, as ``benchmarks/checkpoint.py`` does ("cold"), so that
-this VM has handed freed memory back to the host and every fresh allocation
-of the load faults its pages in again.
+``FileSystemWriter`` has ``sync_files=True``); then, each with the page cache
+dropped before it, in an order that rotates too, the loads into zeroed
+targets: shardkit's default (all or nothing: a checking pass, then the read),
+shardkit with ``verify_first=False`` (one pass) and DCP.  A time is the
+slowest rank's, from a barrier to the end of the call; the figure is the
+median over rounds, with the ratio to DCP's median and the median of the
+per-round ratios (each round times every loader within seconds of the
+others, so the per-round ratio follows the disk's drift less).
+``--cold-sleep S`` waits ``S`` seconds after dropping the cache, as
+``benchmarks/checkpoint.py`` does ("cold"), so that this VM has handed freed
+memory back to the host and every fresh allocation of the load faults its
+pages in again.
 
     python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6
     python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6 --cold-sleep 4
@@ -133,6 +138,9 @@ def timed(fn, sampler_ms: float = 0.0) -> float:
     return float(elapsed)
 
 
+LOADERS = ("shardkit", "shardkit one pass", "dcp")
+
+
 def worker(args: argparse.Namespace) -> None:
     import shardkit.checkpoint as skc
 
@@ -142,28 +150,34 @@ def worker(args: argparse.Namespace) -> None:
     local = leaves(state)
     sums = {k: float(v.double().sum()) for k, v in local.items()}
     systems = ("shardkit", "dcp")
-    times = {f"{op} {s}": [] for op in ("save", "load") for s in systems}
+    paths = {s: os.path.join(args.dir, s) for s in systems}
+    loads = {
+        "shardkit": lambda: skc.load(state, paths["shardkit"]),
+        "shardkit one pass": lambda: skc.load(state, paths["shardkit"], verify_first=False),
+        "dcp": lambda: dcp.load(state, checkpoint_id=paths["dcp"]),
+    }
+    times = {f"save {s}": [] for s in systems} | {f"load {s}": [] for s in LOADERS}
     for round_index in range(args.rounds):
         for system in systems[round_index % 2:] + systems[:round_index % 2]:
-            path = os.path.join(args.dir, system)
             if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(paths[system], ignore_errors=True)
             dist.barrier()
-            save = (lambda: skc.save(state, path)) if system == "shardkit" else \
-                (lambda: dcp.save(state, checkpoint_id=path))
+            save = (lambda: skc.save(state, paths[system])) if system == "shardkit" else \
+                (lambda: dcp.save(state, checkpoint_id=paths[system]))
             times[f"save {system}"].append(timed(save, args.sampler_ms))
+        if args.gap_gb > 0:  # other data written between the saves and the loads, as in a longer benchmark
+            write_gap(os.path.join(args.dir, f"gap-{rank}"), args.gap_gb / 2)
+        shift = round_index % len(LOADERS)
+        for loader in LOADERS[shift:] + LOADERS[:shift]:
             for v in local.values():
                 v.zero_()
-            if args.gap_gb > 0:  # other data written between the save and its load, as in a longer benchmark
-                write_gap(os.path.join(args.dir, f"gap-{rank}"), args.gap_gb / 2)
             dist.barrier()
             if rank == 0:
                 drop_caches()
             time.sleep(args.cold_sleep)
-            load = (lambda: skc.load(state, path)) if system == "shardkit" else \
-                (lambda: dcp.load(state, checkpoint_id=path))
-            times[f"load {system}"].append(timed(load, args.sampler_ms))
-            assert all(float(v.double().sum()) == sums[k] for k, v in local.items()), system
+            times[f"load {loader}"].append(timed(loads[loader], args.sampler_ms))
+            bad = [k for k, v in local.items() if float(v.double().sum()) != sums[k]]
+            assert not bad, f"{loader} loaded {len(bad)} tensors wrong, e.g. {bad[:3]}"
     if rank == 0:
         print("RESULT " + json.dumps(times), flush=True)
     dist.barrier()
@@ -202,14 +216,17 @@ def main() -> None:
     times = json.loads(line[len("RESULT "):])
     shutil.rmtree(args.dir, ignore_errors=True)
     what = "LLaMA-shaped" if args.llama else f"{args.tensors} x 3 tensors"
-    print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (order rotating), page cache dropped before "
-          f"each load (then {args.cold_sleep:g} s asleep); RSS sampler {args.sampler_ms:g} ms (0: none); "
-          f"{args.gap_gb:g} GB of other data written between each save and its load; "
-          f"medians [all rounds]")
-    for op in ("save", "load"):
-        ours, theirs = statistics.median(times[f"{op} shardkit"]), statistics.median(times[f"{op} dcp"])
-        rounds = " ".join(f"{a / b:.2f}" for a, b in zip(times[f"{op} shardkit"], times[f"{op} dcp"]))
-        print(f"{op}: shardkit {ours:.2f} s, DCP {theirs:.2f} s, ratio {ours / theirs:.2f}x  [per round: {rounds}]")
+    print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (orders rotating), page cache dropped "
+          f"before each load (then {args.cold_sleep:g} s asleep); RSS sampler {args.sampler_ms:g} ms (0: none); "
+          f"{args.gap_gb:g} GB of other data written between the saves and the loads; "
+          f"medians, ratio to DCP's median, median of the per-round ratios [all rounds]")
+    rows = [("save", "shardkit", "dcp")] + [("load", loader, "dcp") for loader in LOADERS if loader != "dcp"]
+    for op, ours, theirs in rows:
+        a, b = times[f"{op} {ours}"], times[f"{op} {theirs}"]
+        per_round = [x / y for x, y in zip(a, b)]
+        print(f"{op} {ours}: {statistics.median(a):.2f} s, DCP {statistics.median(b):.2f} s, "
+              f"ratio {statistics.median(a) / statistics.median(b):.2f}x, per round {statistics.median(per_round):.2f}x  "
+              f"[{' '.join(f'{r:.2f}' for r in per_round)}]")
 
 
 if __name__ == "__main__":
