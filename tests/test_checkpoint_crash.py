@@ -123,7 +123,7 @@ def _kill_loop(root: str, options: dict | None, report: str, seed: int, delays: 
         if kill == kills - 1:
             # the last kill waits for one more commit first, so the loop proves a step committed between
             # kills survives too, however slow a loaded machine makes the savers
-            _wait_for_a_commit_after(report, steps[-1], proc)
+            _wait_for_a_commit_after(report, steps[-1] if steps else -1, proc)
         time.sleep(rng.uniform(*delays))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(WRITER_EXIT_S)
