@@ -209,7 +209,7 @@ def main() -> None:
            f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}", f"--gap-gb={args.gap_gb}", *(["--llama"] if args.llama else []),
            *(["--nested"] if args.nested else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
