@@ -96,7 +96,7 @@ def resume_and_train(ckpt: str, tied: bool = False) -> list[float]:
     trained after its save (each rank sees the whole job's batch, so any world size computes the same step)."""
     import shardkit.checkpoint as skc
     from shardkit import fully_shard
-    from shardkit.checkpoint.training.manager import stored_input_state
+    from shardkit.checkpoint.training.input_state import stored_input_state
     from shardkit.data.resume import load_data_state_dict
 
     torch.manual_seed(123)

@@ -321,7 +321,7 @@ def test_a_directory_where_an_index_file_would_be_does_not_turn_a_committed_save
 
 def test_the_managers_input_state_targets_need_no_index_file(fsdp4):
     from shardkit.checkpoint.io.storage import Storage
-    from shardkit.checkpoint.training.manager import stored_input_state
+    from shardkit.checkpoint.training.input_state import stored_input_state
 
     read_bytes, names = Storage.read_bytes, []
 

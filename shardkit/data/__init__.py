@@ -17,14 +17,15 @@ documented rules (docs/checkpoint.md, "Data position and RNG").
 ``rng``             ``capture_rng_state`` / ``restore_rng_state``: Python, numpy,
                     torch CPU and CUDA generators
 ``resume``          ``data_state_dict`` / ``load_data_state_dict`` / ``nest``:
-                    all of it in and out of a checkpoint in one call each
+                    all of it in and out of a checkpoint in one call each;
+                    ``check_data_state_dict``: its refusals, restoring nothing
 ``encode``          lossless JSON-plus-tensors form of any ``state_dict()``
 ``gather``          the pickle-free all-gather behind per-rank state
 ==================  ==========================================================
 """
 
 from shardkit.data.loader import ElasticLoader
-from shardkit.data.resume import data_state_dict, load_data_state_dict, nest
+from shardkit.data.resume import check_data_state_dict, data_state_dict, load_data_state_dict, nest
 from shardkit.data.rng import capture_rng_state, reseeded_seeds, restore_rng_state
 from shardkit.data.sampler import ElasticSampler, share_bounds
 from shardkit.data.stateful import Stateful, select_state
@@ -40,5 +41,6 @@ __all__ = [
     "reseeded_seeds",
     "data_state_dict",
     "load_data_state_dict",
+    "check_data_state_dict",
     "nest",
 ]

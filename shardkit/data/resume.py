@@ -43,7 +43,7 @@ from shardkit.data.sampler import ElasticSampler
 from shardkit.data.stateful import Stateful, select_state
 from shardkit.errors import ConfigurationError, DataStateError
 
-__all__ = ["data_state_dict", "load_data_state_dict", "nest"]
+__all__ = ["data_state_dict", "load_data_state_dict", "check_data_state_dict", "nest"]
 
 log = logging.getLogger("shardkit.data")
 
@@ -146,6 +146,20 @@ def _world_entries(entry: Any, where: str) -> list[Any]:
     return [entry[f"rank{r}"] for r in range(entry["world_size"])]
 
 
+def check_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | None = None,
+                          objects: Mapping[str, Stateful] | None = None, *, rng: bool = True,
+                          rank: int | None = None, world_size: int | None = None) -> None:
+    """Raise every refusal :func:`load_data_state_dict` would raise for these arguments, restoring nothing.
+
+    A resume checks this before it writes any model or optimizer tensor, so
+    a sampler built for another sequence, an object the checkpoint lacks or
+    per-rank state that cannot map onto this world size leaves the whole run
+    as it was.  Only the structure is checked: tensor values may still be
+    unread placeholders, and a ``reshard`` function is not called.
+    """
+    _decide(state, sampler, objects, rng=rng, rank=rank, world_size=world_size, run_reshard=False)
+
+
 def load_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | None = None,
                          objects: Mapping[str, Stateful] | None = None, *, rng: bool = True,
                          rank: int | None = None, world_size: int | None = None) -> None:
@@ -161,36 +175,48 @@ def load_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | Non
     re-seed rule otherwise.  Anything asked for that the checkpoint lacks
     raises :class:`DataStateError` naming it, before anything is restored.
     """
-    if rank is None or world_size is None:
-        default_rank, default_world = dist_rank_world()
-        rank = default_rank if rank is None else rank
-        world_size = default_world if world_size is None else world_size
-    wrapped = _checked_objects(objects)
+    wrapped, chosen, rng_states, rank, world_size = _decide(
+        state, sampler, objects, rng=rng, rank=rank, world_size=world_size, run_reshard=True)
     data = state.get("data", {})
-    if sampler is not None and "sampler" not in data:
-        raise DataStateError("the checkpoint holds no ElasticSampler position (data.sampler); it was saved "
-                             "without a sampler")
-    saved_objects = data.get("objects", {})
-    # Decide every state before touching anything, so a refusal leaves the run as it was.
-    chosen = {name: _object_state(name, w, saved_objects, rank, world_size) for name, w in wrapped.items()}
-    rng_states = None
-    if rng:
-        if "rng" not in state:
-            raise DataStateError("the checkpoint holds no RNG state (rng.*); it was saved with rng=False -- pass "
-                                 "rng=False to load without it")
-        rng_states = _world_entries(state["rng"], "rng")
     if sampler is not None:
         sampler.load_state_dict(dict(data["sampler"]))
     for name, w in wrapped.items():
         w.obj.load_state_dict(chosen[name])
-    unused = sorted(set(saved_objects) - set(wrapped))
+    unused = sorted(set(data.get("objects", {})) - set(wrapped))
     if unused:
         log.warning("the checkpoint holds input state for %s that this load did not restore", ", ".join(unused))
     if rng_states is not None:
         restore_rng_state(rng_states, rank, world_size)
 
 
-def _object_state(name: str, w: Stateful, saved_objects: Mapping[str, Any], rank: int, world_size: int) -> Any:
+def _decide(state: Mapping[str, Any], sampler: ElasticSampler | None, objects: Mapping[str, Stateful] | None, *,
+            rng: bool, rank: int | None, world_size: int | None, run_reshard: bool) -> tuple:
+    """Every state a load restores, decided (and every refusal raised) before anything is touched."""
+    if rank is None or world_size is None:
+        default_rank, default_world = dist_rank_world()
+        rank = default_rank if rank is None else rank
+        world_size = default_world if world_size is None else world_size
+    wrapped = _checked_objects(objects)
+    data = state.get("data", {})
+    if sampler is not None:
+        if "sampler" not in data:
+            raise DataStateError("the checkpoint holds no ElasticSampler position (data.sampler); it was saved "
+                                 "without a sampler")
+        sampler.check_state_dict(dict(data["sampler"]))
+    saved_objects = data.get("objects", {})
+    chosen = {name: _object_state(name, w, saved_objects, rank, world_size, run_reshard)
+              for name, w in wrapped.items()}
+    rng_states = None
+    if rng:
+        if "rng" not in state:
+            raise DataStateError("the checkpoint holds no RNG state (rng.*); it was saved with rng=False -- pass "
+                                 "rng=False to load without it")
+        rng_states = _world_entries(state["rng"], "rng")
+    return wrapped, chosen, rng_states, rank, world_size
+
+
+def _object_state(name: str, w: Stateful, saved_objects: Mapping[str, Any], rank: int, world_size: int,
+                  run_reshard: bool = True) -> Any:
     what = _describe(name, w)
     if name not in saved_objects:
         raise DataStateError(f"the checkpoint holds no state for {what} (data.objects.{name}); saved objects: "
@@ -206,6 +232,8 @@ def _object_state(name: str, w: Stateful, saved_objects: Mapping[str, Any], rank
         raise DataStateError(f"{where}: saved scope {scope!r} is neither 'global' nor 'per_rank'")
     if scope != w.scope:
         log.info("%s was saved with scope %r and is declared %r now; loading by the saved scope", what, scope, w.scope)
+    if not run_reshard and w.reshard is not None:
+        return None  # the structure is sound; the user's function runs when the state is really loaded
     return select_state(what, states, scope=scope, rank=rank, world_size=world_size, reshard=w.reshard)
 
 

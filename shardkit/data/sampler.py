@@ -103,6 +103,11 @@ class ElasticSampler:
     without ``shuffle`` the order is ``0..num_samples-1``.  ``drop_last``
     drops the last partial global batch; otherwise it is the epoch's last step
     and is split like any other (some ranks may get an empty share ``[]``).
+    ``drop_last`` defaults to ``True``, unlike torch's ``DistributedSampler``
+    and ``BatchSampler`` (``False``): every step then trains on a full global
+    batch, so the loss scale and a per-step schedule mean the same at every
+    world size.  Pass ``drop_last=False`` to keep the partial batch; a saved
+    position resumes only with the same ``drop_last``.
     Every rank yields the same number of shares per epoch, so collectives in
     the step stay matched.  After the last global batch of an epoch is
     received the position moves to the start of the next epoch by itself.
@@ -268,6 +273,18 @@ class ElasticSampler:
         for another sequence (dataset size, batch size, seed, shuffle,
         drop_last) with :class:`DataStateError` naming the field.
         """
+        self.check_state_dict(state)
+        self._epoch, self._batches = state["epoch"], state["batches"]
+        self._unknown_reason = None
+        self._pass += 1
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing.
+
+        A checkpoint load asks this before it writes any model or optimizer
+        tensor, so a sampler built for another sequence fails the resume
+        while the run is still as it was.
+        """
         if not isinstance(state, dict):
             raise DataStateError(f"ElasticSampler.load_state_dict needs a dict, got {type(state).__name__}")
         missing = [k for k in ("epoch", "batches", *_SEQUENCE_FIELDS) if k not in state]
@@ -285,9 +302,6 @@ class ElasticSampler:
                 and 0 <= batches < self.batches_per_epoch):
             raise DataStateError(f"ElasticSampler: saved position epoch={epoch!r}, batches={batches!r} is out of "
                                  f"range for {self.batches_per_epoch} global batches per epoch")
-        self._epoch, self._batches = epoch, batches
-        self._unknown_reason = None
-        self._pass += 1
 
     def __repr__(self) -> str:
         return (f"ElasticSampler(num_samples={self.num_samples}, global_batch_size={self.global_batch_size}, "

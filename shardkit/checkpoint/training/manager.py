@@ -20,6 +20,15 @@ listings sort).  The rules that make it crash-safe:
   (:mod:`~shardkit.checkpoint.formats.native.ownership`): a ``step-<N>`` that holds a torch DCP
   or Hugging Face checkpoint, or any file shardkit did not write, is left alone
   and named in a warning; inside a shardkit step only shardkit's files go.
+* A manager never replaces a committed step it did not write itself in this
+  process, nor saves below one (a resume would choose the older run's step
+  over this run's): ``save`` refuses with
+  :class:`~shardkit.errors.CheckpointExists` naming those steps, unless it is
+  the step this manager resumed from, or ``overwrite=True`` says to replace
+  them (each is replaced by this run's save of that number, and those above a
+  step this run commits are removed once it has committed).  ``dedup``
+  references only a step this manager committed or resumed from, never merely
+  the highest number on disk.
 * ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
   the process group), so every rank loads the same one.  When the newest
   committed step turns out damaged (checksum, missing file) it falls back to
@@ -41,7 +50,6 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import (
     DirectorySurvey,
@@ -53,22 +61,22 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.names import is_sibling_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
-from shardkit.checkpoint.state.tree import from_json_value, to_json_value
+from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
 from shardkit.checkpoint.training.dedup import digest_algorithm
+from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.checkpoint.training.load import load
 from shardkit.checkpoint.training.save import save
-from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest
+from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict
 from shardkit.errors import (
+    CheckpointExists,
     CheckpointNotFound,
     ConfigurationError,
     CorruptCheckpoint,
     ShardkitError,
 )
 
-__all__ = ["CheckpointManager", "step_dir", "stored_input_state", "INPUT_KEYS"]
-
-INPUT_KEYS = ("data", "rng")  # top-level keys of resumable input state (shardkit.data), beside model and optim
+__all__ = ["CheckpointManager", "step_dir"]
 
 log = logging.getLogger("shardkit.checkpoint.training.manager")
 
@@ -90,11 +98,13 @@ class CheckpointManager:
     ``dedup``: store a digest of every chunk (``True``: xxh3-128; or name the
     algorithm, ``"sha256"``), and reference the chunks the newest committed
     step already stores instead of writing them again (a fine-tune's frozen
-    base is then written once).
+    base is then written once).  ``overwrite``: replace steps an earlier run
+    committed under the root (see the module docstring); without it such a
+    step makes ``save`` raise :class:`~shardkit.errors.CheckpointExists`.
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
-                 dedup: bool | str = False,
+                 dedup: bool | str = False, overwrite: bool = False,
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, writer: str | None = None, **save_options: Any) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -111,7 +121,10 @@ class CheckpointManager:
         self.compression = compression
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
+        self.overwrite = bool(overwrite)
         self.save_options = save_options
+        self._written: set[int] = set()   # steps this manager committed, in this process
+        self._resumed: int | None = None  # the step this manager loaded last
         self._pending: Future | None = None
         self._pending_step: int | None = None
         self._warned: set[str] = set()
@@ -155,14 +168,16 @@ class CheckpointManager:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         meta = {"step": step, "extra": to_json_value(extra, "extra")}
         self.wait()
+        dist = Dist(self.process_group)
+        plan = dist.broadcast_json(self._save_plan(step) if dist.rank == 0 else None)  # one decision for all ranks
+        if plan["in_the_way"] and not self.overwrite:
+            raise CheckpointExists(self._refusal(step, plan["in_the_way"]))
         state = {**get_state_dict(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
         url = self.url_of(step)
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
-                    **self.save_options)
+                    **self.save_options, overwrite=True)
         if self.dedup:
-            dist = Dist(self.process_group)
-            base = max((s for s in self.steps() if s != step), default=None) if dist.rank == 0 else None
-            base = dist.broadcast_json(base)  # every rank references the same step
+            base = plan["base"]
             opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
         if self.async_save:
             upload = _async_save(state, url, writer=self.writer, **opts)
@@ -174,6 +189,7 @@ class CheckpointManager:
         started = time.perf_counter()
         save(state, url, process_group=self.process_group, **opts)
         log.info("step %d committed at %s in %.2f s", step, url, time.perf_counter() - started)
+        self._written.add(step)
         self._retain(step)
         return None
 
@@ -186,11 +202,39 @@ class CheckpointManager:
             finally:
                 self._pending_step = None
 
+    def _save_plan(self, step: int) -> dict[str, Any]:
+        """Rank 0's view before saving ``step``: the committed steps in its way and the dedup base.
+
+        In the way: committed steps at or above ``step`` that this manager did not write (replacing one
+        loses it; leaving one above makes a resume choose it over this run's step), except the step this
+        manager resumed from, which saving the same number replaces knowingly.  Only directories at or
+        above ``step`` are probed for a manifest, so a long history costs one listing.
+        """
+        dirs = self._all_step_dirs()
+        in_the_way = [s for s in sorted(dirs) if s >= step and s not in self._written
+                      and not (s == step == self._resumed) and self.root.child(dirs[s]).exists(MANIFEST_NAME)]
+        base = None
+        if self.dedup:
+            known = sorted((self._written | {self._resumed}) - {None}, reverse=True)
+            base = next((s for s in known if s < step and s in dirs
+                         and self.root.child(dirs[s]).exists(MANIFEST_NAME)), None)
+        return {"in_the_way": in_the_way, "base": base}
+
+    def _refusal(self, step: int, in_the_way: list[int]) -> str:
+        shown = ", ".join(map(str, in_the_way[:8])) + (", ..." if len(in_the_way) > 8 else "")
+        which = "it" if in_the_way == [step] else f"step {step} and leave newer ones a resume would choose"
+        return (f"not saving step {step} under {self.root_url}: committed step(s) {shown} there were not written by "
+                f"this manager (an earlier run's, or ones load_latest could not use), and saving would replace "
+                f"{which}. To continue that run, resume from it first (load_latest(..., required=True) raises "
+                f"instead of starting over, and says why a step cannot be loaded); to start a new run, choose "
+                f"another root; to replace those steps on purpose, pass CheckpointManager(..., overwrite=True)")
+
     def _after_commit(self, step: int, upload: Future, done: Future) -> None:
         """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""
         error = upload.exception()
         if error is None:
             log.info("step %d committed at %s (background save)", step, self.url_of(step))
+            self._written.add(step)
             try:
                 self._retain(step)
             except ShardkitError as exc:  # retention is housekeeping; never fail a good save over it
@@ -208,13 +252,17 @@ class CheckpointManager:
         if Dist().rank != 0:
             return
         dirs = self._all_step_dirs()
-        committed_steps = [s for s, name in sorted(dirs.items()) if self.root.child(name).exists(MANIFEST_NAME)]
+        on_disk = [s for s, name in sorted(dirs.items()) if self.root.child(name).exists(MANIFEST_NAME)]
+        # with overwrite=True, an earlier run's steps above the one just committed are superseded by it
+        superseded = {s for s in on_disk if s > committed and s not in self._written} if self.overwrite else set()
+        committed_steps = [s for s in on_disk if s not in superseded]
         newest = max(committed_steps, default=committed)
         doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
             else set()
+        doomed |= superseded
         surveys: dict[int, DirectorySurvey] = {}
         for s in sorted(dirs):
-            if s in committed_steps or s >= newest or s == self._pending_step:
+            if s in on_disk or s >= newest or s == self._pending_step:
                 continue
             found = surveys[s] = survey(self.root.child(dirs[s]))
             if found.interrupted_save:
@@ -222,7 +270,7 @@ class CheckpointManager:
             elif found.foreign:
                 self._warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
                                 f"wrote; move or delete it yourself")
-        pinned = self._pinned({s: dirs[s] for s in committed_steps}, doomed)
+        pinned = self._pinned({s: dirs[s] for s in on_disk}, doomed)
         if pinned is None:
             return
         for s in sorted(doomed):
@@ -232,7 +280,8 @@ class CheckpointManager:
             step_store = self.root.child(dirs[s])
             found = surveys[s] if s in surveys else survey(step_store)
             remove_owned(step_store, found)
-            log.info("retention removed step %d at %s", s, step_store.url)
+            log.info("%s step %d at %s", "removed superseded" if s in superseded else "retention removed", s,
+                     step_store.url)
             if found.foreign:
                 self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
 
@@ -268,6 +317,7 @@ class CheckpointManager:
         """
         self.wait()
         meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
+        self._resumed = step
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -301,20 +351,25 @@ class CheckpointManager:
                 log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
                 continue
             log.info("resumed from step %d at %s", step, self.url_of(step))
+            self._resumed = step
             return step, meta.get("extra")
-        return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged", required)
+        return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged, and this "
+                             f"manager will not save over them without overwrite=True", required)
 
     def _load_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
                    data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool) -> Any:
         """Model and optimizer in place (all or nothing), then data position, objects, and the RNG last."""
         url = self.url_of(step)
         inputs = stored_input_state(url, self.storage_options)
+        restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
+        check_input_state(step, inputs, data, stateful, rng=rng and "rng" in inputs, restores=restores_inputs,
+                          process_group=self.process_group)
         state = {**get_state_dict(model, optimizer), **inputs}
         meta = load(state, url, strict=strict, storage_options=self.storage_options,
                     process_group=self.process_group)
         set_state_dict(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
                        strict=strict)
-        if data is not None or stateful or (rng and "rng" in state):
+        if restores_inputs:
             load_data_state_dict({k: state[k] for k in inputs}, data, stateful, rng=rng and "rng" in state)
         return meta
 
@@ -353,22 +408,3 @@ def _creatable(path: str) -> bool:
             return False
         parent = up
     return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
-
-
-def stored_input_state(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Load targets for the ``data.*`` and ``rng.*`` keys a checkpoint holds, nested.
-
-    Which keys exist depends on the world size that saved (one RNG state per
-    rank), so the targets are built from the checkpoint itself: an empty
-    tensor of the stored dtype and shape per tensor key, the stored value per
-    value key (``load`` fills both in place).
-    """
-    reader = open_reader(url, storage_options)
-    try:
-        reader.focus({})  # dtypes and shapes only: no chunk record is needed (a version-3 reader reads no index)
-        ours = tuple(f"{k}." for k in INPUT_KEYS)
-        values = {k: from_json_value(v) for k, v in reader.values().items() if k.startswith(ours)}
-        tensors = {k: torch.empty(e.shape, dtype=e.dtype) for k, e in reader.tensors().items() if k.startswith(ours)}
-    finally:
-        reader.close()
-    return nest({**values, **tensors})

@@ -1,0 +1,136 @@
+"""A manager saves over no step it did not write itself: an earlier run's steps survive a new run that failed
+to resume from them, and ``dedup`` references only steps this manager committed or resumed from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardkit.checkpoint as skc
+from shardkit.errors import CheckpointExists
+from tests.dist import run_on_ranks
+from tests.test_checkpoint_dedup import CHUNK, FineTune, at_step, loaded, manifest_of, same, step_path
+
+
+def earlier_run(root: Path, steps=(1, 2, 3, 4, 5), **options) -> None:
+    manager = skc.CheckpointManager(str(root), dedup=True, chunk_bytes=CHUNK, **options)
+    model = FineTune()
+    for step in steps:
+        manager.save(step, at_step(model, step), rng=False)
+    manager.wait()
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_after_a_failed_resume_refuses_to_save_over_the_earlier_steps(tmp_path, caplog):
+    earlier_run(tmp_path)
+    shutil.rmtree(step_path(tmp_path, 1))  # the dedup base, deleted by hand: steps 2-5 no longer load
+    before = snapshot(tmp_path)
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    with caplog.at_level(logging.WARNING):
+        assert manager.load_latest(FineTune(), rng=False) is None
+    assert "without overwrite=True" in caplog.text
+    with pytest.raises(CheckpointExists) as refused:
+        manager.save(1, at_step(FineTune(), 1), rng=False)
+    message = str(refused.value)
+    assert "step(s) 2, 3, 4, 5" in message and str(tmp_path) in message
+    assert "required=True" in message and "another root" in message and "overwrite=True" in message
+    assert snapshot(tmp_path) == before  # nothing written, nothing removed
+    assert manager.steps() == [2, 3, 4, 5]
+
+
+def test_a_fresh_manager_refuses_to_replace_a_committed_step_and_may_save_above_it(tmp_path):
+    earlier_run(tmp_path, steps=(1, 2))
+    first = manifest_of(step_path(tmp_path, 2))
+    manager = skc.CheckpointManager(str(tmp_path))
+    with pytest.raises(CheckpointExists, match=r"step\(s\) 2 there"):
+        manager.save(2, at_step(FineTune(), 9), rng=False)
+    assert manifest_of(step_path(tmp_path, 2)) == first
+    manager.save(3, at_step(FineTune(), 3), rng=False)
+    manager.save(3, at_step(FineTune(), 33), rng=False)  # its own step: replaced as asked
+    assert manager.steps() == [1, 2, 3] and same(loaded(manager.url_of(3)), at_step(FineTune(), 33))
+
+
+@pytest.mark.parametrize("how", ["load_latest", "load"])
+def test_a_resumed_manager_may_save_its_resumed_step_again_and_continue(tmp_path, how):
+    earlier_run(tmp_path, steps=(1, 2, 3))
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    model = FineTune()
+    if how == "load_latest":
+        assert manager.load_latest(model, rng=False)[0] == 3
+    else:
+        manager.load(3, model, rng=False)
+    manager.save(3, at_step(model, 3), rng=False)
+    manager.save(4, at_step(model, 4), rng=False)
+    assert manager.steps() == [1, 2, 3, 4]
+    assert same(loaded(manager.url_of(4)), at_step(FineTune(), 4))
+
+
+def test_a_manager_that_resumed_from_an_older_step_refuses_the_newer_ones_it_skipped(tmp_path):
+    earlier_run(tmp_path, steps=(1, 2, 3))
+    shutil.rmtree(step_path(tmp_path, 3) / "data")  # step 3 is damaged: load_latest falls back to step 2
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    assert manager.load_latest(FineTune(), rng=False)[0] == 2
+    with pytest.raises(CheckpointExists, match=r"step\(s\) 3 there"):
+        manager.save(3, at_step(FineTune(), 3), rng=False)
+
+
+def test_overwrite_replaces_the_earlier_steps_and_removes_those_above_once_its_step_committed(tmp_path):
+    earlier_run(tmp_path)
+    shutil.rmtree(step_path(tmp_path, 1))
+    manager = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK, overwrite=True)
+    assert manager.load_latest(FineTune(), rng=False) is None
+    manager.save(1, at_step(FineTune(), 11), rng=False)
+    assert manager.steps() == [1]  # 2-5 were superseded by this run's step 1 and removed after it committed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_path(tmp_path, 1).name]
+    resumed = FineTune()
+    assert manager.load_latest(resumed, rng=False)[0] == 1 and same(resumed, at_step(FineTune(), 11))
+
+
+def test_dedup_never_references_a_step_this_manager_did_not_commit_or_resume_from(tmp_path):
+    earlier_run(tmp_path, steps=(1, 2, 3))
+    stranger = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    stranger.save(10, at_step(FineTune(), 10), rng=False)  # no resume: step 3 is the highest, not its base
+    assert "references" not in manifest_of(step_path(tmp_path, 10))
+    stranger.save(11, at_step(FineTune(), 11), rng=False)
+    assert manifest_of(step_path(tmp_path, 11))["references"] == [step_path(tmp_path, 10).name]
+
+    resumed = skc.CheckpointManager(str(tmp_path), dedup=True, chunk_bytes=CHUNK)
+    model = FineTune()
+    resumed.load(3, model, rng=False)
+    with pytest.raises(CheckpointExists):  # 10 and 11 are above: a resume would choose them over step 4
+        resumed.save(4, at_step(model, 4), rng=False)
+
+
+def test_an_async_manager_refuses_at_the_call_and_keeps_the_step(tmp_path):
+    earlier_run(tmp_path, steps=(1,))
+    before = snapshot(tmp_path)
+    manager = skc.CheckpointManager(str(tmp_path), async_save=True)
+    with pytest.raises(CheckpointExists):
+        manager.save(1, at_step(FineTune(), 7), rng=False)
+    manager.wait()
+    assert snapshot(tmp_path) == before
+
+
+def _refused_on_every_rank(root: str) -> str:
+    manager = skc.CheckpointManager(root)
+    try:
+        manager.save(1, at_step(FineTune(), 5), rng=False)
+    except CheckpointExists as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_every_rank_refuses_together(tmp_path):
+    earlier_run(tmp_path, steps=(1,))
+    before = json.dumps(manifest_of(step_path(tmp_path, 1)), sort_keys=True)
+    assert run_on_ranks(2, _refused_on_every_rank, str(tmp_path)) == ["CheckpointExists"] * 2
+    assert json.dumps(manifest_of(step_path(tmp_path, 1)), sort_keys=True) == before
+    assert torch.equal(loaded(str(step_path(tmp_path, 1))).head.weight, at_step(FineTune(), 1).head.weight)
