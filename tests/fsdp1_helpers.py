@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.models import Block, ModelArgs, Transformer, lm_loss, make_batch
 
 ARGS = ModelArgs()
 PER_RANK = 2
@@ -92,3 +92,32 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             self.counts[func._opname] += 1
         return func(*args, **(kwargs or {}))
+
+
+def torch_fsdp1_writes(root: str, sharded: str = "sharded") -> None:
+    """torch's own FSDP1 trains two steps and writes both kinds of checkpoint under ``root``: ``sharded``
+    through DCP (SHARDED_STATE_DICT, model and optimizer), ``model.pt`` and ``optim.pt`` through
+    ``torch.save`` (FULL_STATE_DICT and full_optim_state_dict).  On every rank of a live process group."""
+    import functools
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullStateDictConfig as TorchFullConfig
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchType
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
+
+    policy = functools.partial(torch_policy, transformer_layer_cls={Block})
+    model = TorchFSDP(build_transformer(seed=3), auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, range(2), dist.get_world_size())
+    with TorchFSDP.state_dict_type(model, TorchType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict(), "optim": TorchFSDP.optim_state_dict(model, optim)},
+                 checkpoint_id=os.path.join(root, sharded))
+    with TorchFSDP.state_dict_type(model, TorchType.FULL_STATE_DICT, TorchFullConfig(rank0_only=True)):
+        full = model.state_dict()
+    full_osd = TorchFSDP.full_optim_state_dict(model, optim)
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(root, "model.pt"))
+        torch.save(full_osd, os.path.join(root, "optim.pt"))
+    dist.barrier()

@@ -22,30 +22,8 @@ from shardkit import StateDictType
 from shardkit.cli.main import main as shardkit_cli
 from shardkit.wrap import transformer_auto_wrap_policy
 from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import build_transformer, train_steps
+from tests.fsdp1_helpers import build_transformer, torch_fsdp1_writes
 from tests.models import Block
-
-
-def _torch_fsdp1_writes(root):
-    from torch.distributed.fsdp import FullStateDictConfig as TorchFullConfig
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.distributed.fsdp import StateDictType as TorchType
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
-
-    policy = functools.partial(torch_policy, transformer_layer_cls={Block})
-    model = TorchFSDP(build_transformer(seed=3), auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_steps(model, optim, range(2), dist.get_world_size())
-    with TorchFSDP.state_dict_type(model, TorchType.SHARDED_STATE_DICT):
-        dcp.save({"model": model.state_dict(), "optim": TorchFSDP.optim_state_dict(model, optim)},
-                 checkpoint_id=os.path.join(root, "sharded"))
-    with TorchFSDP.state_dict_type(model, TorchType.FULL_STATE_DICT, TorchFullConfig(rank0_only=True)):
-        full = model.state_dict()
-    full_osd = TorchFSDP.full_optim_state_dict(model, optim)
-    if dist.get_rank() == 0:
-        torch.save(full, os.path.join(root, "model.pt"))
-        torch.save(full_osd, os.path.join(root, "optim.pt"))
-    dist.barrier()
 
 
 def _fresh():
@@ -125,7 +103,7 @@ def _shardkit_reads(root):
 
 def test_torch_fsdp1_checkpoints_at_two_ranks_load_into_shardkit_at_three(tmp_path):
     root = str(tmp_path)
-    run_on_ranks(2, _torch_fsdp1_writes, root)
+    run_on_ranks(2, torch_fsdp1_writes, root)
     for src, dst in (("sharded", "native-from-dcp"), ("model.pt", "native-from-pt"),
                      ("optim.pt", "native-from-optim-pt")):
         with pytest.raises(SystemExit) as exited:  # the `shardkit` command, in this process
