@@ -129,7 +129,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
         fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
         if progress:
             progress.start("diff", sum(ea[n].nbytes + eb[n].nbytes for n in shared)
-                           + sum(ea[ka].nbytes + eb[kb].nbytes for ka, kb in direct.values()))
+                           + sum(ea[ka].nbytes + eb[kb].nbytes for ka, kb in direct.values()
+                                 if ea[ka].shape == eb[kb].shape))
         for name in (n for n in names if n not in tied and n not in stored_once):
             if name not in eb or name not in ea:
                 report.tensors.append(TensorDiff(name, "only-a" if name in ea else "only-b"))
