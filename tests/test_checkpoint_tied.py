@@ -205,3 +205,26 @@ def test_a_two_rank_sharded_tied_model_saves_the_weight_once_and_loads_in_one_pr
     errors = run_on_ranks(2, _save_sharded_tied, str(tmp_path / "split"), True)
     assert all(e and "ranks disagree about tied tensors" in e for e in errors), errors
     assert not (tmp_path / "split" / "manifest.json").exists()
+
+
+def test_diff_takes_a_key_left_out_on_one_side_as_the_key_the_other_side_ties_it_to(tied_ckpt, tmp_path):
+    from tests.offline_cli import run_cli
+
+    path, model = tied_ckpt
+    no_head = tmp_path / "no-head"
+    skc.convert(str(path), str(no_head), to="shardkit", exclude=[HEAD])  # stores the tied weight once, as EMBED
+    assert HEAD not in NativeReader(str(no_head)).tensors()
+    for a, b in ((path, no_head), (no_head, path)):
+        assert skc.diff(str(a), str(b)).equal
+        assert run_cli("diff", str(a), str(b)).exit_code == 0
+    # untied, the head merely equals the embedding: no side records a tie, so the head is on one side only
+    state = skc.get_state_dict(model)
+    state["model"]["output.weight"] = state["model"]["output.weight"].clone()
+    untied = tmp_path / "untied"
+    skc.save(state, str(untied))
+    assert "aliases" not in _manifest(untied)
+    for a, b, status in ((untied, no_head, "only-a"), (no_head, untied, "only-b")):
+        report = skc.diff(str(a), str(b), only=["model.*"])
+        assert not report.equal
+        assert [(t.name, t.status) for t in report.tensors if t.status != "equal"] == [(HEAD, status)]
+        assert run_cli("diff", str(a), str(b), "--only", "model.*").exit_code == 1

@@ -93,3 +93,20 @@ def test_a_journaled_file_damaged_before_the_rerun_is_written_again(tmp_path, mo
     assert 0 < result.skipped_bytes < total  # the intact file was kept, the damaged one rewritten
     assert verify(str(dst)).ok and diff(str(src), str(dst)).equal
 
+
+
+def test_a_journaled_file_whose_header_was_damaged_is_written_again(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    flat, src, dst = _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors=4)
+    victim = sorted((dst / "data").iterdir())[0]
+    data = bytearray(victim.read_bytes())
+    data[data.index(b'"shape"') + 2] ^= 1  # "siape": the header no longer opens; every chunk checksum still holds
+    victim.write_bytes(bytes(data))
+    result = reshard(str(src), str(dst), world_size=2)
+    total = sum(t.numel() * t.element_size() for t in flat.values())
+    assert 0 < result.skipped_bytes < total  # the intact file was kept, the one with the damaged header rewritten
+    assert verify(str(dst)).ok and diff(str(src), str(dst)).equal
+    for file in (dst / "data").iterdir():
+        with safe_open(str(file), "pt") as f:
+            assert all(f.get_tensor(k).numel() for k in f.keys())

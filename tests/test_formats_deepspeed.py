@@ -123,6 +123,23 @@ def test_convert_to_hf_gives_a_model_from_pretrained_loads_with_deepspeeds_weigh
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
 
 
+def test_diff_of_a_tied_zero2_checkpoint_and_its_hf_export_is_equal_both_ways(zero, tmp_path):
+    from tests.offline_cli import run_cli
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(zero / "stage2-tied-frozen", ckpt)
+    llama_config(tied=True).save_pretrained(ckpt)
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf")  # leaves the tied head out, as save_pretrained does
+    with open_reader(str(tmp_path / "hf")) as reader:
+        assert "model.lm_head.weight" not in reader.tensors()
+    for a, b, holder, other in ((ckpt, tmp_path / "hf", "a", "b"), (tmp_path / "hf", ckpt, "b", "a")):
+        report = diff(str(a), str(b))
+        assert report.equal and all(t.status == "equal" for t in report.tensors)
+        head = next(t for t in report.tensors if t.name == "model.lm_head.weight")
+        assert head.detail == f"{other} stores it once, as model.model.embed_tokens.weight (tied to it in {holder})"
+        assert run_cli("diff", str(a), str(b)).exit_code == 0
+
+
 @pytest.mark.parametrize("case,world", [("stage2-tied-frozen", 3)])
 def test_load_resumes_a_deepspeed_run_at_another_world_size_with_its_losses(zero, case, world):
     expected = json.loads((zero / f"{case}.losses.json").read_text())["after_save"]

@@ -230,3 +230,53 @@ def test_hf_export_of_a_two_rank_fully_shard_checkpoint_loads_with_from_pretrain
     reference = _model("gpt2")
     reference.load_state_dict(full)  # what the two ranks trained, gathered
     _assert_loads_the_same(tmp_path / "hf", reference)
+
+
+HEAD = "model.lm_head.weight"
+EMBEDDINGS = {"gpt2": "model.transformer.wte.weight", "llama-tied": "model.model.embed_tokens.weight"}
+
+
+def _exported(trained, kind: str, out: Path) -> tuple[Path, Path]:
+    """(the tied training checkpoint, its HF export without the head, as save_pretrained writes it)."""
+    config_dir, ckpt, _ = trained[kind]
+    skc.convert(str(ckpt), str(out), to="hf", config=str(config_dir))
+    assert "lm_head.weight" not in _weight_names(out)
+    return ckpt, out
+
+
+@pytest.mark.parametrize("kind", sorted(EMBEDDINGS))
+def test_diff_of_a_tied_checkpoint_and_its_hf_export_is_equal_both_ways(trained, tmp_path, kind):
+    from shardkit.checkpoint.offline.diff import TensorDiff
+
+    ckpt, out = _exported(trained, kind, tmp_path / "hf")
+    embed = EMBEDDINGS[kind]
+    for a, b, holder, other in ((ckpt, out, "a", "b"), (out, ckpt, "b", "a")):
+        report = skc.diff(str(a), str(b))
+        assert report.equal and all(t.status == "equal" for t in report.tensors)
+        assert next(t for t in report.tensors if t.name == HEAD) == TensorDiff(
+            HEAD, "equal", 0.0, 0.0, f"{other} stores it once, as {embed} (tied to it in {holder})")
+        result = run_cli("diff", str(a), str(b))
+        assert result.exit_code == 0 and result.stdout.splitlines()[-1].startswith("equal: "), result.stdout
+    # the head alone is compared against the embedding it is stored as
+    alone = skc.diff(str(ckpt), str(out), only=[HEAD])
+    assert alone.equal and [(t.name, t.status) for t in alone.tensors] == [(HEAD, "equal")]
+
+
+def test_diff_of_an_hf_export_whose_tied_weight_differs_is_different_both_ways(trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt, out = _exported(trained, "llama-tied", tmp_path / "hf")
+    shard = out / json.loads((out / INDEX).read_text())["weight_map"]["model.embed_tokens.weight"]
+    tensors = load_file(str(shard))
+    tensors["model.embed_tokens.weight"][3, 5] += 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    embed = EMBEDDINGS["llama-tied"]
+    for a, b in ((ckpt, out), (out, ckpt)):
+        report = skc.diff(str(a), str(b))
+        assert not report.equal
+        assert {t.name: t.status for t in report.tensors if t.status != "equal"} == {embed: "different",
+                                                                                       HEAD: "different"}
+        result = run_cli("diff", str(a), str(b))
+        assert result.exit_code == 1 and result.stdout.splitlines()[-1].startswith("DIFFERENT: ")
+    alone = skc.diff(str(ckpt), str(out), only=[HEAD])
+    assert [(t.name, t.status) for t in alone.tensors] == [(HEAD, "different")] and alone.tensors[0].max_abs > 0

@@ -17,6 +17,15 @@ given, only ``model.*`` is compared and the report's ``scope`` says so.
 A key tied to the same key on both sides (an alias in both manifests) holds
 the same bytes as that key, so it takes that key's verdict without a second
 read; tied on one side only, it is compared like any tensor.
+
+A key one side holds and the other does not is ``only-a``/``only-b`` -- unless
+the side holding it records it tied (:meth:`~shardkit.checkpoint.formats.base.CheckpointReader.aliases`:
+a native manifest's ``aliases``, a DeepSpeed checkpoint's shared parameters)
+to a key the other side holds.  Then the other side stores the one tensor
+once, under that key (a Hugging Face export leaves a tied ``lm_head.weight``
+out, as ``save_pretrained`` does), and the key is compared against it: equal
+only when those bytes are.  A key whose tie neither side records stays
+``only-a``/``only-b``, whatever its values.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from shardkit.checkpoint.geometry.rows import iter_row_blocks, rows_per_block
 from shardkit.checkpoint.offline.common import parse_memory
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.progress import Progress
+from shardkit.checkpoint.state.aliases import alias_groups
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.errors import ConfigurationError
 
@@ -109,28 +119,34 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
             raise ConfigurationError("the filters (--only/--exclude) keep no tensor or value of either checkpoint; "
                                      "nothing to compare" if (only or exclude) else
                                      f"{a} and {b} hold no tensor or value; nothing to compare")
-        ab = sb.aliases()
-        tied = {n: t for n, t in sa.aliases().items() if ab.get(n) == t and wanted(t)}
+        aa, ab = sa.aliases(), sb.aliases()
+        tied = {n: t for n, t in aa.items() if ab.get(n) == t and wanted(t)}
         shared = [n for n in names if n in ea and n in eb and ea[n].shape == eb[n].shape and n not in tied]
+        # a key one side holds, stored once by the other under a key of its tie: (key in a, key in b)
+        stored_once = {**{n: (n, k) for n, k in _kept_as(names, ea, aa, eb).items()},
+                       **{n: (k, n) for n, k in _kept_as(names, eb, ab, ea).items()}}
+        direct = {n: keys for n, keys in stored_once.items() if keys[0] not in shared and keys[1] not in shared}
         fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
         if progress:
-            progress.start("diff", sum(ea[n].nbytes + eb[n].nbytes for n in shared))
-        for name in (n for n in names if n not in tied):
-            if name not in eb:
-                report.tensors.append(TensorDiff(name, "only-a"))
+            progress.start("diff", sum(ea[n].nbytes + eb[n].nbytes for n in shared)
+                           + sum(ea[ka].nbytes + eb[kb].nbytes for ka, kb in direct.values()
+                                 if ea[ka].shape == eb[kb].shape))
+        for name in (n for n in names if n not in tied and n not in stored_once):
+            if name not in eb or name not in ea:
+                report.tensors.append(TensorDiff(name, "only-a" if name in ea else "only-b"))
                 continue
-            if name not in ea:
-                report.tensors.append(TensorDiff(name, "only-b"))
-                continue
-            ta, tb = ea[name], eb[name]
-            if ta.shape != tb.shape:
-                report.tensors.append(TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}"))
-                continue
-            report.tensors.append(_compare(name, ta, tb, fa, fb, atol, rtol, budget // 16, progress))
+            report.tensors.append(_compare(name, ea[name], eb[name], fa, fb, atol, rtol, budget // 16, progress))
         verdicts = {t.name: t for t in report.tensors}
         for name, target in tied.items():
             t = verdicts[target]
             report.tensors.append(TensorDiff(name, t.status, t.max_abs, t.max_rel, f"tied to {target} on both sides"))
+        for name, (ka, kb) in stored_once.items():
+            holder, other, kept = ("a", "b", kb) if name == ka else ("b", "a", ka)
+            # the same bytes as the kept key on the holder's side: its verdict, unless it was not compared
+            t = _compare(name, ea[ka], eb[kb], fa, fb, atol, rtol, budget // 16, progress, (ka, kb)) \
+                if name in direct else verdicts[kept]
+            report.tensors.append(TensorDiff(name, t.status, t.max_abs, t.max_rel,
+                                             f"{other} stores it once, as {kept} (tied to it in {holder})"))
         report.tensors.sort(key=lambda t: t.name)
         report.values = [k for k in value_names if
                          k not in va or k not in vb or not same_value(from_json_value(va[k]), from_json_value(vb[k]))]
@@ -168,8 +184,23 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _kept_as(names: Sequence[str], here: Mapping[str, Any], aliases: Mapping[str, str],
+             there: Mapping[str, Any]) -> dict[str, str]:
+    """For each of ``names`` that one side holds (``here``) and the other (``there``) does not: the first
+    other key of its tie, as ``aliases`` (this side's) records the tie, that the other side holds."""
+    groups = alias_groups(aliases)
+    kept = {n: next((k for k in groups.get(n, ()) if k != n and k in there), None)
+            for n in names if n in here and n not in there}
+    return {n: k for n, k in kept.items() if k is not None}
+
+
 def _compare(name: str, ta: Any, tb: Any, fa: Fetcher, fb: Fetcher, atol: float, rtol: float, block: int,
-             progress: Progress | None) -> TensorDiff:
+             progress: Progress | None, keys: tuple[str, str] | None = None) -> TensorDiff:
+    """``name``'s verdict: tensor ``ta`` of a against ``tb`` of b, read block by block under ``keys``
+    (a's key, b's key; both ``name`` by default)."""
+    key_a, key_b = keys or (name, name)
+    if ta.shape != tb.shape:
+        return TensorDiff(name, "shape", detail=f"{list(ta.shape)} vs {list(tb.shape)}")
     same_dtype = ta.dtype == tb.dtype
     bitwise = same_dtype
     max_abs = max_rel = 0.0
@@ -179,7 +210,7 @@ def _compare(name: str, ta: Any, tb: Any, fa: Fetcher, fb: Fetcher, atol: float,
     for r0, r1 in blocks:
         off = (r0,) + (0,) * (len(shape) - 1) if shape else ()
         box = (r1 - r0,) + tuple(shape[1:]) if shape else ()
-        x, y = fa.fetch(name, off, box), fb.fetch(name, off, box)
+        x, y = fa.fetch(key_a, off, box), fb.fetch(key_b, off, box)
         if progress:
             progress.update(x.numel() * x.element_size() + y.numel() * y.element_size())
         if same_dtype and torch.equal(_bits(x), _bits(y)):

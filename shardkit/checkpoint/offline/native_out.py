@@ -22,7 +22,7 @@ canonical location and a fingerprint of its contents, see
 the same command on the same SRC plans the same file names.  After each unit,
 its manifest records are journaled under ``.shardkit-resume/`` together with
 that identity; a rerun keeps a journaled file only when the identity matches
-and the file re-verifies (size and every checksum block).  When SRC changed in
+and the file re-verifies (size, its header's crc32c and every checksum block).  When SRC changed in
 between, the plan's names change and nothing old is kept: data written from an
 older SRC can never end up in the new checkpoint.  The manifest is committed
 last; the journal and any data files of older plans are removed after the commit.
@@ -43,6 +43,7 @@ import torch
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.codec import itemsize, parse_compression
 from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
 from shardkit.checkpoint.formats.native.writer import (
     DEFAULT_CHUNK_BYTES,
@@ -151,7 +152,8 @@ def _journal_entry(wf: WrittenFile, source_id: str) -> bytes:
 def _verified_record(storage: Storage, unit: FileUnit, source_id: str,
                      check_data: bool = True) -> WrittenFile | None:
     """The journaled record of ``unit`` if it was written from the same source (``source_id``) and
-    its file is complete (and, with ``check_data``, every checksum block matches)."""
+    its file is complete (and, with ``check_data``, its header and every checksum block match; a
+    record without a header checksum, from an older shardkit, is not kept)."""
     journal = _journal_name(unit)
     if not storage.exists(journal):
         return None
@@ -162,8 +164,12 @@ def _verified_record(storage: Storage, unit: FileUnit, source_id: str,
         wf = WrittenFile.from_json(entry["file"])
         if wf.name != unit.name or storage.size(unit.name) != wf.size:
             return None
-        if check_data and any(check_chunk(storage, rec) is not None for _, rec in wf.chunks):
-            return None
+        if check_data:
+            if wf.header is None:  # journaled by an older shardkit: write the file again
+                return None
+            check_header(storage, wf.name, wf.size, wf.header, ())  # a damaged header raises: written again
+            if any(check_chunk(storage, rec) is not None for _, rec in wf.chunks):
+                return None
         return wf
     except (ShardkitError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -4,10 +4,13 @@ What is checked depends on what the format records:
 
 * shardkit (native): the manifest is parsed strictly (coverage: every tensor's
   chunks tile it, in bounds, no overlaps or holes; names stay inside), every
-  data file has the recorded size, and every crc32c block of every chunk
-  matches (``formats.native.check_chunk``, the format's one checksum loop).
-  Files are read front to back in large ranged reads, several files in
-  parallel: this runs at disk speed.
+  data file has the recorded size, its safetensors header matches the crc32c
+  the manifest records for it (where one is recorded), parses strictly and
+  holds every chunk the manifest names there with its dtype, shape and byte
+  range (``formats.native.headers``: what ``safe_open`` would read), and every
+  crc32c block of every chunk matches (``formats.native.check_chunk``, the
+  format's one checksum loop).  Files are read front to back in large ranged
+  reads, several files in parallel: this runs at disk speed.
 * DCP: coverage of each tensor by its chunks; every payload is a torch.save
   zip archive, so each record's CRC-32 is checked by streaming it through
   ranged reads (memory of one read step, not of a chunk), and its pickled
@@ -36,6 +39,7 @@ from typing import Any, Mapping
 
 from shardkit.checkpoint.formats import detect_format, open_reader
 from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.geometry.boxes import check_cover
 from shardkit.checkpoint.io.concurrency import parallel_map
@@ -146,6 +150,12 @@ def _verify_native(reader: Any, problems: list[str], workers: int, progress: Pro
         want = manifest.files[name].size if name in manifest.files else None
         if want is not None and size != want:
             return [f"{where}: {size} bytes, the manifest records {want} (truncated or replaced)"], 0
+        if want is not None:  # a damaged header is one problem; the chunks are still checked by their checksums
+            try:
+                check_header(storage, name, want, manifest.files[name].header,
+                             [e for fqn, rec in by_file[name] for e in rec.stored_entries(manifest.tensors[fqn].dtype)])
+            except ShardkitError as exc:
+                found.append(str(exc))
         done = 0
 
         def count(n: int) -> None:

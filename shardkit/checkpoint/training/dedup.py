@@ -39,7 +39,7 @@ import xxhash
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.codec import as_bytes, dtype_to_code
-from shardkit.checkpoint.formats.native.manifest import ChunkRecord
+from shardkit.checkpoint.formats.native.manifest import ChunkRecord, FileRecord
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.formats.native.references import DIGEST_ALGORITHMS, rebase_reference
 from shardkit.checkpoint.formats.native.writer import WrittenFile
@@ -105,7 +105,7 @@ def deduplicate(groups: Sequence[Sequence[WriteChunk]], storage: Storage, reuse_
     sibling = sibling_name(storage, reuse_from)
     stored = _stored_chunks(storage, reuse_from, sibling, chunks, writer)
     reused: dict[str, list[tuple[str, ChunkRecord]]] = {}
-    sizes: dict[str, int] = {}
+    infos: dict[str, FileRecord] = {}
     kept_groups = []
     for group in groups:
         kept = []
@@ -114,19 +114,21 @@ def deduplicate(groups: Sequence[Sequence[WriteChunk]], storage: Storage, reuse_
             if found is not None and found[0] == dtype_to_code(c.dtype) and found[1].digest == digests[
                     (c.fqn, tuple(c.offsets))]:
                 reused.setdefault(found[1].file, []).append((c.fqn, found[1]))
-                sizes[found[1].file] = found[2]
+                infos[found[1].file] = found[2]
             else:
                 kept.append(c)
         if kept:
             kept_groups.append(kept)
-    files = [WrittenFile(name, sizes[name], writer, tuple(recs)) for name, recs in sorted(reused.items())]
+    files = [WrittenFile(name, infos[name].size, writer, tuple(recs), infos[name].header)
+             for name, recs in sorted(reused.items())]
     return Deduplicated(kept_groups, files, digests)
 
 
 def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequence[WriteChunk],
-                   writer: int) -> dict[_Key, tuple[str, ChunkRecord, int]]:
+                   writer: int) -> dict[_Key, tuple[str, ChunkRecord, FileRecord]]:
     """The earlier checkpoint's records of these chunks' boxes -- dtype code, record (file rebased to
-    a reference from ``storage``), file size -- for files of this writer that are still whole."""
+    a reference from ``storage``), its file's record (size, header) -- for files of this writer that are
+    still whole."""
     try:
         reader = NativeReader(Storage(reuse_from, storage.storage_options))
         wanted: dict[str, set] = {}
@@ -137,7 +139,7 @@ def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequ
     except (ShardkitError, OSError) as exc:
         log.warning("writing every chunk: could not read %s to reuse its chunks (%s)", reuse_from, exc)
         return {}
-    out: dict[_Key, tuple[str, ChunkRecord, int]] = {}
+    out: dict[_Key, tuple[str, ChunkRecord, FileRecord]] = {}
     usable: dict[str, bool] = {}
     own = storage.url.rstrip("/").rpartition("/")[2]
     for fqn, boxes in wanted.items():
@@ -150,7 +152,7 @@ def _stored_chunks(storage: Storage, reuse_from: str, sibling: str, chunks: Sequ
             if name not in usable:
                 usable[name] = _still_whole(storage, name, info.size)
             if usable[name]:
-                out[(fqn, *rec.box)] = (t.dtype, replace(rec, file=name), info.size)
+                out[(fqn, *rec.box)] = (t.dtype, replace(rec, file=name), info)
     return out
 
 

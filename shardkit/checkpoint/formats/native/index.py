@@ -7,7 +7,11 @@ moves them into one index file per writer::
 
     index/<token>-<writer>.json   {"format": "shardkit-index", "version": 3, "writer": 5,
                                    "files": {"data/<token>-5-0.safetensors": 123456, ...},
+                                   "headers": {"data/<token>-5-0.safetensors": {"size", "crc32c"}, ...},
                                    "chunks": {fqn: [chunk record, ...]}}
+
+(``headers``, optional: each data file's header record, :mod:`.headers`; ``files`` keeps plain sizes, which
+every version-3 reader knows.)
 
 and ``manifest.json`` lists each index file with its size and crc32c (checked
 before it is parsed) and says per tensor which writer stored which box
@@ -31,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.codec import crc32c, pack_crcs
 from shardkit.checkpoint.formats.native.fields import expect_object, json_object
+from shardkit.checkpoint.formats.native.headers import header_record_json, parse_header_record
 from shardkit.checkpoint.formats.native.manifest import (
     FORMAT_NAME,
     INDEXED_VERSION,
@@ -86,22 +91,25 @@ def split_into_indexes(manifest: Manifest, token: str) -> tuple[Manifest, dict[s
     """``manifest`` (every chunk record in it) as version 3: the manifest to commit, and each writer's
     index file (name -> bytes) to write before it."""
     chunks: dict[str, list[tuple[int, Box]]] = {}
-    per_writer: dict[int, tuple[dict[str, int], dict[str, list[dict[str, Any]]]]] = {}
+    per_writer: dict[int, tuple[dict[str, int], dict[str, list[dict[str, Any]]], dict[str, Any]]] = {}
     for fqn, t in manifest.tensors.items():
         for c in t.chunks:
             writer = manifest.files[c.file].writer
             chunks.setdefault(fqn, []).append((writer, c.box))
-            per_writer.setdefault(writer, ({}, {}))[1].setdefault(fqn, []).append(c.to_json())
+            per_writer.setdefault(writer, ({}, {}, {}))[1].setdefault(fqn, []).append(c.to_json())
     for name, f in manifest.files.items():
-        per_writer.setdefault(f.writer, ({}, {}))[0][name] = f.size
+        per_writer.setdefault(f.writer, ({}, {}, {}))[0][name] = f.size
+        if f.header is not None:
+            per_writer[f.writer][2][name] = header_record_json(f.header)
     rules, regions = derive_regions({fqn: t.shape for fqn, t in manifest.tensors.items()}, chunks,
                                     _candidates(manifest))
     docs: dict[str, bytes] = {}
     indexes: dict[str, IndexRecord] = {}
-    for writer, (files, records) in sorted(per_writer.items()):
+    for writer, (files, records, headers) in sorted(per_writer.items()):
         name = index_file_name(token, writer)
         docs[name] = json.dumps({"format": INDEX_FORMAT, "version": INDEXED_VERSION, "writer": writer,
-                                 "files": files, "chunks": records}, separators=(",", ":"),
+                                 "files": files, **({"headers": headers} if headers else {}), "chunks": records},
+                                separators=(",", ":"),
                                 allow_nan=False).encode("utf-8")
         indexes[name] = IndexRecord(len(docs[name]), crc32c(docs[name]), writer)
     references = referenced_dirs(manifest.files)
@@ -181,11 +189,15 @@ def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Stora
                 or doc["version"] != INDEXED_VERSION or type(doc.get("writer")) is not int or doc["writer"] != writer):
             raise InvalidManifest(f"{where} is not the version-{INDEXED_VERSION} index file of writer {writer}")
         mine: dict[str, FileRecord] = {}
+        headers = expect_object(doc.get("headers", {}), f"{where}: headers")
         for file, size in expect_object(doc.get("files"), f"{where}: files").items():
             check_file_name(file, f"{where}: files", manifest.version)
             if type(size) is not int or size < 0 or file in files:
                 raise InvalidManifest(f"{where}: file {file!r} has a bad size {size!r} or is listed twice")
-            mine[file] = FileRecord(size, writer)
+            mine[file] = FileRecord(size, writer, parse_header_record(headers.get(file), size, f"{where}: {file!r}"))
+        if set(headers) - set(mine):
+            raise InvalidManifest(f"{where}: headers of files {sorted(set(headers) - set(mine))[:3]}, which its "
+                                  f"files do not list")
         files.update(mine)
         for fqn, records in expect_object(doc.get("chunks"), f"{where}: chunks").items():
             t = manifest.tensors.get(fqn)

@@ -14,7 +14,8 @@ Schema (versions 1, 2 and 4 without index files; docs/format.md is the full spec
                                    "digest": "xxh3-128:<hex>"}]}},  # optional: of the raw bytes (dedup)
      "values": {fqn: <JSON value>},
      "aliases": {fqn: fqn of a tensor},         # optional: tied tensors, stored once
-     "files":  {name: {"size": int, "writer": int}}}
+     "files":  {name: {"size": int, "writer": int,
+                       "header": {"size": int, "crc32c": "<base64 LE uint32>"}}}}  # optional (headers.py)
 
 :func:`parse_manifest` trusts nothing: it bounds the document, checks every
 type, refuses unknown (future) versions, refuses file names that leave the
@@ -23,7 +24,7 @@ chunk lengths match shape x dtype, that checksum lists have one entry per
 block, that the chunks of every tensor tile it exactly, and that every alias
 names a stored tensor (so no chains and no cycles) and no key is two things.
 After it returns, readers can plan and read without further checks except
-the checksums.
+the checksums (and each data file's header, :mod:`.headers`).
 
 A chunk with ``strips`` (format version 2) stores its box as consecutive
 strips of ``width`` indices of dim ``dim``, each strip row-major with its own
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats.codec import (
+    SafetensorsEntry,
     code_to_dtype,
     itemsize,
     pack_crcs,
@@ -56,6 +58,7 @@ from shardkit.checkpoint.formats.native.fields import (
     json_object,
     list_field,
 )
+from shardkit.checkpoint.formats.native.headers import HeaderRecord, header_record_json, parse_header_record
 from shardkit.checkpoint.formats.native.references import (
     DIGEST_NAME,
     REFERENCES_VERSION,
@@ -128,6 +131,13 @@ class ChunkRecord:
             start, first = start + nbytes, first + count
         return tuple(out)
 
+    def stored_entries(self, dtype: str) -> tuple[SafetensorsEntry, ...]:
+        """The safetensors entries that hold this chunk in its data file (one per strip), for a tensor
+        of dtype code ``dtype``: a ``zstd`` frame is a ``U8`` entry of its length."""
+        return tuple(SafetensorsEntry(p.key, dtype if p.codec == "raw" else "U8",
+                                      p.shape if p.codec == "raw" else (p.nbytes,), p.start, p.start + p.nbytes)
+                     for p in self.pieces())
+
     def to_json(self) -> dict[str, Any]:
         return {"offsets": list(self.offsets), "shape": list(self.shape), "file": self.file, "key": self.key,
                 "start": self.start, "nbytes": self.nbytes, "codec": self.codec, "block": self.block,
@@ -160,6 +170,7 @@ class TensorRecord:
 class FileRecord:
     size: int
     writer: int = 0
+    header: HeaderRecord | None = None  # the safetensors header's size and crc32c; None: not recorded
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,9 @@ def dump_manifest(manifest: Manifest) -> bytes:
                     for fqn, t in manifest.tensors.items()},
         "values": manifest.values,
         **({"aliases": dict(manifest.aliases)} if manifest.aliases else {}),
-        "files": {name: {"size": f.size, "writer": f.writer} for name, f in manifest.files.items()},
+        "files": {name: {"size": f.size, "writer": f.writer,
+                         **({"header": header_record_json(f.header)} if f.header else {})}
+                  for name, f in manifest.files.items()},
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
@@ -241,8 +254,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     for name, info in expect_object(doc.get("files", {}), f"{where}: files").items():
         check_file_name(name, f"{where}: files", version)
         info = expect_object(info, f"{where}: files[{name!r}]")
-        files[name] = FileRecord(int_field(info.get("size"), f"{where}: size of {name}"),
-                                 int_field(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31))
+        size = int_field(info.get("size"), f"{where}: size of {name}")
+        files[name] = FileRecord(size, int_field(info.get("writer", 0), f"{where}: writer of {name}", 0, 1 << 31),
+                                 parse_header_record(info.get("header"), size, f"{where}: files[{name!r}]"))
     tensors: dict[str, TensorRecord] = indexed.pop("tensors", {})
     for fqn, info in expect_object(doc.get("tensors", {}), f"{where}: tensors").items() if not indexed else ():
         tensors[fqn] = _parse_tensor(fqn, expect_object(info, f"{where}: tensor {fqn!r}"), files, where, version)

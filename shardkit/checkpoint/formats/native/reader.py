@@ -2,8 +2,9 @@
 
 Reading (:class:`NativeReader`): the manifest is parsed and validated once;
 before any destination tensor is touched, every data file a batch of requests
-needs is checked to exist with the size the manifest records.  Each request is
-then served with the fewest bytes that still verify:
+needs is checked to exist with the size the manifest records, and its
+safetensors header to be intact and to hold the chunks the manifest names.
+Each request is then served with the fewest bytes that still verify:
 
 * *direct*: the piece is one contiguous run of the stored chunk and the
   destination is contiguous -- the run is read with one ``preadv`` straight into
@@ -47,6 +48,7 @@ from shardkit.checkpoint.formats.codec import (
     zstd_decompress_into,
 )
 from shardkit.checkpoint.formats.native.checksums import CHECK_SPAN, STEP_BYTES, check_chunk
+from shardkit.checkpoint.formats.native.data_files import check_data_file, stored_entries
 from shardkit.checkpoint.formats.native.index import attach_indexes, needed_indexes, read_indexes
 from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
@@ -61,7 +63,6 @@ from shardkit.checkpoint.io.concurrency import (
     ByteBudget,
     parallel_map,
 )
-from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import (
     CheckpointNotFound,
@@ -179,24 +180,14 @@ class NativeReader(CheckpointReader):
 
     # -- validation before any write -----------------------------------
     def check_files(self, names: Sequence[str]) -> None:
-        """Every named data file exists with exactly the size the manifest records."""
+        """Every named data file exists with exactly the size the manifest records, and its safetensors
+        header is intact and holds the manifest's chunks where it says (:mod:`.data_files`)."""
         todo = sorted(set(names) - self._checked)
-
-        def check(name: str) -> None:
-            want = self._manifest.files[name].size
-            try:
-                got = self.storage.size(name)
-            except CheckpointNotFound:
-                shared = split_reference(name)
-                raise CorruptCheckpoint(f"{self.storage.where(name)} is missing; " + (
-                    f"this checkpoint references that file of {shared[0]}, whose data was deleted or moved "
-                    f"by hand -- restore {shared[0]} or load another checkpoint" if shared else
-                    "the checkpoint is incomplete -- restore the file or load another checkpoint")) from None
-            if got != want:
-                raise CorruptCheckpoint(f"{self.storage.where(name)} has {got} bytes, the manifest records {want}: "
-                                        f"the file is truncated or was replaced")
-
-        parallel_map(check, todo, 1 if self.storage.is_local else self.io_threads)
+        if not todo:
+            return
+        expected = stored_entries(self._manifest, todo)
+        parallel_map(lambda name: check_data_file(self.storage, self._manifest, name, expected[name]), todo,
+                     1 if self.storage.is_local else self.io_threads)
         with self._lock:
             self._checked.update(todo)
 

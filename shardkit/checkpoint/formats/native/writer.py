@@ -27,6 +27,13 @@ from shardkit.checkpoint.formats.codec import (
     zstd_compress,
 )
 from shardkit.checkpoint.formats.native import index
+from shardkit.checkpoint.formats.native.headers import (
+    DATA_FILE_METADATA,
+    HeaderRecord,
+    header_record_json,
+    header_record_of,
+    parse_header_record,
+)
 from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
@@ -54,7 +61,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 256 << 10
 DEFAULT_MAX_STRIPS = 16  # a column cut then reads at most 2/16 of a chunk's width more than it needs
 COLUMN_STRIPS = ("cut", "all", "off")
-_FILE_METADATA = {"format": "shardkit-data", "version": "1"}
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +115,12 @@ class WrittenFile:
     size: int
     writer: int
     chunks: tuple[tuple[str, ChunkRecord], ...]  # (fqn, record)
+    header: HeaderRecord | None = None  # its safetensors header's size and crc32c (None: not recorded)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "writer": self.writer,
-                "chunks": [[fqn, rec.to_json()] for fqn, rec in self.chunks]}
+                "chunks": [[fqn, rec.to_json()] for fqn, rec in self.chunks],
+                **({"header": header_record_json(self.header)} if self.header else {})}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "WrittenFile":
@@ -127,7 +135,8 @@ class WrittenFile:
                                             c["nbytes"], c["codec"], c["block"],
                                             tuple(unpack_crcs(c["crc32c"], count, doc["name"])), strips,
                                             c.get(DIGEST_NAME))))
-        return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks))
+        return cls(doc["name"], doc["size"], doc["writer"], tuple(chunks),
+                   parse_header_record(doc.get("header"), doc["size"], doc["name"]))
 
 
 class NativeWriter:
@@ -194,7 +203,7 @@ class NativeWriter:
         entry_blocks = {key: block for chunk_parts, block in zip(parts, blocks) for key, _ in chunk_parts}
 
         def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
-            stream = SafetensorsStreamWriter(f, entries, _FILE_METADATA, self._block_for,
+            stream = SafetensorsStreamWriter(f, entries, DATA_FILE_METADATA, self._block_for,
                                              None if frames is not None else entry_blocks)
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if frames is not None:
@@ -221,7 +230,7 @@ class NativeWriter:
                 "raw" if frames is None else "zstd", block if frames is None else max(nbytes, 1),
                 tuple(c for part_key, _ in chunk_parts for c in crcs[part_key]),
                 None if width is None else (1, width))))
-        return WrittenFile(name, stream.size, writer, tuple(records))
+        return WrittenFile(name, stream.size, writer, tuple(records), header_record_of(stream.header))
 
     @property
     def _block_for(self) -> int:
@@ -244,7 +253,7 @@ class NativeWriter:
                                      tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
                    for fqn, (dtype, shape) in tensors.items()}
         return Manifest(tensors=records, values=dict(values or {}),
-                        files={wf.name: FileRecord(wf.size, wf.writer) for wf in files},
+                        files={wf.name: FileRecord(wf.size, wf.writer, wf.header) for wf in files},
                         meta=dict(meta or {}), writer=dict(writer_info or {}), aliases=dict(aliases or {}))
 
     def commit(self, manifest: Manifest, *, leftovers: Sequence[str] = ()) -> bytes:
