@@ -25,9 +25,14 @@ from shardkit.cli.render import echo_json, human_bytes, storage_options, table
 if TYPE_CHECKING:
     from shardkit.checkpoint.offline.progress import Progress
 
+# what --storage-option applies to, per command: only the locations that command has
+STORAGE_OPTION_HELP = {
+    "src": "fsspec option for SRC; repeatable.",
+    "src_dst": "fsspec option for SRC (and DST unless --dst-storage-option); repeatable.",
+    "a_b": "fsspec option for A (and B unless --b-storage-option); repeatable.",
+}
+
 COMMON_STORAGE = [
-    click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
-                 help="fsspec option for SRC (and DST unless --dst-storage-option); repeatable."),
     click.option("--retries", type=click.IntRange(0, 100), metavar="N",
                  help="Retries of a failed storage request [default: 3; 0 on gs:// and az://, whose SDKs retry]. "
                       "Same as --storage-option shardkit.retries:=N, for every URL."),
@@ -37,7 +42,15 @@ COMMON_STORAGE = [
 ]
 
 
-def _storage(fn):
+def _storage(locations: str):
+    """``--storage-option``, ``--retries`` and ``--timeout``; ``locations`` (a key of
+    :data:`STORAGE_OPTION_HELP`) says which of the command's URLs ``--storage-option`` reaches."""
+    def decorate(fn):
+        return _with_storage(fn, STORAGE_OPTION_HELP[locations])
+    return decorate
+
+
+def _with_storage(fn, storage_option_help: str):
     @functools.wraps(fn)
     def with_retries_and_timeout(*args: Any, retries: int | None, timeout: float | None, **kwargs: Any) -> Any:
         # --retries/--timeout are shorthands: append them to every URL's storage options (an empty
@@ -50,7 +63,8 @@ def _storage(fn):
 
     for deco in reversed(COMMON_STORAGE):
         with_retries_and_timeout = deco(with_retries_and_timeout)
-    return with_retries_and_timeout
+    return click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
+                        help=storage_option_help)(with_retries_and_timeout)
 
 
 def _io_options(fn):
@@ -73,7 +87,7 @@ def _io_options(fn):
     ]
     for deco in reversed(opts):
         fn = deco(fn)
-    return _storage(fn)
+    return _storage("src_dst")(fn)
 
 
 def _torch_source(fn):
@@ -88,6 +102,13 @@ def _torch_source(fn):
     for deco in reversed(opts):
         fn = deco(fn)
     return fn
+
+
+def formats_help() -> str:
+    """The help's list of formats, one line each, from the format registry (so a new format shows up)."""
+    width = max(len(name) for name in FORMATS)
+    lines = [f"  {name.ljust(width)}  {fmt.description}" for name, fmt in FORMATS.items()]
+    return "\b\nFormats (detected; --from and --to name them):\n" + "\n".join(lines)
 
 
 def _model_keys(path: str | None) -> list[str] | None:
@@ -223,7 +244,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 @click.option("--limit", default=0, type=int, help="Show at most this many tensors in the table (0: all).")
-@_storage
+@_storage("src")
 @click.pass_context
 def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opts: tuple[str, ...]) -> int:
     """Show a checkpoint's format, layout, metadata, tensors and totals.
@@ -283,7 +304,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
 @click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
               help="Parallel reads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@_storage
+@_storage("src")
 @click.pass_context
 def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_opts: tuple[str, ...]) -> int:
     """Check every checksum and the coverage of every tensor; exit 1 naming any damage.
@@ -327,7 +348,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip keys matching GLOB; repeatable.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@_storage
+@_storage("a_b")
 @click.pass_context
 def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memory: str, b_opts: tuple[str, ...],
          only: tuple[str, ...], exclude: tuple[str, ...], show_all: bool, as_json: bool,

@@ -11,6 +11,7 @@ the subcommand (``shardkit inspect X -q``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import traceback
@@ -76,8 +77,6 @@ def cli(ctx: click.Context, debug: bool, verbose: bool, quiet: bool) -> None:
     """Inspect, verify, compare, reshard and convert checkpoints, on any storage.
 
     SRC and DST are paths or fsspec URLs (file://, memory://, s3://, gs://, ...).
-    Formats: shardkit (native), dcp (torch.distributed.checkpoint), hf
-    (safetensors file or folder), torch (torch.save file).
 
     \b
     Example:
@@ -94,6 +93,9 @@ def _register() -> None:
 
     for command in commands.COMMANDS:
         cli.add_command(command)
+    # the formats come from the format registry, so the help names every one, before the example
+    intro, example, rest = inspect.cleandoc(cli.help or "").partition("\b\nExample:")
+    cli.help = f"{intro.rstrip()}\n\n{commands.formats_help()}\n\n{example}{rest}"
 
 
 _register_done = False
