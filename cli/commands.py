@@ -20,7 +20,7 @@ from shardkit.checkpoint.offline.common import (
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,
 )
-from shardkit.cli.render import echo_json, human_bytes, storage_options, table
+from shardkit.cli.render import echo_json, human_bytes, human_count, storage_options, table
 
 if TYPE_CHECKING:
     from shardkit.checkpoint.offline.progress import Progress
@@ -134,11 +134,12 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
         echo_json(result.__dict__)
         return
     if not ctx.obj.quiet:
-        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {result.tensors} tensors, "
+        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {human_count(result.tensors, 'tensor')}, "
                    f"{human_bytes(result.bytes)}" + (f" ({human_bytes(result.skipped_bytes)} already there, kept)"
                                                      if result.skipped_bytes else ""), err=True)
         if result.dropped:
-            click.echo(f"left out {len(result.dropped)} keys (filters/format), e.g. {result.dropped[0]}", err=True)
+            click.echo(f"left out {human_count(len(result.dropped), 'key')} (filters/format), e.g. {result.dropped[0]}",
+                       err=True)
 
 
 @click.command()
@@ -274,7 +275,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
             dims = held["mesh"].get("dim_names") or []
             on = "x".join(str(d) for d in held["mesh"].get("shape", []))
             click.echo(f"  {', '.join(held['placements'])} on mesh {on}" + (f" ({', '.join(dims)})" if dims else "")
-                       + f": {held['tensors']} tensors")
+                       + f": {human_count(held['tensors'], 'tensor')}")
     if info["meta"]:
         click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
     if info["values"]:
@@ -292,7 +293,8 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     if tied:
         click.echo("tied (stored once, under the second name): " + ", ".join(tied))
     tot = info["totals"]
-    click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
+    click.echo(f"total: {human_count(tot['tensors'], 'tensor')}, {human_bytes(tot['bytes'])} in "
+               f"{human_count(tot['chunks'], 'chunk')} "
                f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")
     for sibling, nbytes in info.get("references", {}).items():
         click.echo(f"references {human_bytes(nbytes)} of unchanged chunks stored by ../{sibling}")
@@ -320,10 +322,11 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
     if as_json:
         echo_json(report.to_json())
     elif report.ok and report.scope == "headers":
-        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors; headers and coverage only "
+        click.echo(f"ok: {report.format} checkpoint {src}: {human_count(report.tensors, 'tensor')}; headers and "
+                   f"coverage only "
                    f"(the format records no checksums of the data)")
     elif report.ok:
-        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors, "
+        click.echo(f"ok: {report.format} checkpoint {src}: {human_count(report.tensors, 'tensor')}, "
                    f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f} s "
                    f"({human_bytes(report.rate)}/s)")
     else:
@@ -331,7 +334,8 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
             click.echo(f"damaged: {' '.join(problem.split())}", err=True)
     if not report.ok:
         if not as_json:
-            click.echo(f"error: {src} is damaged: {len(report.problems)} problem(s), listed above", err=True)
+            click.echo(f"error: {src} is damaged: {human_count(len(report.problems), 'problem')}, listed above",
+                       err=True)
         return 1
     return 0
 
@@ -382,9 +386,9 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
             click.echo(f"value {name}: differs")
         n_eq = sum(t.status == "equal" for t in report.tensors)
         verdict = "equal" if report.equal else "DIFFERENT"
-        click.echo(f"{verdict}: {n_eq}/{len(report.tensors)} tensors bitwise equal, "
+        click.echo(f"{verdict}: {n_eq} of {human_count(len(report.tensors), 'tensor')} bitwise equal, "
                    f"max abs diff {max([t.max_abs for t in report.tensors], default=0.0):.3g}, "
-                   f"{len(report.values)} values differ")
+                   f"{human_count(len(report.values), 'value differs', 'values differ')}")
     return 0 if report.equal else 1
 
 

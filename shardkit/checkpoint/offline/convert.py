@@ -44,7 +44,7 @@ from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
 from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
-from shardkit.checkpoint.offline.progress import Progress
+from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
@@ -183,8 +183,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
 
 
 def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
-    log.info("%s %s -> %s (%s): %d tensors, %d bytes, %d files in %.2f s", tool, src, result.dst,
-             result.dst_format, result.tensors, result.bytes, len(result.files), time.perf_counter() - started)
+    log.info("%s %s -> %s (%s): %s, %d bytes, %s in %.2f s", tool, src, result.dst, result.dst_format,
+             human_count(result.tensors, "tensor"), result.bytes, human_count(len(result.files), "file"),
+             time.perf_counter() - started)
 
 
 def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,

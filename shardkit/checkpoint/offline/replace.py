@@ -29,6 +29,7 @@ from shardkit.checkpoint.formats import COMMIT_MARKERS
 from shardkit.checkpoint.formats.native.ownership import survey
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.checkpoint.offline.progress import human_count
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
 __all__ = ["Destination", "prepare_dst"]
@@ -75,9 +76,9 @@ class Destination:
                 self.storage.delete_tree("data")  # an empty local directory left by the old native layout
         except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless (and unknown
             # references -- a damaged sibling manifest -- keep everything)
-            log.warning("could not remove %d files of the replaced checkpoint at %s: %s",
-                        len(stale), self.storage.url, exc)
-        log.info("removed %d files of the replaced checkpoint at %s", len(stale), self.storage.url)
+            log.warning("could not remove %s of the replaced checkpoint at %s: %s",
+                        human_count(len(stale), "file"), self.storage.url, exc)
+        log.info("removed %s of the replaced checkpoint at %s", human_count(len(stale), "file"), self.storage.url)
 
     def discard_created(self) -> None:
         """After a failure of a non-resumable writer: delete the checkpoint files this run created."""
@@ -86,7 +87,7 @@ class Destination:
                              if any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in _CREATED_PATTERNS))
             if created:
                 self.storage.delete(created)
-                log.info("removed %d files the failed run wrote at %s", len(created), self.storage.url)
+                log.info("removed %s the failed run wrote at %s", human_count(len(created), "file"), self.storage.url)
         except ShardkitError as exc:
             log.warning("could not remove what the failed run wrote at %s: %s", self.storage.url, exc)
 
