@@ -135,8 +135,9 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
         return
     if not ctx.obj.quiet:
         click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {human_count(result.tensors, 'tensor')}, "
-                   f"{human_bytes(result.bytes)}" + (f" ({human_bytes(result.skipped_bytes)} already there, kept)"
-                                                     if result.skipped_bytes else ""), err=True)
+                   f"{human_bytes(result.bytes)} of tensor data, {human_bytes(result.stored_bytes)} stored"
+                   + (f" ({human_bytes(result.skipped_bytes)} of tensor data already there, kept)"
+                      if result.skipped_bytes else ""), err=True)
         if result.dropped:
             click.echo(f"left out {human_count(len(result.dropped), 'key')} (filters/format), e.g. {result.dropped[0]}",
                        err=True)
@@ -293,11 +294,12 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     if tied:
         click.echo("tied (stored once, under the second name): " + ", ".join(tied))
     tot = info["totals"]
-    click.echo(f"total: {human_count(tot['tensors'], 'tensor')}, {human_bytes(tot['bytes'])} in "
-               f"{human_count(tot['chunks'], 'chunk')} "
-               f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")
+    click.echo(f"total: {human_count(tot['tensors'], 'tensor')}, {human_bytes(tot['bytes'])} of tensor data "
+               f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])}) in "
+               f"{human_count(tot['chunks'], 'chunk')}"
+               + (f", {human_bytes(tot['stored_bytes'])} stored" if "stored_bytes" in tot else ""))
     for sibling, nbytes in info.get("references", {}).items():
-        click.echo(f"references {human_bytes(nbytes)} of unchanged chunks stored by ../{sibling}")
+        click.echo(f"references {human_bytes(nbytes)} stored by ../{sibling} (its unchanged chunks)")
     return 0
 
 
@@ -327,7 +329,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
                    f"(the format records no checksums of the data)")
     elif report.ok:
         click.echo(f"ok: {report.format} checkpoint {src}: {human_count(report.tensors, 'tensor')}, "
-                   f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f} s "
+                   f"{human_bytes(report.bytes_checked)} stored, checked in {report.seconds:.2f} s "
                    f"({human_bytes(report.rate)}/s)")
     else:
         for problem in report.problems:

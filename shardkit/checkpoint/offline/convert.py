@@ -174,7 +174,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             except BaseException:
                 dest.discard_created()
                 raise
-            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+            # hf, dcp and torch files hold the tensor data as it is: stored bytes are tensor bytes
+            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped,
+                                   stored_bytes=sel.nbytes)
         dest.remove_stale(result.files)
         _log_written("convert", src, result, started)
         return result
@@ -297,13 +299,19 @@ def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(model_keys) if model_keys is not None else None
 
 
+def _native_chunks(source: Any) -> list[Any]:
+    """The chunk records of a native checkpoint's manifest (none for any other format)."""
+    if getattr(source.info, "format", "") != "shardkit":
+        return []
+    return [rec for t in source.manifest.tensors.values() for rec in t.chunks]
+
+
 def _referenced_bytes(source: Any) -> dict[str, int]:
     """Stored bytes per sibling checkpoint a native checkpoint references (empty for any other)."""
     out: dict[str, int] = {}
-    for t in source.manifest.tensors.values() if getattr(source.info, "format", "") == "shardkit" else ():
-        for rec in t.chunks:
-            if (parts := split_reference(rec.file)) is not None:
-                out[parts[0]] = out.get(parts[0], 0) + rec.nbytes
+    for rec in _native_chunks(source):
+        if (parts := split_reference(rec.file)) is not None:
+            out[parts[0]] = out.get(parts[0], 0) + rec.nbytes
     return dict(sorted(out.items()))
 
 
@@ -313,6 +321,9 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
     stored once under another (an alias) is listed with ``alias_of`` and no
     chunks of its own, and its bytes are not counted again in the totals.
+    Sizes are tensor data (``bytes``: what the tensors take in memory); a native
+    checkpoint's ``totals.stored_bytes`` is what its chunks take in the files
+    (smaller with zstd), the figure ``verify`` reads and checks.
     Where the writer recorded how it held its tensors (native checkpoints
     saved by a job), ``layout["layouts"]`` lists each mesh and placements with
     its number of tensors, and each tensor carries its ``mesh`` and ``placements``.
@@ -335,12 +346,14 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
                    for e in info.layouts]
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh), ("layouts", layouts)) if v}
         shared = _referenced_bytes(source)
+        chunks = _native_chunks(source)
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
                            "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
                            "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))},
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}
+                          | ({"stored_bytes": sum(rec.nbytes for rec in chunks)} if chunks else {}),
                 **({"references": shared} if shared else {})}
     finally:
         source.close()

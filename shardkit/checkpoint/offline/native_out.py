@@ -327,4 +327,4 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
         commit_native(reader, sel, storage, written, writer_info, compression)
     return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors),
                          sum(u.nbytes for u in units), [u.name for u in units] + ["manifest.json"], sel.dropped,
-                         skipped)
+                         skipped, sum(rec.nbytes for f in written for _, rec in f.chunks))
