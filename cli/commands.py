@@ -174,6 +174,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     """
     from shardkit.checkpoint.offline.scaleout import run_reshard
 
+    ctx.obj.resumable = True  # native output: a rerun resumes from the journal at DST
     so = storage_options(storage_opts)
     result = run_reshard(src, dst, world_size=world_size, mesh=mesh, dtype=dtype, dtype_optim=dtype_optim,
                          compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
@@ -230,6 +231,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     """
     from shardkit.checkpoint.offline.scaleout import run_convert
 
+    ctx.obj.resumable = to == "shardkit"  # only native output resumes; hf, torch and dcp output start over
     so = storage_options(storage_opts)
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
