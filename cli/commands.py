@@ -263,7 +263,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     info = do_inspect(src, storage_options=storage_options(storage_opts))
     if as_json:
         echo_json(info)
-        return 0
+        return _refuse_missing_references(src, info)
     layout = info["layout"] or {}
     click.echo(f"{info['url']}: {info['format']} checkpoint")
     if layout:
@@ -302,7 +302,22 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
                + (f", {human_bytes(tot['stored_bytes'])} stored" if "stored_bytes" in tot else ""))
     for sibling, nbytes in info.get("references", {}).items():
         click.echo(f"references {human_bytes(nbytes)} stored by ../{sibling} (its unchanged chunks)")
-    return 0
+    return _refuse_missing_references(src, info)
+
+
+def _refuse_missing_references(src: str, info: dict[str, Any]) -> int:
+    """Exit 1 naming the referenced files that are gone: the description stands (it is the manifest's),
+    but a checkpoint that cannot be loaded is never reported as if it were fine."""
+    missing = info.get("missing_references") or {}
+    if not missing:
+        return 0
+    for sibling, names in missing.items():
+        click.echo(f"missing: {human_count(len(names), 'data file')} of ../{sibling} that this checkpoint "
+                   f"references, e.g. ../{sibling}/{names[0]}", err=True)
+    steps = ", ".join(f"../{s}" for s in missing)
+    click.echo(f"error: {src} cannot be loaded: data it references in {steps} is gone (deleted or moved by hand); "
+               "restore it, or use another checkpoint", err=True)
+    return 1
 
 
 @click.command()

@@ -28,6 +28,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats import format_module, normalize_format, open_reader
+from shardkit.checkpoint.formats.native.siblings import missing_references
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
@@ -328,7 +329,10 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     saved by a job), ``layout["layouts"]`` lists each mesh and placements with
     its number of tensors, and each tensor carries its ``mesh`` and ``placements``.
     A native checkpoint saved with dedup lists under ``references`` the sibling
-    checkpoints whose data files it reads, with the bytes it reads from each.
+    checkpoints whose data files it reads, with the bytes it reads from each;
+    files of theirs that are gone (a step deleted or moved by hand) are listed
+    per sibling under ``missing_references``: such a checkpoint cannot be
+    loaded, and the CLI's ``inspect`` exits 1 saying so.
     """
     source = open_reader(src, storage_options)
     try:
@@ -347,6 +351,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh), ("layouts", layouts)) if v}
         shared = _referenced_bytes(source)
         chunks = _native_chunks(source)
+        gone = missing_references(source.storage, {rec.file for rec in chunks}) if shared else {}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
@@ -354,6 +359,7 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
                            "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
                            "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}
                           | ({"stored_bytes": sum(rec.nbytes for rec in chunks)} if chunks else {}),
-                **({"references": shared} if shared else {})}
+                **({"references": shared} if shared else {}),
+                **({"missing_references": gone} if gone else {})}
     finally:
         source.close()
