@@ -173,7 +173,7 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             try:
                 files = _write_single(source, sel, dest, to, budget, shard_cap, progress, export)
             except BaseException:
-                dest.discard_created()
+                dest.discard_created(side_files=list(export.side_files) if export else ())
                 raise
             # hf, dcp and torch files hold the tensor data as it is: stored bytes are tensor bytes
             result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped,
