@@ -20,14 +20,19 @@ from shardkit.checkpoint.offline.common import (
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,
 )
-from shardkit.cli.render import echo_json, human_bytes, storage_options, table
+from shardkit.cli.render import echo_json, human_bytes, human_count, storage_options, table
 
 if TYPE_CHECKING:
     from shardkit.checkpoint.offline.progress import Progress
 
+# what --storage-option applies to, per command: only the locations that command has
+STORAGE_OPTION_HELP = {
+    "src": "fsspec option for SRC; repeatable.",
+    "src_dst": "fsspec option for SRC (and DST unless --dst-storage-option); repeatable.",
+    "a_b": "fsspec option for A (and B unless --b-storage-option); repeatable.",
+}
+
 COMMON_STORAGE = [
-    click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
-                 help="fsspec option for SRC (and DST unless --dst-storage-option); repeatable."),
     click.option("--retries", type=click.IntRange(0, 100), metavar="N",
                  help="Retries of a failed storage request [default: 3; 0 on gs:// and az://, whose SDKs retry]. "
                       "Same as --storage-option shardkit.retries:=N, for every URL."),
@@ -37,7 +42,15 @@ COMMON_STORAGE = [
 ]
 
 
-def _storage(fn):
+def _storage(locations: str):
+    """``--storage-option``, ``--retries`` and ``--timeout``; ``locations`` (a key of
+    :data:`STORAGE_OPTION_HELP`) says which of the command's URLs ``--storage-option`` reaches."""
+    def decorate(fn):
+        return _with_storage(fn, STORAGE_OPTION_HELP[locations])
+    return decorate
+
+
+def _with_storage(fn, storage_option_help: str):
     @functools.wraps(fn)
     def with_retries_and_timeout(*args: Any, retries: int | None, timeout: float | None, **kwargs: Any) -> Any:
         # --retries/--timeout are shorthands: append them to every URL's storage options (an empty
@@ -50,7 +63,8 @@ def _storage(fn):
 
     for deco in reversed(COMMON_STORAGE):
         with_retries_and_timeout = deco(with_retries_and_timeout)
-    return with_retries_and_timeout
+    return click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
+                        help=storage_option_help)(with_retries_and_timeout)
 
 
 def _io_options(fn):
@@ -73,7 +87,7 @@ def _io_options(fn):
     ]
     for deco in reversed(opts):
         fn = deco(fn)
-    return _storage(fn)
+    return _storage("src_dst")(fn)
 
 
 def _torch_source(fn):
@@ -88,6 +102,13 @@ def _torch_source(fn):
     for deco in reversed(opts):
         fn = deco(fn)
     return fn
+
+
+def formats_help() -> str:
+    """The help's list of formats, one line each, from the format registry (so a new format shows up)."""
+    width = max(len(name) for name in FORMATS)
+    lines = [f"  {name.ljust(width)}  {fmt.description}" for name, fmt in FORMATS.items()]
+    return "\b\nFormats (detected; --from and --to name them):\n" + "\n".join(lines)
 
 
 def _model_keys(path: str | None) -> list[str] | None:
@@ -113,11 +134,13 @@ def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
         echo_json(result.__dict__)
         return
     if not ctx.obj.quiet:
-        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {result.tensors} tensors, "
-                   f"{human_bytes(result.bytes)}" + (f" ({human_bytes(result.skipped_bytes)} already there, kept)"
-                                                     if result.skipped_bytes else ""), err=True)
+        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {human_count(result.tensors, 'tensor')}, "
+                   f"{human_bytes(result.bytes)} of tensor data, {human_bytes(result.stored_bytes)} stored"
+                   + (f" ({human_bytes(result.skipped_bytes)} of tensor data already there, kept)"
+                      if result.skipped_bytes else ""), err=True)
         if result.dropped:
-            click.echo(f"left out {len(result.dropped)} keys (filters/format), e.g. {result.dropped[0]}", err=True)
+            click.echo(f"left out {human_count(len(result.dropped), 'key')} (filters/format), e.g. {result.dropped[0]}",
+                       err=True)
 
 
 @click.command()
@@ -151,6 +174,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
     """
     from shardkit.checkpoint.offline.scaleout import run_reshard
 
+    ctx.obj.resumable = True  # native output: a rerun resumes from the journal at DST
     so = storage_options(storage_opts)
     result = run_reshard(src, dst, world_size=world_size, mesh=mesh, dtype=dtype, dtype_optim=dtype_optim,
                          compression=compression, only=only, exclude=exclude, rename=rename, model_only=model_only,
@@ -207,6 +231,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     """
     from shardkit.checkpoint.offline.scaleout import run_convert
 
+    ctx.obj.resumable = to == "shardkit"  # only native output resumes; hf, torch and dcp output start over
     so = storage_options(storage_opts)
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,
@@ -223,7 +248,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 @click.option("--limit", default=0, type=int, help="Show at most this many tensors in the table (0: all).")
-@_storage
+@_storage("src")
 @click.pass_context
 def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opts: tuple[str, ...]) -> int:
     """Show a checkpoint's format, layout, metadata, tensors and totals.
@@ -238,7 +263,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     info = do_inspect(src, storage_options=storage_options(storage_opts))
     if as_json:
         echo_json(info)
-        return 0
+        return _refuse_missing_references(src, info)
     layout = info["layout"] or {}
     click.echo(f"{info['url']}: {info['format']} checkpoint")
     if layout:
@@ -253,7 +278,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
             dims = held["mesh"].get("dim_names") or []
             on = "x".join(str(d) for d in held["mesh"].get("shape", []))
             click.echo(f"  {', '.join(held['placements'])} on mesh {on}" + (f" ({', '.join(dims)})" if dims else "")
-                       + f": {held['tensors']} tensors")
+                       + f": {human_count(held['tensors'], 'tensor')}")
     if info["meta"]:
         click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
     if info["values"]:
@@ -271,11 +296,28 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     if tied:
         click.echo("tied (stored once, under the second name): " + ", ".join(tied))
     tot = info["totals"]
-    click.echo(f"total: {tot['tensors']} tensors, {human_bytes(tot['bytes'])} in {tot['chunks']} chunks "
-               f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])})")
+    click.echo(f"total: {human_count(tot['tensors'], 'tensor')}, {human_bytes(tot['bytes'])} of tensor data "
+               f"(model {human_bytes(tot['model_bytes'])}, optimizer {human_bytes(tot['optim_bytes'])}) in "
+               f"{human_count(tot['chunks'], 'chunk')}"
+               + (f", {human_bytes(tot['stored_bytes'])} stored" if "stored_bytes" in tot else ""))
     for sibling, nbytes in info.get("references", {}).items():
-        click.echo(f"references {human_bytes(nbytes)} of unchanged chunks stored by ../{sibling}")
-    return 0
+        click.echo(f"references {human_bytes(nbytes)} stored by ../{sibling} (its unchanged chunks)")
+    return _refuse_missing_references(src, info)
+
+
+def _refuse_missing_references(src: str, info: dict[str, Any]) -> int:
+    """Exit 1 naming the referenced files that are gone: the description stands (it is the manifest's),
+    but a checkpoint that cannot be loaded is never reported as if it were fine."""
+    missing = info.get("missing_references") or {}
+    if not missing:
+        return 0
+    for sibling, names in missing.items():
+        click.echo(f"missing: {human_count(len(names), 'data file')} of ../{sibling} that this checkpoint "
+                   f"references, e.g. ../{sibling}/{names[0]}", err=True)
+    steps = ", ".join(f"../{s}" for s in missing)
+    click.echo(f"error: {src} cannot be loaded: data it references in {steps} is gone (deleted or moved by hand); "
+               "restore it, or use another checkpoint", err=True)
+    return 1
 
 
 @click.command()
@@ -283,7 +325,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
 @click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
               help="Parallel reads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@_storage
+@_storage("src")
 @click.pass_context
 def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_opts: tuple[str, ...]) -> int:
     """Check every checksum and the coverage of every tensor; exit 1 naming any damage.
@@ -299,18 +341,20 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
     if as_json:
         echo_json(report.to_json())
     elif report.ok and report.scope == "headers":
-        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors; headers and coverage only "
+        click.echo(f"ok: {report.format} checkpoint {src}: {human_count(report.tensors, 'tensor')}; headers and "
+                   f"coverage only "
                    f"(the format records no checksums of the data)")
     elif report.ok:
-        click.echo(f"ok: {report.format} checkpoint {src}: {report.tensors} tensors, "
-                   f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f} s "
+        click.echo(f"ok: {report.format} checkpoint {src}: {human_count(report.tensors, 'tensor')}, "
+                   f"{human_bytes(report.bytes_checked)} stored, checked in {report.seconds:.2f} s "
                    f"({human_bytes(report.rate)}/s)")
     else:
         for problem in report.problems:
             click.echo(f"damaged: {' '.join(problem.split())}", err=True)
     if not report.ok:
         if not as_json:
-            click.echo(f"error: {src} is damaged: {len(report.problems)} problem(s), listed above", err=True)
+            click.echo(f"error: {src} is damaged: {human_count(len(report.problems), 'problem')}, listed above",
+                       err=True)
         return 1
     return 0
 
@@ -327,7 +371,7 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip keys matching GLOB; repeatable.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@_storage
+@_storage("a_b")
 @click.pass_context
 def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memory: str, b_opts: tuple[str, ...],
          only: tuple[str, ...], exclude: tuple[str, ...], show_all: bool, as_json: bool,
@@ -361,9 +405,9 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
             click.echo(f"value {name}: differs")
         n_eq = sum(t.status == "equal" for t in report.tensors)
         verdict = "equal" if report.equal else "DIFFERENT"
-        click.echo(f"{verdict}: {n_eq}/{len(report.tensors)} tensors bitwise equal, "
+        click.echo(f"{verdict}: {n_eq} of {human_count(len(report.tensors), 'tensor')} bitwise equal, "
                    f"max abs diff {max([t.max_abs for t in report.tensors], default=0.0):.3g}, "
-                   f"{len(report.values)} values differ")
+                   f"{human_count(len(report.values), 'value differs', 'values differ')}")
     return 0 if report.equal else 1
 
 

@@ -11,6 +11,7 @@ the subcommand (``shardkit inspect X -q``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import traceback
@@ -24,13 +25,24 @@ EXIT_USAGE = 2         # click's own usage errors
 EXIT_INTERNAL = 3      # an unexpected exception: a bug
 
 
+INTERRUPTED = "error: interrupted"
+RESUMES = ("error: interrupted; rerunning the same command resumes (the data files already written are "
+           "verified and kept)")
+
+
 class Settings:
-    """Global options, handed to every command through click's context object."""
+    """Global options, handed to every command through click's context object.
+
+    ``resumable`` is set by a command whose rerun resumes what it was doing
+    (native output keeps a resume journal at DST), so that an interrupted run
+    (Ctrl-C) tells the user to rerun it -- and no other command claims that.
+    """
 
     def __init__(self, debug: bool = False, quiet: bool = False, verbose: bool = False) -> None:
         self.debug = debug
         self.quiet = quiet
         self.verbose = verbose
+        self.resumable = False
 
 
 GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
@@ -76,8 +88,6 @@ def cli(ctx: click.Context, debug: bool, verbose: bool, quiet: bool) -> None:
     """Inspect, verify, compare, reshard and convert checkpoints, on any storage.
 
     SRC and DST are paths or fsspec URLs (file://, memory://, s3://, gs://, ...).
-    Formats: shardkit (native), dcp (torch.distributed.checkpoint), hf
-    (safetensors file or folder), torch (torch.save file).
 
     \b
     Example:
@@ -85,8 +95,9 @@ def cli(ctx: click.Context, debug: bool, verbose: bool, quiet: bool) -> None:
       shardkit reshard ./ckpt/step-100 s3://bucket/step-100-ws8 --world-size 8
       shardkit verify s3://bucket/step-100 --debug
     """
-    ctx.obj = Settings(debug=debug, quiet=quiet, verbose=verbose)
-    configure_logging(ctx.obj)
+    settings = ctx.ensure_object(Settings)  # main() keeps it, to word an interruption
+    settings.debug, settings.quiet, settings.verbose = debug, quiet, verbose
+    configure_logging(settings)
 
 
 def _register() -> None:
@@ -94,6 +105,9 @@ def _register() -> None:
 
     for command in commands.COMMANDS:
         cli.add_command(command)
+    # the formats come from the format registry, so the help names every one, before the example
+    intro, example, rest = inspect.cleandoc(cli.help or "").partition("\b\nExample:")
+    cli.help = f"{intro.rstrip()}\n\n{commands.formats_help()}\n\n{example}{rest}"
 
 
 _register_done = False
@@ -107,20 +121,18 @@ def main(argv: list[str] | None = None) -> None:
         _register_done = True
     args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
     debug = "--debug" in args
+    settings = Settings()
     try:
         try:
-            code = cli.main(args=args, prog_name="shardkit", standalone_mode=False)
+            code = cli.main(args=args, prog_name="shardkit", standalone_mode=False, obj=settings)
         finally:
             reset_logging()
-    except click.exceptions.Abort:
-        click.echo("error: interrupted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a Ctrl-C in a command into Abort
+        click.echo(RESUMES if settings.resumable else INTERRUPTED, err=True)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("error: interrupted", err=True)
-        sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the one place that turns errors into exit codes
         from shardkit.errors import ShardkitError
 

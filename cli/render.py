@@ -7,9 +7,9 @@ from typing import Any, Iterable, Sequence
 
 import click
 
-from shardkit.checkpoint.offline.progress import human_bytes
+from shardkit.checkpoint.offline.progress import human_bytes, human_count
 
-__all__ = ["table", "echo_json", "storage_options", "human_bytes"]
+__all__ = ["table", "echo_json", "storage_options", "human_bytes", "human_count"]
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str], align: str = "") -> str:

@@ -402,6 +402,27 @@ def test_inspect_names_the_steps_a_checkpoint_references(tmp_path):
     assert out.exit_code == 0, out.stderr
 
 
+def test_inspect_of_a_step_whose_referenced_step_is_gone_names_it_and_exits_1(tmp_path):
+    from tests.offline_cli import run_cli
+
+    three_steps(tmp_path)
+    third, first = step_path(tmp_path, 3), step_path(tmp_path, 1)
+    referenced = sorted({c["file"] for t in manifest_of(third)["tensors"].values() for c in t["chunks"]
+                         if c["file"].startswith("../")})
+    shutil.rmtree(first)
+    assert skc.inspect(str(third))["missing_references"] == {first.name: [f.split("/", 2)[2] for f in referenced]}
+    out = run_cli("inspect", str(third))
+    assert out.exit_code == 1
+    assert "total: " in out.stdout  # the description still stands: it is the manifest's
+    missing, error = out.stderr.strip().splitlines()[-2:]
+    assert missing == (f"missing: {len(referenced)} data files of ../{first.name} that this checkpoint references, "
+                       f"e.g. {referenced[0]}")
+    assert error == (f"error: {third} cannot be loaded: data it references in ../{first.name} is gone (deleted or "
+                     "moved by hand); restore it, or use another checkpoint")
+    assert run_cli("inspect", str(third), "--json").exit_code == 1
+    assert run_cli("inspect", str(step_path(tmp_path, 2))).exit_code == 1  # step 2 reads step 1's base too
+
+
 def test_saving_a_step_again_with_dedup_keeps_using_its_own_files(tmp_path):
     manager = three_steps(tmp_path)
     manager.save(1, at_step(FineTune(), 1), rng=False)  # reuses from step 3, which reads step 1's base

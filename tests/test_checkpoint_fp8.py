@@ -61,7 +61,7 @@ def test_fp8_converts_bit_for_bit_and_the_other_tools_read_it(tmp_path, to, name
     if to == "hf":  # the safetensors library reads the dtypes it knows
         from safetensors.torch import load_file
 
-        theirs = load_file(str(tmp_path / name / "model-00001-of-00001.safetensors"))
+        theirs = load_file(str(tmp_path / name / "model.safetensors"))
         assert same_bits(theirs, state["model"])
     elif to == "torch":
         assert same_bits(torch.load(dst, weights_only=True)["model"], state["model"])
@@ -193,7 +193,7 @@ def test_convert_dtype_dequantizes_blockwise_fp8_like_the_published_formula(tmp_
     src = fp8_hf_folder(tmp_path / "fp8")
     result = run_cli("convert", str(tmp_path / "fp8"), str(tmp_path / "bf16"), "--to", "hf", "--dtype", "bf16")
     assert result.exit_code == 0, result.stderr
-    out = load_file(str(tmp_path / "bf16" / "model-00001-of-00001.safetensors"))
+    out = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert not any(k.endswith("_scale_inv") for k in out)
     for key in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
         assert out[key].dtype == torch.bfloat16

@@ -154,8 +154,55 @@ def test_a_failed_conversion_removes_the_files_it_wrote_and_nothing_else(tmp_pat
         dst = tmp_path / f"dst-{to}"
         dst.mkdir()
         (dst / "README.md").write_text("mine")
-        _one_line_error(run_cli("-q", "convert", str(bad), str(dst), "--to", to))
+        _one_line_error(run_cli("-q", "convert", str(bad), str(dst), "--to", to, "--overwrite"), "checksum")
         assert _files(dst) == {"README.md": b"mine"}, to
+
+
+@pytest.mark.parametrize("command", [["reshard", "--world-size", "2"], ["convert", "--to", "shardkit"],
+                                     ["convert", "--to", "hf"], ["convert", "--to", "dcp"]])
+def test_a_directory_of_unrelated_files_is_refused_as_dst_unless_overwrite(tmp_path, native, command):
+    src, _ = native
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    args = [command[0], str(src), str(dst), *command[1:]]
+    _one_line_error(run_cli("-q", *args), str(dst), "not empty and not a checkpoint", "notes.txt", "--overwrite")
+    assert _files(dst) == {"notes.txt": b"mine"}
+    result = run_cli("-q", *args, "--overwrite")  # writes beside them, and keeps them
+    assert result.exit_code == 0, result.stderr
+    assert (dst / "notes.txt").read_text() == "mine" and run_cli("-q", "verify", str(dst)).exit_code == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("-q", command[0], str(src), str(empty), *command[1:]).exit_code == 0
+
+
+def test_a_failed_hf_export_removes_the_side_files_it_wrote_so_a_rerun_finds_dst_as_it_was(tmp_path, native,
+                                                                                           monkeypatch):
+    from shardkit.checkpoint.formats.hf import INDEX_NAME
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.errors import StorageError
+
+    src, _ = native
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "config.json").write_text('{"tie_word_embeddings": false}')
+    (config / "tokenizer.json").write_text("{}")
+    dst = tmp_path / "dst"
+    args = ["-q", "convert", str(src), str(dst), "--to", "hf", "--config", str(config), "--max-shard-size", "1KB"]
+    put_atomic = Storage.put_atomic
+
+    def full_disk_at_the_index(self, name, data):
+        if name == INDEX_NAME:
+            raise StorageError(f"committing {self.where(name)}: no space left on device")
+        return put_atomic(self, name, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Storage, "put_atomic", full_disk_at_the_index)
+        _one_line_error(run_cli(*args), "no space left")
+    assert _files(dst) == {}
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    assert {"config.json", "tokenizer.json", INDEX_NAME} <= set(_files(dst))
 
 
 def test_damaged_manifest_hf_header_and_torch_file_are_one_line_errors(tmp_path, native):

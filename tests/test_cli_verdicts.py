@@ -68,7 +68,7 @@ def test_verify_prints_each_problem_once(pair, tmp_path):
     assert len(lines) == len(set(lines)) == 2
     for line in lines:  # the summary line counts the problems; it does not repeat one of them
         assert sum(line[len("damaged: "):] in other for other in result.stderr.splitlines()) == 1
-    assert result.stderr.splitlines()[-1].endswith("2 problem(s), listed above")
+    assert result.stderr.splitlines()[-1].endswith("2 problems, listed above")
 
 
 def test_convert_to_shardkit_names_itself_convert_in_progress_and_manifest(pair, tmp_path):

@@ -32,6 +32,19 @@ def test_overwriting_an_hf_export_removes_shards_the_new_index_does_not_name(tmp
     assert diff(str(src), str(out), only=["model.*"]).equal
 
 
+def test_overwriting_between_one_shard_and_several_leaves_only_the_new_export(tmp_path):
+    src = write_torch_state(tmp_path / "src.pt", _weights(), [])
+    out = tmp_path / "hf"
+    convert(str(src), str(out), to="hf", max_shard_size="40KB")
+    assert len(list(out.glob("model-*-of-00003.safetensors"))) == 3
+    convert(str(src), str(out), to="hf", overwrite=True)  # 98 KB under the 5GB default: one shard
+    assert sorted(os.listdir(out)) == ["model.safetensors"] and diff(str(src), str(out)).equal
+    convert(str(src), str(out), to="hf", max_shard_size="40KB", overwrite=True)
+    assert sorted(os.listdir(out)) == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                                       "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    assert diff(str(src), str(out)).equal
+
+
 def test_overwriting_a_native_checkpoint_with_another_format_leaves_none_of_its_files(tmp_path):
     src = write_torch_state(tmp_path / "src.pt", _weights(), [])
     out = tmp_path / "out"

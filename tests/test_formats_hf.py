@@ -1,5 +1,6 @@
-"""Hugging Face folders: greedy shards under the cap, names that leave ``model.`` refused, side
-files allowlisted and capped, index paths kept inside the folder, verify honest about headers."""
+"""Hugging Face folders: greedy shards under the cap (one shard: ``model.safetensors``, no index), names that
+leave ``model.`` refused, side files allowlisted and capped, index paths kept inside the folder, verify honest
+about headers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from shardkit.checkpoint import convert, verify
 from shardkit.checkpoint.formats import hf
@@ -36,6 +37,7 @@ def test_shards_are_greedy_in_key_order_and_none_could_take_the_next_tensor(tmp_
     for key in order:  # key order, so shard contents are runs of consecutive keys
         shards.setdefault(index["weight_map"][key], []).append(key)
     names = sorted(shards)
+    assert names == [f"model-{k:05d}-of-{len(names):05d}.safetensors" for k in range(1, len(names) + 1)]
     assert [k for n in names for k in shards[n]] == order
     for i, name in enumerate(names):
         size = sum(tensors[k].nbytes for k in shards[name])
@@ -48,6 +50,18 @@ def test_shards_are_greedy_in_key_order_and_none_could_take_the_next_tensor(tmp_
         assert torch.equal(read_box(reader, f"model.{key}"), value)
 
 
+def test_one_shard_is_model_safetensors_without_an_index_as_save_pretrained_writes_it(tmp_path):
+    tensors = _tensors()
+    triples = [(f"model.{k}", v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    names = write_hf(Storage(str(tmp_path)), triples, lambda f, o, s: tensors[f[len("model."):]][o[0]:o[0] + s[0]],
+                     block_bytes=1 << 10, max_shard_size=sum(v.nbytes for v in tensors.values()))
+    assert names == ["model.safetensors"] and sorted(p.name for p in tmp_path.iterdir()) == names
+    theirs = load_file(str(tmp_path / "model.safetensors"))
+    assert theirs.keys() == tensors.keys() and all(torch.equal(theirs[k], v) for k, v in tensors.items())
+    reader = HfReader(Storage(str(tmp_path)))
+    assert all(torch.equal(read_box(reader, f"model.{k}"), v) for k, v in tensors.items())
+
+
 def test_rename_out_of_model_prefix_is_refused_naming_the_key(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -55,11 +69,10 @@ def test_rename_out_of_model_prefix_is_refused_naming_the_key(tmp_path):
     dst = tmp_path / "dst"
     with pytest.raises(ConfigurationError, match=r"'backbone\.(norm|layers\.0)\.weight'.*model\."):
         convert(str(src), str(dst), to="hf", rename=[r"^model\.=backbone."])
-    assert not (dst / INDEX_NAME).exists()
+    assert not dst.exists()
     # a rename that keeps the prefix is fine, and only the part after "model." names the HF key
     convert(str(src), str(dst), to="hf", rename=[r"^model\.layers\.=model.blocks."])
-    index = json.loads((dst / INDEX_NAME).read_text())
-    assert sorted(index["weight_map"]) == ["blocks.0.weight", "norm.weight"]
+    assert sorted(HfReader(Storage(str(dst))).tensors()) == ["model.blocks.0.weight", "model.norm.weight"]
 
 
 def test_side_files_are_allowlisted_capped_and_odd_names_skipped_with_a_reason(tmp_path, monkeypatch):
@@ -84,8 +97,8 @@ def test_side_files_are_allowlisted_capped_and_odd_names_skipped_with_a_reason(t
 
     dst = tmp_path / "dst"
     convert(str(src), str(dst), to="hf")
-    assert sorted(p.name for p in dst.iterdir() if not p.name.endswith(".safetensors")) == \
-        ["config.json", INDEX_NAME, "tokenizer.model", "vocab.json"]
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model",
+                                                      "vocab.json"]
     assert (dst / "config.json").read_text() == '{"model_type": "llama"}'
 
 

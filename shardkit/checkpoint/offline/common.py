@@ -37,7 +37,11 @@ _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 *
 class ConvertResult:
     """What a conversion wrote: formats, DST, counts, the files written, and the keys filters left out.
 
-    ``skipped_bytes`` counts data kept from an interrupted earlier run (native output resumes).
+    Two sizes, never to be mixed up: ``bytes`` is the tensor data (what the
+    tensors take in memory, after any dtype cast), ``stored_bytes`` what their
+    chunks take in the files (smaller with zstd; ``verify`` reads and checks
+    exactly these).  ``skipped_bytes`` counts tensor data kept from an
+    interrupted earlier run (native output resumes).
     """
 
     src_format: str
@@ -48,6 +52,7 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     skipped_bytes: int = 0
+    stored_bytes: int = 0
 
 
 def parse_size(value: str | int, option: str = "size") -> int:

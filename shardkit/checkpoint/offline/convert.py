@@ -28,6 +28,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats import format_module, normalize_format, open_reader
+from shardkit.checkpoint.formats.native.siblings import missing_references
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
@@ -44,7 +45,7 @@ from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
 from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
-from shardkit.checkpoint.offline.progress import Progress
+from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
@@ -172,9 +173,11 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
             try:
                 files = _write_single(source, sel, dest, to, budget, shard_cap, progress, export)
             except BaseException:
-                dest.discard_created()
+                dest.discard_created(side_files=list(export.side_files) if export else ())
                 raise
-            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped)
+            # hf, dcp and torch files hold the tensor data as it is: stored bytes are tensor bytes
+            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped,
+                                   stored_bytes=sel.nbytes)
         dest.remove_stale(result.files)
         _log_written("convert", src, result, started)
         return result
@@ -183,8 +186,9 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
 
 
 def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
-    log.info("%s %s -> %s (%s): %d tensors, %d bytes, %d files in %.2f s", tool, src, result.dst,
-             result.dst_format, result.tensors, result.bytes, len(result.files), time.perf_counter() - started)
+    log.info("%s %s -> %s (%s): %s, %d bytes, %s in %.2f s", tool, src, result.dst, result.dst_format,
+             human_count(result.tensors, "tensor"), result.bytes, human_count(len(result.files), "file"),
+             time.perf_counter() - started)
 
 
 def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,
@@ -296,13 +300,19 @@ def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(model_keys) if model_keys is not None else None
 
 
+def _native_chunks(source: Any) -> list[Any]:
+    """The chunk records of a native checkpoint's manifest (none for any other format)."""
+    if getattr(source.info, "format", "") != "shardkit":
+        return []
+    return [rec for t in source.manifest.tensors.values() for rec in t.chunks]
+
+
 def _referenced_bytes(source: Any) -> dict[str, int]:
     """Stored bytes per sibling checkpoint a native checkpoint references (empty for any other)."""
     out: dict[str, int] = {}
-    for t in source.manifest.tensors.values() if getattr(source.info, "format", "") == "shardkit" else ():
-        for rec in t.chunks:
-            if (parts := split_reference(rec.file)) is not None:
-                out[parts[0]] = out.get(parts[0], 0) + rec.nbytes
+    for rec in _native_chunks(source):
+        if (parts := split_reference(rec.file)) is not None:
+            out[parts[0]] = out.get(parts[0], 0) + rec.nbytes
     return dict(sorted(out.items()))
 
 
@@ -312,11 +322,17 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
     stored once under another (an alias) is listed with ``alias_of`` and no
     chunks of its own, and its bytes are not counted again in the totals.
+    Sizes are tensor data (``bytes``: what the tensors take in memory); a native
+    checkpoint's ``totals.stored_bytes`` is what its chunks take in the files
+    (smaller with zstd), the figure ``verify`` reads and checks.
     Where the writer recorded how it held its tensors (native checkpoints
     saved by a job), ``layout["layouts"]`` lists each mesh and placements with
     its number of tensors, and each tensor carries its ``mesh`` and ``placements``.
     A native checkpoint saved with dedup lists under ``references`` the sibling
-    checkpoints whose data files it reads, with the bytes it reads from each.
+    checkpoints whose data files it reads, with the bytes it reads from each;
+    files of theirs that are gone (a step deleted or moved by hand) are listed
+    per sibling under ``missing_references``: such a checkpoint cannot be
+    loaded, and the CLI's ``inspect`` exits 1 saying so.
     """
     source = open_reader(src, storage_options)
     try:
@@ -334,12 +350,16 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
                    for e in info.layouts]
         layout = {k: v for k, v in (("world_size", info.world_size), ("mesh", info.mesh), ("layouts", layouts)) if v}
         shared = _referenced_bytes(source)
+        chunks = _native_chunks(source)
+        gone = missing_references(source.storage, {rec.file for rec in chunks}) if shared else {}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
                            "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
                            "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))},
-                **({"references": shared} if shared else {})}
+                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}
+                          | ({"stored_bytes": sum(rec.nbytes for rec in chunks)} if chunks else {}),
+                **({"references": shared} if shared else {}),
+                **({"missing_references": gone} if gone else {})}
     finally:
         source.close()

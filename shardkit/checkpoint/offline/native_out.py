@@ -58,7 +58,7 @@ from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.common import ConvertResult, copy_side_files
 from shardkit.checkpoint.offline.fetch import Fetcher
-from shardkit.checkpoint.offline.progress import Progress
+from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.select import Selection
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
@@ -293,12 +293,12 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
     if mesh is not None and len(mesh) == 2 and mesh[0] * mesh[1] != world_size:
         raise ConfigurationError(f"mesh {mesh} has {mesh[0] * mesh[1]} ranks, world size is {world_size}")
     units, writer_info = _plan(sel, world_size, mesh, compression, budget, source_id, replacing, tool)
-    log.debug("%s plans %d data files (%d bytes) for %d ranks at %s", tool, len(units),
-              sum(u.nbytes for u in units), world_size, storage.url)
+    log.debug("%s plans %s (%d bytes) for %s at %s", tool, human_count(len(units), "data file"),
+              sum(u.nbytes for u in units), human_count(world_size, "rank"), storage.url)
     mine = assign_units(units, nprocs)[rank] if nprocs > 1 else list(range(len(units)))
     if progress:
-        progress.start((f"{tool} → {world_size} ranks" if tool == "reshard" else f"{tool} → shardkit")
-                       if nprocs == 1 else f"{tool} [{rank}/{nprocs}]",
+        target = human_count(world_size, "rank") if tool == "reshard" else "shardkit"
+        progress.start(f"{tool} → {target}" if nprocs == 1 else f"{tool} [{rank}/{nprocs}]",
                        sum(units[i].nbytes for i in mine))
     try:
         written, skipped = write_units(reader, sel, storage, [units[i] for i in mine], source_id=source_id,
@@ -333,4 +333,4 @@ def write_native(reader: CheckpointReader, sel: Selection, storage: Storage, *, 
         commit_native(reader, sel, storage, written, writer_info, compression)
     return ConvertResult(reader.info.format, "shardkit", storage.url, len(sel.tensors),
                          sum(u.nbytes for u in units), [u.name for u in units] + ["manifest.json"], sel.dropped,
-                         skipped)
+                         skipped, sum(rec.nbytes for f in written for _, rec in f.chunks))

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes", "human_seconds"]
+__all__ = ["Progress", "human_bytes", "human_seconds", "human_count"]
 
 
 def human_bytes(n: float) -> str:
@@ -23,6 +23,12 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"  # pragma: no cover
+
+
+def human_count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun agreeing with it: ``1 rank``, ``0 ranks``, ``2 ranks`` (``plural`` for the
+    nouns that do not just take an ``s``: ``human_count(2, "value differs", "values differ")``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def human_seconds(s: float) -> str:

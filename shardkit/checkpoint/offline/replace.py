@@ -12,8 +12,14 @@ replacement is committed.  So ``--overwrite`` works like ``save(overwrite=True)`
 3. only then are the old checkpoint's files the new one does not use removed.
 
 A run that fails removes the files it created itself (names that were not in
-DST before it started and have the shape of checkpoint files), never anything
-else; native output keeps its complete, journaled files for the rerun to resume.
+DST before it started and have the shape of checkpoint files, or are the side
+files it was to write beside them), never anything else; native output keeps
+its complete, journaled files for the rerun to resume.
+
+A DST directory that holds no checkpoint but other files (a user's notes, a
+different project) is refused unless ``--overwrite``: writing a checkpoint
+among them without a word would mix it into someone else's folder.  What an
+interrupted run of the same kind left is not "other files", so reruns work.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from shardkit.checkpoint.formats import COMMIT_MARKERS
 from shardkit.checkpoint.formats.native.ownership import survey
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.checkpoint.offline.progress import human_count
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
 __all__ = ["Destination", "prepare_dst"]
@@ -75,18 +82,21 @@ class Destination:
                 self.storage.delete_tree("data")  # an empty local directory left by the old native layout
         except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless (and unknown
             # references -- a damaged sibling manifest -- keep everything)
-            log.warning("could not remove %d files of the replaced checkpoint at %s: %s",
-                        len(stale), self.storage.url, exc)
-        log.info("removed %d files of the replaced checkpoint at %s", len(stale), self.storage.url)
+            log.warning("could not remove %s of the replaced checkpoint at %s: %s",
+                        human_count(len(stale), "file"), self.storage.url, exc)
+        log.info("removed %s of the replaced checkpoint at %s", human_count(len(stale), "file"), self.storage.url)
 
-    def discard_created(self) -> None:
-        """After a failure of a non-resumable writer: delete the checkpoint files this run created."""
+    def discard_created(self, side_files: Collection[str] = ()) -> None:
+        """After a failure of a non-resumable writer: delete the checkpoint files this run created, and the
+        ``side_files`` it was to write beside them (config, tokenizer) that DST did not hold before -- so that
+        a rerun finds DST as it was, not holding files it would take for someone else's."""
         try:
             created = sorted(n for n in _names(self.storage) - self.before
-                             if any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in _CREATED_PATTERNS))
+                             if n in side_files
+                             or any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in _CREATED_PATTERNS))
             if created:
                 self.storage.delete(created)
-                log.info("removed %d files the failed run wrote at %s", len(created), self.storage.url)
+                log.info("removed %s the failed run wrote at %s", human_count(len(created), "file"), self.storage.url)
         except ShardkitError as exc:
             log.warning("could not remove what the failed run wrote at %s: %s", self.storage.url, exc)
 
@@ -121,10 +131,22 @@ def _old_checkpoint(storage: Storage) -> tuple[set[str], str]:
     return set(), ""
 
 
+def _foreign(storage: Storage, fmt: str) -> list[str]:
+    """What in directory ``storage`` no ``fmt`` writer of shardkit wrote: for native output what
+    :func:`~shardkit.checkpoint.formats.native.ownership.survey` calls foreign (an interrupted run's data
+    files and resume journal are not), for the others every name without the shape of a checkpoint file."""
+    if fmt == "shardkit":
+        return survey(storage).foreign
+    return [n for n in storage.listdir() if not any(fnmatch.fnmatchcase(n, p) for p in _CREATED_PATTERNS)]
+
+
 def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Destination:
     """Check DST for ``fmt`` output and describe what is there; nothing is deleted here.
 
-    A DST holding a checkpoint is refused unless ``overwrite``.  A torch file
+    A DST holding a checkpoint is refused unless ``overwrite``, and so is a
+    directory holding anything else that is not what an interrupted run of
+    the same kind left there (a user's files would silently get a checkpoint
+    written among them).  With ``overwrite`` such files are kept.  A torch file
     DST needs no plan: its writer renames the finished file over the old one.
     """
     storage = Storage(dst, storage_options)
@@ -147,6 +169,11 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
         if marker is not None and not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.where(marker)}); pass --overwrite "
                                    f"to replace it")
+        if marker is None and not overwrite and (foreign := _foreign(storage, fmt)):
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigurationError(f"{dst}: not empty and not a checkpoint (it holds {shown}); write to a new or "
+                                     "empty directory, or pass --overwrite to write the checkpoint beside those "
+                                     "files (they are kept)")
         dest = Destination(storage, fmt, old if marker else set(), replacing, _names(storage))
     if fmt != "torch":
         storage.makedirs()

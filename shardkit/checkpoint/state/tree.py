@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -116,9 +117,24 @@ def to_json_value(value: Any, key: str) -> Any:
                 raise ConfigurationError(f"{key!r}: dict key {k!r} is not a string; JSON values need string keys")
             out[k] = to_json_value(v, f"{key}.{k}")
         return out
-    raise ConfigurationError(f"{key!r} holds a {type(value).__name__}, which a checkpoint cannot store without "
-                             f"pickle; store it as a tensor or as JSON types (None, bool, int, float, str, "
-                             f"list, dict)")
+    kind = type(value).__name__
+    raise ConfigurationError(f"{key!r} holds {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, which a "
+                             f"checkpoint cannot store without pickle; {_where_it_can_go(key)}")
+
+
+# the metadata a save carries beside the state dict (CheckpointManager.save's ``extra=``, save's ``meta=``):
+# JSON only, so a tensor there has to move, not just change type
+_METADATA_ROOTS = ("extra", "meta")
+
+
+def _where_it_can_go(key: str) -> str:
+    """What to do with a value :func:`to_json_value` cannot encode, said for where it was found."""
+    root = re.split(r"[.\[]", key, maxsplit=1)[0]
+    if root in _METADATA_ROOTS:
+        return (f"{root} holds JSON types only (None, bool, int, float, str, list, dict): put tensors in the "
+                "state dict you save, or pass the object that owns them as CheckpointManager.save(..., "
+                "stateful={'name': Stateful(obj)}), whose state_dict() may hold tensors")
+    return "store it as a tensor in the state dict, or as JSON types (None, bool, int, float, str, list, dict)"
 
 
 def from_json_value(value: Any) -> Any:

@@ -11,6 +11,7 @@ reference is deleted; another tool's ``manifest.json`` references nothing.
 from __future__ import annotations
 
 import json
+from typing import Iterable
 
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME, parse_manifest
 from shardkit.checkpoint.formats.native.reader import read_manifest
@@ -18,7 +19,7 @@ from shardkit.checkpoint.io.names import is_sibling_name, split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ShardkitError
 
-__all__ = ["references_of", "referenced_by_siblings", "UnknownReferences"]
+__all__ = ["references_of", "referenced_by_siblings", "missing_references", "UnknownReferences"]
 
 
 class UnknownReferences(ShardkitError):
@@ -66,3 +67,26 @@ def referenced_by_siblings(storage: Storage) -> set[str]:
                 from exc
         found |= {parts[1] for f in files if (parts := split_reference(f)) is not None and parts[0] == own}
     return found
+
+
+def missing_references(storage: Storage, files: Iterable[str]) -> dict[str, list[str]]:
+    """Per sibling directory, the files among ``files`` (a manifest's file names) that reference it and are
+    not there: a referenced step deleted or moved by hand, so the checkpoint at ``storage`` cannot be loaded.
+
+    One listing per referenced folder (not one request per file), so describing a checkpoint stays cheap
+    on object stores.  Sizes and checksums are ``verify``'s to check.
+    """
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for name in files:
+        if (parts := split_reference(name)) is not None:
+            folder, _, base = parts[1].rpartition("/")
+            wanted.setdefault((parts[0], folder), set()).add(base)
+    parent_url = storage.url.rstrip("/").rpartition("/")[0]
+    parent = Storage(parent_url, storage.storage_options) if parent_url and not parent_url.endswith(":/") else None
+    missing: dict[str, list[str]] = {}
+    for (sibling, folder), bases in sorted(wanted.items()):
+        there = set(parent.child(sibling).listdir(folder)) if parent is not None else set()
+        gone = [f"{folder}/{b}" if folder else b for b in sorted(bases - there)]
+        if gone:
+            missing.setdefault(sibling, []).extend(gone)
+    return missing
