@@ -272,7 +272,7 @@ def test_diff_of_an_hf_export_whose_tied_weight_differs_is_different_both_ways(t
     from safetensors.torch import load_file, save_file
 
     ckpt, out = _exported(trained, "llama-tied", tmp_path / "hf")
-    shard = out / json.loads((out / INDEX).read_text())["weight_map"]["model.embed_tokens.weight"]
+    shard = out / "model.safetensors"  # an export this small is one shard
     tensors = load_file(str(shard))
     tensors["model.embed_tokens.weight"][3, 5] += 1
     save_file(tensors, str(shard), metadata={"format": "pt"})
