@@ -26,40 +26,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
-from torch.utils.data import Dataset
 
 import shardkit
 import shardkit.checkpoint as skc
 from shardkit import fully_shard
 from tests.models import TP_ARGS, Block, Transformer, lm_loss, make_batch
+from tests.test_data_resume import ShardReader
+from tests.test_data_sampler import IndexDataset
 
 __all__ = ["given"]
-
-
-class Samples(Dataset):
-    """A dataset of sample indices (what an ``ElasticSampler`` orders)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-class Reader:
-    """A per-rank input object: how many samples this rank has read."""
-
-    def __init__(self) -> None:
-        self.samples = 0
-
-    def state_dict(self) -> dict:
-        return {"samples": self.samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples = state["samples"]
 
 
 def given(workdir: Path, terms: str = "") -> dict[str, Any]:
@@ -91,8 +66,8 @@ def given(workdir: Path, terms: str = "") -> dict[str, Any]:
         model=model, optimizer=optimizer, optim=optimizer, loss_fn=lm_loss, train_step=train_step,
         data=data, micro_batches=[SimpleNamespace(x=x, y=y) for x, y in data],
         full_state_dict=Transformer(args).state_dict(), sd=skc.get_state_dict(model, optimizer),
-        dataset=Samples(512), scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=10),
-        my_reader=Reader(), root=str(workdir / "run"), url=str(workdir / "ckpt"),
+        dataset=IndexDataset(512), scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=10),
+        my_reader=ShardReader(), root=str(workdir / "run"), url=str(workdir / "ckpt"),
         s3_options={"anon": False},  # the user's own; credentials and endpoint come from the environment
         step=0, steps=3, epochs=1, save_every=1, dp=2, tp=2, checkpoint_dir=str(workdir / "checkpoints"),
     )

@@ -54,7 +54,7 @@ from shardkit.checkpoint.geometry.rows import (
     row_range,
     rows_per_block,
 )
-from shardkit.checkpoint.io.files import replace
+from shardkit.checkpoint.io.files import write_then_replace
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import (
@@ -293,18 +293,8 @@ def _write_single_file(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple
     """``model.safetensors``, its own commit marker: streamed to a temporary name beside it, then moved
     into place -- a rename on local disks, a server-side copy on object stores, which replaces an old
     ``model.safetensors`` only once complete."""
-    temporary = f".{SINGLE_NAME}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        dst.write_stream(temporary, _shard_producer(tensors, items, list(range(len(items))), fetch, block_bytes,
-                                                    on_bytes), fsync=dst.is_local)
-        before_index()
-        replace(dst, temporary, SINGLE_NAME)
-    except BaseException:
-        try:
-            dst.delete([temporary])
-        except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
-            pass
-        raise
+    write_then_replace(dst, SINGLE_NAME, _shard_producer(tensors, items, list(range(len(items))), fetch,
+                                                         block_bytes, on_bytes), before_index)
 
 
 def _shard_producer(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],

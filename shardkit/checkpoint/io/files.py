@@ -5,11 +5,12 @@ another, and fetching a remote file to local disk (to map it)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+import uuid
+from typing import Any, Callable, Mapping
 
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["listing", "replace", "download"]
+__all__ = ["listing", "replace", "write_then_replace", "download"]
 
 
 def _stamp(info: Mapping[str, Any]) -> str:
@@ -59,6 +60,24 @@ def replace(storage: Storage, src: str, dst: str) -> None:
         return
     storage.retry(f"moving {storage.where(src)} to {storage.where(dst)}",
                   lambda: storage.fs.mv(storage.path(src), storage.path(dst)))
+
+
+def write_then_replace(storage: Storage, name: str, produce: Callable[[Any], Any],
+                       before_replace: Callable[[], None] = lambda: None) -> None:
+    """Write file ``name`` as its own commit marker: stream ``produce`` to a temporary name beside it,
+    run ``before_replace``, then :func:`replace` it into place.  A file already at ``name`` (what
+    ``--overwrite`` replaces) stays whole until then; on any failure the temporary file is removed."""
+    temporary = f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        storage.write_stream(temporary, produce, fsync=storage.is_local)
+        before_replace()
+        replace(storage, temporary, name)
+    except BaseException:
+        try:
+            storage.delete([temporary])
+        except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
+            pass
+        raise
 
 
 def download(storage: Storage, name: str, path: str) -> None:

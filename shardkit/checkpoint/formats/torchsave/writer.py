@@ -6,9 +6,7 @@ storage record streamed a block of rows at a time into the zip archive, aligned 
 from __future__ import annotations
 
 import math
-import os
 import struct
-import uuid
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -31,7 +29,7 @@ from shardkit.checkpoint.geometry.rows import (
     iter_row_blocks,
     rows_per_block,
 )
-from shardkit.checkpoint.io.files import replace
+from shardkit.checkpoint.io.files import write_then_replace
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.errors import (
@@ -165,21 +163,9 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
     check_tensors(tensors)
     refs = {fqn: TensorRef(str(i), fqn, dtype, tuple(shape)) for i, (fqn, dtype, shape) in enumerate(tensors)}
     root = _nest({**{k: from_json_value(v) for k, v in values.items()}, **refs})
-    # The file is its own commit marker: write a temporary name beside it, then move it into place --
-    # a rename on local disks; a server-side copy on object stores, which replaces the old object only
-    # once complete.  A file already at ``name`` (what --overwrite replaces) stays whole until then.
-    target = f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        dst.write_stream(target, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
-                                                            block_bytes=block_bytes, on_bytes=on_bytes),
-                         fsync=dst.is_local)
-        replace(dst, target, name)
-    except BaseException:
-        try:
-            dst.delete([target])
-        except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
-            pass
-        raise
+    # The file is its own commit marker (a file already at ``name`` stays whole until the new one is complete).
+    write_then_replace(dst, name, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
+                                                             block_bytes=block_bytes, on_bytes=on_bytes))
 
 
 class _Counted:
