@@ -50,6 +50,7 @@ def _save_forever(root: str, options: dict | None, start: int, report: str, writ
     model = _Blob()
     manager = skc.CheckpointManager(root, keep_last=2, storage_options=options, chunk_bytes=256 << 10,
                                     **({"async_save": True, "writer": writer} if writer else {}))
+    manager.load_latest(_Blob())  # a restarted job resumes first: the steps below are its run's to retain
     step = start
     while True:
         _fill(model, step)
@@ -143,8 +144,10 @@ def _kill_loop(root: str, options: dict | None, report: str, seed: int, delays: 
         assert extra == {"step": step}
         assert _is_step(model, step), f"step {step} did not load intact"
         loaded_steps.append(step)
-    # a kill between a commit and its retention may leave extra old steps; the next save sweeps them
-    skc.CheckpointManager(root, keep_last=2, storage_options=options).save(loaded_steps[-1] + 1, _Blob())
+    # a kill between a commit and its retention may leave extra old steps; the next resumed run's save sweeps them
+    last = skc.CheckpointManager(root, keep_last=2, storage_options=options)
+    last.load_latest(_Blob())
+    last.save(loaded_steps[-1] + 1, _Blob())
     assert checker.steps() == [loaded_steps[-1], loaded_steps[-1] + 1]
     return loaded_steps
 

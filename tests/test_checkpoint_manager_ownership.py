@@ -134,3 +134,92 @@ def test_every_rank_refuses_together(tmp_path):
     assert run_on_ranks(2, _refused_on_every_rank, str(tmp_path)) == ["CheckpointExists"] * 2
     assert json.dumps(manifest_of(step_path(tmp_path, 1)), sort_keys=True) == before
     assert torch.equal(loaded(str(step_path(tmp_path, 1))).head.weight, at_step(FineTune(), 1).head.weight)
+
+
+def test_retention_never_deletes_an_earlier_runs_steps_this_manager_did_not_resume(tmp_path, caplog):
+    earlier_run(tmp_path, steps=(10, 20, 30))
+    stranger = skc.CheckpointManager(str(tmp_path), keep_last=1)
+    with caplog.at_level(logging.WARNING):
+        stranger.save(40, at_step(FineTune(), 40), rng=False)
+        stranger.save(50, at_step(FineTune(), 50), rng=False)
+    assert stranger.steps() == [10, 20, 30, 50]  # its own 40 went; the earlier run's stay
+    assert "retention leaves steps 10, 20, 30" in caplog.text
+    resumed = skc.CheckpointManager(str(tmp_path), keep_last=1)
+    assert resumed.load_latest(FineTune(), rng=False)[0] == 50
+    resumed.save(60, at_step(FineTune(), 60), rng=False)  # the history below a resumed step is its run's
+    assert resumed.steps() == [60]
+
+
+def test_a_kill_after_an_overwrite_commit_never_resumes_the_steps_it_superseded(tmp_path, monkeypatch):
+    earlier_run(tmp_path, steps=(1, 2, 3))
+    manager = skc.CheckpointManager(str(tmp_path), overwrite=True)
+    monkeypatch.setattr(manager, "_retain", lambda committed: None)  # killed right after the commit
+    manager.save(1, at_step(FineTune(), 11), rng=False)
+    assert manager.steps() == [1, 2, 3]
+    model = FineTune()
+    assert skc.CheckpointManager(str(tmp_path)).load_latest(model, rng=False)[0] == 1
+    assert same(model, at_step(FineTune(), 11))
+    later = skc.CheckpointManager(str(tmp_path), keep_last=5)
+    later.load_latest(FineTune(), rng=False)
+    later.save(2, at_step(FineTune(), 12), rng=False)  # not in its way: step 2 is superseded; retention removes 3
+    assert later.steps() == [1, 2] and not (tmp_path / "superseded.json").exists()
+
+
+def test_an_overwrite_save_killed_before_its_commit_leaves_the_earlier_run_resumable(tmp_path, monkeypatch):
+    earlier_run(tmp_path, steps=(1, 2, 3))
+    manager = skc.CheckpointManager(str(tmp_path), overwrite=True)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("shardkit.checkpoint.training.manager.save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1, at_step(FineTune(), 11), rng=False)
+    model = FineTune()
+    assert skc.CheckpointManager(str(tmp_path)).load_latest(model, rng=False)[0] == 3
+    assert same(model, at_step(FineTune(), 3))
+
+
+def test_a_step_another_job_commits_between_the_check_and_the_commit_is_refused_not_replaced(tmp_path,
+                                                                                             monkeypatch):
+    import shardkit.checkpoint.training.manager as manager_module
+
+    manager = skc.CheckpointManager(str(tmp_path))
+    real = manager_module.data_state_dict
+
+    def other_job_commits_first(*args, **kwargs):
+        skc.save({"model": at_step(FineTune(), 99).state_dict()}, manager.url_of(3))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(manager_module, "data_state_dict", other_job_commits_first)
+    with pytest.raises(CheckpointExists):
+        manager.save(3, at_step(FineTune(), 3), rng=False)
+    assert same(loaded(manager.url_of(3)), at_step(FineTune(), 99))
+
+
+def test_the_refusal_says_what_saving_would_do_to_the_steps_in_the_way(tmp_path):
+    earlier_run(tmp_path, steps=(20, 30))
+    with pytest.raises(CheckpointExists) as refused:
+        skc.CheckpointManager(str(tmp_path)).save(10, at_step(FineTune(), 10), rng=False)
+    message = str(refused.value)
+    assert "step(s) 20, 30 there" in message and "leave them above this run's step" in message
+    assert "replace step 10" not in message
+
+
+def _rank_zero_cannot_list(root: str) -> str:
+    import torch.distributed as dist
+
+    from shardkit.errors import StorageError
+
+    manager = skc.CheckpointManager(root)
+    if dist.get_rank() == 0:
+        def unreachable():
+            raise StorageError(f"listing {root} failed after 4 attempts")
+        manager._all_step_dirs = unreachable
+    try:
+        manager.save(1, at_step(FineTune(), 1), rng=False)
+    except StorageError as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_a_failure_on_rank_zero_while_planning_a_save_fails_every_rank_at_once(tmp_path):
+    assert run_on_ranks(2, _rank_zero_cannot_list, str(tmp_path), timeout=60) == ["StorageError"] * 2

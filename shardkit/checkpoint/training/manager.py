@@ -23,10 +23,13 @@ listings sort).  The rules that make it crash-safe:
 * A manager never replaces a committed step it did not write itself in this
   process, nor saves below one (a resume would choose the older run's step
   over this run's): ``save`` refuses with
-  :class:`~shardkit.errors.CheckpointExists` naming those steps, unless it is
-  the step this manager resumed from, or ``overwrite=True`` says to replace
-  them (each is replaced by this run's save of that number, and those above a
-  step this run commits are removed once it has committed).  ``dedup``
+  :class:`~shardkit.errors.CheckpointExists` naming those steps, on every
+  rank, unless it is the step this manager resumed from, or ``overwrite=True``
+  says this run takes their place (:mod:`.run_steps`: a step of the same
+  number is replaced by this run's commit; those above are recorded as
+  superseded before the save, never resumed from once it has committed, and
+  removed after).  ``keep_last`` counts only this run's steps: those it
+  wrote, the one it resumed from and the history below it.  ``dedup``
   references only a step this manager committed or resumed from, never merely
   the highest number on disk.
 * ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
@@ -42,10 +45,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -53,12 +55,9 @@ import torch.nn as nn
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import (
     DirectorySurvey,
-    remove_owned,
     survey,
 )
-from shardkit.checkpoint.formats.native.siblings import UnknownReferences, references_of
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.names import is_sibling_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
 from shardkit.checkpoint.state.tree import to_json_value
@@ -66,6 +65,17 @@ from shardkit.checkpoint.training.async_save import async_save as _async_save
 from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.checkpoint.training.load import load
+from shardkit.checkpoint.training.retention import retain
+from shardkit.checkpoint.training.run_steps import (
+    RunSteps,
+    Supersession,
+    committed_at,
+    in_force,
+    read_superseded,
+    step_dir,
+    step_dirs,
+    write_superseded,
+)
 from shardkit.checkpoint.training.save import save
 from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict
 from shardkit.errors import (
@@ -74,18 +84,13 @@ from shardkit.errors import (
     ConfigurationError,
     CorruptCheckpoint,
     ShardkitError,
+    error_record,
+    from_record,
 )
 
 __all__ = ["CheckpointManager", "step_dir"]
 
 log = logging.getLogger("shardkit.checkpoint.training.manager")
-
-_STEP_RE = re.compile(r"^step-(\d{1,19})$")
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:010d}"
-
 
 class CheckpointManager:
     """Save numbered steps under ``root_url``, resume from the newest committed one.
@@ -121,10 +126,8 @@ class CheckpointManager:
         self.compression = compression
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
-        self.overwrite = bool(overwrite)
         self.save_options = save_options
-        self._written: set[int] = set()   # steps this manager committed, in this process
-        self._resumed: int | None = None  # the step this manager loaded last
+        self._run = RunSteps(overwrite=bool(overwrite))  # which steps under the root are this run's
         self._pending: Future | None = None
         self._pending_step: int | None = None
         self._warned: set[str] = set()
@@ -134,12 +137,7 @@ class CheckpointManager:
         return self.root.child(step_dir(step)).url
 
     def _all_step_dirs(self) -> dict[int, str]:
-        found: dict[int, str] = {}
-        for name in self.root.listdir():
-            m = _STEP_RE.match(name)
-            if m:
-                found[int(m.group(1))] = name
-        return found
+        return step_dirs(self.root)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (read fresh from storage on each call)."""
@@ -168,14 +166,17 @@ class CheckpointManager:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         meta = {"step": step, "extra": to_json_value(extra, "extra")}
         self.wait()
-        dist = Dist(self.process_group)
-        plan = dist.broadcast_json(self._save_plan(step) if dist.rank == 0 else None)  # one decision for all ranks
-        if plan["in_the_way"] and not self.overwrite:
-            raise CheckpointExists(self._refusal(step, plan["in_the_way"]))
+        plan = self._on_rank0(lambda: self._save_plan(step))  # one decision for all ranks
+        if plan["in_the_way"] and not self._run.overwrite:
+            raise CheckpointExists(self._run.refusal(step, plan["in_the_way"], self.root_url))
+        if plan["supersedes"]:
+            meta["run"] = self._run.run  # what makes the record of the steps it supersedes take effect
         state = {**get_state_dict(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
         url = self.url_of(step)
+        # a step committed there meanwhile by someone else is refused at commit, not replaced
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
-                    **self.save_options, overwrite=True)
+                    **self.save_options,
+                    overwrite=self._run.may_replace(step, plan["in_the_way"]) or step in plan["superseded"])
         if self.dedup:
             base = plan["base"]
             opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
@@ -189,7 +190,7 @@ class CheckpointManager:
         started = time.perf_counter()
         save(state, url, process_group=self.process_group, **opts)
         log.info("step %d committed at %s in %.2f s", step, url, time.perf_counter() - started)
-        self._written.add(step)
+        self._run.written.add(step)
         self._retain(step)
         return None
 
@@ -203,38 +204,49 @@ class CheckpointManager:
                 self._pending_step = None
 
     def _save_plan(self, step: int) -> dict[str, Any]:
-        """Rank 0's view before saving ``step``: the committed steps in its way and the dedup base.
+        """Rank 0's view before saving ``step``: the committed steps in its way and the dedup base; with
+        ``overwrite=True``, the steps above it recorded as superseded by it before anything is written.
 
-        In the way: committed steps at or above ``step`` that this manager did not write (replacing one
-        loses it; leaving one above makes a resume choose it over this run's step), except the step this
-        manager resumed from, which saving the same number replaces knowingly.  Only directories at or
-        above ``step`` are probed for a manifest, so a long history costs one listing.
+        Only directories at or above ``step`` (and this run's own) are probed for a manifest, so a long
+        history costs one listing.
         """
         dirs = self._all_step_dirs()
-        in_the_way = [s for s in sorted(dirs) if s >= step and s not in self._written
-                      and not (s == step == self._resumed) and self.root.child(dirs[s]).exists(MANIFEST_NAME)]
-        base = None
-        if self.dedup:
-            known = sorted((self._written | {self._resumed}) - {None}, reverse=True)
-            base = next((s for s in known if s < step and s in dirs
-                         and self.root.child(dirs[s]).exists(MANIFEST_NAME)), None)
-        return {"in_the_way": in_the_way, "base": base}
+        known = (self._run.written | {self._run.resumed}) - {None}
+        committed = {s for s in dirs if (s >= step or s in known) and committed_at(self.root, dirs, s)}
+        recorded = read_superseded(self.root)
+        gone = in_force(self.root, dirs, recorded)  # superseded by a committed step: not in anyone's way
+        live = {old: rec for old, rec in recorded.items() if old in gone}  # the rest: saves that never committed
+        in_the_way = self._run.in_the_way(step, committed - gone)
+        supersedes = [old for old in in_the_way if old > step] if self._run.overwrite else []
+        live.update({old: Supersession(step, self._run.run) for old in supersedes})
+        if live != recorded:
+            write_superseded(self.root, live)
+        return {"in_the_way": in_the_way, "superseded": sorted(gone), "supersedes": bool(supersedes),
+                "base": self._run.dedup_base(step, committed) if self.dedup else None}
 
-    def _refusal(self, step: int, in_the_way: list[int]) -> str:
-        shown = ", ".join(map(str, in_the_way[:8])) + (", ..." if len(in_the_way) > 8 else "")
-        which = "it" if in_the_way == [step] else f"step {step} and leave newer ones a resume would choose"
-        return (f"not saving step {step} under {self.root_url}: committed step(s) {shown} there were not written by "
-                f"this manager (an earlier run's, or ones load_latest could not use), and saving would replace "
-                f"{which}. To continue that run, resume from it first (load_latest(..., required=True) raises "
-                f"instead of starting over, and says why a step cannot be loaded); to start a new run, choose "
-                f"another root; to replace those steps on purpose, pass CheckpointManager(..., overwrite=True)")
+    def _on_rank0(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` run on rank 0 and its answer on every rank; rank 0's failure raised on every rank
+        (the others would otherwise wait in the broadcast until the process group times out)."""
+        dist = Dist(self.process_group)
+        answer, failure = None, None
+        if dist.rank == 0:
+            try:
+                answer = {"value": decide()}
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then re-raised as it was
+                failure, answer = exc, {"error": error_record(exc)}
+        answer = dist.broadcast_json(answer)
+        if failure is not None:
+            raise failure
+        if "error" in answer:
+            raise from_record(answer["error"], f"rank 0 failed under {self.root_url}: {answer['error']['message']}")
+        return answer["value"]
 
     def _after_commit(self, step: int, upload: Future, done: Future) -> None:
         """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""
         error = upload.exception()
         if error is None:
             log.info("step %d committed at %s (background save)", step, self.url_of(step))
-            self._written.add(step)
+            self._run.written.add(step)
             try:
                 self._retain(step)
             except ShardkitError as exc:  # retention is housekeeping; never fail a good save over it
@@ -244,68 +256,10 @@ class CheckpointManager:
             done.set_exception(error)
 
     def _retain(self, committed: int) -> None:
-        """After ``committed`` landed: drop steps beyond ``keep_last`` and older interrupted shardkit saves.
-
-        Only what :func:`~shardkit.checkpoint.formats.native.ownership.survey` proves shardkit
-        wrote is deleted; foreign step directories are named in a warning.
-        """
-        if Dist().rank != 0:
-            return
-        dirs = self._all_step_dirs()
-        on_disk = [s for s, name in sorted(dirs.items()) if self.root.child(name).exists(MANIFEST_NAME)]
-        # with overwrite=True, an earlier run's steps above the one just committed are superseded by it
-        superseded = {s for s in on_disk if s > committed and s not in self._written} if self.overwrite else set()
-        committed_steps = [s for s in on_disk if s not in superseded]
-        newest = max(committed_steps, default=committed)
-        doomed = {s for s in committed_steps[:-self.keep_last] if s != newest} if self.keep_last is not None \
-            else set()
-        doomed |= superseded
-        surveys: dict[int, DirectorySurvey] = {}
-        for s in sorted(dirs):
-            if s in on_disk or s >= newest or s == self._pending_step:
-                continue
-            found = surveys[s] = survey(self.root.child(dirs[s]))
-            if found.interrupted_save:
-                doomed.add(s)
-            elif found.foreign:
-                self._warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
-                                f"wrote; move or delete it yourself")
-        pinned = self._pinned({s: dirs[s] for s in on_disk}, doomed)
-        if pinned is None:
-            return
-        for s in sorted(doomed):
-            if dirs[s] in pinned:
-                log.info("retention keeps %s: a step it keeps reads data files from it", dirs[s])
-                continue
-            step_store = self.root.child(dirs[s])
-            found = surveys[s] if s in surveys else survey(step_store)
-            remove_owned(step_store, found)
-            log.info("%s step %d at %s", "removed superseded" if s in superseded else "retention removed", s,
-                     step_store.url)
-            if found.foreign:
-                self._warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
-
-    def _pinned(self, committed: Mapping[int, str], doomed: set[int]) -> set[str] | None:
-        """The directories under the root whose data a staying checkpoint reads -- a kept step, one kept
-        for it, or any other checkpoint beside the steps (``save(..., reuse_from=<a step>)`` to
-        ``<root>/best``); a directory whose manifest is gone counts too (its data files are what is
-        read) -- or ``None`` when a staying manifest cannot be read, so nothing may go this time."""
-        by_dir = {name: s for s, name in committed.items()}
-        others = [name for name in self.root.listdir()
-                  if not _STEP_RE.match(name) and is_sibling_name(name) and self.root.is_dir(name)]
-        pinned: set[str] = set()
-        todo = [name for s, name in committed.items() if s not in doomed] + others
-        while todo:
-            try:
-                refs = references_of(self.root.child(todo.pop()))
-            except UnknownReferences as exc:
-                self._warn_once(f"retention deletes no step this time: {exc}")
-                return None
-            for name in set(refs) - pinned:
-                pinned.add(name)
-                if name in by_dir:
-                    todo.append(name)
-        return pinned
+        """After ``committed`` landed: retention on rank 0 (:func:`~.retention.retain`)."""
+        if Dist().rank == 0:
+            retain(self.root, committed, run=self._run, keep_last=self.keep_last, pending=self._pending_step,
+                   warn_once=self._warn_once)
 
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -317,7 +271,7 @@ class CheckpointManager:
         """
         self.wait()
         meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
-        self._resumed = step
+        self._run.resumed = step
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -339,11 +293,9 @@ class CheckpointManager:
         :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
         """
         self.wait()
-        dist = Dist(self.process_group)
-        candidates = dist.broadcast_json(self.steps() if dist.rank == 0 else None)
+        candidates = self._on_rank0(self._resumable_steps)
         if not candidates:
-            why = dist.broadcast_json(self._why_nothing() if dist.rank == 0 else None)
-            return self._nothing(why, required)
+            return self._nothing(self._on_rank0(self._why_nothing), required)
         for step in reversed(candidates):
             try:
                 meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
@@ -351,10 +303,20 @@ class CheckpointManager:
                 log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
                 continue
             log.info("resumed from step %d at %s", step, self.url_of(step))
-            self._resumed = step
+            self._run.resumed = step
             return step, meta.get("extra")
         return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged, and this "
                              f"manager will not save over them without overwrite=True", required)
+
+    def _resumable_steps(self) -> list[int]:
+        """Committed steps, ascending, without those an ``overwrite=True`` run superseded (its step committed;
+        their removal may not have happened yet)."""
+        committed = self.steps()
+        superseded = in_force(self.root, self._all_step_dirs(), read_superseded(self.root))
+        if superseded & set(committed):
+            log.info("not resuming from steps %s under %s: superseded by a later run's steps (overwrite=True)",
+                     ", ".join(map(str, sorted(superseded & set(committed)))), self.root_url)
+        return [s for s in committed if s not in superseded]
 
     def _load_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
                    data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool) -> Any:
