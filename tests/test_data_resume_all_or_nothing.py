@@ -3,6 +3,7 @@ written, on every rank; a resume that leaves saved input state alone says so."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -111,3 +112,16 @@ def test_a_resume_without_the_sampler_says_at_info_that_the_step_holds_a_positio
     assert len(said) == 1
     assert "ElasticSampler position (epoch 0, 1 global batches into it; pass data=" in said[0]
     assert "'counter' (pass stateful=" in said[0]
+
+
+def test_a_malformed_rng_state_fails_the_resume_before_any_weight_is_written(tmp_path):
+    manager = saved_step(str(tmp_path))
+    manifest = tmp_path / "step-0000000001" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["values"] = {k: v for k, v in doc["values"].items() if not k.startswith("rng.rank0.python")}
+    manifest.write_text(json.dumps(doc))
+    model, optimizer = trained(1)
+    before = tensors_of(model, optimizer)
+    with pytest.raises(DataStateError, match="lacks 'python'"):
+        manager.load_latest(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(tensors_of(model, optimizer), before))

@@ -38,7 +38,7 @@ import torch
 
 from shardkit.data.encode import decode_state, encode_state, encode_tree
 from shardkit.data.gather import all_gather_trees, dist_rank_world
-from shardkit.data.rng import capture_rng_state, restore_rng_state
+from shardkit.data.rng import capture_rng_state, check_rng_state, restore_rng_state
 from shardkit.data.sampler import ElasticSampler
 from shardkit.data.stateful import Stateful, select_state
 from shardkit.errors import ConfigurationError, DataStateError
@@ -212,6 +212,7 @@ def _decide(state: Mapping[str, Any], sampler: ElasticSampler | None, objects: M
             raise DataStateError("the checkpoint holds no RNG state (rng.*); it was saved with rng=False -- pass "
                                  "rng=False to load without it")
         rng_states = _world_entries(state["rng"], "rng")
+        check_rng_state(rng_states, rank, world_size)
     return wrapped, chosen, rng_states, rank, world_size
 
 

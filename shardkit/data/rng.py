@@ -37,7 +37,7 @@ import torch
 
 from shardkit.errors import DataStateError
 
-__all__ = ["capture_rng_state", "restore_rng_state", "reseeded_seeds"]
+__all__ = ["capture_rng_state", "restore_rng_state", "check_rng_state", "reseeded_seeds"]
 
 log = logging.getLogger("shardkit.data.rng")
 
@@ -69,14 +69,8 @@ def restore_rng_state(states_by_old_rank: list[dict[str, Any]], rank: int, world
     (module docstring) applies and a warning is logged.  Raises
     :class:`DataStateError` for a malformed state or a rank outside the world.
     """
-    old_world = len(states_by_old_rank)
-    if old_world == 0:
-        raise DataStateError("restore_rng_state: no saved RNG states (the checkpoint holds none)")
-    if not 0 <= rank < world_size:
-        raise DataStateError(f"restore_rng_state: rank {rank} is outside world size {world_size}")
-    source = rank % old_world
-    state = states_by_old_rank[source]
-    _check(state, source)
+    state = check_rng_state(states_by_old_rank, rank, world_size)
+    old_world, source = len(states_by_old_rank), rank % len(states_by_old_rank)
     if old_world == world_size:
         _set_exact(state, source)
         return
@@ -128,6 +122,19 @@ def _canonical_parts(state: dict[str, Any]) -> list[bytes]:
     for index in sorted(state.get("cuda", {}), key=int):
         parts += [f"cuda:{index}".encode(), bytes(state["cuda"][index].contiguous().clone().untyped_storage())]
     return parts
+
+
+def check_rng_state(states_by_old_rank: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """The saved state ``rank`` restores from (:func:`restore_rng_state`'s rule), or the
+    :class:`DataStateError` restoring it would raise; restores nothing."""
+    old_world = len(states_by_old_rank)
+    if old_world == 0:
+        raise DataStateError("restore_rng_state: no saved RNG states (the checkpoint holds none)")
+    if not 0 <= rank < world_size:
+        raise DataStateError(f"restore_rng_state: rank {rank} is outside world size {world_size}")
+    state = states_by_old_rank[rank % old_world]
+    _check(state, rank % old_world)
+    return state
 
 
 def _check(state: Any, rank: int) -> None:
