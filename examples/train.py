@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train.py
     torchrun --nproc_per_node 2 examples/train.py --steps 20 --mixed-precision bf16
     torchrun --nproc_per_node 2 examples/train.py --checkpoint-dir ckpt --save-every 5
+    torchrun --nproc_per_node 2 examples/train.py --checkpoint-dir ckpt --save-every 5 --async-save
     torchrun --nproc_per_node 3 examples/train.py --checkpoint-dir ckpt --resume   # on 3 ranks
 
 Every rank holds 1/N of each parameter (a DTensor shard), its gradient and
@@ -56,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0,
                         help="save after every N steps and after the last one (0: never save)")
     parser.add_argument("--keep-last", type=int, default=2, help="committed steps to keep")
+    parser.add_argument("--async-save", action="store_true",
+                        help="save in the background: a step waits only for the copy of the state to host memory")
+    parser.add_argument("--writer", choices=["process", "thread"], default=None,
+                        help="with --async-save: write from a writer process (the default) or a thread")
     parser.add_argument("--resume", action="store_true", help="continue from the newest committed step")
     parser.add_argument("--resume-step", type=int, default=None, help="continue from this committed step")
     parser.add_argument("--losses-out", default=None, help="rank 0 writes the losses here as JSON")
@@ -220,9 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         start = resume(model, optimizer, args, sampler)
     manager = None
     if args.checkpoint_dir and args.save_every > 0:
-        manager = skc.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last)
+        manager = skc.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, async_save=args.async_save,
+                                        writer=args.writer)
     losses, batches = train_steps(model, optimizer, args, sampler, loader, start_step=start, device=device,
                                   manager=manager)
+    if manager is not None:
+        manager.wait()  # the last background save has committed (raises what it raised)
     if args.losses_out and dist.get_rank() == 0:
         with open(args.losses_out, "w") as f:
             json.dump({"start": start, "world_size": dist.get_world_size(), "losses": losses, "batches": batches}, f)

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardkit.errors import ConfigurationError, UnsupportedMeshError
+from shardkit.held_groups import release_at_exit
 
 __all__ = ["MeshInfo", "PostForwardGroup", "default_mesh", "device_from_mesh", "mesh_info_for",
            "post_forward_group"]
@@ -71,8 +72,11 @@ class PostForwardGroup:
 # but only while the default process group they were built under lives: the
 # cache is keyed (weakly) by that group object, so after
 # ``destroy_process_group()`` and a new ``init_process_group()`` in the same
-# process nothing over the dead groups is ever handed out again.
+# process nothing over the dead groups is ever handed out again.  A mesh holds
+# its groups, the default one included, so the cache is also emptied at exit,
+# before the interpreter finalizes (see shardkit.held_groups).
 _per_default_group: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+release_at_exit(_per_default_group.clear)
 
 
 def _cache() -> dict[tuple, Any]:

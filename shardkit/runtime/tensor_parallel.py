@@ -42,12 +42,15 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.errors import UnshardableParameterError, UnsupportedMeshError
+from shardkit.held_groups import release_at_exit
 from shardkit.runtime.mesh_info import MeshInfo
 
 __all__ = ["TPLayout", "tp_layout", "compose_meshes", "make_spec", "contiguous_stride"]
 
-# dp mesh -> tp mesh -> their concatenation, held as long as both meshes live
+# dp mesh -> tp mesh -> their concatenation, held as long as both meshes live, and emptied at exit
+# before the interpreter finalizes: the meshes hold their groups (see shardkit.held_groups)
 _COMPOSED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+release_at_exit(_COMPOSED.clear)
 
 
 @dataclass(frozen=True)

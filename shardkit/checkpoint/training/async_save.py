@@ -20,6 +20,9 @@ Why this shape:
 * **Its own process group.**  A background thread gathers chunk records and
   commits through a gloo group created for it; gloo aborts when two threads run
   collectives on one group, and the training thread owns the default group.
+  That group is destroyed when the interpreter exits, before it finalizes
+  (:mod:`shardkit.held_groups` says why), or when the default group it was
+  made under is replaced.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from shardkit.checkpoint.training.save import save_options, write_and_commit
 from shardkit.checkpoint.training.staging import StagingPool
 from shardkit.checkpoint.training.writer_process import WriterProcess, writer_options
 from shardkit.errors import ConfigurationError
+from shardkit.held_groups import GroupRef, release_at_exit
 
 __all__ = ["async_save", "BackgroundSaver", "background_saver", "WRITERS"]
 
@@ -56,8 +60,10 @@ class BackgroundSaver:
         self.staging = RepeatStaging()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-async-save")
         self._pending: Future | None = None
-        self._group: tuple[Any, Any] | None = None  # (default group it was made under, private group)
+        self._group: tuple[GroupRef, Any] | None = None  # (default group it was made under, private group)
         self._lock = threading.Lock()
+        self._owner = os.getpid()  # a forked copy of this object must not touch the parent's group
+        release_at_exit(self.release_group)
 
     def _private_group(self) -> Any:
         import torch.distributed as dist
@@ -65,9 +71,30 @@ class BackgroundSaver:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         world = dist.group.WORLD
-        if self._group is None or self._group[0] is not world:  # first use, or the default group was re-created
-            self._group = (world, dist.new_group(backend="gloo"))  # collective: every rank's first async_save
+        if self._group is None or not self._group[0].refers_to(world):  # first use, or a new default group
+            self._destroy_group()
+            self._group = (GroupRef(world), dist.new_group(backend="gloo"))  # collective: every rank's first save
         return self._group[1]
+
+    def release_group(self) -> None:
+        """Destroy the private group (the next save makes a new one).  Runs at exit, after the program's
+        threads -- this saver's included -- were joined, so no save is in flight (see
+        :mod:`shardkit.held_groups`)."""
+        if os.getpid() != self._owner:
+            return
+        with self._lock:
+            self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        import torch.distributed as dist
+
+        found, self._group = self._group, None
+        if found is None:
+            return
+        try:  # still registered when the program never destroyed its default group
+            dist.destroy_process_group(found[1])
+        except (ValueError, RuntimeError):
+            pass  # gone with its default group already: dropping the reference above frees it
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has finished; its errors stay in its future."""

@@ -33,6 +33,7 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import flatten, keep_keys
 from shardkit.checkpoint.training.save import SavePlan, plan_save, structure_of
 from shardkit.checkpoint.training.staging import StagingPool
+from shardkit.held_groups import GroupRef
 
 __all__ = ["RepeatStaging"]
 
@@ -50,7 +51,8 @@ class RepeatStaging:
     """Plans and stages ``async_save``'s chunks, or only copies when nothing but the values changed."""
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[Any, int, _Staged | None]] = {}  # (group, full plans so far, last staged)
+        # (group, full plans so far, last staged); the group weakly: see shardkit.held_groups
+        self._groups: dict[int, tuple[GroupRef, int, _Staged | None]] = {}
 
     def plan_and_stage(self, state_dict: dict[str, Any], dist: Dist, pool: StagingPool, *, chunk_bytes: int,
                        io_threads: int, compression: Compression | None,
@@ -59,8 +61,8 @@ class RepeatStaging:
 
         Collective (one all-reduce, plus :func:`plan_save`'s exchange when anything changed): every rank
         calls it for every async save on the group, so generations advance together."""
-        group, plans, last = self._groups.get(id(dist.group), (dist.group, 0, None))
-        if group is not dist.group:  # a new group where an old one was
+        group, plans, last = self._groups.get(id(dist.group), (GroupRef(dist.group), 0, None))
+        if not group.refers_to(dist.group):  # a new group where an old one was
             plans, last = 0, None
         options = (dist.group_rank, dist.group_size, chunk_bytes, io_threads, compression, keys)
         flat, locals_, structure = None, {}, None
@@ -82,7 +84,7 @@ class RepeatStaging:
             assert flat is not None and last is not None
             plan = last.plan
             return SavePlan(groups, plan.tensors, dict(flat.values), plan.layouts, plan.aliases)
-        self._groups[id(dist.group)] = (dist.group, plans + 1, None)
+        self._groups[id(dist.group)] = (GroupRef(dist.group), plans + 1, None)
         plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
                          compression=compression)
         sources = _sources(plan, locals_)
@@ -90,7 +92,7 @@ class RepeatStaging:
         plan.values = dict(plan.values)
         if sources is not None and structure is not None:
             skeleton = SavePlan([], plan.tensors, {}, plan.layouts, plan.aliases)
-            self._groups[id(dist.group)] = (dist.group, plans + 1,
+            self._groups[id(dist.group)] = (GroupRef(dist.group), plans + 1,
                                             _Staged(plans + 1, structure, pool.staged_token, skeleton, sources))
         return plan
 

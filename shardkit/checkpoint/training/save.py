@@ -73,6 +73,7 @@ from shardkit.errors import (
     error_record,
     from_record,
 )
+from shardkit.held_groups import GroupRef
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +130,19 @@ class _LastPlan:
     keys, layouts, chunk boxes) depends only on the tensors' keys, shapes,
     dtypes, placements and memory addresses.  When those are what they were
     at the last save, it is reused and only the views into the current
-    tensors are made again.  No tensor is referenced, so nothing is kept alive.
+    tensors are made again.  No tensor is referenced, so nothing is kept alive
+    (nor the group: see :mod:`shardkit.held_groups`).
     """
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[Any, tuple, dict[str, Any]]] = {}
+        self._groups: dict[int, tuple[GroupRef, tuple, dict[str, Any]]] = {}
 
     def get(self, dist: Dist, signature: tuple) -> dict[str, Any] | None:
         found = self._groups.get(id(dist.group))
-        return found[2] if found is not None and found[0] is dist.group and found[1] == signature else None
+        return found[2] if found is not None and found[0].refers_to(dist.group) and found[1] == signature else None
 
     def put(self, dist: Dist, signature: tuple, derived: dict[str, Any]) -> None:
-        self._groups[id(dist.group)] = (dist.group, signature, derived)
+        self._groups[id(dist.group)] = (GroupRef(dist.group), signature, derived)
 
 
 _last_plans = _LastPlan()

@@ -8,10 +8,11 @@ group) and each writes the boxes no lower rank holds.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.held_groups import GroupRef
 
 __all__ = ["assign_writers", "WriterAssignments", "writer_assignments"]
 
@@ -47,11 +48,12 @@ class WriterAssignments:
     held and what it was told to write at the last exchange, numbered by a
     generation all ranks count together.  A later save agrees in one small
     all-reduce that every rank holds exactly what it held then, at the same
-    generation -- then each reuses its answer -- else all exchange again.
+    generation -- then each reuses its answer -- else all exchange again.  The
+    group is remembered weakly (see :mod:`shardkit.held_groups`).
     """
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[Any, int, str | None, dict[str, list[Box]] | None]] = {}
+        self._groups: dict[int, tuple[GroupRef, int, str | None, dict[str, list[Box]] | None]] = {}
 
     @staticmethod
     def signature(dist: Dist, held: Mapping[str, Sequence[Box]]) -> str:
@@ -63,12 +65,13 @@ class WriterAssignments:
         """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known)."""
         if held is not None and signature is None:
             signature = self.signature(dist, held)
-        group, generation, last, writes = self._groups.get(id(dist.group), (dist.group, 0, None, None))
-        if group is dist.group and dist.all_same(signature is not None and signature == last, generation):
+        group, generation, last, writes = self._groups.get(id(dist.group), (GroupRef(dist.group), 0, None, None))
+        if group.refers_to(dist.group) and dist.all_same(signature is not None and signature == last, generation):
             assert writes is not None
             return {k: list(boxes) for k, boxes in writes.items()}
         writes = assign_writers(dist, held)
-        self._groups[id(dist.group)] = (dist.group, generation + 1, signature, writes if held is not None else None)
+        self._groups[id(dist.group)] = (GroupRef(dist.group), generation + 1, signature,
+                                        writes if held is not None else None)
         return writes
 
 

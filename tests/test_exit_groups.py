@@ -1,0 +1,81 @@
+"""Programs that used shardkit exit cleanly: no gloo group of shardkit's is alive when the interpreter finalizes.
+
+A gloo worker thread that frees a finished collective's work takes the GIL; if
+it asks while the interpreter finalizes, CPython ends it inside a C++
+destructor and the process aborts with ``terminate called without an active
+exception`` after the program finished (see ``shardkit/held_groups.py``).  The
+first two tests make that late free happen on purpose
+(``exit_late_collective_run.py``): on a group the program kept alive, which
+aborts -- the hazard, with torch alone -- and on ``async_save``'s own group,
+which must not.  The last one launches the example's training with background
+saves dozens of times, several at once, and wants every rank to exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+HERE = Path(__file__).resolve().parent
+SOAK_LAUNCHES = 30
+SOAK_AT_ONCE = 4  # launches running together (8 ranks on this machine's 2 cores): they load each other
+# two steps, each saved in the background: the last save's commit is the run's last tensor collective.
+# Written from a thread: a writer process per rank would import torch again (seconds of CPU each), and
+# neither the groups nor the exit differ.
+SOAK_TRAINING = ["--steps", "2", "--save-every", "1", "--dim", "16", "--layers", "1", "--heads", "2",
+                 "--seq-len", "8", "--global-batch", "4", "--num-samples", "16", "--async-save",
+                 "--writer", "thread"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **extra}
+
+
+def _late_collective(out: Path, mode: str) -> tuple[list[int], str, dict]:
+    """Run ``exit_late_collective_run.py`` on two ranks: (exit codes, rank 0's stderr, rank 0's report)."""
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(HERE / "exit_late_collective_run.py"), str(out), mode],
+                              env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        errors = [rank.communicate(timeout=180)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()  # no-op for a rank that exited; ends a hung one
+    return [rank.returncode for rank in ranks], errors[0], json.loads((out / "rank0.json").read_text())
+
+
+def test_a_group_alive_when_the_interpreter_finalizes_aborts_the_exit_if_a_collective_on_it_ends_late(tmp_path):
+    """The hazard itself, with torch alone: the group a module-level cache kept past destroy_process_group()."""
+    codes, stderr, report = _late_collective(tmp_path, "kept")
+    assert codes == [-signal.SIGABRT, 0], stderr[-3000:]
+    assert "terminate called without an active exception" in stderr
+    assert report == {"alive": 1}
+
+
+def test_a_collective_ending_late_on_the_async_save_group_does_not_abort_the_exit(tmp_path):
+    codes, stderr, report = _late_collective(tmp_path, "shardkit")
+    assert codes == [0, 0], stderr[-3000:]
+    assert "terminate called" not in stderr
+    assert report == {"alive": 0}  # shardkit destroyed its group at exit, before the interpreter finalized
+
+
+@pytest.mark.slow
+def test_thirty_launches_of_the_example_training_with_background_saves_all_exit_cleanly(tmp_path):
+    run = subprocess.run([sys.executable, str(HERE / "exit_soak_run.py"), str(SOAK_LAUNCHES), str(SOAK_AT_ONCE),
+                          str(tmp_path), *SOAK_TRAINING], env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["failed"] == [], report["failed"][:3]
+    assert report["exit_codes"] == {"0": 2 * SOAK_LAUNCHES}
+    committed = sorted(p.parent.parent.name for p in tmp_path.glob("launch*/step-0000000002/manifest.json"))
+    assert committed == sorted(f"launch{i}" for i in range(SOAK_LAUNCHES))
