@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from shardkit.errors import CheckpointExists
+from shardkit.errors import CheckpointExists, ShardkitError
 from tests.dist import run_on_ranks
 from tests.test_checkpoint_dedup import CHUNK, FineTune, at_step, loaded, manifest_of, same, step_path
 
@@ -119,13 +119,17 @@ def test_an_async_manager_refuses_at_the_call_and_keeps_the_step(tmp_path):
     assert snapshot(tmp_path) == before
 
 
-def _refused_on_every_rank(root: str) -> str:
-    manager = skc.CheckpointManager(root)
+def _what_saving_step_one_raises(manager: skc.CheckpointManager) -> str:
+    """On this rank: the name of the shardkit error saving step 1 raised, or "saved"."""
     try:
         manager.save(1, at_step(FineTune(), 5), rng=False)
-    except CheckpointExists as exc:
+    except ShardkitError as exc:
         return type(exc).__name__
     return "saved"
+
+
+def _refused_on_every_rank(root: str) -> str:
+    return _what_saving_step_one_raises(skc.CheckpointManager(root))
 
 
 def test_every_rank_refuses_together(tmp_path):
@@ -214,11 +218,7 @@ def _rank_zero_cannot_list(root: str) -> str:
         def unreachable():
             raise StorageError(f"listing {root} failed after 4 attempts")
         manager._all_step_dirs = unreachable
-    try:
-        manager.save(1, at_step(FineTune(), 1), rng=False)
-    except StorageError as exc:
-        return type(exc).__name__
-    return "saved"
+    return _what_saving_step_one_raises(manager)
 
 
 def test_a_failure_on_rank_zero_while_planning_a_save_fails_every_rank_at_once(tmp_path):
