@@ -55,8 +55,11 @@ from shardkit.checkpoint.formats.codec import (
     parse_safetensors_header,
 )
 from shardkit.checkpoint.formats.hf_layout import (
+    CONFIG_NAME,
     INDEX_NAME,
     SINGLE_NAME,
+    is_head,
+    ties_word_embeddings,
     weights_file,
 )
 from shardkit.checkpoint.geometry.rows import (
@@ -212,6 +215,17 @@ class HfReader(CheckpointReader):
 
     def values(self) -> Mapping[str, Any]:
         return {}
+
+    def declares_tied(self, fqn: str) -> bool:
+        """An output head, when the folder's ``config.json`` ties word embeddings: ``from_pretrained`` then
+        fills it from the input embeddings, and ``save_pretrained`` leaves it out of the files."""
+        if not is_head(fqn) or CONFIG_NAME not in self.side_files:
+            return False
+        try:
+            config = json.loads(self.folder.read_bytes(CONFIG_NAME))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return False  # a config transformers cannot read ties nothing
+        return isinstance(config, dict) and ties_word_embeddings(config)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         checked = self._check_requests(requests)

@@ -253,6 +253,10 @@ class TrainerReader(CheckpointReader):
     def values(self) -> Mapping[str, Any]:
         return self._values
 
+    def declares_tied(self, fqn: str) -> bool:
+        """As the model part says (its keys are ours): an HF part by the folder's ``config.json``."""
+        return fqn.startswith("model.") and self.parts[0].reader.declares_tied(fqn)
+
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self._check_requests(requests)
         by_part: dict[int, tuple[_Part, list[ReadRequest]]] = {}
