@@ -212,11 +212,12 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
             model_keys: str | None) -> int:
     """Convert SRC (format detected) to another format at DST.
 
-    HF output has size-capped shards, an index and the source's side files
-    (config.json, tokenizer files), or those of --config; with a config, tied
-    weights are written as save_pretrained writes them (lm_head.weight left
-    out when the config ties word embeddings) and --dtype is written into
-    config.json.  DCP output is readable by torch's dcp.load; torch output is
+    HF output is one model.safetensors when the weights fit in one shard
+    (--max-shard-size), else size-capped shards + model.safetensors.index.json,
+    beside the source's side files (config.json, tokenizer files) or those of
+    --config; with a config, tied weights are written as save_pretrained
+    writes them (lm_head.weight left out when the config says
+    "tie_word_embeddings": true) and --dtype is written into config.json.  DCP output is readable by torch's dcp.load; torch output is
     one torch.save file.  Keys use shardkit's flattened names (model.<param>,
     optim.state.<param>.<name>).
 

@@ -47,3 +47,10 @@ def test_top_level_help_lists_every_registered_format_with_its_description():
     for name, fmt in FORMATS.items():
         assert [name, *fmt.description.split()] in lines, name
     assert {"deepspeed", "trainer"} <= set(FORMATS)
+
+
+def test_convert_help_says_one_shard_is_model_safetensors_alone_and_several_have_an_index():
+    text = _unwrapped(run_cli("convert", "--help").stdout)
+    assert ("HF output is one model.safetensors when the weights fit in one shard (--max-shard-size), else "
+            "size-capped shards + model.safetensors.index.json,") in text
+    assert "an index" not in text

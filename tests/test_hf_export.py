@@ -123,6 +123,21 @@ def test_hf_export_of_an_untied_training_checkpoint_loads_with_from_pretrained(t
     assert loaded.lm_head.weight is not loaded.get_input_embeddings().weight
 
 
+def test_hf_export_writes_a_tied_head_in_full_when_the_config_does_not_say_it_ties_word_embeddings(trained,
+                                                                                                    tmp_path):
+    """An absent tie_word_embeddings is the model class's default (False for Llama): leaving the head out
+    would have from_pretrained initialise it at random."""
+    config_dir, ckpt, model = trained["llama-tied"]
+    config = json.loads((config_dir / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    skc.convert(str(ckpt), str(tmp_path / "hf"), to="hf", config=str(tmp_path / "config.json"))
+    assert "lm_head.weight" in _weight_names(tmp_path / "hf")
+    loaded = _assert_loads_the_same(tmp_path / "hf", model)
+    assert loaded.lm_head.weight is not loaded.get_input_embeddings().weight
+    assert skc.diff(str(ckpt), str(tmp_path / "hf")).equal
+
+
 def test_hf_export_with_dtype_bf16_writes_it_into_config_and_from_pretrained_loads_bf16(trained, tmp_path):
     config_dir, ckpt, model = trained["gpt2"]
     out = tmp_path / "hf"
@@ -286,3 +301,23 @@ def test_diff_of_an_hf_export_whose_tied_weight_differs_is_different_both_ways(t
         assert result.exit_code == 1 and result.stdout.splitlines()[-1].startswith("DIFFERENT: ")
     alone = skc.diff(str(ckpt), str(out), only=[HEAD])
     assert [(t.name, t.status) for t in alone.tensors] == [(HEAD, "different")] and alone.tensors[0].max_abs > 0
+
+
+@pytest.mark.parametrize("tie", [False, None], ids=["config-unties", "field-absent"])
+def test_diff_counts_a_head_an_hf_folder_lacks_as_one_sided_unless_its_config_ties_it(trained, tmp_path, tie):
+    """Only A records the tie; B's config does not tie word embeddings (an absent field is the model class's
+    default, False for Llama), so from_pretrained would leave B's head at random: not equal."""
+    ckpt, out = _exported(trained, "llama-tied", tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    config.pop("tie_word_embeddings") if tie is None else config.update(tie_word_embeddings=tie)
+    (out / "config.json").write_text(json.dumps(config))
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert info["missing_keys"] == {"lm_head.weight"}
+    embed = EMBEDDINGS["llama-tied"]
+    for a, b, status, holder, other in ((ckpt, out, "only-a", "a", "b"), (out, ckpt, "only-b", "b", "a")):
+        report = skc.diff(str(a), str(b))
+        assert not report.equal
+        assert [(t.name, t.status, t.detail) for t in report.tensors if t.status != "equal"] == [
+            (HEAD, status, f"tied to {embed} in {holder}; {other} does not record the tie")]
+        result = run_cli("diff", str(a), str(b))
+        assert result.exit_code == 1 and result.stdout.splitlines()[-1].startswith("DIFFERENT: "), result.stdout

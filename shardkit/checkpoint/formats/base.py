@@ -157,6 +157,13 @@ class CheckpointReader(abc.ABC):
         alias too, with the chunks of ``key``, so a reader of one key needs to know nothing of this."""
         return {}
 
+    def declares_tied(self, fqn: str) -> bool:
+        """Whether this checkpoint says ``fqn`` is tied to another key, so that whoever loads it fills
+        ``fqn`` from that key even where nothing is stored under ``fqn``: by default when :meth:`aliases`
+        records it (an HF folder decides by its config, see :mod:`~shardkit.checkpoint.formats.hf`).
+        ``diff`` takes a key one side lacks as its tied partner only when that side says so."""
+        return fqn in self.aliases()
+
     def focus(self, wanted: Mapping[str, Sequence[Box]]) -> None:
         """Before planning: the boxes (fqn -> boxes) that will be read.  A reader that fetches chunk
         records lazily fetches those that cover them, and only those; the others hold them all already."""

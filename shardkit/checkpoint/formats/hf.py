@@ -17,6 +17,12 @@ Names: an HF key ``k`` is the model tensor ``model.k`` in shardkit's
 flattened naming; HF holds model weights only, so writing anything else is
 refused up front (:func:`check_tensors`) rather than given a mangled name.
 
+Which weights a folder holds: ``model.safetensors`` when it is there, even
+beside an index, else the index and the shards it names
+(:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`) -- the order
+``from_pretrained`` looks in, so shardkit and transformers always load the
+same weights; the writer's commit points follow from it (see :func:`write_hf`).
+
 Side files (``config.json``, tokenizer files) travel with the weights when
 converting; only small config/tokenizer/text files are taken
 (:func:`side_file_problem`), and each file left behind is named with the
@@ -48,6 +54,14 @@ from shardkit.checkpoint.formats.codec import (
     itemsize,
     parse_safetensors_header,
 )
+from shardkit.checkpoint.formats.hf_layout import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    is_head,
+    ties_word_embeddings,
+    weights_file,
+)
 from shardkit.checkpoint.geometry.rows import (
     copy_rows_into,
     iter_row_blocks,
@@ -68,8 +82,6 @@ from shardkit.errors import (
 __all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "read_header",
            "check_tensors", "side_file_problem", "side_files_in", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "merges.txt", "vocab.*")
 SIDE_FILE_CAP = 64 << 20
 # what a Trainer or DeepSpeed run keeps beside its weights that matches the patterns but is no model's file
@@ -166,7 +178,7 @@ class HfReader(CheckpointReader):
         self.skipped_side_files: list[str] = []   # one line per file left behind, saying why
         if storage.is_dir():
             self.folder = storage
-            if storage.exists(INDEX_NAME):
+            if weights_file(storage) == INDEX_NAME:
                 try:
                     index = json.loads(storage.read_bytes(INDEX_NAME))
                     weight_map = index["weight_map"]
@@ -203,6 +215,17 @@ class HfReader(CheckpointReader):
 
     def values(self) -> Mapping[str, Any]:
         return {}
+
+    def declares_tied(self, fqn: str) -> bool:
+        """An output head, when the folder's ``config.json`` ties word embeddings: ``from_pretrained`` then
+        fills it from the input embeddings, and ``save_pretrained`` leaves it out of the files."""
+        if not is_head(fqn) or CONFIG_NAME not in self.side_files:
+            return False
+        try:
+            config = json.loads(self.folder.read_bytes(CONFIG_NAME))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return False  # a config transformers cannot read ties nothing
+        return isinstance(config, dict) and ties_word_embeddings(config)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         checked = self._check_requests(requests)
@@ -261,8 +284,16 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
     under a temporary name and moved into place.  Shards never take a name in
     ``avoid`` (the files of an export being replaced, still in use until this
     commit): the usual ``model-0000k-of-0000N.safetensors`` then gets a short
-    suffix, and the index names the files as written; a single file replaces
-    an old ``model.safetensors`` in the one step of its move.
+    suffix, and the index names the files as written.
+
+    Replacing an export, the commit is the moment both shardkit and
+    ``from_pretrained`` switch to the new one
+    (:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`): a single
+    file replaces an old ``model.safetensors`` in the one step of its move,
+    and shadows an old index from then on (the caller removes it after);
+    several shards commit when an old ``model.safetensors`` (in ``avoid``) is
+    removed, right after the new index is in place -- until then it shadows
+    the new index.
     """
     check_tensors(tensors)
     items = [(fqn[len("model."):], dtype, shape) for fqn, dtype, shape in tensors]
@@ -284,6 +315,8 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
     before_index()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     dst.put_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
+    if SINGLE_NAME in avoid:
+        dst.delete([SINGLE_NAME])  # the commit: the new index is what every reader follows now
     return names + [INDEX_NAME]
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["listing", "replace", "write_then_replace", "download"]
+__all__ = ["listing", "replace", "write_then_replace", "temporary_name_prefix", "download"]
 
 
 def _stamp(info: Mapping[str, Any]) -> str:
@@ -62,12 +62,18 @@ def replace(storage: Storage, src: str, dst: str) -> None:
                   lambda: storage.fs.mv(storage.path(src), storage.path(dst)))
 
 
+def temporary_name_prefix(name: str) -> str:
+    """How the temporary names :func:`write_then_replace` streams ``name`` to begin (a hidden name, then
+    the process id and a random part): what a killed writer leaves is recognisable by it."""
+    return f".{name}.partial-"
+
+
 def write_then_replace(storage: Storage, name: str, produce: Callable[[Any], Any],
                        before_replace: Callable[[], None] = lambda: None) -> None:
     """Write file ``name`` as its own commit marker: stream ``produce`` to a temporary name beside it,
     run ``before_replace``, then :func:`replace` it into place.  A file already at ``name`` (what
     ``--overwrite`` replaces) stays whole until then; on any failure the temporary file is removed."""
-    temporary = f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary = f"{temporary_name_prefix(name)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         storage.write_stream(temporary, produce, fsync=storage.is_local)
         before_replace()

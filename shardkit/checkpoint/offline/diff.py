@@ -19,13 +19,19 @@ the same bytes as that key, so it takes that key's verdict without a second
 read; tied on one side only, it is compared like any tensor.
 
 A key one side holds and the other does not is ``only-a``/``only-b`` -- unless
-the side holding it records it tied (:meth:`~shardkit.checkpoint.formats.base.CheckpointReader.aliases`:
-a native manifest's ``aliases``, a DeepSpeed checkpoint's shared parameters)
-to a key the other side holds.  Then the other side stores the one tensor
-once, under that key (a Hugging Face export leaves a tied ``lm_head.weight``
-out, as ``save_pretrained`` does), and the key is compared against it: equal
-only when those bytes are.  A key whose tie neither side records stays
-``only-a``/``only-b``, whatever its values.
+both sides say it is tied: the side holding it records the tie
+(:meth:`~shardkit.checkpoint.formats.base.CheckpointReader.aliases`: a native
+manifest's ``aliases``, a DeepSpeed checkpoint's shared parameters) to a key
+the other side holds, and the side lacking it says that whoever loads it fills
+the key from its partner
+(:meth:`~shardkit.checkpoint.formats.base.CheckpointReader.declares_tied`: a
+Hugging Face folder whose ``config.json`` ties word embeddings lacks
+``lm_head.weight``, as ``save_pretrained`` writes it).  Then the other side
+stores the one tensor once, under that key, and the key is compared against
+it: equal only when those bytes are.  A key the lacking side does not say is
+tied (an HF folder whose config unties the head, a native checkpoint the key
+was filtered out of) stays ``only-a``/``only-b``, whatever its values: a
+loader of that side would not fill it.
 """
 
 from __future__ import annotations
@@ -122,9 +128,15 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
         aa, ab = sa.aliases(), sb.aliases()
         tied = {n: t for n, t in aa.items() if ab.get(n) == t and wanted(t)}
         shared = [n for n in names if n in ea and n in eb and ea[n].shape == eb[n].shape and n not in tied]
-        # a key one side holds, stored once by the other under a key of its tie: (key in a, key in b)
-        stored_once = {**{n: (n, k) for n, k in _kept_as(names, ea, aa, eb).items()},
-                       **{n: (k, n) for n, k in _kept_as(names, eb, ab, ea).items()}}
+        # a key one side holds and ties to a key the other holds: (key in a, key in b); the other side
+        # stores it once under that key only when it says so too, else it merely lacks the key
+        tied_in_a, tied_in_b = _kept_as(names, ea, aa, eb), _kept_as(names, eb, ab, ea)
+        stored_once = {**{n: (n, k) for n, k in tied_in_a.items() if sb.declares_tied(n)},
+                       **{n: (k, n) for n, k in tied_in_b.items() if sa.declares_tied(n)}}
+        lacked = {**{n: f"tied to {k} in a; b does not record the tie"
+                     for n, k in tied_in_a.items() if n not in stored_once},
+                  **{n: f"tied to {k} in b; a does not record the tie"
+                     for n, k in tied_in_b.items() if n not in stored_once}}
         direct = {n: keys for n, keys in stored_once.items() if keys[0] not in shared and keys[1] not in shared}
         fa, fb = Fetcher(sa, reuse=True), Fetcher(sb, reuse=True)
         if progress:
@@ -133,7 +145,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                                  if ea[ka].shape == eb[kb].shape))
         for name in (n for n in names if n not in tied and n not in stored_once):
             if name not in eb or name not in ea:
-                report.tensors.append(TensorDiff(name, "only-a" if name in ea else "only-b"))
+                report.tensors.append(TensorDiff(name, "only-a" if name in ea else "only-b",
+                                                 detail=lacked.get(name, "")))
                 continue
             report.tensors.append(_compare(name, ea[name], eb[name], fa, fb, atol, rtol, budget // 16, progress))
         verdicts = {t.name: t for t in report.tensors}

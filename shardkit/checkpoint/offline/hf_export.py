@@ -15,7 +15,9 @@ not give:
   with ``tie_word_embeddings`` leaves the output head out (``lm_head.weight``,
   the key of ``_tied_weights_keys`` in every ``*ForCausalLM``): loading ties
   it to the embedding again.  So when ``config.json`` ties word embeddings
-  (a missing key means true, as in ``PretrainedConfig``) and the checkpoint
+  (``"tie_word_embeddings": true``; an absent field means the model class's
+  default, see :func:`~shardkit.checkpoint.formats.hf_layout.ties_word_embeddings`)
+  and the checkpoint
   ties a ``lm_head.weight`` to another key, the head is left out.  Any other
   tied key, or any tie when the config does not tie or there is no config, is
   written with its data: an extra copy of a key a model ties is harmless to
@@ -38,16 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.checkpoint.formats.hf import SIDE_FILE_CAP, side_files_in
+from shardkit.checkpoint.formats.hf_layout import CONFIG_NAME, is_head, ties_word_embeddings
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.common import copy_files, side_files_of
 from shardkit.checkpoint.offline.select import Selection, parse_dtype
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 
-__all__ = ["HfExport", "plan_hf_export", "CONFIG_NAME", "HEAD_KEY"]
+__all__ = ["HfExport", "plan_hf_export"]
 
-CONFIG_NAME = "config.json"
-HEAD_KEY = "lm_head.weight"  # the output head HF leaves out of a tied model's files
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
@@ -69,11 +70,6 @@ class HfExport:
             dst.write_stream(CONFIG_NAME, lambda f: f.write(self.config), fsync=dst.is_local)
             written.append(CONFIG_NAME)
         return written
-
-
-def _is_head(name: str) -> bool:
-    hf = name[len("model."):]
-    return hf == HEAD_KEY or hf.endswith("." + HEAD_KEY)
 
 
 def _config_files(config: str) -> dict[str, tuple[Storage, str]]:
@@ -125,11 +121,11 @@ def plan_hf_export(source: Any, sel: Selection, config: str | None, dtype: str |
         cfg_folder, cfg_name = side[CONFIG_NAME]
         cfg = _read_config(cfg_folder, cfg_name, cfg_folder.where(cfg_name))
     left_out: dict[str, str] = {}
-    if cfg is not None and cfg.get("tie_word_embeddings", True):
+    if cfg is not None and ties_word_embeddings(cfg):
         for alias, target in sel.aliases.items():
-            if _is_head(alias):
+            if is_head(alias):
                 left_out[alias] = target
-            elif _is_head(target):
+            elif is_head(target):
                 left_out[target] = alias
     notes = [f"note: {head[len('model.'):]} not written: config.json ties word embeddings, so from_pretrained "
              f"ties it to {kept[len('model.'):]} (as save_pretrained writes it)" for head, kept in left_out.items()]

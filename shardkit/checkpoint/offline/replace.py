@@ -9,7 +9,8 @@ replacement is committed.  So ``--overwrite`` works like ``save(overwrite=True)`
 2. the new commit marker replaces the old in one atomic step (a rename on local
    disks, a single PUT on object stores): at every instant DST is either the
    old checkpoint or the new one;
-3. only then are the old checkpoint's files the new one does not use removed.
+3. only then are the old checkpoint's files the new one does not use removed,
+   with what interrupted runs of the same writer left beside them.
 
 A run that fails removes the files it created itself (names that were not in
 DST before it started and have the shape of checkpoint files, or are the side
@@ -19,19 +20,23 @@ its complete, journaled files for the rerun to resume.
 A DST directory that holds no checkpoint but other files (a user's notes, a
 different project) is refused unless ``--overwrite``: writing a checkpoint
 among them without a word would mix it into someone else's folder.  What an
-interrupted run of the same kind left is not "other files", so reruns work.
+interrupted run of the same kind left is not "other files", so reruns work:
+for hf output that includes the config and tokenizer files it copies just
+before its commit, when the weight files it writes first are there too (a
+``config.json`` alone is someone's own).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
 
 from shardkit.checkpoint.formats import COMMIT_MARKERS
+from shardkit.checkpoint.formats.hf import side_files_in
+from shardkit.checkpoint.formats.hf_layout import export_files
 from shardkit.checkpoint.formats.native.ownership import survey
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file
@@ -54,7 +59,10 @@ class Destination:
     new commit); ``replacing`` identifies a native checkpoint being replaced
     (a digest of its manifest; "" when none), so native output plans file
     names that differ from the ones it still references; ``before`` is every
-    name DST held when the run started, which failure cleanup never touches.
+    name DST held when the run started, which failure cleanup never touches;
+    ``leftovers`` are weight files earlier runs of the same writer left that
+    no reader loads (removed after the commit too; the new files may take
+    their names).
     """
 
     storage: Storage
@@ -62,6 +70,7 @@ class Destination:
     old: set[str] = field(default_factory=set)
     replacing: str = ""
     before: set[str] = field(default_factory=set)
+    leftovers: set[str] = field(default_factory=set)
 
     @property
     def avoid(self) -> set[str]:
@@ -71,7 +80,7 @@ class Destination:
     def remove_stale(self, written: Sequence[str]) -> None:
         """After the commit: delete the replaced checkpoint's files the new one did not write."""
         # commit markers first: a half-finished cleanup must never leave the old format detectable
-        stale = sorted(self.old - set(written), key=lambda n: (n not in COMMIT_MARKERS, n))
+        stale = sorted((self.old | self.leftovers) - set(written), key=lambda n: (n not in COMMIT_MARKERS, n))
         if not stale:
             return
         try:
@@ -119,16 +128,7 @@ def _old_checkpoint(storage: Storage) -> tuple[set[str], str]:
         return {n for n in found.owned if not n.startswith("extra/")}, hashlib.sha256(manifest).hexdigest()[:16]
     if storage.exists(".metadata"):
         return {".metadata"} | {n for n in storage.listdir() if n.endswith(".distcp")}, ""
-    if storage.exists("model.safetensors.index.json"):
-        try:
-            index = json.loads(storage.read_bytes("model.safetensors.index.json"))
-            shards = {v for v in index.get("weight_map", {}).values() if isinstance(v, str) and "/" not in v}
-        except (ValueError, AttributeError):
-            shards = set()
-        return {"model.safetensors.index.json"} | {n for n in shards if storage.exists(n)}, ""
-    if storage.exists("model.safetensors"):
-        return {"model.safetensors"}, ""
-    return set(), ""
+    return export_files(storage)[0], ""  # an HF folder: the files from_pretrained loads
 
 
 def _foreign(storage: Storage, fmt: str) -> list[str]:
@@ -137,7 +137,11 @@ def _foreign(storage: Storage, fmt: str) -> list[str]:
     files and resume journal are not), for the others every name without the shape of a checkpoint file."""
     if fmt == "shardkit":
         return survey(storage).foreign
-    return [n for n in storage.listdir() if not any(fnmatch.fnmatchcase(n, p) for p in _CREATED_PATTERNS)]
+    # hf writes its weights first, then copies config and tokenizer files, then commits: side files beside
+    # the weights it writes are a killed export's; without them, they are someone's own
+    side = set(side_files_in(storage)[0]) if fmt == "hf" and export_files(storage)[1] else set()
+    return [n for n in storage.listdir()
+            if n not in side and not any(fnmatch.fnmatchcase(n, p) for p in _CREATED_PATTERNS)]
 
 
 def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Destination:
@@ -174,7 +178,8 @@ def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, o
             raise ConfigurationError(f"{dst}: not empty and not a checkpoint (it holds {shown}); write to a new or "
                                      "empty directory, or pass --overwrite to write the checkpoint beside those "
                                      "files (they are kept)")
-        dest = Destination(storage, fmt, old if marker else set(), replacing, _names(storage))
+        leftovers = export_files(storage)[1] if fmt == "hf" else set()
+        dest = Destination(storage, fmt, old if marker else set(), replacing, _names(storage), leftovers)
     if fmt != "torch":
         storage.makedirs()
     return dest

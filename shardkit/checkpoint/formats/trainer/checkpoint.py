@@ -51,7 +51,8 @@ from shardkit.errors import ConfigurationError, InvalidManifest, UnsupportedForm
 
 __all__ = ["TrainerReader", "detect", "open_reader", "MODEL_PARTS", "OPTIMIZER_PARTS"]
 
-MODEL_PARTS = ("pytorch_model_fsdp_0", "pytorch_model_fsdp.bin", "model.safetensors.index.json", "model.safetensors",
+# model.safetensors before its index: the one from_pretrained (and HfReader) loads when both are there
+MODEL_PARTS = ("pytorch_model_fsdp_0", "pytorch_model_fsdp.bin", "model.safetensors", "model.safetensors.index.json",
                "pytorch_model.bin")
 OPTIMIZER_PARTS = ("optimizer_0", "optimizer.bin", "optimizer.pt")
 SCHEDULER_PARTS = ("scheduler.bin", "scheduler.pt")
@@ -251,6 +252,10 @@ class TrainerReader(CheckpointReader):
 
     def values(self) -> Mapping[str, Any]:
         return self._values
+
+    def declares_tied(self, fqn: str) -> bool:
+        """As the model part says (its keys are ours): an HF part by the folder's ``config.json``."""
+        return fqn.startswith("model.") and self.parts[0].reader.declares_tied(fqn)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         self._check_requests(requests)
