@@ -174,13 +174,11 @@ def test_a_flipped_byte_in_one_strip_is_found_by_the_check_and_refused_by_a_read
 
 def _reader_from_the_format_document():
     """The plain-Python reader of docs/format.md section 9, run as written."""
-    from pathlib import Path
+    from tests.test_docs_code import ROOT, python_blocks
 
-    text = (Path(__file__).parent.parent / "docs" / "format.md").read_text()
-    section = text[text.index("## 9. Reading a checkpoint without shardkit"):]
-    code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 3)]
+    (block,) = [b for b in python_blocks(ROOT / "docs" / "format.md") if "def load_tensor(" in b.code]
     namespace: dict = {}
-    exec(code, namespace)  # noqa: S102 - our own document's example
+    exec(block.code, namespace)  # noqa: S102 - our own document's example
     return namespace["load_tensor"]
 
 
