@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from shardkit.errors import error_record, from_record
+
 __all__ = ["Dist"]
 
 
@@ -110,6 +112,23 @@ class Dist:
         if bufs is None:
             return None
         return [_decode(b, s) for b, s in zip(bufs, sizes)]
+
+    def decided_on_rank0(self, decide: Callable[[], Any], where: str) -> Any:
+        """``decide()`` (a JSON value) run on group rank 0 and its answer on every rank.  A failure there is
+        raised on every rank -- as it was on rank 0, as the same shardkit error class elsewhere, naming
+        ``where`` -- instead of leaving the others waiting in the broadcast until the group times out."""
+        answer, failure = None, None
+        if self.group_rank == 0:
+            try:
+                answer = {"value": decide()}
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then re-raised as it was
+                failure, answer = exc, {"error": error_record(exc)}
+        answer = self.broadcast_json(answer)
+        if failure is not None:
+            raise failure
+        if "error" in answer:
+            raise from_record(answer["error"], f"rank 0 failed under {where}: {answer['error']['message']}")
+        return answer["value"]
 
     def first_error(self, message: Any) -> tuple[int, Any] | None:
         """``(rank, message)`` of the lowest rank that reported an error (any JSON value, e.g. an

@@ -84,8 +84,6 @@ from shardkit.errors import (
     ConfigurationError,
     CorruptCheckpoint,
     ShardkitError,
-    error_record,
-    from_record,
 )
 
 __all__ = ["CheckpointManager", "step_dir"]
@@ -225,21 +223,7 @@ class CheckpointManager:
                 "base": self._run.dedup_base(step, committed) if self.dedup else None}
 
     def _on_rank0(self, decide: Callable[[], Any]) -> Any:
-        """``decide()`` run on rank 0 and its answer on every rank; rank 0's failure raised on every rank
-        (the others would otherwise wait in the broadcast until the process group times out)."""
-        dist = Dist(self.process_group)
-        answer, failure = None, None
-        if dist.rank == 0:
-            try:
-                answer = {"value": decide()}
-            except Exception as exc:  # noqa: BLE001 - sent to every rank, then re-raised as it was
-                failure, answer = exc, {"error": error_record(exc)}
-        answer = dist.broadcast_json(answer)
-        if failure is not None:
-            raise failure
-        if "error" in answer:
-            raise from_record(answer["error"], f"rank 0 failed under {self.root_url}: {answer['error']['message']}")
-        return answer["value"]
+        return Dist(self.process_group).decided_on_rank0(decide, self.root_url)
 
     def _after_commit(self, step: int, upload: Future, done: Future) -> None:
         """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""

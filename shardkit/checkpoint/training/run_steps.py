@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.formats.native.reader import read_manifest
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import ShardkitError
 
 __all__ = ["RunSteps", "Supersession", "SUPERSEDED_NAME", "read_superseded", "write_superseded", "in_force",
            "step_dir", "step_dirs", "is_step_dir", "committed_at"]
@@ -149,11 +151,9 @@ def in_force(root: Storage, dirs: Mapping[int, str], entries: Mapping[int, Super
 
 
 def _run_of(step: Storage) -> str | None:
-    """``meta.run`` of the checkpoint committed at ``step`` (``None``: none committed, or no token)."""
-    if not step.exists(MANIFEST_NAME):
-        return None
+    """``meta.run`` of the checkpoint committed at ``step`` (``None``: none committed, none valid, or no token)."""
     try:
-        meta = json.loads(step.read_bytes(MANIFEST_NAME)).get("meta") or {}
-    except (ValueError, AttributeError):
+        run = read_manifest(step, chunks=False).meta.get("run")
+    except ShardkitError:  # no manifest, or one that does not parse: no step of that run committed there
         return None
-    return meta.get("run") if isinstance(meta, dict) else None
+    return run if isinstance(run, str) else None
