@@ -13,6 +13,17 @@ Note [end of backward]
     autograd engine.  It runs when the whole backward is done and finishes
     every group that did not run its post-backward (its inputs needed no
     gradient, or it was not used), then resets all states to IDLE.
+
+    It also reshards every group that reshards after backward, even one whose
+    post-backward ran: the default backward prefetch follows the post-forward
+    order, which only the last backward clears (``set_is_last_backward``), so
+    in the next micro-batch the first group's prefetch reaches back to the
+    previous forward's last group and unshards it after its own
+    post-backward.  torch leaves that all-gather pending and drops it; a CPU
+    prefetch here copies out at once, so without this the group's modules
+    would keep their unsharded parameters after backward, and whatever reads
+    the module's parameters (``clip_grad_norm_``, a gradient check) would
+    miss the sharded gradients.
 """
 
 from __future__ import annotations
@@ -266,6 +277,8 @@ class ShardState:
             for group in reversed(state.groups):
                 if group.training_state is not TrainingState.POST_BACKWARD:
                     group.post_backward()
+                elif group.reshard_after_backward:
+                    group.reshard()  # undo a default prefetch that came after its post-backward
                 group.training_state = TrainingState.IDLE
                 if ctx.is_last_backward:
                     group.finalize_backward()

@@ -1,0 +1,273 @@
+"""Gradient accumulation over micro-batches whose forward calls the model's
+tail in pieces gives torch's ``fully_shard`` gradients, bitwise.
+
+Trainers with a chunked loss shard ``norm`` and ``head`` as one group
+(``fully_shard([model.norm, model.head])``) and then call only part of it:
+the model's forward stops after ``norm`` and the loss calls ``model.head``
+once per sequence chunk.  Combined with unsynced micro-batches, that is
+where gradients can go missing, so every combination runs here against
+torch's own ``fully_shard`` on the same seed and inputs:
+
+* grouping: ``[norm, head]`` as one group, or each sharded on its own;
+* accumulation: no gradient sync and ``set_is_last_backward(False)`` on all
+  but the last micro-batch; no sync alone; sync on every micro-batch with
+  ``set_is_last_backward(False)``; HSDP with ``set_requires_all_reduce(False)``;
+* the loss: the whole forward; ``norm`` only (``head`` unused); ``head`` per
+  chunk with a backward per chunk (torch's chunked cross-entropy pattern) or
+  one backward for all chunks; ``head`` or ``norm`` left out of one
+  micro-batch;
+* resharding (one rank-pool run each): ``reshard_after_forward`` True and
+  False, and ``set_reshard_after_backward(False)``.
+
+Each case checks, against torch: which parameters each module exposes
+unsharded after every micro-batch's backward, every gradient (``None`` or
+its full tensor) after the last micro-batch, and every parameter after an
+AdamW step.  The model is tiny (vocab 9 does not divide 2 ranks, so the
+head's shards are padded) and each run returns its mismatches, so one
+failure names every case it breaks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.dist import run_on_ranks
+
+VOCAB, DIM, BATCH, SEQ, CHUNKS, MICRO_BATCHES = 9, 6, 2, 4, 2, 3
+
+
+class TrunkNormHead(nn.Module):
+    """A language model's tail in miniature: a trunk, then ``norm`` and
+    ``head``, either of which a caller may leave out of the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.body = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor, *, norm: bool = True, head: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.body(self.embed(tokens)))
+        if norm:
+            h = self.norm(h)
+        return self.head(h) if head else h
+
+
+# ------------------------------------------------------- one micro-batch each
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _probe_loss(hidden: torch.Tensor) -> torch.Tensor:
+    probe = torch.linspace(-1.0, 1.0, hidden.numel()).view(hidden.shape)
+    return (hidden * probe).sum()
+
+
+def _whole(model, tokens, targets) -> None:
+    _cross_entropy(model(tokens), targets).backward()
+
+
+def _norm_only(model, tokens, targets) -> None:
+    _probe_loss(model(tokens, head=False)).backward()
+
+
+def _head_skipping_norm(model, tokens, targets) -> None:
+    _cross_entropy(model(tokens, norm=False), targets).backward()
+
+
+def _head_per_chunk_backward_each(model, tokens, targets) -> None:
+    """The forward stops at ``norm``; each chunk runs ``head`` and its own
+    backward on a detached copy, and the chunks' input gradients go back
+    through the trunk at the end."""
+    hidden = model(tokens, head=False)
+    input_grads = []
+    for chunk, chunk_targets in zip(hidden.detach().chunk(CHUNKS, dim=1), targets.chunk(CHUNKS, dim=1)):
+        chunk = chunk.contiguous().requires_grad_(True)
+        _cross_entropy(model.head(chunk), chunk_targets).backward()
+        input_grads.append(chunk.grad)
+    hidden.backward(torch.cat(input_grads, dim=1))
+
+
+def _head_per_chunk_one_backward(model, tokens, targets) -> None:
+    hidden = model(tokens, head=False)
+    chunks = zip(hidden.chunk(CHUNKS, dim=1), targets.chunk(CHUNKS, dim=1))
+    sum(_cross_entropy(model.head(chunk), chunk_targets) for chunk, chunk_targets in chunks).backward()
+
+
+LOSSES: dict[str, tuple[Callable, ...]] = {
+    "whole forward": (_whole,) * MICRO_BATCHES,
+    "norm only": (_norm_only,) * MICRO_BATCHES,
+    "head per chunk, a backward each": (_head_per_chunk_backward_each,) * MICRO_BATCHES,
+    "head per chunk, one backward": (_head_per_chunk_one_backward,) * MICRO_BATCHES,
+    "head left out of micro-batch 1": (_whole, _norm_only, _whole),
+    "head left out of the last micro-batch": (_whole, _whole, _norm_only),
+    "norm left out of micro-batch 1": (_whole, _head_skipping_norm, _whole),
+}
+
+
+# ------------------------------------------------------- accumulation modes
+
+
+def _no_sync_not_last_backward(model, last: bool) -> None:
+    model.set_requires_gradient_sync(last)
+    model.set_is_last_backward(last)
+
+
+def _no_sync(model, last: bool) -> None:
+    model.set_requires_gradient_sync(last)
+
+
+def _sync_each_not_last_backward(model, last: bool) -> None:
+    model.set_is_last_backward(last)
+
+
+def _no_all_reduce_not_last_backward(model, last: bool) -> None:
+    model.set_requires_all_reduce(last)
+    model.set_is_last_backward(last)
+
+
+# name: (switch before each micro-batch, on the HSDP mesh)
+ACCUMULATIONS: dict[str, tuple[Callable, bool]] = {
+    "no sync, not last backward": (_no_sync_not_last_backward, False),
+    "no sync": (_no_sync, False),
+    "sync each, not last backward": (_sync_each_not_last_backward, False),
+    "HSDP no all-reduce, not last backward": (_no_all_reduce_not_last_backward, True),
+}
+
+GROUPINGS = ("[norm, head] grouped", "norm and head apart")
+RESHARDINGS = ("reshard after forward", "keep after forward", "keep after backward")
+CASES = list(itertools.product(GROUPINGS, ACCUMULATIONS, LOSSES))
+
+
+# --------------------------------------------------------------- on each rank
+
+
+def _sharded_model(fully_shard, grouped: bool, mesh, resharding: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = TrunkNormHead()
+    kwargs = {"mesh": mesh, "reshard_after_forward": resharding == "reshard after forward"}
+    fully_shard(model.embed, **kwargs)
+    fully_shard(model.body, **kwargs)
+    if grouped:
+        fully_shard([model.norm, model.head], **kwargs)
+    else:
+        fully_shard(model.norm, **kwargs)
+        fully_shard(model.head, **kwargs)
+    fully_shard(model, **kwargs)
+    if resharding == "keep after backward":
+        model.set_reshard_after_backward(False)
+    return model
+
+
+def _batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(100 * micro + dist.get_rank())
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def _train_case(fully_shard, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
+    """Accumulate over the micro-batches, then take one AdamW step; returns
+    what the comparison reads (full tensors: every rank takes part)."""
+    from torch.distributed.tensor import DTensor
+
+    grouping, accumulation, loss = case
+    switch, hsdp = ACCUMULATIONS[accumulation]
+    model = _sharded_model(fully_shard, grouping == GROUPINGS[0], meshes["hsdp" if hsdp else "fsdp"], resharding)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    unsharded_after_backward = []
+    for micro, step in enumerate(LOSSES[loss]):
+        switch(model, micro == MICRO_BATCHES - 1)
+        step(model, *_batch(micro))
+        unsharded_after_backward.append(sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor)))
+    for module in model.modules():  # kept unsharded after backward: read the sharded ones
+        if hasattr(module, "reshard"):
+            module.reshard()
+    grads = {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    optimizer.step()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"unsharded after backward": unsharded_after_backward, "grads": grads, "params": params}
+
+
+def _outcome(fully_shard, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
+    """What ``_train_case`` returns, or the builtin type of what it raised.
+
+    torch itself raises in some HSDP cases without all-reduce: its partial
+    reduction is one flat buffer per group, so a group whose parameters with
+    gradients differ between micro-batches (a grouped ``[norm, head]`` used in
+    part) adds buffers of different sizes.  The error is local and the same on
+    every rank, so the ranks stay in step; shardkit must fail the same way.
+    """
+    try:
+        return _train_case(fully_shard, case, resharding, meshes)
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as error:
+        return {"raises": next(t.__name__ for t in type(error).__mro__ if t.__module__ == "builtins")}
+
+
+def _difference(theirs: torch.Tensor | None, ours: torch.Tensor | None) -> str | None:
+    if theirs is None or ours is None:
+        return None if theirs is ours else f"torch {_describe(theirs)}, shardkit {_describe(ours)}"
+    if theirs.shape != ours.shape or not torch.equal(theirs, ours):
+        return f"max |diff| {(theirs - ours).abs().max().item():.3g} (shapes {tuple(theirs.shape)}, {tuple(ours.shape)})"
+    return None
+
+
+def _describe(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"a {tuple(t.shape)} tensor"
+
+
+def _mismatches(case: tuple[str, str, str], theirs: dict, ours: dict) -> list[str]:
+    where = " / ".join(case)
+    if "raises" in theirs or "raises" in ours:
+        same = theirs.get("raises") == ours.get("raises")
+        return [] if same else [f"{where}: torch raises {theirs.get('raises')}, shardkit {ours.get('raises')}"]
+    found = []
+    if theirs["unsharded after backward"] != ours["unsharded after backward"]:
+        found.append(f"{where}: unsharded parameters after each backward: torch "
+                     f"{theirs['unsharded after backward']}, shardkit {ours['unsharded after backward']}")
+    for kind in ("grads", "params"):
+        for name in theirs[kind]:
+            diff = _difference(theirs[kind][name], ours[kind].get(name))
+            if diff is not None:
+                found.append(f"{where}: {kind[:-1]} {name}: {diff}")
+    return found
+
+
+def _run_matrix(resharding: str) -> tuple[int, list[str]]:
+    """Every case with torch's ``fully_shard`` and shardkit's; returns
+    (cases run, their mismatches)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit import fully_shard
+
+    world = dist.get_world_size()
+    meshes = {"fsdp": init_device_mesh("cpu", (world,)),
+              "hsdp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))}
+    found = []
+    for case in CASES:
+        theirs = _outcome(torch_fully_shard, case, resharding, meshes)
+        ours = _outcome(fully_shard, case, resharding, meshes)
+        found += _mismatches(case, theirs, ours)
+    return len(CASES), found
+
+
+# --------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("resharding", RESHARDINGS)
+def test_accumulated_gradients_and_step_equal_torch_for_every_grouping_and_partial_forward(resharding):
+    for cases_run, mismatches in run_on_ranks(2, _run_matrix, resharding):
+        assert cases_run == len(GROUPINGS) * len(ACCUMULATIONS) * len(LOSSES) == 56
+        assert mismatches == []
