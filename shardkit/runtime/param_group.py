@@ -100,7 +100,7 @@ class ParamGroup:
         self.unshard_async_op = False
         # per-iteration state
         self._pending: _PendingAllGather | None = None
-        self._partial_reduce: torch.Tensor | None = None
+        self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not all-reduced
         self._post_forward_indices: list[int] = []
         self._plans: dict[bool, C.AllGatherPlan] = {}
         self._initialized = False
@@ -311,6 +311,8 @@ class ParamGroup:
             if grad is None and self.reduce_scatter_unused_params and p.requires_grad \
                     and p.unsharded_param is not None:
                 grad = p.zero_unsharded_grad()
+            elif grad is None and self.all_reduce_grads and p in self._partial_reduce:
+                grad = p.zero_unsharded_grad()  # left out now: its held HSDP sum must still be all-reduced
             if grad is not None:
                 owners.append(p)
                 grads.append(grad)
@@ -343,15 +345,13 @@ class ParamGroup:
                 rs_out = rs_in
             if info.is_hsdp:
                 if not self.all_reduce_grads:
-                    if self._partial_reduce is None:
-                        self._partial_reduce = rs_out
-                    else:
-                        self._partial_reduce += rs_out
+                    self._hold_partial(owners, numels, rs_out)
                     comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
                     return
-                if self._partial_reduce is not None:
-                    rs_out += self._partial_reduce
-                    self._partial_reduce = None
+                for p, part in zip(owners, rs_out.split(numels)):
+                    held = self._partial_reduce.pop(p, None)
+                    if held is not None:
+                        part += held
                 with D.collective(self._call("all-reduce", rs_out.numel(), reduce_dtype), info.replicate_group,
                                   self.device):
                     C.all_reduce(rs_out, info.replicate_group)
@@ -362,6 +362,17 @@ class ParamGroup:
                 p.accumulate_sharded_grad(rs_out.narrow(0, offset, p.sharded_size.numel()).view(p.sharded_size))
                 offset += numel
         comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
+
+    def _hold_partial(self, owners: list[ShardedParam], numels: list[int], rs_out: torch.Tensor) -> None:
+        """Sum the reduce-scattered gradients to all-reduce later, per parameter:
+        which parameters have gradients can change between micro-batches (a
+        grouped call used in part, a module left out of one)."""
+        for p, part in zip(owners, rs_out.split(numels)):
+            held = self._partial_reduce.get(p)
+            if held is None:
+                self._partial_reduce[p] = part
+            else:
+                held += part
 
     def finalize_backward(self) -> None:
         if self._pending is not None:
@@ -374,7 +385,7 @@ class ParamGroup:
         if self._pending is not None and self._pending.work is not None:
             self._pending.work.wait()
         self._pending = None
-        self._partial_reduce = None
+        self._partial_reduce.clear()
         self._post_forward_indices.clear()
         for p in self.params:
             if p.unsharded_param is not None:
