@@ -19,8 +19,9 @@ Note [end of backward]
     order, which only the last backward clears (``set_is_last_backward``), so
     in the next micro-batch the first group's prefetch reaches back to the
     previous forward's last group and unshards it after its own
-    post-backward.  torch leaves that all-gather pending and drops it; a CPU
-    prefetch here copies out at once, so without this the group's modules
+    post-backward.  torch leaves that all-gather pending (the next forward
+    uses it, the last backward drops it); an inline (CPU) prefetch here
+    copies out at once, so without this the group's modules
     would keep their unsharded parameters after backward, and whatever reads
     the module's parameters (``clip_grad_norm_``, a gradient check) would
     miss the sharded gradients.
