@@ -139,7 +139,7 @@ class FSDPModule:
             for group in state.groups:
                 group.all_reduce_grads = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change the post-forward policy (``True``/``False``/int k) of this module (and below)."""
         for state in states_of(self, recurse):  # type: ignore[arg-type]
             state.auto_reshard_after_forward = False
@@ -165,17 +165,17 @@ class FSDPModule:
         self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        """Divide this module's reduced gradients by ``factor`` instead of the
+        data-parallel size (not its sharded submodules', as in torch)."""
         if factor <= 0:
             raise ConfigurationError(f"gradient divide factor must be positive, got {factor}")
-        for state in states_of(self, True):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.gradient_divide_factor = float(factor)
+        for group in self._shard_state().groups:
+            group.gradient_divide_factor = float(factor)
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable params that got no gradient, so ranks that
         used a parameter and ranks that did not still run the same collective."""
-        for state in states_of(self, True):  # type: ignore[arg-type]
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
             for group in state.groups:
                 group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
