@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "MixedPrecisionPolicy": _RUNTIME,
     "OffloadPolicy": _RUNTIME,
     "CPUOffloadPolicy": _RUNTIME,
+    "DataParallelMeshDims": _RUNTIME,
+    "share_comm_ctx": _RUNTIME,
     "clip_grad_norm_": _RUNTIME,
     "set_debug": _RUNTIME,
     "memory_report": _RUNTIME,

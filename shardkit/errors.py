@@ -33,6 +33,9 @@ __all__ = [
     "TrainingStateError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "UnsupportedBackendError",
+    "ArgumentTypeError",
+    "ConflictingSettingError",
     "CheckpointError",
     "CheckpointNotFound",
     "CheckpointExists",
@@ -99,6 +102,22 @@ class CollectiveMismatchError(CollectiveError):
     """Debug mode (``SHARDKIT_DEBUG=1``): the ranks of a process group were
     about to run different collectives (another group, op, size, dtype or
     pass); raised on every rank, naming what each rank was doing."""
+
+
+class UnsupportedBackendError(ShardingError, RuntimeError):
+    """A setting needs a communication backend or device this process group
+    does not have (for example symmetric memory, which needs NCCL on CUDA)."""
+
+
+class ArgumentTypeError(ConfigurationError, TypeError):
+    """An argument of the wrong type, where torch raises ``TypeError``."""
+
+
+class ConflictingSettingError(ShardingError, AssertionError):
+    """Two settings of a sharded module contradict each other (a custom
+    all-gather, then staging buffers from the process group), or a one-group
+    accessor meets several groups: where torch asserts, this is catchable as
+    ``AssertionError``."""
 
 
 # --------------------------------------------------------------------------

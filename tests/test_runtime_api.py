@@ -267,7 +267,6 @@ def test_reset_iter_state_recovers_and_a_block_can_run_on_its_own():
 
 def _mixed_precision_dtypes():
     from shardkit import MixedPrecisionPolicy, fully_shard
-    from shardkit.runtime import collectives
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
@@ -277,18 +276,18 @@ def _mixed_precision_dtypes():
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                       output_dtype=torch.float64))
     reduced_in = []
-    original = collectives.reduce_scatter
 
-    def recording(out, inp, group):
-        reduced_in.append(inp.dtype)
-        return original(out, inp, group)
+    class Recording:  # the default reduce-scatter, recording the dtype it is given
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
 
-    collectives.reduce_scatter = recording
-    try:
-        out = model(torch.randn(4, 6))
-        out.sum().backward()
-    finally:
-        collectives.reduce_scatter = original
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            reduced_in.append(input_tensor.dtype)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    model.set_custom_reduce_scatter(Recording())
+    out = model(torch.randn(4, 6))
+    out.sum().backward()
     return {"input": seen["input"], "weight": seen["weight"], "output": out.dtype, "reduced_in": reduced_in,
             "shard_dtype": {p.dtype for p in model.parameters()}, "grad_dtype": {p.grad.dtype for p in model.parameters()}}
 

@@ -7,11 +7,13 @@ Modules map onto files as follows:
 
 ==================  ============================================================
 ``fully_shard``     the entry point, the ``FSDPModule`` methods, ``UnshardHandle``
-``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``
+``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``, ``DataParallelMeshDims``
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
 ``param_group``     one all-gather/reduce-scatter unit and its state machine
-``fsdp_module``     the ``FSDPModule`` methods, ``UnshardHandle``, forward methods
+``fsdp_module``     the ``FSDPModule`` methods, ``UnshardHandle``, forward methods, ``share_comm_ctx``
+``comm_hooks``      custom all-gather/reduce-scatter comms, the all-reduce hook, comm settings
+``torch_names``     torch's FSDP state attribute names, for frameworks that read them
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
@@ -24,11 +26,11 @@ Modules map onto files as follows:
 """
 
 from shardkit.runtime.debug import set_debug
-from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
 from shardkit.runtime.grad_norm import clip_grad_norm_
 from shardkit.runtime.memory import GroupMemory, MemoryReport, memory_report
-from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
@@ -38,6 +40,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
     "clip_grad_norm_",
     "set_debug",
     "memory_report",

@@ -19,6 +19,9 @@ Note [SUM, then divide]
     reduce with ``SUM`` and divide ourselves: by the data-parallel size after
     the reduction for fp32/bf16, split into a power of two before and the rest
     after for fp16 (so the sum cannot overflow), and by a user factor before.
+    With ``set_force_sum_reduction_for_comms(True)`` a user factor is applied
+    where torch's force-sum path applies it: after the SUM (split for fp16),
+    exactly like the data-parallel size.
 """
 
 from __future__ import annotations
@@ -156,13 +159,13 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], shard_dims: list[int], pad
                 blocks[full, :rem].copy_(grad[full * per_rank_rows:])
 
 
-def divide_factors(data_parallel_size: int, dtype: torch.dtype,
-                   custom_factor: float | None) -> tuple[float, float]:
+def divide_factors(data_parallel_size: int, dtype: torch.dtype, custom_factor: float | None,
+                   force_sum: bool = False) -> tuple[float, float]:
     """``(pre, post)``: divide the input by ``pre`` before the SUM and the
     output by ``post`` after it (see Note [SUM, then divide])."""
-    if custom_factor is not None:
+    if custom_factor is not None and not force_sum:
         return float(custom_factor), 1.0
-    n = data_parallel_size
+    n = data_parallel_size if custom_factor is None else custom_factor
     if n == 1:
         return 1.0, 1.0
     if dtype == torch.float16:
@@ -173,8 +176,9 @@ def divide_factors(data_parallel_size: int, dtype: torch.dtype,
     return 1.0, float(n)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=group)
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
+    return _reduce_scatter_flat(out, inp, op=op, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -100,7 +100,10 @@ class CommContext:
         if not self.inline:
             self.pending_reduces.append((event, keep_alive))
 
-    def wait_for_reduces(self) -> None:
-        for event, _ in self.pending_reduces:
+    def wait_for_reduces(self, keep: int = 0) -> None:
+        """Wait for the oldest reductions until at most ``keep`` are in flight
+        (``set_reduce_scatter_max_input_buffers(k)`` keeps ``k - 1`` before a
+        group adds its own)."""
+        while len(self.pending_reduces) > keep:
+            event, _ = self.pending_reduces.pop(0)
             self.current_waits(event)
-        self.pending_reduces.clear()

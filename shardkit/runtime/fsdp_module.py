@@ -10,18 +10,20 @@ groups, and with ``recurse`` those of its sharded submodules).
 from __future__ import annotations
 
 import functools
-from typing import Any
+import warnings
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn as nn
 
 from shardkit.errors import ConfigurationError, TrainingStateError
+from shardkit.runtime import comm_hooks as H
 from shardkit.runtime.mesh_info import normalize_reshard_after_forward, post_forward_group
 from shardkit.runtime.module_state import ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "swap_class", "states_of",
-           "apply_reshard_after_forward"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx", "swap_class",
+           "states_of", "apply_reshard_after_forward"]
 
 
 def apply_reshard_after_forward(group: ParamGroup, value: bool | int) -> None:
@@ -137,7 +139,7 @@ class FSDPModule:
             for group in state.groups:
                 group.all_reduce_grads = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change the post-forward policy (``True``/``False``/int k) of this module (and below)."""
         for state in states_of(self, recurse):  # type: ignore[arg-type]
             state.auto_reshard_after_forward = False
@@ -163,17 +165,17 @@ class FSDPModule:
         self._shard_state().backward_prefetch = [_require_fsdp(m)._shard_state() for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        """Divide this module's reduced gradients by ``factor`` instead of the
+        data-parallel size (not its sharded submodules', as in torch)."""
         if factor <= 0:
             raise ConfigurationError(f"gradient divide factor must be positive, got {factor}")
-        for state in states_of(self, True):  # type: ignore[arg-type]
-            for group in state.groups:
-                group.gradient_divide_factor = float(factor)
+        for group in self._shard_state().groups:
+            group.gradient_divide_factor = float(factor)
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable params that got no gradient, so ranks that
         used a parameter and ranks that did not still run the same collective."""
-        for state in states_of(self, True):  # type: ignore[arg-type]
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
             for group in state.groups:
                 group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
@@ -188,6 +190,90 @@ class FSDPModule:
         compatibility: shardkit's all-gather stream already waits on the
         current stream before each all-gather, which orders it after the step."""
         self._shard_state().ctx.post_optim_event = event
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated: use :meth:`set_gradient_divide_factor` (warns as torch does)."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only and divide outside the collectives, at
+        torch's force-sum positions: a custom divide factor is then applied
+        after the reduction (split for fp16), and the all-reduce hook sees the
+        undivided sum.  shardkit's collectives always sum; this moves the divisions."""
+        for group in self._shard_state().groups:
+            group.comms.force_sum = enable
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Replace this group's all-gather with ``comm`` (torch's ``AllGather``
+        protocol: ``allocate(size, *, dtype, device)`` for the output buffer,
+        ``comm(output_tensor=, input_tensor=, group=, async_op=)`` to issue it).
+        Works on any backend the comm itself supports, gloo included."""
+        H.check_comm(comm, "set_custom_all_gather")
+        for group in H.only_group(self._shard_state().groups, "set_custom_all_gather", "custom comm"):
+            group.comms.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Replace this group's reduce-scatter with ``comm`` (torch's
+        ``ReduceScatter`` protocol; it is given ``op=ReduceOp.SUM`` and shardkit
+        divides, see comm_hooks Note [the reduce op a custom reduce-scatter is given])."""
+        H.check_comm(comm, "set_custom_reduce_scatter")
+        for group in H.only_group(self._shard_state().groups, "set_custom_reduce_scatter", "custom comm"):
+            group.comms.reduce_scatter = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduce_output)`` in place on each reduced gradient: the
+        reduce-scatter output on a 1-D mesh (e.g. a user's own replicate
+        all-reduce), after the all-reduce with native HSDP.  ``stream`` (not
+        with native HSDP) runs it on that stream; on the CPU it runs inline."""
+        for group in H.only_group(self._shard_state().groups, "set_all_reduce_hook", "hook"):
+            group.comms.all_reduce_hook = hook
+            if stream is not None:
+                if group.mesh_info.is_hsdp:
+                    raise ConfigurationError("stream cannot be set when using native HSDP; the hook runs after "
+                                             "the HSDP all-reduce, on its stream")
+                group.comms.hook_stream = stream
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many groups' reduce-scatter input buffers may be in flight at
+        once on an accelerator (default 1): more overlap, more peak memory.
+        CPU collectives complete inline, so none is ever in flight there."""
+        value = H.check_max_input_buffers(max_input_buffers)
+        for state in states_of(self, recurse):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.comms.max_input_buffers = value
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own over the shard ranks, so
+        it can overlap the all-gather; ``False`` goes back to the shared group.
+        Collective: call it on every rank of the mesh."""
+        H.separate_reduce_scatter_groups([g for s in states_of(self, recurse) for g in s.groups],  # type: ignore
+                                         enable)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Stage collective buffers in the process group's own allocator where
+        its backend has one (NCCL); gloo has none, so buffers stay ordinary
+        memory.  Not together with a custom all-gather/reduce-scatter."""
+        for group in self._shard_state().groups:
+            H.use_process_group_memory(group.comms, enable, group.mesh_info.shard_group)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Symmetric-memory staging buffers (NCCL on CUDA): not implemented by
+        shardkit; raises ``UnsupportedBackendError`` (a ``RuntimeError``, as torch
+        raises on gloo) instead of running without it."""
+        for group in self._shard_state().groups:
+            H.refuse_symm_mem(group.comms, backend, group.mesh_info.shard_group)
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """All-gather with ``async_op`` in pre-forward/pre-backward, for this
+        module and every sharded module below it."""
+        for state in states_of(self, True):  # type: ignore[arg-type]
+            for group in state.groups:
+                group.unshard_async_op = async_op
+
+    def _get_fsdp_state(self) -> ShardState:
+        """torch's accessor: the sharding state of this module (``fully_shard.state(m)``)."""
+        return self._shard_state()
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``module.to(...)``/``to_empty``: act on the sharded DTensors, then re-pad
@@ -227,3 +313,21 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._module_post_forward(module, args, out)  # type: ignore[arg-type]
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (pipeline-parallel model chunks) share one
+    communication context: the streams, the in-flight reductions and the
+    prefetch order, instead of one each."""
+    if not modules:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ConfigurationError(f"Expects list of FSDPModules but got {module}")
+    states = [m._shard_state() for m in modules]
+    shared = states[0].comm
+    for state in states[1:]:
+        for member in state.ctx.all_states or [state]:  # a root already initialized hands it down
+            member.comm = shared
+            for group in member.groups:
+                group.comm = shared

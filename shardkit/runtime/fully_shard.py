@@ -120,6 +120,11 @@ def fully_shard(
     return module
 
 
+# torch's ``contract`` accessor: ``fully_shard.state(module)`` is the module's
+# sharding state (shared by the modules of one call), or None if it has none.
+fully_shard.state = state_of  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------- checks
 
 

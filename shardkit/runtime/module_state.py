@@ -42,6 +42,7 @@ from shardkit.runtime.compile import clean_fqn, eager_hook
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.param_group import ParamGroup, TrainingState
 from shardkit.runtime.policies import MixedPrecisionPolicy
+from shardkit.runtime.torch_names import TorchStateNames
 
 __all__ = ["IterationContext", "ShardState", "STATE_ATTR", "state_of"]
 
@@ -63,7 +64,7 @@ class IterationContext:
         self.post_optim_event: Any = None
 
 
-class ShardState:
+class ShardState(TorchStateNames):
     """Hooks and root logic for the module(s) of one ``fully_shard`` call."""
 
     def __init__(self, modules: tuple[nn.Module, ...], device: torch.device, mp_policy: MixedPrecisionPolicy,

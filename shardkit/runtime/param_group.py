@@ -40,10 +40,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from shardkit.errors import TrainingStateError, UnshardableParameterError
 from shardkit.runtime import collectives as C
 from shardkit.runtime import debug as D
+from shardkit.runtime.comm_hooks import GroupComms
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.sharded_param import ShardedParam, ShardedState
+from shardkit.runtime.torch_names import TorchParamGroupNames
 
 __all__ = ["TrainingState", "ParamGroup", "is_backward"]
 
@@ -73,7 +75,7 @@ class _PendingAllGather:
         self.call, self.group = call, group
 
 
-class ParamGroup:
+class ParamGroup(TorchParamGroupNames):
     """All-gather/reduce-scatter unit and its state machine (see module docstring)."""
 
     def __init__(self, params: list[ShardedParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
@@ -98,6 +100,7 @@ class ParamGroup:
         self.reduce_scatter_unused_params = False
         self.unshard_in_backward = True
         self.unshard_async_op = False
+        self.comms = GroupComms()  # custom collectives, all-reduce hook, force-sum (comm_hooks)
         # per-iteration state
         self._pending: _PendingAllGather | None = None
         self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not all-reduced
@@ -176,10 +179,10 @@ class ParamGroup:
         call = self._call("all-gather", plan.per_rank, plan.dtype)
         with comm.on("all_gather"):
             inputs = [p.all_gather_input() for p in self.params]
-            out = torch.empty(world * plan.per_rank, dtype=plan.dtype, device=self.device)
+            out = self.comms.all_gather.allocate((world * plan.per_rank,), dtype=plan.dtype, device=self.device)
             block = C.all_gather_copy_in(inputs, plan, out, rank)
             with D.collective(call, group, self.device):
-                work = C.issue_all_gather(out, block, group, async_op)
+                work = self.comms.all_gather(output_tensor=out, input_tensor=block, group=group, async_op=async_op)
             event = comm.record("all_gather")
         self._pending = _PendingAllGather(out, work, plan, world, event, call, group)
 
@@ -320,27 +323,28 @@ class ParamGroup:
 
     @torch.no_grad()
     def _reduce(self, owners: list[ShardedParam], grads: list[torch.Tensor]) -> None:
-        info, comm = self.mesh_info, self.comm
+        info, comm, comms = self.mesh_info, self.comm, self.comms
         world = info.shard_size
         reduce_dtype = owners[0].reduce_dtype or grads[0].dtype
         numels = [p.padded_numel for p in owners]
         total = sum(numels)
-        pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor)
-        comm.wait_for_reduces()  # the previous group's reduction buffers may go now
+        pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor,
+                                     comms.force_sum)
+        comm.wait_for_reduces(keep=comms.max_input_buffers - 1)  # older groups' reduction buffers may go now
         # Copy-in on the current stream, where autograd made the gradients, so
         # they can be freed right after it: the caller's list holds the only
         # references.  (At the root's reduction this is the step's peak.)
-        rs_in = torch.empty(world * total, dtype=reduce_dtype, device=self.device)
+        rs_in = comms.reduce_scatter.allocate((world * total,), dtype=reduce_dtype, device=self.device)
         C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
         grads.clear()
         with comm.on("reduce_scatter"):
             if pre != 1.0:
                 rs_in.div_(pre)
             if world > 1:
-                rs_out = torch.empty(total, dtype=reduce_dtype, device=self.device)
-                with D.collective(self._call("reduce-scatter", rs_in.numel(), reduce_dtype), info.shard_group,
-                                  self.device):
-                    C.reduce_scatter(rs_out, rs_in, info.shard_group)
+                rs_out = comms.reduce_scatter.allocate((total,), dtype=reduce_dtype, device=self.device)
+                rs_group = comms.reduce_group(info.shard_group)
+                with D.collective(self._call("reduce-scatter", rs_in.numel(), reduce_dtype), rs_group, self.device):
+                    comms.issue_reduce_scatter(rs_out, rs_in, rs_group)
             else:  # one shard rank: the laid-out input is already this rank's output
                 rs_out = rs_in
             if info.is_hsdp:
@@ -355,8 +359,7 @@ class ParamGroup:
                 with D.collective(self._call("all-reduce", rs_out.numel(), reduce_dtype), info.replicate_group,
                                   self.device):
                     C.all_reduce(rs_out, info.replicate_group)
-            if post != 1.0:
-                rs_out.div_(post)
+            comms.finish_reduction(rs_out, post, reduce_dtype, self.device, comm.inline)
             offset = 0
             for p, numel in zip(owners, numels):
                 p.accumulate_sharded_grad(rs_out.narrow(0, offset, p.sharded_size.numel()).view(p.sharded_size))

@@ -45,6 +45,7 @@ from shardkit.errors import UnshardableParameterError
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
+from shardkit.runtime.torch_names import TorchParamNames
 
 __all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
 
@@ -91,7 +92,7 @@ def _pin_available() -> bool:
     return torch.cuda.is_available()
 
 
-class ShardedParam:
+class ShardedParam(TorchParamNames):
     """The shard, padding and unsharded view of one parameter of a group."""
 
     def __init__(self, param: nn.Parameter, info: ParamModuleInfo, mesh_info: MeshInfo,
