@@ -84,8 +84,9 @@ class ShardState:
             return
         if len(self.modules) > 1:
             raise TrainingStateError(
-                "a fully_shard call over a list of modules cannot be the root; apply fully_shard "
-                "to the module that contains them as well"
+                f"FSDP requires a single root module but got {self.modules}. A fully_shard call over "
+                "a list of modules cannot be the root; apply fully_shard to the module that contains "
+                "them as well"
             )
         self.is_root = True
         root = self.modules[0]
@@ -98,8 +99,10 @@ class ShardState:
             if state is not self:
                 if state.is_root is not None:
                     raise TrainingStateError(
-                        f"the sharded module {name!r} already ran forward as a root; run the first "
-                        "forward through the outermost sharded module"
+                        f"FSDP state has already been lazily initialized for {name}\n"
+                        "FSDP requires running forward through the root module first: the sharded "
+                        f"module {name!r} already ran forward as a root; run the first forward "
+                        "through the outermost sharded module"
                     )
                 state.is_root = False
             self.ctx.all_states.append(state)

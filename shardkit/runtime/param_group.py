@@ -115,16 +115,22 @@ class ParamGroup:
         on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
         if on_meta:
             raise TrainingStateError(
-                f"parameters {on_meta} are still on the meta device; materialize them before "
-                "training: model.to_empty(device=...) and then model.reset_parameters() "
-                "(or load a state dict)"
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values. "
+                "Loading a state dict (load_state_dict(..., assign=True)) materializes them too."
+            )
+        off_cpu = [(p.fqn, p.sharded_param.device) for p in self.params
+                   if p.offload and p.sharded_param.device.type != "cpu"]
+        if off_cpu:
+            raise TrainingStateError(
+                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                f"Found following parameters on non-CPU device: {off_cpu}\n"
+                "CPU offloading keeps the shards on the CPU."
             )
         for p in self.params:
-            if p.offload and p.sharded_param.device.type != "cpu":
-                raise TrainingStateError(
-                    f"parameter {p.fqn} is on {p.sharded_param.device} but CPU offloading keeps "
-                    "shards on the CPU; materialize with to_empty(device='cpu') or load a CPU state dict"
-                )
             p.init_dtypes(self.mp_policy)
         trainable = {(p.reduce_dtype or p.compute_dtype) for p in self.params if p.requires_grad}
         if len(trainable) > 1:

@@ -41,7 +41,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.errors import UnshardableParameterError
+from shardkit.errors import (
+    InvalidShardDimError,
+    UnshardableParameterError,
+    UnsupportedParameterLayoutError,
+)
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
@@ -120,32 +124,35 @@ class ShardedParam:
         # [composing FSDP with TP]); everything below works on that local data.
         is_tp = isinstance(param, DTensor)
         data = param._local_tensor if is_tp else param.detach()
+        # Each check raises torch's builtin with torch's wording first (see shardkit.errors).
         if data.dim() == 0:
             raise UnshardableParameterError(
-                f"parameter {name} is a scalar (0-dim) and has no dim to shard; make it a "
-                "1-D tensor of one element (e.g. nn.Parameter(torch.tensor([x]))) or pass it "
-                "in ignored_params"
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {self.info.name} to a 1D tensor with numel equal to 1. Parameter {name}: e.g. "
+                "nn.Parameter(torch.tensor([x])), or pass it in ignored_params"
             )
         if not data.is_contiguous():
-            raise UnshardableParameterError(
-                f"parameter {name} of shape {tuple(data.shape)} is not contiguous "
-                f"(stride {data.stride()}); make it contiguous before fully_shard"
+            raise UnsupportedParameterLayoutError(
+                f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}. "
+                f"Make parameter {name} contiguous before fully_shard (e.g. nn.Parameter(w.contiguous()))"
             )
+        asked = shard_dim
         if shard_dim < 0:
             shard_dim += data.dim()
         if not 0 <= shard_dim < data.dim():
-            raise UnshardableParameterError(
-                f"shard_placement_fn returned Shard({shard_dim}) for parameter {name} of "
-                f"shape {tuple(data.shape)}, which has no such dim"
+            raise InvalidShardDimError(
+                f"Shard dim {shard_dim if shard_dim >= 0 else asked} is invalid for {data.dim()}D tensor: "
+                f"{param.shape}. shard_placement_fn returned Shard({asked}) for parameter {name}; "
+                f"return Shard(d) with -{data.dim()} <= d < {data.dim()}, or None for Shard(0)"
             )
         self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
         world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         size = data.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
-            raise UnshardableParameterError(
-                f"parameter {name} of shape {tuple(size)} cannot be sharded on dim {shard_dim} "
-                f"over {world} ranks: {size[shard_dim]} is not divisible by {world}. Only dim 0 "
-                "may be uneven; return Shard(0) (or None) from shard_placement_fn for it"
+            raise UnsupportedParameterLayoutError(
+                f"FSDP does not support uneven sharding on dim {shard_dim}: {size} (world size: {world}). "
+                f"Parameter {name}: {size[shard_dim]} is not divisible by {world}; only dim 0 may be "
+                "uneven, so return Shard(0) (or None) from shard_placement_fn for it"
             )
         self.shard_dim = shard_dim
         self.orig_size = size  # of the unsharded tensor FSDP gathers: TP-local for a TP parameter
