@@ -1,6 +1,7 @@
 """What torch's ``fully_shard`` refuses, shardkit's refuses with the same builtin exception and
 torch's own words first, then its own guidance: code that catches torch's error, and a search for
-torch's message, keep working after ``from shardkit import fully_shard``.
+torch's message, keep working after ``from shardkit import fully_shard``.  And a parameter the user
+replaces between ``fully_shard`` and the first forward is taken up at lazy init, as torch takes it.
 
 Every case runs torch's ``fully_shard`` and shardkit's on the same input, on two gloo ranks.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.dist import run_on_ranks
 from tests.models import MLPStack
@@ -148,3 +149,103 @@ def test_shardkit_raises_torchs_builtin_with_torchs_words_first(case):
         assert ours["message"].startswith(theirs["message"]), (rank, theirs["message"], ours["message"])
         assert len(ours["message"]) > len(theirs["message"]), "shardkit's guidance follows torch's words"
 
+
+# ---------------------------------------------------------------- a parameter replaced after fully_shard
+
+
+class _WithNorm(nn.Module):
+    """Two layers and a norm vector the user computes from them once they are materialized;
+    3 rows over 2 ranks, so the shards are uneven."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)) * self.weight_norm
+
+
+def _sharded_on_meta_and_materialized(fully_shard) -> _WithNorm:
+    with torch.device("meta"):
+        model = _WithNorm()
+    fully_shard(model.layer1)
+    fully_shard(model.layer2)
+    fully_shard(model)
+    torch.manual_seed(0)
+    full = {"layer1.weight": torch.randn(3, 3), "layer2.weight": torch.randn(3, 3)}
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in full:
+                param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements))
+    return model
+
+
+def _norm_of_layers(model: _WithNorm) -> torch.Tensor:
+    with torch.no_grad():  # DTensor ops: the result is sharded as the layers' rows are
+        return torch.linalg.norm(model.layer1.weight, dim=1) + torch.linalg.norm(model.layer2.weight, dim=1)
+
+
+def _train_after_replacing(fully_shard) -> dict:
+    model = _sharded_on_meta_and_materialized(fully_shard)
+    model.weight_norm = nn.Parameter(_norm_of_layers(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()},
+            "weight_norm": (isinstance(model.weight_norm, DTensor), model.weight_norm.placements)}
+
+
+def _refused_replacement(fully_shard, kind: str) -> dict | None:
+    model = _sharded_on_meta_and_materialized(fully_shard)
+    norm = _norm_of_layers(model)
+    model.weight_norm = nn.Parameter(norm.full_tensor() if kind == "plain tensor" else
+                                     norm.redistribute(norm.device_mesh, [Replicate()]))
+    return _outcome(lambda: model(torch.ones(2, 3)))
+
+
+def _replacements_with_torch_and_shardkit() -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit import fully_shard
+
+    out = {"trained": {"torch": _train_after_replacing(torch_fully_shard),
+                       "shardkit": _train_after_replacing(fully_shard)}}
+    for kind in ("plain tensor", "replicated DTensor"):
+        out[kind] = {"torch": _refused_replacement(torch_fully_shard, kind),
+                     "shardkit": _refused_replacement(fully_shard, kind)}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _replacements_on_two_ranks() -> list[dict]:
+    return run_on_ranks(2, _replacements_with_torch_and_shardkit)
+
+
+def test_a_parameter_replaced_before_the_first_forward_trains_bitwise_as_with_torch():
+    for rank, out in enumerate(_replacements_on_two_ranks()):
+        theirs, ours = out["trained"]["torch"], out["trained"]["shardkit"]
+        assert ours["weight_norm"] == theirs["weight_norm"] == (True, (Shard(0),))
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"], strict=True)), rank
+        assert list(ours["params"]) == list(theirs["params"]) == ["weight_norm", "layer1.weight", "layer2.weight"]
+        for name, value in theirs["params"].items():
+            assert torch.equal(ours["params"][name], value), (rank, name)
+
+
+@pytest.mark.parametrize("kind, builtin", [("plain tensor", AttributeError), ("replicated DTensor", RuntimeError)])
+def test_a_replacement_torch_cannot_take_is_refused_with_the_same_builtin_and_how_to_build_one(kind, builtin):
+    for rank, out in enumerate(_replacements_on_two_ranks()):
+        theirs, ours = out[kind]["torch"], out[kind]["shardkit"]
+        assert theirs is not None and theirs["type"] == builtin.__name__, (rank, theirs)
+        assert ours is not None and ours["type"] == "ReplacedParameterError" and builtin.__name__ in ours["mro"]
+        assert ours["message"].startswith("parameter weight_norm was replaced by a ")
+        assert "distribute_tensor(full, param.device_mesh, param.placements)" in ours["message"]

@@ -121,11 +121,15 @@ class ShardState:
 
     def _init_fqns(self, root: nn.Module) -> None:
         """Names for messages: FQNs under the root, as the eager model spells them."""
-        by_param = {id(p.sharded_param): p for s in self.ctx.all_states for g in s.groups for p in g.params}
-        for name, param in root.named_parameters(remove_duplicate=False):
-            sp = by_param.get(id(param))
-            if sp is not None:
-                sp.fqn = clean_fqn(name)
+        # by where each parameter is registered, not by the object: one the user replaced
+        # since fully_shard is only taken up by the group's lazy init, after this
+        by_slot = {(id(p.info.module), p.info.name): p for s in self.ctx.all_states for g in s.groups
+                   for p in g.params}
+        for prefix, module in root.named_modules():
+            for name in module._parameters:
+                sp = by_slot.get((id(module), name))
+                if sp is not None:
+                    sp.fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
         for name, module in root.named_modules():
             state = state_of(module)
             if state is not None:

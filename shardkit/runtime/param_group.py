@@ -112,6 +112,11 @@ class ParamGroup:
         """Derive dtypes and check the params are ready (after ``to_empty``, ``.to``)."""
         if self._initialized:
             return
+        if self.sharded_state is ShardedState.SHARDED:
+            # Users may replace a parameter between fully_shard and the first forward (e.g. set
+            # a norm computed from other, now materialized, parameters): take what is registered.
+            for p in self.params:
+                p.reset_sharded_param()
         on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
         if on_meta:
             raise TrainingStateError(

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from shardkit.errors import (
     InvalidShardDimError,
+    ReplacedParameterError,
     UnshardableParameterError,
     UnsupportedParameterLayoutError,
 )
@@ -225,13 +226,9 @@ class ShardedParam:
         longer a view into ``padded``, a new padded buffer is made from it."""
         current = getattr(self.info.module, self.info.name)
         if current is not self.sharded_param:
-            if not isinstance(current, DTensor):
-                raise UnshardableParameterError(
-                    f"parameter {self.fqn} was replaced by a {type(current).__name__}; a sharded "
-                    "module takes DTensor values (load a sharded state dict, or distribute_tensor "
-                    "each full tensor with the parameter's device_mesh and placements)"
-                )
+            self._check_replacement(current)
             self.sharded_param = current
+            self.requires_grad = current.requires_grad
             self.info.register(current)
         local = self.sharded_param._local_tensor
         self.spec = self.sharded_param._spec
@@ -250,6 +247,28 @@ class ShardedParam:
         self.sharded_param._local_tensor = padded.narrow(self.shard_dim, 0, self.real_rows)
         if dtype_changed:
             self._drop_unsharded()
+
+    def _check_replacement(self, new: object) -> None:
+        """A parameter set on the module after ``fully_shard`` (``module.w = nn.Parameter(d)``,
+        ``load_state_dict(assign=True)``) is taken as the new shard, as torch takes it, only
+        if it is this rank's shard in the old one's layout: a plain tensor could be the full
+        tensor or this rank's rows, and another layout would be all-gathered wrongly."""
+        howto = ("build it as a DTensor in the parameter's layout: nn.Parameter(distribute_tensor("
+                 "full, param.device_mesh, param.placements)), or compute it from the other sharded "
+                 "parameters (DTensor ops keep their layout)")
+        if not isinstance(new, DTensor):
+            raise ReplacedParameterError(
+                f"parameter {self.fqn} was replaced by a {type(new).__name__} that is not a DTensor; "
+                f"a sharded module takes this rank's shard as a DTensor: {howto}"
+            )
+        old = self.spec
+        if (new.device_mesh != old.mesh or tuple(new.placements) != tuple(old.placements)
+                or new.shape != old.shape):
+            raise ReplacedParameterError(
+                f"parameter {self.fqn} was replaced by a DTensor of shape {tuple(new.shape)} with "
+                f"placements {tuple(new.placements)} on {new.device_mesh}; it is sharded as shape "
+                f"{tuple(old.shape)} with placements {tuple(old.placements)} on {old.mesh}: {howto}"
+            )
 
     def _drop_unsharded(self) -> None:
         self.buffer = None
