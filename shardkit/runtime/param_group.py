@@ -37,13 +37,13 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardkit.errors import TrainingStateError, UnshardableParameterError
+from shardkit.errors import UnshardableParameterError
 from shardkit.runtime import collectives as C
 from shardkit.runtime import debug as D
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup
 from shardkit.runtime.policies import MixedPrecisionPolicy
-from shardkit.runtime.sharded_param import ShardedParam, ShardedState
+from shardkit.runtime.sharded_param import ShardedParam, ShardedState, check_materialized
 
 __all__ = ["TrainingState", "ParamGroup", "is_backward"]
 
@@ -117,24 +117,7 @@ class ParamGroup:
             # a norm computed from other, now materialized, parameters): take what is registered.
             for p in self.params:
                 p.reset_sharded_param()
-        on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
-        if on_meta:
-            raise TrainingStateError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {on_meta}\n"
-                "For example, call module.to_empty(device) to materialize to device and "
-                "call module.reset_parameters() on each module to initialize values. "
-                "Loading a state dict (load_state_dict(..., assign=True)) materializes them too."
-            )
-        off_cpu = [(p.fqn, p.sharded_param.device) for p in self.params
-                   if p.offload and p.sharded_param.device.type != "cpu"]
-        if off_cpu:
-            raise TrainingStateError(
-                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
-                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
-                f"Found following parameters on non-CPU device: {off_cpu}\n"
-                "CPU offloading keeps the shards on the CPU."
-            )
+        check_materialized(self.params)
         for p in self.params:
             p.init_dtypes(self.mp_policy)
         trainable = {(p.reduce_dtype or p.compute_dtype) for p in self.params if p.requires_grad}

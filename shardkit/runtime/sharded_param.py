@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.errors import (
     InvalidShardDimError,
     ReplacedParameterError,
+    TrainingStateError,
     UnshardableParameterError,
     UnsupportedParameterLayoutError,
 )
@@ -51,7 +52,7 @@ from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 
-__all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
+__all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage", "check_materialized"]
 
 
 class ShardedState(enum.Enum):
@@ -404,3 +405,24 @@ class ShardedParam:
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, size={tuple(self.orig_size)}, state={self.state.name})"
 
+
+def check_materialized(params: list[ShardedParam]) -> None:
+    """Before the first all-gather, every shard must be real memory, on the CPU under CPU
+    offloading (torch's RuntimeErrors and words, then what else works)."""
+    on_meta = [p.fqn for p in params if p.sharded_param.is_meta]
+    if on_meta:
+        raise TrainingStateError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {on_meta}\n"
+            "For example, call module.to_empty(device) to materialize to device and "
+            "call module.reset_parameters() on each module to initialize values. "
+            "Loading a state dict (load_state_dict(..., assign=True)) materializes them too."
+        )
+    off_cpu = [(p.fqn, p.sharded_param.device) for p in params if p.offload and p.sharded_param.device.type != "cpu"]
+    if off_cpu:
+        raise TrainingStateError(
+            "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+            'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+            f"Found following parameters on non-CPU device: {off_cpu}\n"
+            "CPU offloading keeps the shards on the CPU."
+        )
