@@ -18,7 +18,12 @@ The families mirror the two halves of the project:
 
 Several classes also derive from the built-in exception a Python user would
 reach for (``ValueError``, ``FileNotFoundError``, ``FileExistsError``), so
-code written against the standard library keeps working.
+code written against the standard library keeps working.  Where shardkit
+offers a torch API under torch's name, an error torch raises for the same
+input is also an instance of torch's builtin (``AssertionError``,
+``NotImplementedError``, ...), and its message starts with torch's wording:
+code that catches what ``torch.distributed.fsdp.fully_shard`` raises catches
+shardkit's error too, and a search for torch's message finds it.
 """
 
 from __future__ import annotations
@@ -28,9 +33,15 @@ __all__ = [
     "ConfigurationError",
     "ShardingError",
     "AlreadyShardedError",
+    "ShardedTwiceError",
     "UnsupportedMeshError",
+    "UnnamedMeshDimsError",
     "UnshardableParameterError",
+    "UnsupportedParameterLayoutError",
+    "InvalidShardDimError",
+    "ReplacedParameterError",
     "TrainingStateError",
+    "DeepcopyUnsupportedError",
     "CollectiveError",
     "CollectiveMismatchError",
     "UnsupportedBackendError",
@@ -77,8 +88,18 @@ class AlreadyShardedError(ShardingError, ValueError):
     """``fully_shard`` was applied twice to the same module."""
 
 
+class ShardedTwiceError(AlreadyShardedError, AssertionError):
+    """``fully_shard`` was applied twice to the same module; also an
+    ``AssertionError``, which torch's composable-API contract raises."""
+
+
 class UnsupportedMeshError(ShardingError, ValueError):
     """The device mesh has a shape or device that sharding cannot use (e.g. 3-D)."""
+
+
+class UnnamedMeshDimsError(UnsupportedMeshError, AssertionError):
+    """A 2-D (HSDP) mesh without ``mesh_dim_names``: which dim replicates and
+    which shards must be named.  Also an ``AssertionError``, as torch's."""
 
 
 class UnshardableParameterError(ShardingError, ValueError):
@@ -87,9 +108,30 @@ class UnshardableParameterError(ShardingError, ValueError):
     groups."""
 
 
+class UnsupportedParameterLayoutError(UnshardableParameterError, NotImplementedError):
+    """A parameter layout FSDP does not implement: a non-contiguous tensor, or
+    uneven sharding on a dim other than 0.  Also a ``NotImplementedError``, as torch's."""
+
+
+class InvalidShardDimError(UnshardableParameterError, AssertionError):
+    """``shard_placement_fn`` named a dim the parameter does not have.  Also an
+    ``AssertionError``, as torch's."""
+
+
+class ReplacedParameterError(UnshardableParameterError, AttributeError, RuntimeError):
+    """A parameter replaced on a sharded module (``module.w = nn.Parameter(...)``)
+    by something other than a DTensor with the replaced one's mesh, placements
+    and shape.  Also the ``AttributeError`` (a plain tensor) and
+    ``RuntimeError`` (another layout) torch's ``fully_shard`` fails with."""
+
+
 class TrainingStateError(ShardingError, RuntimeError):
     """A call arrived in a training state where it has no meaning (for example,
     ``summon_full_params`` during forward)."""
+
+
+class DeepcopyUnsupportedError(TrainingStateError, AssertionError):
+    """``copy.deepcopy`` of a sharded module.  Also an ``AssertionError``, as torch's."""
 
 
 class CollectiveError(ShardingError, RuntimeError):

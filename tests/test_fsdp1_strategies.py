@@ -113,12 +113,18 @@ def _hybrid(steps):
                  process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
     zero2_losses = train_steps(zero2, torch.optim.AdamW(zero2.parameters(), lr=1e-2), range(steps), world)
     placements = {p.placements for p in zero2.parameters()}
-    return losses, zero2_losses, ref, mesh_shape, placements
+
+    # FSDP1 takes a 2-D device_mesh without dim names as (replicate, shard)
+    unnamed = FSDP(build_transformer(), auto_wrap_policy=POLICY, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                   device_mesh=init_device_mesh("cpu", (2, 2)))
+    unnamed_losses = train_steps(unnamed, torch.optim.AdamW(unnamed.parameters(), lr=1e-2), range(steps), world)
+    return losses, zero2_losses, unnamed_losses, ref, mesh_shape, placements
 
 
 def test_hybrid_shard_on_two_by_two_ranks_matches_single_process():
-    for losses, zero2_losses, ref, mesh_shape, placements in run_on_ranks(4, _hybrid, 3):
+    for losses, zero2_losses, unnamed_losses, ref, mesh_shape, placements in run_on_ranks(4, _hybrid, 3):
         assert mesh_shape == (2, 2)
         assert placements == {(Replicate(), Shard(0))}
         assert_close_losses(losses, ref)
         assert_close_losses(zero2_losses, ref)
+        assert unnamed_losses == losses

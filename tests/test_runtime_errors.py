@@ -107,16 +107,16 @@ def _misuses():
 
 
 EXPECTED = {
-    "twice": ("AlreadyShardedError", "already applied"),
+    "twice": ("ShardedTwiceError", "Apply fully_shard once per module"),
     "three_d_mesh": ("UnsupportedMeshError", "3-D mesh"),
-    "uneven_dim1": ("UnshardableParameterError", "7 is not divisible by 2"),
+    "uneven_dim1": ("UnsupportedParameterLayoutError", "7 is not divisible by 2"),
     "placement_not_shard": ("ConfigurationError", "must return a torch.distributed.tensor.Shard"),
     "scalar": ("UnshardableParameterError", "scale"),
     "module_list": ("ConfigurationError", "ModuleList"),
     "meta_forward": ("TrainingStateError", "to_empty"),
     "reshard_int_not_dividing": ("ConfigurationError", "must divide the shard group size 2"),
     "shared_between_groups": ("UnshardableParameterError", "fully_shard([module_a, module_b])"),
-    "deepcopy_sharded": ("TrainingStateError", "deep-copied"),
+    "deepcopy_sharded": ("DeepcopyUnsupportedError", "copy the model before fully_shard"),
     "child_ran_first": ("TrainingStateError", "already ran forward as a root"),
     "bad_policy_type": ("ConfigurationError", "MixedPrecisionPolicy"),
 }

@@ -233,7 +233,7 @@ def _mesh_from_device_mesh(strategy: ShardingStrategy, mesh: DeviceMesh, cache: 
         if mesh.ndim != 2:
             raise UnsupportedMeshError(f"{strategy.name} needs a 2-D (replicate, shard) device_mesh, "
                                        f"got shape {tuple(mesh.shape)}")
-        return mesh
+        return mesh if mesh.mesh_dim_names is not None else _named(mesh, cache)
     if mesh.ndim != 1:
         raise UnsupportedMeshError(f"{strategy.name} needs a 1-D device_mesh, got shape {tuple(mesh.shape)}; "
                                    "use HYBRID_SHARD for a 2-D mesh")
@@ -244,6 +244,16 @@ def _mesh_from_device_mesh(strategy: ShardingStrategy, mesh: DeviceMesh, cache: 
                                        "supported; use the whole world or HYBRID_SHARD")
         return build_mesh(strategy, torch.device(mesh.device_type), cache=cache)
     return mesh
+
+
+def _named(mesh: DeviceMesh, cache: dict[tuple, DeviceMesh]) -> DeviceMesh:
+    """FSDP1 takes an unnamed 2-D device_mesh as (replicate, shard); fully_shard needs the
+    names (an unnamed one is refused), so the same groups get them, without new groups."""
+    key = ("named", tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.device_type)
+    if key not in cache:
+        cache[key] = DeviceMesh.from_group([mesh.get_group(0), mesh.get_group(1)], mesh.device_type,
+                                           mesh=mesh.mesh, mesh_dim_names=DIM_NAMES)
+    return cache[key]
 
 
 def _mesh_from_group_pair(strategy: ShardingStrategy, groups: tuple, device_type: str,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.nn as nn
 
-from shardkit.errors import ConfigurationError, TrainingStateError
+from shardkit.errors import ConfigurationError, DeepcopyUnsupportedError, TrainingStateError
 from shardkit.runtime import comm_hooks as H
 from shardkit.runtime.mesh_info import normalize_reshard_after_forward, post_forward_group
 from shardkit.runtime.module_state import ShardState, state_of
@@ -49,9 +49,10 @@ def swap_class(module: nn.Module) -> None:
 
 
 def _no_deepcopy(self: Any, memo: Any) -> Any:
-    raise TrainingStateError(
-        "a sharded module cannot be deep-copied (its parameters alias communication buffers); "
-        "copy the model before fully_shard, or rebuild it and load a state dict"
+    raise DeepcopyUnsupportedError(
+        "FSDP does not support deepcopy. Please use state dict for serialization. A sharded "
+        "module's parameters alias communication buffers: copy the model before fully_shard, "
+        "or rebuild it and load a state dict"
     )
 
 

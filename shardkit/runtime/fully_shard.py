@@ -7,6 +7,7 @@ original class and gains the :class:`FSDPModule` methods.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.errors import AlreadyShardedError, ConfigurationError, UnshardableParameterError
+from shardkit.errors import AlreadyShardedError, ConfigurationError, ShardedTwiceError, UnshardableParameterError
 from shardkit.runtime.compile import keep_state_dict_keys_clean, unwrap_compiled
 from shardkit.runtime.fsdp_module import FSDPModule, apply_reshard_after_forward, states_of, swap_class
 from shardkit.runtime.mesh_info import default_mesh, device_from_mesh, mesh_info_for, normalize_reshard_after_forward
@@ -24,7 +25,8 @@ from shardkit.runtime.param_group import ParamGroup
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 
-# Original Parameter -> the class of the module whose fully_shard call owns it.
+# Original Parameter -> (the class of the module whose fully_shard call owns it,
+# a weak reference to the sharded parameter that call made of it).
 # Keys are held weakly and by identity, so an entry lives exactly as long as its
 # Parameter: a second call that reaches the same (tied) Parameter through another
 # module is caught at once, and a freed original is never confused with a new
@@ -97,7 +99,7 @@ def fully_shard(
     ignored = set(ignored_params or ())
 
     managed = _managed_modules(modules)
-    params = _managed_params(managed, ignored)
+    params = _managed_params(modules, managed, ignored)
     _move_buffers(managed, device)
     infos = _module_infos(managed, params)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -106,7 +108,7 @@ def fully_shard(
                for p in params]
     for p, sp in zip(params, sharded):  # only now: a parameter that cannot be sharded leaves the module untouched
         sp.info.register(sp.sharded_param)
-        _CLAIMED[p] = type(modules[0]).__name__
+        _CLAIMED[p] = (type(modules[0]).__name__, weakref.ref(sp.sharded_param))
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     if sharded:
@@ -136,14 +138,16 @@ def _check_modules(modules: tuple[nn.Module, ...]) -> None:
             raise ConfigurationError(f"fully_shard takes nn.Module(s), got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ConfigurationError(
-                f"fully_shard cannot shard a {type(m).__name__} on its own: it has no forward, so its "
-                "hooks would never run; shard each of its modules, or the module that calls them"
+                f"fully_shard does not support containers that do not implement forward: {m}\n"
+                f"A {type(m).__name__} has no forward, so its hooks would never run; shard each of its "
+                "modules, or the module that calls them"
             )
         if state_of(m) is not None or isinstance(m, FSDPModule):
-            raise AlreadyShardedError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
-                "(bottom-up: each block, then the root) and change settings with the FSDPModule "
-                "set_* methods instead"
+            raise ShardedTwiceError(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"fully_shard has already been applied to the following module:\n{m}\n"
+                "Apply fully_shard once per module (bottom-up: each block, then the root) and change "
+                "settings with the FSDPModule set_* methods instead"
             )
         if _torch_composable_state(m) is not None:
             raise AlreadyShardedError(
@@ -205,22 +209,47 @@ def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
     return out
 
 
-def _managed_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+def _managed_params(roots: tuple[nn.Module, ...], modules: list[nn.Module],
+                    ignored: set[nn.Parameter]) -> list[nn.Parameter]:
     params, seen = [], set()
     for m in modules:
         for name, p in m._parameters.items():
             if p is None or id(p) in seen or p in ignored:
                 continue
-            owner = _CLAIMED.get(p)
-            if owner is not None:
+            claim = _CLAIMED.get(p)
+            if claim is not None:
+                # torch finds this at the first forward; here it is found at once, before anything
+                # is changed, in torch's words (and its ValueError), naming the earlier group's copy
+                owner, sharded = claim
+                here = _name_under(roots, m, name)
                 raise UnshardableParameterError(
-                    f"parameter {type(m).__name__}.{name} is shared with the group of an earlier "
-                    f"fully_shard({owner}) call; shared (tied) parameters must live in one group: "
-                    "fully_shard([module_a, module_b]) or shard their common parent"
+                    f"Parameter '{_fqn_of(roots, sharded()) or here}' is shared with a parameter already "
+                    "managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, "
+                    f"module_b]) to place them in the same FSDP group. Here it is '{here}', already in the "
+                    f"group of an earlier fully_shard({owner}) call; sharding their common parent also works"
                 )
             seen.add(id(p))
             params.append(p)
     return params
+
+
+def _fqn_of(roots: tuple[nn.Module, ...], param: nn.Parameter | None) -> str | None:
+    """Where ``param`` is registered under the module(s) given to ``fully_shard``, if anywhere."""
+    if param is not None:
+        for root in roots:
+            for fqn, p in root.named_parameters(remove_duplicate=False):
+                if p is param:
+                    return fqn
+    return None
+
+
+def _name_under(roots: tuple[nn.Module, ...], module: nn.Module, name: str) -> str:
+    """``name`` of ``module`` as an FQN under the module(s) given to ``fully_shard``."""
+    for root in roots:
+        for prefix, sub in root.named_modules():
+            if sub is module:
+                return f"{prefix}.{name}" if prefix else name
+    return name
 
 
 def _module_infos(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, ParamModuleInfo]:

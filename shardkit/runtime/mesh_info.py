@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardkit.errors import ConfigurationError, UnsupportedMeshError
+from shardkit.errors import ConfigurationError, UnnamedMeshDimsError, UnsupportedMeshError
 from shardkit.held_groups import release_at_exit
 
 __all__ = ["MeshInfo", "PostForwardGroup", "default_mesh", "device_from_mesh", "mesh_info_for",
@@ -119,15 +119,25 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 1:
         group = mesh.get_group(0)
         return MeshInfo(mesh, group, group.size(), mesh.get_local_rank(0), None, 1, 0)
-    if mesh.ndim == 2:
-        shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
-        return MeshInfo(mesh, shard_group, shard_group.size(), mesh.get_local_rank(1),
-                        replicate_group, replicate_group.size(), mesh.get_local_rank(0))
-    raise UnsupportedMeshError(
-        f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), "
-        f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; flatten the data-parallel "
-        "dims into one or two and pass that sub-mesh, e.g. mesh['dp_replicate', 'dp_shard']"
-    )
+    if mesh.ndim != 2:
+        raise UnsupportedMeshError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a 2-D "
+            f"(replicate, shard) mesh (HSDP), not a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+            "flatten the data-parallel dims into one or two and pass that sub-mesh, e.g. "
+            "mesh['dp_replicate', 'dp_shard']"
+        )
+    if mesh.mesh_dim_names is None:
+        # An unnamed 2-D mesh is as often a whole (dp, tp) world mesh passed by mistake as
+        # an HSDP mesh; torch refuses it rather than silently replicate over one of its
+        # dims, and so do we.
+        raise UnnamedMeshDimsError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: the first dim "
+            "replicates and the second shards, e.g. init_device_mesh(device_type, (replicas, "
+            f"shards), mesh_dim_names=('replicate', 'shard')); got an unnamed mesh of shape {tuple(mesh.shape)}"
+        )
+    shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
+    return MeshInfo(mesh, shard_group, shard_group.size(), mesh.get_local_rank(1),
+                    replicate_group, replicate_group.size(), mesh.get_local_rank(0))
 
 
 def normalize_reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | int | None:

@@ -97,8 +97,9 @@ class ShardState(TorchStateNames):
             return
         if len(self.modules) > 1:
             raise TrainingStateError(
-                "a fully_shard call over a list of modules cannot be the root; apply fully_shard "
-                "to the module that contains them as well"
+                f"FSDP requires a single root module but got {self.modules}. A fully_shard call over "
+                "a list of modules cannot be the root; apply fully_shard to the module that contains "
+                "them as well"
             )
         self.is_root = True
         root = self.modules[0]
@@ -111,8 +112,10 @@ class ShardState(TorchStateNames):
             if state is not self:
                 if state.is_root is not None:
                     raise TrainingStateError(
-                        f"the sharded module {name!r} already ran forward as a root; run the first "
-                        "forward through the outermost sharded module"
+                        f"FSDP state has already been lazily initialized for {name}\n"
+                        "FSDP requires running forward through the root module first: the sharded "
+                        f"module {name!r} already ran forward as a root; run the first forward "
+                        "through the outermost sharded module"
                     )
                 state.is_root = False
             self.ctx.all_states.append(state)
@@ -131,11 +134,15 @@ class ShardState(TorchStateNames):
 
     def _init_fqns(self, root: nn.Module) -> None:
         """Names for messages: FQNs under the root, as the eager model spells them."""
-        by_param = {id(p.sharded_param): p for s in self.ctx.all_states for g in s.groups for p in g.params}
-        for name, param in root.named_parameters(remove_duplicate=False):
-            sp = by_param.get(id(param))
-            if sp is not None:
-                sp.fqn = clean_fqn(name)
+        # by where each parameter is registered, not by the object: one the user replaced
+        # since fully_shard is only taken up by the group's lazy init, after this
+        by_slot = {(id(p.info.module), p.info.name): p for s in self.ctx.all_states for g in s.groups
+                   for p in g.params}
+        for prefix, module in root.named_modules():
+            for name in module._parameters:
+                sp = by_slot.get((id(module), name))
+                if sp is not None:
+                    sp.fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
         for name, module in root.named_modules():
             state = state_of(module)
             if state is not None:

@@ -37,14 +37,14 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardkit.errors import TrainingStateError, UnshardableParameterError
+from shardkit.errors import UnshardableParameterError
 from shardkit.runtime import collectives as C
 from shardkit.runtime import debug as D
 from shardkit.runtime.comm_hooks import GroupComms
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup
 from shardkit.runtime.policies import MixedPrecisionPolicy
-from shardkit.runtime.sharded_param import ShardedParam, ShardedState
+from shardkit.runtime.sharded_param import ShardedParam, ShardedState, check_materialized
 from shardkit.runtime.torch_names import TorchParamGroupNames
 
 __all__ = ["TrainingState", "ParamGroup", "is_backward"]
@@ -115,19 +115,13 @@ class ParamGroup(TorchParamGroupNames):
         """Derive dtypes and check the params are ready (after ``to_empty``, ``.to``)."""
         if self._initialized:
             return
-        on_meta = [p.fqn for p in self.params if p.sharded_param.is_meta]
-        if on_meta:
-            raise TrainingStateError(
-                f"parameters {on_meta} are still on the meta device; materialize them before "
-                "training: model.to_empty(device=...) and then model.reset_parameters() "
-                "(or load a state dict)"
-            )
+        if self.sharded_state is ShardedState.SHARDED:
+            # Users may replace a parameter between fully_shard and the first forward (e.g. set
+            # a norm computed from other, now materialized, parameters): take what is registered.
+            for p in self.params:
+                p.reset_sharded_param()
+        check_materialized(self.params)
         for p in self.params:
-            if p.offload and p.sharded_param.device.type != "cpu":
-                raise TrainingStateError(
-                    f"parameter {p.fqn} is on {p.sharded_param.device} but CPU offloading keeps "
-                    "shards on the CPU; materialize with to_empty(device='cpu') or load a CPU state dict"
-                )
             p.init_dtypes(self.mp_policy)
         trainable = {(p.reduce_dtype or p.compute_dtype) for p in self.params if p.requires_grad}
         if len(trainable) > 1:

@@ -41,13 +41,19 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.errors import UnshardableParameterError
+from shardkit.errors import (
+    InvalidShardDimError,
+    ReplacedParameterError,
+    TrainingStateError,
+    UnshardableParameterError,
+    UnsupportedParameterLayoutError,
+)
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 from shardkit.runtime.torch_names import TorchParamNames
 
-__all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
+__all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage", "check_materialized"]
 
 
 class ShardedState(enum.Enum):
@@ -121,32 +127,35 @@ class ShardedParam(TorchParamNames):
         # [composing FSDP with TP]); everything below works on that local data.
         is_tp = isinstance(param, DTensor)
         data = param._local_tensor if is_tp else param.detach()
+        # Each check raises torch's builtin with torch's wording first (see shardkit.errors).
         if data.dim() == 0:
             raise UnshardableParameterError(
-                f"parameter {name} is a scalar (0-dim) and has no dim to shard; make it a "
-                "1-D tensor of one element (e.g. nn.Parameter(torch.tensor([x]))) or pass it "
-                "in ignored_params"
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {self.info.name} to a 1D tensor with numel equal to 1. Parameter {name}: e.g. "
+                "nn.Parameter(torch.tensor([x])), or pass it in ignored_params"
             )
         if not data.is_contiguous():
-            raise UnshardableParameterError(
-                f"parameter {name} of shape {tuple(data.shape)} is not contiguous "
-                f"(stride {data.stride()}); make it contiguous before fully_shard"
+            raise UnsupportedParameterLayoutError(
+                f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}. "
+                f"Make parameter {name} contiguous before fully_shard (e.g. nn.Parameter(w.contiguous()))"
             )
+        asked = shard_dim
         if shard_dim < 0:
             shard_dim += data.dim()
         if not 0 <= shard_dim < data.dim():
-            raise UnshardableParameterError(
-                f"shard_placement_fn returned Shard({shard_dim}) for parameter {name} of "
-                f"shape {tuple(data.shape)}, which has no such dim"
+            raise InvalidShardDimError(
+                f"Shard dim {shard_dim if shard_dim >= 0 else asked} is invalid for {data.dim()}D tensor: "
+                f"{param.shape}. shard_placement_fn returned Shard({asked}) for parameter {name}; "
+                f"return Shard(d) with -{data.dim()} <= d < {data.dim()}, or None for Shard(0)"
             )
         self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
         world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         size = data.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:
-            raise UnshardableParameterError(
-                f"parameter {name} of shape {tuple(size)} cannot be sharded on dim {shard_dim} "
-                f"over {world} ranks: {size[shard_dim]} is not divisible by {world}. Only dim 0 "
-                "may be uneven; return Shard(0) (or None) from shard_placement_fn for it"
+            raise UnsupportedParameterLayoutError(
+                f"FSDP does not support uneven sharding on dim {shard_dim}: {size} (world size: {world}). "
+                f"Parameter {name}: {size[shard_dim]} is not divisible by {world}; only dim 0 may be "
+                "uneven, so return Shard(0) (or None) from shard_placement_fn for it"
             )
         self.shard_dim = shard_dim
         self.orig_size = size  # of the unsharded tensor FSDP gathers: TP-local for a TP parameter
@@ -219,13 +228,9 @@ class ShardedParam(TorchParamNames):
         longer a view into ``padded``, a new padded buffer is made from it."""
         current = getattr(self.info.module, self.info.name)
         if current is not self.sharded_param:
-            if not isinstance(current, DTensor):
-                raise UnshardableParameterError(
-                    f"parameter {self.fqn} was replaced by a {type(current).__name__}; a sharded "
-                    "module takes DTensor values (load a sharded state dict, or distribute_tensor "
-                    "each full tensor with the parameter's device_mesh and placements)"
-                )
+            self._check_replacement(current)
             self.sharded_param = current
+            self.requires_grad = current.requires_grad
             self.info.register(current)
         local = self.sharded_param._local_tensor
         self.spec = self.sharded_param._spec
@@ -244,6 +249,28 @@ class ShardedParam(TorchParamNames):
         self.sharded_param._local_tensor = padded.narrow(self.shard_dim, 0, self.real_rows)
         if dtype_changed:
             self._drop_unsharded()
+
+    def _check_replacement(self, new: object) -> None:
+        """A parameter set on the module after ``fully_shard`` (``module.w = nn.Parameter(d)``,
+        ``load_state_dict(assign=True)``) is taken as the new shard, as torch takes it, only
+        if it is this rank's shard in the old one's layout: a plain tensor could be the full
+        tensor or this rank's rows, and another layout would be all-gathered wrongly."""
+        howto = ("build it as a DTensor in the parameter's layout: nn.Parameter(distribute_tensor("
+                 "full, param.device_mesh, param.placements)), or compute it from the other sharded "
+                 "parameters (DTensor ops keep their layout)")
+        if not isinstance(new, DTensor):
+            raise ReplacedParameterError(
+                f"parameter {self.fqn} was replaced by a {type(new).__name__} that is not a DTensor; "
+                f"a sharded module takes this rank's shard as a DTensor: {howto}"
+            )
+        old = self.spec
+        if (new.device_mesh != old.mesh or tuple(new.placements) != tuple(old.placements)
+                or new.shape != old.shape):
+            raise ReplacedParameterError(
+                f"parameter {self.fqn} was replaced by a DTensor of shape {tuple(new.shape)} with "
+                f"placements {tuple(new.placements)} on {new.device_mesh}; it is sharded as shape "
+                f"{tuple(old.shape)} with placements {tuple(old.placements)} on {old.mesh}: {howto}"
+            )
 
     def _drop_unsharded(self) -> None:
         self.buffer = None
@@ -379,3 +406,24 @@ class ShardedParam(TorchParamNames):
     def __repr__(self) -> str:
         return f"ShardedParam({self.fqn}, size={tuple(self.orig_size)}, state={self.state.name})"
 
+
+def check_materialized(params: list[ShardedParam]) -> None:
+    """Before the first all-gather, every shard must be real memory, on the CPU under CPU
+    offloading (torch's RuntimeErrors and words, then what else works)."""
+    on_meta = [p.fqn for p in params if p.sharded_param.is_meta]
+    if on_meta:
+        raise TrainingStateError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {on_meta}\n"
+            "For example, call module.to_empty(device) to materialize to device and "
+            "call module.reset_parameters() on each module to initialize values. "
+            "Loading a state dict (load_state_dict(..., assign=True)) materializes them too."
+        )
+    off_cpu = [(p.fqn, p.sharded_param.device) for p in params if p.offload and p.sharded_param.device.type != "cpu"]
+    if off_cpu:
+        raise TrainingStateError(
+            "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+            'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+            f"Found following parameters on non-CPU device: {off_cpu}\n"
+            "CPU offloading keeps the shards on the CPU."
+        )
