@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedMeshError",
     "UnshardableParameterError",
     "TrainingStateError",
+    "UnsupportedShardingError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CheckpointError",
@@ -87,6 +88,11 @@ class UnshardableParameterError(ShardingError, ValueError):
 class TrainingStateError(ShardingError, RuntimeError):
     """A call arrived in a training state where it has no meaning (for example,
     ``summon_full_params`` during forward)."""
+
+
+class UnsupportedShardingError(ShardingError, NotImplementedError):
+    """A combination of ``fully_shard``/``replicate`` arguments that torch does
+    not implement either (torch raises ``NotImplementedError`` for it)."""
 
 
 class CollectiveError(ShardingError, RuntimeError):

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from shardkit.errors import UnshardableParameterError
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
+from shardkit.runtime.spmd_mesh import spmd_layout
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 
 __all__ = ["ShardedState", "ParamModuleInfo", "ShardedParam", "alloc_storage", "free_storage"]
@@ -138,7 +139,10 @@ class ShardedParam:
                 f"shard_placement_fn returned Shard({shard_dim}) for parameter {name} of "
                 f"shape {tuple(data.shape)}, which has no such dim"
             )
-        self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
+        if self.mesh_info.spmd is not None:  # Note [the full SPMD mesh]
+            self.tp = spmd_layout(param, self.mesh_info, shard_dim, self.info.name)
+        else:
+            self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
         world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         size = data.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:

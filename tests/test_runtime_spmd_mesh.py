@@ -1,0 +1,127 @@
+"""The full SPMD mesh and per-parameter placements, against torch's own ``fully_shard``.
+
+``fully_shard(model, mesh=world, dp_mesh_dims=DataParallelMeshDims(...))``
+over parameters that are already DTensors on the whole mesh (``Replicate()``
+on the data-parallel dims, tensor-parallel placements on the others), and a
+``shard_placement_fn`` that puts some parameters of one group on a mesh of
+their own or keeps them replicated.  Every test builds the same model twice,
+shards one copy with torch and one with shardkit on the same mesh, and
+trains both on the same inputs: the placements of every parameter, every
+gradient and every parameter after each step are equal, bitwise (every
+reduction here sums two values, so the order of the sum cannot differ).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tests.dist import run_on_ranks
+
+IN, HIDDEN, OUT, BATCH = 8, 12, 6, 8
+
+# (mesh shape, dim names, dp_mesh_dims as (shard, replicate), each parameter's non-dp placement)
+TP = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1), "2.bias": Replicate()}
+PLAIN = {name: None for name in TP}
+SPMD_VARIANTS = {
+    "fsdp+tp": ((2, 2), ("dp", "tp"), ("dp", None), TP),
+    "hsdp": ((2, 2), ("dpr", "dps"), ("dps", "dpr"), PLAIN),
+    "flattened shard dims": ((2, 2), ("dpr", "dps"), (("dpr", "dps"), None), PLAIN),
+    "replicate+tp": ((2, 2), ("dp", "tp"), (None, "dp"), TP),
+}
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def _on_full_mesh(model: nn.Module, mesh, dp_names: tuple[str, ...], tp: dict) -> nn.Module:
+    """Every parameter a DTensor on the whole mesh: Replicate() on the dp dims, its TP placement on the rest."""
+    for name, param in list(model.named_parameters()):
+        placements = [Replicate() if d in dp_names else tp[name] for d in mesh.mesh_dim_names]
+        owner, leaf = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        setattr(owner, leaf, nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+    return model
+
+
+def _batch(step: int, mesh, dp_names: tuple[str, ...]) -> DTensor:
+    torch.manual_seed(100 + step)
+    x = torch.randn(BATCH, IN)
+    return distribute_tensor(x, mesh, [Shard(0) if d in dp_names else Replicate() for d in mesh.mesh_dim_names])
+
+
+def _layout(model: nn.Module) -> dict:
+    return {name: (p.device_mesh.mesh_dim_names, p.device_mesh.mesh.tolist(), tuple(p.placements))
+            for name, p in model.named_parameters()}
+
+
+def _train(model: nn.Module, mesh, dp_names, steps: int = 3) -> list[dict]:
+    """Per step: each parameter's local gradient and local value after the step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    history = []
+    for step in range(steps):
+        out = model(_batch(step, mesh, dp_names))
+        (out * out).mean().backward()
+        grads = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        history.append({"grads": grads,
+                        "params": {name: p.to_local().detach().clone() for name, p in model.named_parameters()}})
+    return history
+
+
+def _meshes(variants) -> dict:
+    """One mesh per (shape, names), shared by every run: DTensor caches sharding
+    decisions by mesh equality, so a second equal mesh would meet the first one's
+    specs, and fully_shard wants the parameters' own mesh object."""
+    meshes = {}
+    for shape, names, *_ in (SPMD_VARIANTS[v] for v in variants):
+        if (shape, names) not in meshes:
+            meshes[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return meshes
+
+
+def _spmd_runs(variant: str, impl: str, meshes: dict):
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from shardkit import fully_shard
+    shape, names, (shard, replicate), tp = SPMD_VARIANTS[variant]
+    mesh = meshes[shape, names]
+    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+    dp_names = (*dims.shard_names, *dims.replicate_names)
+    model = _on_full_mesh(_mlp(0), mesh, dp_names, tp)
+    fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    return _layout(model), _train(model, mesh, dp_names)
+
+
+def _torch_and_shardkit_spmd(variants: list[str]) -> dict:
+    meshes = _meshes(variants)
+    return {v: {impl: _spmd_runs(v, impl, meshes) for impl in ("torch", "shardkit")} for v in variants}
+
+
+def _equal_histories(a: list[dict], b: list[dict]) -> list[str]:
+    return [f"step {step} {kind} {name}" for step, (x, y) in enumerate(zip(a, b)) for kind in ("grads", "params")
+            for name in x[kind] if not torch.equal(x[kind][name], y[kind][name])]
+
+
+def test_dp_mesh_dims_gives_torchs_placements_gradients_and_parameters_on_the_full_spmd_mesh():
+    results = run_on_ranks(4, _torch_and_shardkit_spmd, list(SPMD_VARIANTS))
+    for rank, per_variant in enumerate(results):
+        for variant, runs in per_variant.items():
+            (torch_layout, torch_history), (ours_layout, ours_history) = runs["torch"], runs["shardkit"]
+            assert ours_layout == torch_layout, (rank, variant)
+            assert _equal_histories(torch_history, ours_history) == [], (rank, variant)
+    layouts = {variant: runs["shardkit"][0] for variant, runs in results[0].items()}
+    assert layouts["fsdp+tp"]["0.weight"][2] == (_StridedShard(0, split_factor=2), Shard(0))  # tp cut rows first
+    assert layouts["fsdp+tp"]["2.weight"][2] == (Shard(0), Shard(1))
+    assert layouts["hsdp"]["0.weight"][2] == (Replicate(), Shard(0))
+    assert layouts["flattened shard dims"]["0.weight"][:2] == (("dpr_dps",), [0, 1, 2, 3])
+    assert layouts["replicate+tp"]["2.weight"][2] == (Replicate(), Shard(1))
