@@ -36,6 +36,10 @@ _EXPORTS: dict[str, str] = {
     "clip_grad_norm_": _RUNTIME,
     "set_debug": _RUNTIME,
     "memory_report": _RUNTIME,
+    "replicate": _RUNTIME,
+    "ReplicateModule": _RUNTIME,
+    "DataParallelMeshDims": _RUNTIME,
+    "ShardPlacementResult": _RUNTIME,
     # the FSDP1 surface mapped onto the core
     "FullyShardedDataParallel": _FSDP1,
     "ShardingStrategy": _FSDP1,

@@ -32,6 +32,7 @@ __all__ = [
     "UnshardableParameterError",
     "TrainingStateError",
     "UnsupportedShardingError",
+    "ComposableConflictError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CheckpointError",
@@ -93,6 +94,11 @@ class TrainingStateError(ShardingError, RuntimeError):
 class UnsupportedShardingError(ShardingError, NotImplementedError):
     """A combination of ``fully_shard``/``replicate`` arguments that torch does
     not implement either (torch raises ``NotImplementedError`` for it)."""
+
+
+class ComposableConflictError(AlreadyShardedError, RuntimeError):
+    """``replicate()`` on a module that ``fully_shard`` already manages (torch
+    raises ``RuntimeError`` for it)."""
 
 
 class CollectiveError(ShardingError, RuntimeError):

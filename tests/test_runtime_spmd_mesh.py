@@ -14,6 +14,7 @@ reduction here sums two values, so the order of the sum cannot differ).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -125,3 +126,69 @@ def test_dp_mesh_dims_gives_torchs_placements_gradients_and_parameters_on_the_fu
     assert layouts["hsdp"]["0.weight"][2] == (Replicate(), Shard(0))
     assert layouts["flattened shard dims"]["0.weight"][:2] == (("dpr_dps",), [0, 1, 2, 3])
     assert layouts["replicate+tp"]["2.weight"][2] == (Replicate(), Shard(1))
+
+
+# ------------------------------------------------------- per-parameter placements
+
+
+def _placement_fns(meshes: dict) -> dict:
+    """name -> (torch's shard_placement_fn, shardkit's).  "2.weight" leaves the
+    group's 4-rank mesh: sharded over 2 ranks and replicated over the other 2,
+    or kept whole on every rank.  torch has no Replicate(); its equivalent is a
+    (4, 1) mesh whose one-rank shard groups hold the whole tensor."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+
+    hsdp = HSDPMeshInfo(meshes["hsdp"], shard_mesh_dim=1, replicate_mesh_dim=0)
+    whole = HSDPMeshInfo(meshes["whole"], shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def on(info):
+        return lambda p: ShardPlacementResult(Shard(0), info) if p.shape == (OUT, HIDDEN) else None
+
+    ours_replicate = lambda p: Replicate() if p.shape == (OUT, HIDDEN) else None  # noqa: E731
+    return {"own mesh": (on(hsdp), on(hsdp)), "Replicate()": (on(whole), ours_replicate)}
+
+
+def _per_param_runs() -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit import fully_shard
+
+    meshes = {"dp": init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
+              "hsdp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")),
+              "whole": init_device_mesh("cpu", (4, 1), mesh_dim_names=("rep", "shard"))}
+    results = {}
+    for variant, fns in _placement_fns(meshes).items():
+        for impl, shard, fn in (("torch", torch_fully_shard, fns[0]), ("shardkit", fully_shard, fns[1])):
+            model = _mlp(0)
+            shard(model, mesh=meshes["dp"], shard_placement_fn=fn)
+            results[variant, impl] = _layout(model), _train_local(model)
+    return results
+
+
+def _train_local(model: nn.Module, steps: int = 3) -> list[dict]:
+    """Like ``_train``, on this rank's own plain batch, comparing full gradients and parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    history = []
+    for step in range(steps):
+        torch.manual_seed(100 * step + dist.get_rank())
+        out = model(torch.randn(BATCH // 4, IN))
+        (out * out).mean().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        history.append({"grads": grads, "params": {name: p.detach().full_tensor() for name, p in model.named_parameters()}})
+    return history
+
+
+def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_does():
+    for rank, results in enumerate(run_on_ranks(4, _per_param_runs)):
+        for variant in ("own mesh", "Replicate()"):
+            (torch_layout, torch_history), (ours_layout, ours_history) = (results[variant, impl]
+                                                                          for impl in ("torch", "shardkit"))
+            assert _equal_histories(torch_history, ours_history) == [], (rank, variant)
+            assert {k: v for k, v in ours_layout.items() if k != "2.weight"} == \
+                {k: v for k, v in torch_layout.items() if k != "2.weight"}
+            assert ours_layout["0.weight"] == (("dp",), [0, 1, 2, 3], (Shard(0),))
+        assert results["own mesh", "shardkit"][0]["2.weight"] == results["own mesh", "torch"][0]["2.weight"] \
+            == (("rep", "shard"), [[0, 1], [2, 3]], (Replicate(), Shard(0)))
+        assert results["Replicate()", "shardkit"][0]["2.weight"] == (("dp",), [0, 1, 2, 3], (Replicate(),))

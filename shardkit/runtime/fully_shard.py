@@ -44,7 +44,7 @@ from shardkit.runtime.spmd_mesh import DataParallelMeshDims, spmd_mesh_info
 # one that happens to reuse its id().
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-__all__ = ["fully_shard", "param_groups_of", "sharded_params_of"]
+__all__ = ["fully_shard", "check_shardable", "shard_modules", "param_groups_of", "sharded_params_of"]
 
 
 def fully_shard(
@@ -99,9 +99,20 @@ def fully_shard(
     _check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = _data_parallel_mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
-    device = device_from_mesh(mesh)
-    ignored = set(ignored_params or ())
+    shard_modules(modules, mesh_info, device_from_mesh(mesh), shard_placement_fn=shard_placement_fn,
+                  mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params,
+                  reshard_after_forward=reshard_after_forward)
+    return module
 
+
+def shard_modules(modules: tuple[nn.Module, ...], mesh_info: MeshInfo, device: torch.device, *,
+                  shard_placement_fn: Callable[[nn.Parameter], Any] | None, mp_policy: MixedPrecisionPolicy,
+                  offload_policy: OffloadPolicy, ignored_params: set[nn.Parameter] | None,
+                  reshard_after_forward: bool | int | None, module_class: type = FSDPModule) -> None:
+    """The body of ``fully_shard`` and ``replicate``: one state over ``modules``
+    with one group per mesh, and each module's class swapped to
+    ``module_class`` (an :class:`FSDPModule`) mixed into its own."""
+    ignored = set(ignored_params or ())
     managed = _managed_modules(modules)
     params = _managed_params(managed, ignored)
     _move_buffers(managed, device)
@@ -124,9 +135,8 @@ def fully_shard(
         state.groups.append(group)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-        swap_class(m)
+        swap_class(m, module_class)
         keep_state_dict_keys_clean(m)
-    return module
 
 
 def _reshard_for(mesh_info: MeshInfo, reshard_after_forward: bool | int | None) -> bool | int:
@@ -158,6 +168,12 @@ def _data_parallel_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDim
 
 
 # --------------------------------------------------------------------- checks
+
+
+def check_shardable(modules: tuple[nn.Module, ...], mp_policy: Any, offload_policy: Any) -> None:
+    """The checks of ``fully_shard``'s arguments that ``replicate`` shares."""
+    _check_modules(modules)
+    _check_policies(mp_policy, offload_policy)
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:

@@ -97,9 +97,10 @@ def _cache() -> dict[tuple, Any]:
     return _per_default_group.setdefault(dist.group.WORLD, {})
 
 
-def default_mesh() -> DeviceMesh:
+def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole default process group, on the accelerator
-    when the backend drives one (NCCL), else on the CPU."""
+    when the backend drives one (NCCL), else on the CPU (``replicate`` names
+    its dim ``"replicate"``, as torch does)."""
     if not dist.is_initialized():
         raise ConfigurationError(
             "fully_shard needs an initialized process group; call "
@@ -108,9 +109,9 @@ def default_mesh() -> DeviceMesh:
         )
     backend = str(dist.get_backend()).lower()
     device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
-    cache, key = _cache(), ("default_mesh", device_type)
+    cache, key = _cache(), ("default_mesh", device_type, mesh_dim_names)
     if key not in cache:
-        cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        cache[key] = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=mesh_dim_names)
     return cache[key]
 
 
