@@ -192,3 +192,101 @@ def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_doe
         assert results["own mesh", "shardkit"][0]["2.weight"] == results["own mesh", "torch"][0]["2.weight"] \
             == (("rep", "shard"), [[0, 1], [2, 3]], (Replicate(), Shard(0)))
         assert results["Replicate()", "shardkit"][0]["2.weight"] == (("dp",), [0, 1, 2, 3], (Replicate(),))
+
+
+# ------------------------------------------------------------------- misuse
+
+
+def _spmd_misuses() -> dict:
+    """impl -> case -> (the builtin exception types raised, the message)."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit import fully_shard as shardkit_fully_shard
+
+    mesh = _meshes(["fsdp+tp"])[(2, 2), ("dp", "tp")]
+    unnamed = init_device_mesh("cpu", (2, 2))
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # same ranks, another object
+    dp = DataParallelMeshDims(shard="dp")
+
+    def sharded_on_dp() -> nn.Module:
+        model = _mlp(0)
+        model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Shard(0), Replicate()]))
+        return model[0]
+
+    out = {}
+    for impl, fully_shard in (("torch", torch_fully_shard), ("shardkit", shardkit_fully_shard)):
+        cases = {
+            "plain parameters": lambda: fully_shard(_mlp(0), mesh=mesh, dp_mesh_dims=dp),
+            "mesh without names": lambda: fully_shard(_mlp(0), mesh=unnamed, dp_mesh_dims=dp),
+            "unknown dim name": lambda: fully_shard(_on_full_mesh(_mlp(0), mesh, ("dp",), TP), mesh=mesh,
+                                                    dp_mesh_dims=DataParallelMeshDims(shard="x")),
+            "sharded on a dp dim": lambda: fully_shard(sharded_on_dp(), mesh=mesh, dp_mesh_dims=dp),
+            "int reshard_after_forward": lambda: fully_shard(_on_full_mesh(_mlp(0), mesh, ("dp",), TP), mesh=mesh,
+                                                             dp_mesh_dims=dp, reshard_after_forward=2),
+            "another mesh object": lambda: fully_shard(_on_full_mesh(_mlp(0), other, ("dp",), TP), mesh=mesh,
+                                                       dp_mesh_dims=dp),
+        }
+        out[impl] = {}
+        for name, call in cases.items():
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - the type is what is compared
+                out[impl][name] = ([c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"], str(exc))
+            else:
+                out[impl][name] = None
+    return out
+
+
+def test_dp_mesh_dims_misuse_raises_torchs_builtin_with_torchs_wording_first():
+    results = run_on_ranks(4, _spmd_misuses)[0]
+    theirs, ours = results["torch"], results["shardkit"]
+    for case, (torch_types, torch_message) in theirs.items():
+        our_types, our_message = ours[case]
+        assert torch_types[0] in our_types, (case, torch_types, our_types)
+        first_sentence = torch_message.split(". ")[0].split(";")[0]
+        assert our_message.startswith(first_sentence), (case, torch_message, our_message)
+    assert theirs["int reshard_after_forward"][0][0] == "NotImplementedError"
+    assert theirs["plain parameters"][0][0] == "ValueError"
+    assert theirs["another mesh object"][0][0] == "ValueError"
+
+
+# --------------------------------------------------------------- checkpoints
+
+
+def _save_and_load_spmd(url: str) -> dict:
+    """A shardkit model trained on the (dp, tp) SPMD mesh is saved with shardkit.checkpoint and
+    loaded into a fresh (differently seeded) shardkit model and into torch's, same mesh."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit.checkpoint as skc
+    from shardkit import fully_shard
+
+    mesh = _meshes(["fsdp+tp"])[(2, 2), ("dp", "tp")]
+    dims = DataParallelMeshDims(shard="dp")
+
+    def build(shard, seed):
+        model = _on_full_mesh(_mlp(seed), mesh, ("dp",), TP)
+        shard(model, mesh=mesh, dp_mesh_dims=dims)
+        return model
+
+    model = build(fully_shard, 0)
+    _train(model, mesh, ("dp",), steps=1)
+    skc.save(model.state_dict(), url)
+    saved = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
+    loaded = {}
+    for impl, shard in (("shardkit", fully_shard), ("torch", torch_fully_shard)):
+        fresh = build(shard, 1)
+        state = fresh.state_dict()
+        skc.load(state, url)
+        loaded[impl] = [name for name, p in fresh.named_parameters()
+                        if not torch.equal(p.detach().full_tensor(), saved[name])]
+        loaded[impl + " placements"] = _layout(fresh)
+    return loaded
+
+
+def test_a_dp_mesh_dims_model_round_trips_through_a_shardkit_checkpoint_into_shardkit_and_torch(tmp_path):
+    for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd")):
+        assert result["shardkit"] == [] and result["torch"] == []
+        assert result["shardkit placements"] == result["torch placements"]
