@@ -9,6 +9,12 @@ shards one copy with torch and one with shardkit on the same mesh, and
 trains both on the same inputs: the placements of every parameter, every
 gradient and every parameter after each step are equal, bitwise (every
 reduction here sums two values, so the order of the sum cannot differ).
+
+Every test runs on ranks of its own (``isolated``): DTensor caches sharding
+decisions by mesh *equality*, so a parameter distributed on a mesh equal to
+one an earlier test built in the same process comes back on that earlier mesh
+object, and ``fully_shard`` (torch's and ours) requires the very object passed
+as ``mesh``.
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def _equal_histories(a: list[dict], b: list[dict]) -> list[str]:
 
 
 def test_dp_mesh_dims_gives_torchs_placements_gradients_and_parameters_on_the_full_spmd_mesh():
-    results = run_on_ranks(4, _torch_and_shardkit_spmd, list(SPMD_VARIANTS))
+    results = run_on_ranks(4, _torch_and_shardkit_spmd, list(SPMD_VARIANTS), isolated=True)
     for rank, per_variant in enumerate(results):
         for variant, runs in per_variant.items():
             (torch_layout, torch_history), (ours_layout, ours_history) = runs["torch"], runs["shardkit"]
@@ -181,7 +187,7 @@ def _train_local(model: nn.Module, steps: int = 3) -> list[dict]:
 
 
 def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_does():
-    for rank, results in enumerate(run_on_ranks(4, _per_param_runs)):
+    for rank, results in enumerate(run_on_ranks(4, _per_param_runs, isolated=True)):
         for variant in ("own mesh", "Replicate()"):
             (torch_layout, torch_history), (ours_layout, ours_history) = (results[variant, impl]
                                                                           for impl in ("torch", "shardkit"))
@@ -239,7 +245,7 @@ def _spmd_misuses() -> dict:
 
 
 def test_dp_mesh_dims_misuse_raises_torchs_builtin_with_torchs_wording_first():
-    results = run_on_ranks(4, _spmd_misuses)[0]
+    results = run_on_ranks(4, _spmd_misuses, isolated=True)[0]
     theirs, ours = results["torch"], results["shardkit"]
     for case, (torch_types, torch_message) in theirs.items():
         our_types, our_message = ours[case]
@@ -287,6 +293,6 @@ def _save_and_load_spmd(url: str) -> dict:
 
 
 def test_a_dp_mesh_dims_model_round_trips_through_a_shardkit_checkpoint_into_shardkit_and_torch(tmp_path):
-    for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd")):
+    for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd"), isolated=True):
         assert result["shardkit"] == [] and result["torch"] == []
         assert result["shardkit placements"] == result["torch placements"]
