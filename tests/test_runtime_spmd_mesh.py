@@ -296,3 +296,27 @@ def test_a_dp_mesh_dims_model_round_trips_through_a_shardkit_checkpoint_into_sha
     for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd"), isolated=True):
         assert result["shardkit"] == [] and result["torch"] == []
         assert result["shardkit placements"] == result["torch placements"]
+
+
+def _replicate_spmd_runs() -> dict:
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from shardkit import replicate
+
+    mesh = _meshes(["replicate+tp"])[(2, 2), ("dp", "tp")]
+    dims = DataParallelMeshDims(replicate="dp")
+    runs = {}
+    for impl, apply in (("torch", torch_replicate), ("shardkit", replicate)):
+        model = _on_full_mesh(_mlp(0), mesh, ("dp",), TP)
+        apply(model, mesh=mesh, dp_mesh_dims=dims)
+        runs[impl] = _layout(model), _train(model, mesh, ("dp",))
+    return runs
+
+
+def test_replicate_with_dp_mesh_dims_matches_torchs_replicate_on_the_full_spmd_mesh():
+    for rank, runs in enumerate(run_on_ranks(4, _replicate_spmd_runs, isolated=True)):
+        (torch_layout, torch_history), (ours_layout, ours_history) = runs["torch"], runs["shardkit"]
+        assert ours_layout == torch_layout, rank
+        assert ours_layout["0.weight"] == (("dp", "tp"), [[0, 1], [2, 3]], (Replicate(), Shard(0)))
+        assert _equal_histories(torch_history, ours_history) == [], rank
