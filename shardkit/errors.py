@@ -42,6 +42,8 @@ __all__ = [
     "ReplacedParameterError",
     "TrainingStateError",
     "DeepcopyUnsupportedError",
+    "UnsupportedShardingError",
+    "ComposableConflictError",
     "CollectiveError",
     "CollectiveMismatchError",
     "UnsupportedBackendError",
@@ -132,6 +134,16 @@ class TrainingStateError(ShardingError, RuntimeError):
 
 class DeepcopyUnsupportedError(TrainingStateError, AssertionError):
     """``copy.deepcopy`` of a sharded module.  Also an ``AssertionError``, as torch's."""
+
+
+class UnsupportedShardingError(ShardingError, NotImplementedError):
+    """A combination of ``fully_shard``/``replicate`` arguments that torch does
+    not implement either (torch raises ``NotImplementedError`` for it)."""
+
+
+class ComposableConflictError(AlreadyShardedError, RuntimeError):
+    """``replicate()`` on a module that ``fully_shard`` already manages (torch
+    raises ``RuntimeError`` for it)."""
 
 
 class CollectiveError(ShardingError, RuntimeError):

@@ -247,5 +247,6 @@ def test_tp_parameters_that_cannot_compose_fail_with_an_actionable_error():
     assert errors["default_mesh"][0] == "UnsupportedMeshError"
     assert "fully_shard's mesh has no dim names" in errors["default_mesh"][1]
     assert "pass mesh=world['dp']" in errors["default_mesh"][1]
-    assert errors["dp_mesh_dims"][0] == "ConfigurationError"
-    assert "mesh=world['dp'] (HSDP: world['dp_replicate', 'dp_shard'])" in errors["dp_mesh_dims"][1]
+    assert errors["dp_mesh_dims"][0] == "UnshardableParameterError"  # a ValueError, as torch's
+    assert errors["dp_mesh_dims"][1].startswith("When dp_mesh_dims is provided, all parameters must be DTensors "
+                                                "on the full SPMD mesh")

@@ -7,7 +7,7 @@ Modules map onto files as follows:
 
 ==================  ============================================================
 ``fully_shard``     the entry point, the ``FSDPModule`` methods, ``UnshardHandle``
-``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``, ``DataParallelMeshDims``
+``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
 ``param_group``     one all-gather/reduce-scatter unit and its state machine
@@ -18,6 +18,9 @@ Modules map onto files as follows:
 ``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
 ``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
+``spmd_mesh``       ``dp_mesh_dims``, ``DataParallelMeshDims``: parameters that are DTensors on the full SPMD mesh
+``placement_fn``    ``shard_placement_fn`` results: ``Shard``, ``Replicate()``, a per-parameter mesh
+``replicate``       ``replicate()``: DDP semantics on the same machinery
 ``grad_norm``       ``clip_grad_norm_`` over any mix of meshes and placements
 ``compile``         ``torch.compile``: hooks run eagerly, state-dict keys stay eager
 ``debug``           ``set_debug``: cross-rank collective checks, named failures
@@ -30,17 +33,23 @@ from shardkit.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsd
 from shardkit.runtime.fully_shard import fully_shard, param_groups_of, sharded_params_of
 from shardkit.runtime.grad_norm import clip_grad_norm_
 from shardkit.runtime.memory import GroupMemory, MemoryReport, memory_report
-from shardkit.runtime.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.placement_fn import ShardPlacementResult
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.replicate import ReplicateModule, replicate
+from shardkit.runtime.spmd_mesh import DataParallelMeshDims
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "replicate",
+    "ReplicateModule",
+    "DataParallelMeshDims",
+    "ShardPlacementResult",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
-    "DataParallelMeshDims",
     "share_comm_ctx",
     "clip_grad_norm_",
     "set_debug",

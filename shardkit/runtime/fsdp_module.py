@@ -35,16 +35,20 @@ def apply_reshard_after_forward(group: ParamGroup, value: bool | int) -> None:
         group.post_forward_mesh = post_forward_group(group.mesh_info, value)
 
 
-_fsdp_classes: dict[type, type] = {}
+_fsdp_classes: dict[tuple[type, type], type] = {}
 
 
-def swap_class(module: nn.Module) -> None:
+def swap_class(module: nn.Module, base: type | None = None) -> None:
+    """Make ``module`` an instance of ``<Prefix><Name>(base, Name)``; ``base`` is
+    :class:`FSDPModule` (prefix ``FSDP``) or a subclass named ``<Prefix>Module``."""
+    base = base or FSDPModule
     cls = type(module)
-    fsdp_cls = _fsdp_classes.get(cls)
+    fsdp_cls = _fsdp_classes.get((cls, base))
     if fsdp_cls is None:
-        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy,
-                                                                   "__module__": cls.__module__})
-        _fsdp_classes[cls] = fsdp_cls
+        prefix = "FSDP" if base is FSDPModule else base.__name__.removesuffix("Module")
+        fsdp_cls = type(f"{prefix}{cls.__name__}", (base, cls), {"__deepcopy__": _no_deepcopy,
+                                                                 "__module__": cls.__module__})
+        _fsdp_classes[cls, base] = fsdp_cls
     module.__class__ = fsdp_cls
 
 
@@ -84,10 +88,13 @@ def states_of(root: nn.Module, recurse: bool) -> list[ShardState]:
 class FSDPModule:
     """Methods every sharded module gains (``type(m)`` is ``FSDP<Name>``)."""
 
+    # where the module's own class sits in ``type(m).__mro__`` (a subclass adds one)
+    _orig_cls_mro_index = 2
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers (e.g. nn.Sequential slicing) build new instances of
         # ``type(self)``; those are not sharded, so build the original class.
-        orig = cls.__mro__[2]
+        orig = cls.__mro__[cls._orig_cls_mro_index]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self

@@ -13,17 +13,31 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.errors import AlreadyShardedError, ConfigurationError, ShardedTwiceError, UnshardableParameterError
+from shardkit.errors import (
+    AlreadyShardedError,
+    ConfigurationError,
+    ShardedTwiceError,
+    UnshardableParameterError,
+    UnsupportedShardingError,
+)
 from shardkit.runtime.compile import keep_state_dict_keys_clean, unwrap_compiled
 from shardkit.runtime.fsdp_module import FSDPModule, apply_reshard_after_forward, states_of, swap_class
-from shardkit.runtime.mesh_info import default_mesh, device_from_mesh, mesh_info_for, normalize_reshard_after_forward
+from shardkit.runtime.mesh_info import (
+    MeshInfo,
+    default_mesh,
+    device_from_mesh,
+    mesh_info_for,
+    normalize_reshard_after_forward,
+)
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
+from shardkit.runtime.placement_fn import ShardPlacementResult, group_by_mesh, resolve_placements
 from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
+from shardkit.runtime.spmd_mesh import DataParallelMeshDims, spmd_mesh_info
 
 # Original Parameter -> (the class of the module whose fully_shard call owns it,
 # a weak reference to the sharded parameter that call made of it).
@@ -33,7 +47,7 @@ from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 # one that happens to reuse its id().
 _CLAIMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-__all__ = ["fully_shard", "param_groups_of", "sharded_params_of"]
+__all__ = ["fully_shard", "check_shardable", "shard_modules", "param_groups_of", "sharded_params_of"]
 
 
 def fully_shard(
@@ -41,11 +55,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | Replicate | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not already owned by a sharded
     submodule) into one group: one all-gather before its compute, one
@@ -86,40 +100,74 @@ def fully_shard(
     modules = tuple(unwrap_compiled(m) for m in (module if isinstance(module, (list, tuple)) else (module,)))
     _check_modules(modules)
     _check_policies(mp_policy, offload_policy)
-    if dp_mesh_dims is not None:
-        raise ConfigurationError(
-            "fully_shard does not take dp_mesh_dims (torch's full-SPMD-mesh form); pass the data-parallel "
-            "sub-mesh instead: mesh=world['dp'] (HSDP: world['dp_replicate', 'dp_shard']), with tensor "
-            "parallelism applied on world['tp']: the parameters get the same (dp, tp) placements"
-        )
     mesh = mesh if mesh is not None else default_mesh()
-    mesh_info = mesh_info_for(mesh)
-    device = device_from_mesh(mesh)
-    reshard = normalize_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
-    ignored = set(ignored_params or ())
+    mesh_info = _data_parallel_mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
+    shard_modules(modules, mesh_info, device_from_mesh(mesh), shard_placement_fn=shard_placement_fn,
+                  mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params,
+                  reshard_after_forward=reshard_after_forward)
+    return module
 
+
+def shard_modules(modules: tuple[nn.Module, ...], mesh_info: MeshInfo, device: torch.device, *,
+                  shard_placement_fn: Callable[[nn.Parameter], Any] | None, mp_policy: MixedPrecisionPolicy,
+                  offload_policy: OffloadPolicy, ignored_params: set[nn.Parameter] | None,
+                  reshard_after_forward: bool | int | None, module_class: type = FSDPModule) -> None:
+    """The body of ``fully_shard`` and ``replicate``: one state over ``modules``
+    with one group per mesh, and each module's class swapped to
+    ``module_class`` (an :class:`FSDPModule`) mixed into its own."""
+    ignored = set(ignored_params or ())
     managed = _managed_modules(modules)
     params = _managed_params(modules, managed, ignored)
     _move_buffers(managed, device)
     infos = _module_infos(managed, params)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory
-    sharded = [ShardedParam(p, infos[id(p)], mesh_info, device, _shard_dim(shard_placement_fn, p), offload, pin)
-               for p in params]
+    placements = resolve_placements(shard_placement_fn, params, mesh_info)
+    sharded = [ShardedParam(p, infos[id(p)], info, device, dim, offload, pin)
+               for p, (info, dim) in zip(params, placements)]
+    by_mesh = [(info, members, _reshard_for(info, reshard_after_forward))
+               for info, members in group_by_mesh(sharded, [info for info, _ in placements])]
     for p, sp in zip(params, sharded):  # only now: a parameter that cannot be sharded leaves the module untouched
         sp.info.register(sp.sharded_param)
         _CLAIMED[p] = (type(modules[0]).__name__, weakref.ref(sp.sharded_param))
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
-    if sharded:
-        group = ParamGroup(sharded, modules, mesh_info, device, mp_policy, state.comm)
-        apply_reshard_after_forward(group, True if reshard is None else reshard)
+    for group_info, members, reshard in by_mesh:
+        group = ParamGroup(members, modules, group_info, device, mp_policy, state.comm)
+        apply_reshard_after_forward(group, reshard)
         state.groups.append(group)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-        swap_class(m)
+        swap_class(m, module_class)
         keep_state_dict_keys_clean(m)
-    return module
+
+
+def _reshard_for(mesh_info: MeshInfo, reshard_after_forward: bool | int | None) -> bool | int:
+    """A group's ``reshard_after_forward``.  A replicate-only group keeps its
+    parameters after forward, as torch's does: resharding would only drop a
+    local copy that backward needs again."""
+    if mesh_info.shard_group is None:
+        return False
+    reshard = normalize_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
+    return True if reshard is None else reshard
+
+
+def _data_parallel_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None,
+                             reshard_after_forward: bool | int | None) -> MeshInfo:
+    if dp_mesh_dims is None:
+        return mesh_info_for(mesh)
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise ConfigurationError(
+            f"dp_mesh_dims must be a DataParallelMeshDims(shard=..., replicate=...), got {dp_mesh_dims!r}"
+        )
+    info = spmd_mesh_info(mesh, dp_mesh_dims)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and info.shard_group is not None:
+        raise UnsupportedShardingError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
+            "pass True or False"
+        )
+    return info
 
 
 # torch's ``contract`` accessor: ``fully_shard.state(module)`` is the module's
@@ -128,6 +176,12 @@ fully_shard.state = state_of  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------- checks
+
+
+def check_shardable(modules: tuple[nn.Module, ...], mp_policy: Any, offload_policy: Any) -> None:
+    """The checks of ``fully_shard``'s arguments that ``replicate`` shares."""
+    _check_modules(modules)
+    _check_policies(mp_policy, offload_policy)
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -171,19 +225,6 @@ def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
         raise ConfigurationError(
             f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {type(offload_policy).__name__}"
         )
-
-
-def _shard_dim(fn: Callable | None, param: nn.Parameter) -> int:
-    if fn is None:
-        return 0
-    placement = fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise ConfigurationError(
-            f"shard_placement_fn must return a torch.distributed.tensor.Shard or None, got {placement!r}"
-        )
-    return placement.dim
 
 
 # ------------------------------------------------------------- managed states

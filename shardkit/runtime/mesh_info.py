@@ -24,28 +24,41 @@ from shardkit.errors import ConfigurationError, UnnamedMeshDimsError, Unsupporte
 from shardkit.held_groups import release_at_exit
 
 __all__ = ["MeshInfo", "PostForwardGroup", "default_mesh", "device_from_mesh", "mesh_info_for",
-           "post_forward_group"]
+           "post_forward_group", "replicate_mesh_info"]
 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The data-parallel layout of one ``fully_shard`` call."""
+    """The data-parallel layout of one ``fully_shard`` call (or of the
+    parameters of that call a ``shard_placement_fn`` put on a mesh of their own).
+
+    A replicate-only layout (``replicate()``, ``Replicate()`` from a
+    ``shard_placement_fn``, ``dp_mesh_dims`` naming replicate dims only) has
+    no shard group: one shard rank, so all-gather and reduce-scatter are local
+    copies and the gradient is all-reduced over ``replicate_group``."""
 
     mesh: DeviceMesh
-    shard_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup | None  # None when replicate-only
     shard_size: int
     shard_rank: int
-    replicate_group: dist.ProcessGroup | None  # None on a 1-D mesh
+    replicate_group: dist.ProcessGroup | None  # None on a 1-D FSDP mesh
     replicate_size: int
     replicate_rank: int
+    spmd: Any = None  # a SpmdDims when the parameters are DTensors on the full SPMD mesh (dp_mesh_dims)
 
     @property
     def placements(self) -> tuple[Placement, ...]:
         """Placements of a dim-0 sharded parameter on this mesh."""
-        return (Shard(0),) if self.mesh.ndim == 1 else (Replicate(), Shard(0))
+        return self.placements_for(0)
 
     def placements_for(self, shard_dim: int) -> tuple[Placement, ...]:
-        return (Shard(shard_dim),) if self.mesh.ndim == 1 else (Replicate(), Shard(shard_dim))
+        return self.data_parallel_placements(Shard(shard_dim))
+
+    def data_parallel_placements(self, fsdp: Placement) -> tuple[Placement, ...]:
+        """This mesh's placements of a parameter FSDP cuts with ``fsdp``."""
+        if self.shard_group is None:
+            return (Replicate(),) * self.mesh.ndim
+        return (fsdp,) if self.mesh.ndim == 1 else (Replicate(), fsdp)
 
     @property
     def is_hsdp(self) -> bool:
@@ -84,9 +97,10 @@ def _cache() -> dict[tuple, Any]:
     return _per_default_group.setdefault(dist.group.WORLD, {})
 
 
-def default_mesh() -> DeviceMesh:
+def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole default process group, on the accelerator
-    when the backend drives one (NCCL), else on the CPU."""
+    when the backend drives one (NCCL), else on the CPU (``replicate`` names
+    its dim ``"replicate"``, as torch does)."""
     if not dist.is_initialized():
         raise ConfigurationError(
             "fully_shard needs an initialized process group; call "
@@ -95,9 +109,9 @@ def default_mesh() -> DeviceMesh:
         )
     backend = str(dist.get_backend()).lower()
     device_type = "cuda" if ("nccl" in backend and torch.cuda.is_available()) else "cpu"
-    cache, key = _cache(), ("default_mesh", device_type)
+    cache, key = _cache(), ("default_mesh", device_type, mesh_dim_names)
     if key not in cache:
-        cache[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        cache[key] = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=mesh_dim_names)
     return cache[key]
 
 
@@ -138,6 +152,17 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
     return MeshInfo(mesh, shard_group, shard_group.size(), mesh.get_local_rank(1),
                     replicate_group, replicate_group.size(), mesh.get_local_rank(0))
+
+
+def replicate_mesh_info(mesh: DeviceMesh, spmd: Any = None) -> MeshInfo:
+    """A 1-D mesh whose ranks all hold the whole parameter (DDP)."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise UnsupportedMeshError(
+            f"replicating parameters needs a 1-D DeviceMesh of the replicas, got {mesh!r}; pass e.g. "
+            "init_device_mesh('cpu', (world_size,), mesh_dim_names=('replicate',))"
+        )
+    group = mesh.get_group(0)
+    return MeshInfo(mesh, None, 1, 0, group, group.size(), mesh.get_local_rank(0), spmd)
 
 
 def normalize_reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | int | None:

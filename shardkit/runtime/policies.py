@@ -16,7 +16,7 @@ import torch
 
 from shardkit.errors import ConfigurationError
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
 
 
 def _check_dtype(name: str, value: object) -> None:
@@ -98,35 +98,3 @@ class CPUOffloadPolicy(OffloadPolicy):
             raise ConfigurationError(
                 f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}"
             )
-
-
-@dataclass
-class DataParallelMeshDims:
-    """Which named dims of a full SPMD mesh are data parallel, for
-    ``fully_shard(..., dp_mesh_dims=...)``: ``shard`` (FSDP) and/or
-    ``replicate`` (HSDP/DDP), each a dim name or a tuple of names flattened
-    into one.  torch 2.13's dataclass, field for field."""
-
-    shard: str | tuple[str, ...] | None = None
-    replicate: str | tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.shard is None and self.replicate is None:
-            raise ConfigurationError(
-                "At least one of shard or replicate must be set in DataParallelMeshDims; "
-                "for example DataParallelMeshDims(shard='dp')"
-            )
-
-    @property
-    def shard_names(self) -> tuple[str, ...]:
-        return _names(self.shard)
-
-    @property
-    def replicate_names(self) -> tuple[str, ...]:
-        return _names(self.replicate)
-
-
-def _names(dims: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    if dims is None:
-        return ()
-    return (dims,) if isinstance(dims, str) else tuple(dims)

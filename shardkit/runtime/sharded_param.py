@@ -50,6 +50,7 @@ from shardkit.errors import (
 )
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
+from shardkit.runtime.spmd_mesh import spmd_layout
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 from shardkit.runtime.torch_names import TorchParamNames
 
@@ -148,7 +149,10 @@ class ShardedParam(TorchParamNames):
                 f"{param.shape}. shard_placement_fn returned Shard({asked}) for parameter {name}; "
                 f"return Shard(d) with -{data.dim()} <= d < {data.dim()}, or None for Shard(0)"
             )
-        self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
+        if self.mesh_info.spmd is not None:  # Note [the full SPMD mesh]
+            self.tp = spmd_layout(param, self.mesh_info, shard_dim, self.info.name)
+        else:
+            self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
         world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         size = data.shape
         if shard_dim != 0 and size[shard_dim] % world != 0:

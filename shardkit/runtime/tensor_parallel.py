@@ -60,6 +60,9 @@ class TPLayout:
     tp_spec: DTensorSpec                 # the parameter as tensor parallelism left it
     mesh: DeviceMesh                     # the composed (dp..., tp...) mesh of the shard
     placements: tuple[Placement, ...]    # FSDP's placements followed by TP's
+    # mesh dims whose gradient placement is left as autograd made it, because
+    # FSDP's own collectives reduce over them (the dp dims of a full SPMD mesh)
+    dp_dims: frozenset[int] = frozenset()
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
         """The all-gathered TP-local tensor as the TP DTensor the module computes with
@@ -78,8 +81,9 @@ class TPLayout:
             grad = wait()
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != tuple(self.tp_spec.placements):
-            grad = grad.redistribute(placements=self.tp_spec.placements)
+        target = tuple(grad.placements[i] if i in self.dp_dims else p for i, p in enumerate(self.tp_spec.placements))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return grad._local_tensor
 
 
@@ -151,5 +155,4 @@ def tp_layout(param: DTensor, mesh_info: MeshInfo, shard_dim: int, what: str) ->
     mesh = compose_meshes(mesh_info.mesh, tp_mesh, what)
     split = spec.num_shards_map[shard_dim]
     fsdp: Placement = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
-    leading = (Replicate(), fsdp) if mesh_info.mesh.ndim == 2 else (fsdp,)
-    return TPLayout(spec, mesh, (*leading, *spec.placements))
+    return TPLayout(spec, mesh, (*mesh_info.data_parallel_placements(fsdp), *spec.placements))
