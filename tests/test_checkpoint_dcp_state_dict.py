@@ -312,3 +312,10 @@ def test_save_and_load_take_dcp_checkpoint_id_or_url_but_not_both(tmp_path):
     with pytest.raises(ConfigurationError, match=r"^load\(\) needs the checkpoint's location"):
         skc.load(skc.get_training_state(model))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_old_dict_form_names_point_to_their_new_homes():
+    for old, new in (("get_state_dict", "get_training_state"), ("set_state_dict", "set_training_state")):
+        with pytest.raises(AttributeError, match=rf"^shardkit.checkpoint.{old} is now {new} .*"
+                                                 rf"shardkit.checkpoint.state_dict.{old}$"):
+            getattr(skc, old)
