@@ -22,7 +22,7 @@ being written when the step started, and the total time for the steps plus
 the wait for the last save to commit.  The blocking targets divide by the
 ``host-copy`` arm's copy time; the same copy timed once before the arms, out of
 the training loop, is printed beside it.
-Both systems save the same state dict (shardkit's ``get_state_dict``: DTensors).
+Both systems save the same state dict (shardkit's ``get_training_state``: DTensors).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace, rep: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from shardkit.checkpoint import get_state_dict
+    from shardkit.checkpoint import get_training_state
 
     model, opt = _model(args)
     gen = torch.Generator().manual_seed(99)
@@ -192,7 +192,7 @@ def worker(args: argparse.Namespace, rep: int) -> dict[str, Any]:
     group = dist.new_group(backend="gloo")  # the saves' own group, as in the main benchmark
 
     def state_of() -> dict:
-        return get_state_dict(model, opt)
+        return get_training_state(model, opt)
 
     out: dict[str, Any] = {"copy_to_host_s": _copy_baseline(state_of()),
                            "rank_state_bytes": sum(t.numel() * t.element_size() for t in _local_tensors(state_of()))}

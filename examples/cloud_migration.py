@@ -65,7 +65,7 @@ def train_and_save(url: str) -> None:
     tokens = torch.randint(0, 1000, (8, 32))
     nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     optim.step()
-    skc.save(skc.get_state_dict(model, optim), url)
+    skc.save(skc.get_training_state(model, optim), url)
 
 
 def migrate(local_dir: str, s3_root: str, options: dict) -> None:

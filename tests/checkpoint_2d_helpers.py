@@ -179,7 +179,7 @@ def train_save_continue(url: str, runtime: str, layout_name: str) -> dict[str, A
     model = build(runtime, layout, seed=0)
     opt = optimizer(model)
     first = train(model, opt, layout, range(5))
-    skc.save(skc.get_state_dict(model, opt), url, meta={"step": 5})
+    skc.save(skc.get_training_state(model, opt), url, meta={"step": 5})
     saved = full_state(model, opt)
     rest = train(model, opt, layout, range(5, 10))
     return on_rank0({"losses": first + rest, "saved": saved})
@@ -192,9 +192,9 @@ def resume(url: str, runtime: str, layout_name: str) -> dict[str, Any] | None:
     layout = LAYOUTS[layout_name]
     model = build(runtime, layout, seed=123)
     opt = optimizer(model)
-    sd = skc.get_state_dict(model, opt)
+    sd = skc.get_training_state(model, opt)
     meta = skc.load(sd, url)
-    skc.set_state_dict(model, opt, sd)
+    skc.set_training_state(model, opt, sd)
     loaded = full_state(model, opt)
     return on_rank0({"meta": meta, "loaded": loaded, "losses": train(model, opt, layout, range(5, 10))})
 

@@ -125,7 +125,7 @@ def save_trained_two_steps(url: str, storage_options: dict[str, Any] | None,
     model = build_model("shardkit", seed=1, args=args)
     opt = make_optimizer(model)
     train(model, opt, range(2), args=args)
-    skc.save(skc.get_state_dict(model, opt), url, storage_options=storage_options, compression=compression,
+    skc.save(skc.get_training_state(model, opt), url, storage_options=storage_options, compression=compression,
              chunk_bytes=4096)
     return full_state(model, opt)
 
@@ -137,7 +137,7 @@ def load_into_fresh(url: str, storage_options: dict[str, Any] | None, kind: str 
 
     model = build_model(kind, seed=99, args=args)
     opt = make_optimizer(model)
-    sd = skc.get_state_dict(model, opt)
+    sd = skc.get_training_state(model, opt)
     skc.load(sd, url, storage_options=storage_options)
-    skc.set_state_dict(model, opt, sd)
+    skc.set_training_state(model, opt, sd)
     return full_state(model, opt)

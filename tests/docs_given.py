@@ -65,7 +65,7 @@ def given(workdir: Path, terms: str = "") -> dict[str, Any]:
         Transformer=Transformer, TransformerBlock=Block, args=args,
         model=model, optimizer=optimizer, optim=optimizer, loss_fn=lm_loss, train_step=train_step,
         data=data, micro_batches=[SimpleNamespace(x=x, y=y) for x, y in data],
-        full_state_dict=Transformer(args).state_dict(), sd=skc.get_state_dict(model, optimizer),
+        full_state_dict=Transformer(args).state_dict(), sd=skc.get_training_state(model, optimizer),
         dataset=IndexDataset(512), scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=10),
         my_reader=ShardReader(), root=str(workdir / "run"), url=str(workdir / "ckpt"),
         s3_options={"anon": False},  # the user's own; credentials and endpoint come from the environment

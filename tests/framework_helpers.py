@@ -106,9 +106,9 @@ def resume_and_train(ckpt: str, tied: bool = False) -> list[float]:
     fully_shard(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5, weight_decay=0.5)
     inputs = stored_input_state(ckpt)  # every rank's RNG state, when the checkpoint holds it
-    sd = {**skc.get_state_dict(model, opt), **inputs}
+    sd = {**skc.get_training_state(model, opt), **inputs}
     skc.load(sd, ckpt)
-    skc.set_state_dict(model, opt, sd)
+    skc.set_training_state(model, opt, sd)
     if "rng" in inputs:
         load_data_state_dict(inputs)
     losses = []

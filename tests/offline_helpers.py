@@ -83,7 +83,7 @@ def train_and_save_with_shardkit(path: str) -> dict[str, torch.Tensor] | None:
         lm_loss(model(tokens), targets).backward()
         optim.step()
         optim.zero_grad()
-    state = skc.get_state_dict(model, optim)
+    state = skc.get_training_state(model, optim)
     state["extra"] = dict(EXTRA_VALUES)
     skc.save(state, path)
     full = skc.get_full_state_dict(model, optim)

@@ -49,9 +49,9 @@ def test_convert_to_hf_of_a_2x2_checkpoint_is_the_single_process_model_bitwise(s
 
     url, reference = saved_2d
     single = TPNet()  # one process, plain tensors, loaded from the 2-D checkpoint
-    sd = skc.get_state_dict(single)
+    sd = skc.get_training_state(single)
     skc.load(sd, url, strict=False)
-    skc.set_state_dict(single, None, sd)
+    skc.set_training_state(single, None, sd)
     gathered = {k.removeprefix("model."): v for k, v in reference["saved"]["tensors"].items() if k.startswith("model.")}
     assert all(torch.equal(v, gathered[k]) for k, v in single.state_dict().items())  # get_full_state_dict at 2x2
     out = tmp_path / "hf"

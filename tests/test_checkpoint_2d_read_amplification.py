@@ -34,7 +34,7 @@ def _save_big(url: str, layout: str = "dp2tp2", column_strips: str = "cut") -> N
 
     model = build("torch", LAYOUTS[layout], 0, BIG)
     opt = optimizer(model)
-    skc.save(skc.get_state_dict(model, opt), url, chunk_bytes=64 << 10, block_bytes=4 << 10,
+    skc.save(skc.get_training_state(model, opt), url, chunk_bytes=64 << 10, block_bytes=4 << 10,
              column_strips=column_strips)
 
 
@@ -58,7 +58,7 @@ def _load_big(url: str, runtime: str, layout: str) -> dict[str, tuple[int, int]]
     import shardkit.checkpoint as skc
 
     model = build(runtime, LAYOUTS[layout], 1, BIG)
-    return _read_per_tensor(url, skc.get_state_dict(model, optimizer(model)))
+    return _read_per_tensor(url, skc.get_training_state(model, optimizer(model)))
 
 
 def _load_big_into_strided_row_ranges(url: str) -> dict[str, tuple[int, int]]:

@@ -48,7 +48,7 @@ def _trained(seed: int = 0) -> tuple[_Net, torch.optim.Optimizer]:
 
 
 def _state(net: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
-    return skc.get_state_dict(net, opt)
+    return skc.get_training_state(net, opt)
 
 
 def _snapshot(sd: dict) -> dict[str, torch.Tensor]:

@@ -42,8 +42,8 @@ def test_a_trainable_only_save_stores_the_adapters_and_their_optimizer_state_alo
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    skc.save(skc.get_state_dict(model), str(tmp_path / "base"))
-    skc.save(skc.get_state_dict(model, opt, trainable_only=True), str(tmp_path / "adapter"))
+    skc.save(skc.get_training_state(model), str(tmp_path / "base"))
+    skc.save(skc.get_training_state(model, opt, trainable_only=True), str(tmp_path / "adapter"))
     keys = skc.inspect(str(tmp_path / "adapter"))["tensors"]
     names = {t["name"] for t in keys}
     assert names and all("lora_" in n for n in names)
@@ -62,22 +62,22 @@ def test_a_base_and_an_adapter_checkpoint_load_into_one_model_and_give_its_logit
         trained(torch.randn(4, 64)).sum().backward()
         opt.step()
         opt.zero_grad()
-    skc.save(skc.get_state_dict(trained), str(tmp_path / "base"), only=["model.*.base.*"])
-    skc.save(skc.get_state_dict(trained, trainable_only=True), str(tmp_path / "adapter"))
+    skc.save(skc.get_training_state(trained), str(tmp_path / "base"), only=["model.*.base.*"])
+    skc.save(skc.get_training_state(trained, trainable_only=True), str(tmp_path / "adapter"))
 
     fresh = _model(1)
-    target = skc.get_state_dict(fresh)
+    target = skc.get_training_state(fresh)
     base = skc.load(target, str(tmp_path / "base"), strict=False)
     assert base.missing == sorted(f"model.{i}.lora_{ab}" for i in (0, 2) for ab in "ab")
     assert base.unexpected == []
     adapter = skc.load(target, str(tmp_path / "adapter"), strict=False)
     assert adapter.missing == sorted(f"model.{i}.base.{w}" for i in (0, 2) for w in ("weight", "bias"))
-    skc.set_state_dict(fresh, None, target)
+    skc.set_training_state(fresh, None, target)
     x = torch.randn(5, 64)
     assert torch.equal(fresh(x), trained(x))
 
 
 def test_a_save_whose_selection_keeps_nothing_is_refused(tmp_path):
     with pytest.raises(ConfigurationError, match="keep no key"):
-        skc.save(skc.get_state_dict(_model(0)), str(tmp_path / "x"), only=["optim.*"])
+        skc.save(skc.get_training_state(_model(0)), str(tmp_path / "x"), only=["optim.*"])
     assert not (tmp_path / "x" / "manifest.json").exists()

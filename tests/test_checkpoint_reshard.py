@@ -29,7 +29,7 @@ def _train_save_continue(url: str, kind: str = "shardkit"):
     model = build_model(kind, seed=0)
     opt = make_optimizer(model)
     first = train(model, opt, range(5))
-    skc.save(skc.get_state_dict(model, opt), url, meta={"step": 5})
+    skc.save(skc.get_training_state(model, opt), url, meta={"step": 5})
     saved = full_state(model, opt)
     rest = train(model, opt, range(5, 10))
     return {"losses": first + rest, "saved": saved}
@@ -39,9 +39,9 @@ def _resume(url: str, kind: str = "shardkit", mesh_shape: tuple[int, ...] | None
     """Fresh model (other seed) and fresh optimizer, load, compare state, train 5 more steps."""
     model = build_model(kind, seed=123, mesh_shape=mesh_shape)
     opt = make_optimizer(model)
-    sd = skc.get_state_dict(model, opt)
+    sd = skc.get_training_state(model, opt)
     meta = skc.load(sd, url)
-    skc.set_state_dict(model, opt, sd)
+    skc.set_training_state(model, opt, sd)
     loaded = full_state(model, opt)
     return {"meta": meta, "loaded": loaded, "losses": train(model, opt, range(5, 10))}
 
@@ -71,9 +71,9 @@ def test_plain_module_in_one_process_loads_the_two_rank_checkpoint(two_rank_run)
     url, reference = two_rank_run
     model = build_model("plain", seed=7)
     opt = make_optimizer(model)
-    sd = skc.get_state_dict(model, opt)
+    sd = skc.get_training_state(model, opt)
     skc.load(sd, url)
-    skc.set_state_dict(model, opt, sd)
+    skc.set_training_state(model, opt, sd)
     assert mismatches(reference["saved"], full_state(model, opt)) == []
     assert rel_close(train(model, opt, range(5, 10)), reference["losses"][5:])
 

@@ -56,7 +56,7 @@ def _load_full_from_rank0(mesh_shape, steps):
     full, expected = {}, None
     if world()[0] == 0:  # the reference trains in the rank: same threads, same float rounding
         ref_model, ref_opt = _plain_reference(steps)
-        full = skc.get_state_dict(ref_model, ref_opt)
+        full = skc.get_training_state(ref_model, ref_opt)
         expected = _flat_copy(full)
     skc.set_full_state_dict(model, opt, full, broadcast_from_rank0=True)
     return expected, full_state(model, opt)
@@ -78,7 +78,7 @@ def _load_full_everywhere(steps):
     model = build_model("shardkit", seed=42)
     opt = make_optimizer(model)
     ref_model, ref_opt = _plain_reference(steps)
-    full = skc.get_state_dict(ref_model, ref_opt)
+    full = skc.get_training_state(ref_model, ref_opt)
     expected = _flat_copy(full)
     skc.set_full_state_dict(model, opt, full)
     return expected, full_state(model, opt)
@@ -93,7 +93,7 @@ def test_initialising_a_fresh_optimizer_changes_neither_params_nor_its_first_ste
     a, b = build_model("plain", seed=3), build_model("plain", seed=3)
     opt_a, opt_b = make_optimizer(a), make_optimizer(b)
     before = {k: v.clone() for k, v in a.state_dict().items()}
-    sd = skc.get_state_dict(a, opt_a)
+    sd = skc.get_training_state(a, opt_a)
     assert all(torch.equal(before[k], v) for k, v in a.state_dict().items())
     assert len(sd["optim"]["state"]) == len(list(a.parameters()))
     train(a, opt_a, range(1))
@@ -103,7 +103,7 @@ def test_initialising_a_fresh_optimizer_changes_neither_params_nor_its_first_ste
 
 def test_fqn_keyed_optimizer_state_converts_back_for_torch_load_state_dict():
     model, opt = _plain_reference(2)
-    osd = sdm.get_optimizer_state_dict(model, opt)
+    osd = sdm.live_optimizer_state(model, opt)
     clone = build_model("plain", seed=0)
     clone_opt = make_optimizer(clone)
     clone_opt.load_state_dict(sdm.to_torch_optimizer_state(clone, clone_opt, osd))
@@ -111,7 +111,7 @@ def test_fqn_keyed_optimizer_state_converts_back_for_torch_load_state_dict():
         assert all(torch.equal(opt.state[p][k], clone_opt.state[q][k]) for k in opt.state[p])
     other = build_model("plain", seed=1)
     untouched = make_optimizer(other)
-    assert sdm.get_optimizer_state_dict(other, untouched, init_fresh=False)["state"] == {}
+    assert sdm.live_optimizer_state(other, untouched, init_fresh=False)["state"] == {}
     assert len(untouched.state) == 0
 
 
@@ -119,7 +119,7 @@ def _gather_then_shard():
     model = build_model("shardkit", seed=5)
     opt = make_optimizer(model)
     train(model, opt, range(1))
-    live = skc.get_state_dict(model, opt)
+    live = skc.get_training_state(model, opt)
     full = sdm.gather_full_state(live, rank0_only=False)
     resharded = sdm.shard_state(full, live)
     same = []
@@ -148,13 +148,13 @@ class _GatheringWrapper(nn.Module):
         return out if sdm.reading_live_tensors() else {k: v.clone() for k, v in out.items()}
 
 
-def test_get_state_dict_asks_wrappers_for_their_live_tensors(tmp_path):
+def test_get_training_state_asks_wrappers_for_their_live_tensors(tmp_path):
     model = _GatheringWrapper()
-    sd = skc.get_state_dict(model)
+    sd = skc.get_training_state(model)
     assert sd["model"]["inner.weight"].data_ptr() == model.inner.weight.data_ptr()
     skc.save(sd, str(tmp_path / "w"))
     fresh = _GatheringWrapper()
-    target = skc.get_state_dict(fresh)
+    target = skc.get_training_state(fresh)
     skc.load(target, str(tmp_path / "w"))
     assert torch.equal(fresh.inner.weight, model.inner.weight)  # loaded in place, not into a copy
 

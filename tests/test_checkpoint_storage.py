@@ -112,7 +112,7 @@ def test_load_detects_hf_and_torch_save_sources_and_fills_the_model_in_place(tmp
     for url in (str(tmp_path / "model.pt"), str(tmp_path / "hf")):
         model = build_model("plain", seed=12)
         pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
-        sd = skc.get_state_dict(model)
+        sd = skc.get_training_state(model)
         skc.load(sd, url)
         assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
         assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers

@@ -42,7 +42,7 @@ def _stored_bytes(path: Path) -> int:
 def tied_ckpt(tmp_path_factory) -> tuple[Path, Transformer]:
     model, opt = _trained()
     path = tmp_path_factory.mktemp("tied") / "ckpt"
-    skc.save(skc.get_state_dict(model, opt), str(path), meta={"step": 1})
+    skc.save(skc.get_training_state(model, opt), str(path), meta={"step": 1})
     return path, model
 
 
@@ -57,31 +57,31 @@ def test_a_tied_weight_is_stored_once_and_recorded_as_an_alias_with_one_optimize
     assert not any(k.startswith("optim.state.output.weight.") for k in optim_keys)
     groups = doc["values"]["optim.param_groups"]
     assert "tok_embeddings.weight" in groups[0]["params"] and "output.weight" not in groups[0]["params"]
-    skc.async_save(skc.get_state_dict(model), str(tmp_path / "async")).result()  # staged: still once
+    skc.async_save(skc.get_training_state(model), str(tmp_path / "async")).result()  # staged: still once
     assert _manifest(tmp_path / "async")["aliases"] == {HEAD: EMBED}
     # the same state saved with the two keys untied (separate copies) stores the embedding twice
-    untied = skc.get_state_dict(model)
+    untied = skc.get_training_state(model)
     untied["model"]["output.weight"] = untied["model"]["output.weight"].clone()
     skc.save(untied, str(tmp_path / "copies"))
     assert "aliases" not in _manifest(tmp_path / "copies")  # no field at all when nothing is tied
     embedding = model.tok_embeddings.weight.numel() * 4
     model_only = tmp_path / "model-only"
-    skc.save(skc.get_state_dict(model), str(model_only))
+    skc.save(skc.get_training_state(model), str(model_only))
     assert _stored_bytes(tmp_path / "copies") - _stored_bytes(model_only) >= embedding
 
 
 def test_strict_load_of_a_tied_checkpoint_fills_tied_and_untied_models_bitwise(tied_ckpt, tmp_path):
     path, model = tied_ckpt
     fresh, fresh_opt = _trained(seed=3)
-    target = skc.get_state_dict(fresh, fresh_opt)
+    target = skc.get_training_state(fresh, fresh_opt)
     assert skc.load(target, str(path)) == {"step": 1}
-    skc.set_state_dict(fresh, fresh_opt, target)
+    skc.set_training_state(fresh, fresh_opt, target)
     assert fresh.output.weight is fresh.tok_embeddings.weight  # still tied
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
-    skc.save(skc.get_state_dict(model), str(tmp_path / "weights"))
+    skc.save(skc.get_training_state(model), str(tmp_path / "weights"))
     untied, _ = _trained(ModelArgs(tie_embeddings=False), seed=4)
-    skc.load(skc.get_state_dict(untied), str(tmp_path / "weights"))  # strict: the alias fills the untied head
+    skc.load(skc.get_training_state(untied), str(tmp_path / "weights"))  # strict: the alias fills the untied head
     assert torch.equal(untied.output.weight, model.tok_embeddings.weight)
     assert torch.equal(untied.tok_embeddings.weight, model.tok_embeddings.weight)
 
@@ -89,11 +89,11 @@ def test_strict_load_of_a_tied_checkpoint_fills_tied_and_untied_models_bitwise(t
 def test_a_checkpoint_without_aliases_loads_strictly_into_a_tied_model(tied_ckpt, tmp_path):
     """A manifest from before the field (a tied model saved as two copies) still loads."""
     _, model = tied_ckpt
-    state = {"model": {k: v.clone() for k, v in skc.get_state_dict(model)["model"].items()}}
+    state = {"model": {k: v.clone() for k, v in skc.get_training_state(model)["model"].items()}}
     skc.save(state, str(tmp_path / "old"))
     assert "aliases" not in _manifest(tmp_path / "old") and HEAD in _manifest(tmp_path / "old")["tensors"]
     fresh, _ = _trained(seed=5)
-    skc.load(skc.get_state_dict(fresh), str(tmp_path / "old"))
+    skc.load(skc.get_training_state(fresh), str(tmp_path / "old"))
     assert torch.equal(fresh.output.weight, model.output.weight) and fresh.output.weight is fresh.tok_embeddings.weight
 
 
@@ -102,7 +102,7 @@ def test_a_tied_target_still_reports_its_key_missing_when_no_key_of_the_tie_is_s
     skc.convert(str(path), str(tmp_path / "no-embed"), to="shardkit", exclude=[EMBED, HEAD, "optim.*"])
     fresh, _ = _trained(seed=6)
     with pytest.raises(IncompatibleStateDict, match="missing keys.*tok_embeddings"):
-        skc.load(skc.get_state_dict(fresh), str(tmp_path / "no-embed"))
+        skc.load(skc.get_training_state(fresh), str(tmp_path / "no-embed"))
 
 
 @pytest.mark.parametrize("aliases,match", [
@@ -180,7 +180,7 @@ def _save_sharded_tied(path: str, disagree: bool) -> dict[str, torch.Tensor] | s
     tokens, targets = make_batch(TIED, 2, seed=1)
     lm_loss(model(tokens), targets).backward()
     opt.step()
-    state = skc.get_state_dict(model, opt)
+    state = skc.get_training_state(model, opt)
     if disagree:
         if dist.get_rank() == 1:
             state["model"]["output.weight"] = state["model"]["output.weight"].clone()  # same values, own memory
@@ -190,7 +190,7 @@ def _save_sharded_tied(path: str, disagree: bool) -> dict[str, torch.Tensor] | s
             return str(exc)
         return None
     skc.save(state, path)
-    full = {k: v.full_tensor() for k, v in skc.get_state_dict(model)["model"].items()}
+    full = {k: v.full_tensor() for k, v in skc.get_training_state(model)["model"].items()}
     return full if dist.get_rank() == 0 else None
 
 
@@ -198,7 +198,7 @@ def test_a_two_rank_sharded_tied_model_saves_the_weight_once_and_loads_in_one_pr
     full = run_on_ranks(2, _save_sharded_tied, str(tmp_path / "ckpt"), False)[0]
     assert _manifest(tmp_path / "ckpt")["aliases"] == {HEAD: EMBED}
     fresh, fresh_opt = _trained(seed=7)
-    target = skc.get_state_dict(fresh, fresh_opt)
+    target = skc.get_training_state(fresh, fresh_opt)
     skc.load(target, str(tmp_path / "ckpt"))
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, full[name]), name
@@ -224,7 +224,7 @@ def test_diff_counts_a_tied_key_filtered_out_of_one_side_as_held_by_the_other_on
                                                                                                   detail)]
         assert run_cli("diff", str(a), str(b)).exit_code == 1
     # untied, the head merely equals the embedding: no side records a tie, so the head is on one side only
-    state = skc.get_state_dict(model)
+    state = skc.get_training_state(model)
     state["model"]["output.weight"] = state["model"]["output.weight"].clone()
     untied = tmp_path / "untied"
     skc.save(state, str(untied))

@@ -40,10 +40,10 @@ def _load_at_three_ranks(path: str):
     from shardkit import fully_shard
 
     model, optim, _ = sharded_transformer(fully_shard, seed=1)
-    sd = skc.get_state_dict(model, optim)
+    sd = skc.get_training_state(model, optim)
     sd["extra"] = {k: 0.0 for k in EXTRA_VALUES}
     skc.load(sd, path)
-    skc.set_state_dict(model, optim, sd)
+    skc.set_training_state(model, optim, sd)
     full = skc.get_full_state_dict(model)
     return ({k: v.clone() for k, v in full["model"].items()}, sd["extra"]) if dist.get_rank() == 0 else None
 
@@ -76,9 +76,9 @@ def test_dcp_from_torch_fully_shard_converts_to_native_and_loads(tmp_path):
     assert verify(out).ok
     model = Transformer(ModelArgs())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sd = skc.get_state_dict(model, optim)
+    sd = skc.get_training_state(model, optim)
     skc.load(sd, out)
-    skc.set_state_dict(model, optim, sd)
+    skc.set_training_state(model, optim, sd)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, flat[f"model.{name}"]), name
     names = {id(p): n for n, p in model.named_parameters()}

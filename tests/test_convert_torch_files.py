@@ -103,13 +103,13 @@ def _trained(model: nn.Module, args: ModelArgs | None = None) -> torch.optim.Opt
 
 
 def _loaded_into_fresh(build, url: str, **extra) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
-    """A fresh model and optimizer, filled from ``url`` with ``skc.load`` + ``set_state_dict``."""
+    """A fresh model and optimizer, filled from ``url`` with ``skc.load`` + ``set_training_state``."""
     torch.manual_seed(123)
     model = build()
     optim = torch.optim.AdamW(model.parameters(), lr=0.5)
-    state = {**skc.get_state_dict(model, optim), **extra}
+    state = {**skc.get_training_state(model, optim), **extra}
     skc.load(state, url)
-    skc.set_state_dict(model, optim, state)
+    skc.set_training_state(model, optim, state)
     return model, optim, state
 
 

@@ -298,9 +298,9 @@ def test_a_dcp_of_a_bare_model_state_dict_is_read_as_the_model_and_its_optimizer
         assert reader.values()["lr_scheduler.last_epoch"] == 1
     fresh = Transformer(ModelArgs())
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    sd = skc.get_state_dict(fresh, fresh_opt)
+    sd = skc.get_training_state(fresh, fresh_opt)
     skc.load(sd, str(tmp_path / "bare"), strict=False)  # the lr_scheduler is not this state dict's
-    skc.set_state_dict(fresh, fresh_opt, sd)
+    skc.set_training_state(fresh, fresh_opt, sd)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     assert fresh_opt.param_groups[0]["lr"] == 0.1
 

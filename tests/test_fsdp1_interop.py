@@ -77,7 +77,7 @@ def _shardkit_reads(root):
     out["skc_dcp"] = _full(model, optim)
 
     model, _ = _fresh()
-    skc.load(skc.get_state_dict(model), os.path.join(root, "model.pt"), format="torch")  # live DTensors, in place
+    skc.load(skc.get_training_state(model), os.path.join(root, "model.pt"), format="torch")  # live DTensors, in place
     out["skc_torch_save"] = _full(model)
 
     # 4. both converted to shardkit's format by `shardkit convert` (in the test process), then loaded
@@ -93,10 +93,10 @@ def _shardkit_reads(root):
 
     # 5. the full_optim_state_dict file converted too (optimizer state, not weights), next to the weights
     model, optim = _fresh()
-    state = skc.get_state_dict(model, optim)  # live DTensors; a fresh optimizer's state is created first
+    state = skc.get_training_state(model, optim)  # live DTensors; a fresh optimizer's state is created first
     skc.load({"model": state["model"]}, os.path.join(root, "native-from-pt"))
     skc.load({"optim": state["optim"]}, os.path.join(root, "native-from-optim-pt"))
-    skc.set_state_dict(model, optim, state)
+    skc.set_training_state(model, optim, state)
     out["converted_pt_and_optim_pt"] = _full(model, optim)
     return out
 

@@ -264,14 +264,14 @@ def _checkpoint_api_sees_live_dtensors(root):
     rows = slice(dist.get_rank() * PER_RANK, (dist.get_rank() + 1) * PER_RANK)
     lm_loss(model(tokens[rows]), targets[rows]).backward()
     optim.step()
-    state = skc.get_state_dict(model, optim)
+    state = skc.get_training_state(model, optim)
     live = all(isinstance(v, DTensor) for v in state["model"].values())
     skc.save(state, root)
     fresh = FSDP(build_transformer(seed=5), auto_wrap_policy=POLICY)
     fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    target = skc.get_state_dict(fresh, fresh_optim)
+    target = skc.get_training_state(fresh, fresh_optim)
     skc.load(target, root)
-    skc.set_state_dict(fresh, fresh_optim, target)
+    skc.set_training_state(fresh, fresh_optim, target)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     return live, same, model.state_dict()["output.weight"].shape
 

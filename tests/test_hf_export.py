@@ -70,7 +70,7 @@ def trained(tmp_path_factory):
         config_dir = _saved_pretrained(kind, root / f"{kind}-config")
         model = _model(kind)
         opt = _train_step(model)
-        skc.save(skc.get_state_dict(model, opt), str(root / f"{kind}-ckpt"), meta={"step": 1})
+        skc.save(skc.get_training_state(model, opt), str(root / f"{kind}-ckpt"), meta={"step": 1})
         out[kind] = (config_dir, root / f"{kind}-ckpt", model)
     return out
 
@@ -216,14 +216,14 @@ def test_strict_load_of_an_hf_checkpoint_into_a_tied_model_works(tmp_path):
     _model("gpt2", seed=5).save_pretrained(tmp_path / "gpt2")  # no lm_head.weight in the file
     source = _model("gpt2", seed=5)
     target = _model("gpt2", seed=6)
-    skc.load(skc.get_state_dict(target), str(tmp_path / "gpt2"))  # strict
+    skc.load(skc.get_training_state(target), str(tmp_path / "gpt2"))  # strict
     assert target.lm_head.weight is target.transformer.wte.weight
     for name, value in source.state_dict().items():
         assert torch.equal(value, target.state_dict()[name]), name
     # an untied model still needs its head: the missing key is reported
     _model("llama-tied", seed=5).save_pretrained(tmp_path / "llama-tied")
     with pytest.raises(IncompatibleStateDict, match=r"missing keys \['model\.lm_head\.weight'\]"):
-        skc.load(skc.get_state_dict(_model("llama-untied")), str(tmp_path / "llama-tied"))
+        skc.load(skc.get_training_state(_model("llama-untied")), str(tmp_path / "llama-tied"))
 
 
 def _train_sharded_gpt2(path: str) -> dict[str, torch.Tensor] | None:
@@ -238,8 +238,8 @@ def _train_sharded_gpt2(path: str) -> dict[str, torch.Tensor] | None:
     model = _model("gpt2")
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     opt = _train_step(model)
-    skc.save(skc.get_state_dict(model, opt), path)
-    full = {k: v.full_tensor() for k, v in skc.get_state_dict(model)["model"].items()}
+    skc.save(skc.get_training_state(model, opt), path)
+    full = {k: v.full_tensor() for k, v in skc.get_training_state(model)["model"].items()}
     return full if dist.get_rank() == 0 else None
 
 

@@ -71,7 +71,7 @@ def sources(tmp_path_factory) -> dict[str, object]:
     for name, seed in (("old", 1), ("new", 2)):
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(_config())
-        skc.save(skc.get_state_dict(model), str(root / name))
+        skc.save(skc.get_training_state(model), str(root / name))
         out[name] = (root / name, {k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
 

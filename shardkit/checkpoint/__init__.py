@@ -4,12 +4,12 @@ In a training job::
 
     import shardkit.checkpoint as skc
 
-    sd = skc.get_state_dict(model, optimizer)      # FQN-keyed, DTensor values for sharded params
+    sd = skc.get_training_state(model, optimizer)  # FQN-keyed, DTensor values for sharded params
     skc.save(sd, "s3://bucket/run/step-100")        # collective; each rank writes its own shards
     ...
-    sd = skc.get_state_dict(model, optimizer)      # the new job's layout (any world size / mesh)
+    sd = skc.get_training_state(model, optimizer)  # the new job's layout (any world size / mesh)
     skc.load(sd, "s3://bucket/run/step-100")        # in place; each rank reads only its byte ranges
-    skc.set_state_dict(model, optimizer, sd)
+    skc.set_training_state(model, optimizer, sd)
 
     manager = skc.CheckpointManager("s3://bucket/run", keep_last=3)
     manager.save(step, model, optimizer, extra={"data_pos": 1234})
@@ -27,8 +27,8 @@ from __future__ import annotations
 from shardkit.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "get_state_dict": "shardkit.checkpoint.state.state_dict",
-    "set_state_dict": "shardkit.checkpoint.state.state_dict",
+    "get_training_state": "shardkit.checkpoint.state.state_dict",
+    "set_training_state": "shardkit.checkpoint.state.state_dict",
     "get_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "set_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "save": "shardkit.checkpoint.training.save",
@@ -47,4 +47,12 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name in ("get_state_dict", "set_state_dict"):
+        raise AttributeError(f"shardkit.checkpoint.{name} is now {name.replace('state_dict', 'training_state')} "
+                             f"(the {{'model': ..., 'optim': ...}} dict that save/load take); torch's DCP form is "
+                             f"shardkit.checkpoint.state_dict.{name}")
+    return _lazy_getattr(name)

@@ -14,7 +14,7 @@ FQNs:
   ``DTensor`` values as they are, no communication.
 
 ``shardkit.checkpoint`` reads state dicts inside its ``live_tensors()``
-context and always gets the live ``DTensor``s, so its ``get_state_dict`` /
+context and always gets the live ``DTensor``s, so its ``get_training_state`` /
 ``save`` / ``load`` work on FSDP1 models whatever their state-dict type.
 
 Loading goes the other way: a pre-hook turns every plain tensor aimed at a

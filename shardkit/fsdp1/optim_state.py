@@ -15,7 +15,7 @@ optimizer state dicts, while ``torch.optim`` names it by integer ID:
   ID-keyed form with each state tensor laid out like its parameter.
 
 Gathering, sharding, re-cutting and broadcasting are
-:mod:`shardkit.checkpoint.state.state_dict`'s (``get_optimizer_state_dict``,
+:mod:`shardkit.checkpoint.state.state_dict`'s (``live_optimizer_state``,
 ``gather_full_state``, ``shard_state``, ``relayout_like``,
 ``to_torch_optimizer_state``); this module only maps FSDP1's signatures and
 key conventions onto them.
@@ -122,7 +122,7 @@ def _live_named_state(model: nn.Module, optim: torch.optim.Optimizer, *, init_fr
     state dict has tensors for ``torch.distributed.checkpoint`` to load into;
     the full form leaves such an optimizer untouched, as FSDP1 does.
     """
-    return sd.get_optimizer_state_dict(model, optim, init_fresh=init_fresh)
+    return sd.live_optimizer_state(model, optim, init_fresh=init_fresh)
 
 
 def _loadable(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None,

@@ -21,7 +21,7 @@ from shardkit.checkpoint.state.relayout import (
     leaf_paths,
     leaf_paths_with_slots,
 )
-from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
+from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import IncompatibleStateDict
 
@@ -31,7 +31,7 @@ __all__ = ["get_full_state_dict", "set_full_state_dict"]
 def get_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                         rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, Any]:
     """The full (unsharded) state dict, gathered one tensor at a time; ``{}`` off rank 0 when ``rank0_only``."""
-    return gather_full_state(get_state_dict(model, optimizer), rank0_only=rank0_only, cpu_offload=cpu_offload)
+    return gather_full_state(get_training_state(model, optimizer), rank0_only=rank0_only, cpu_offload=cpu_offload)
 
 
 def set_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, full: dict[str, Any], *,
@@ -43,7 +43,7 @@ def set_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     checked on every rank before any tensor is written.
     """
     dist = Dist()
-    live = get_state_dict(model, optimizer)
+    live = get_training_state(model, optimizer)
     have = {p for p, _ in leaf_paths(live)}
     problem = None
     if not broadcast_from_rank0 or dist.rank == 0:
@@ -71,4 +71,4 @@ def set_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         for path, (container, key, like) in leaf_paths_with_slots(live):
             if not isinstance(like, torch.Tensor) and path in values:
                 container[key] = restore_like(values[path], like)
-    set_state_dict(model, optimizer, live, strict=False)
+    set_training_state(model, optimizer, live, strict=False)

@@ -1,6 +1,6 @@
 """Model and optimizer <-> FQN-keyed state dicts; full <-> sharded, one tensor at a time.
 
-``get_state_dict(model, optimizer)`` returns::
+``get_training_state(model, optimizer)`` returns::
 
     {"model": {fqn: DTensor | Tensor},
      "optim": {"state": {fqn: {"step": Tensor, "exp_avg": DTensor, ...}},
@@ -16,7 +16,11 @@ torch's DCP does), so a new job has tensors to load into.
 Only tensors and placements are looked at: models sharded by shardkit, by
 torch's ``fully_shard``, by ``distribute_tensor`` or not at all are handled alike.
 
-The full <-> sharded conversions live in ``full_state.py`` and are re-exported
+These are shardkit's own forms (the training state that ``save``/``load``
+take); torch's DCP functions of the same purpose, with torch's signatures and
+return types, are in :mod:`shardkit.checkpoint.state.dcp_state_dict`.
+
+The full <-> sharded conversions live in ``relayout.py`` and are re-exported
 here (:func:`full_to_local`, :func:`shard_full_tensor`, :func:`relayout_like`,
 :func:`gather_full_tensor`, :func:`shard_state`, :func:`gather_full_state`,
 :func:`get_full_state_dict`, :func:`set_full_state_dict`): plain functions, so
@@ -46,8 +50,8 @@ from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 
 __all__ = [
-    "get_state_dict", "set_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
-    "set_model_state_dict", "set_optimizer_state_dict", "init_optimizer_state", "param_fqns",
+    "get_training_state", "set_training_state", "live_model_state", "live_optimizer_state",
+    "apply_model_state", "apply_optimizer_state", "init_optimizer_state", "param_fqns",
     "to_torch_optimizer_state", "full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor",
     "gather_full_state", "shard_state",
 ]
@@ -91,16 +95,16 @@ def param_fqns(model: nn.Module) -> dict[int, str]:
 # model
 
 
-def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def live_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with clean FQNs; values share storage with the model."""
     with live_tensors():
         state = model.state_dict()
     return {clean_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+def apply_model_state(model: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
     """Copy ``state_dict`` into the model in place (skips values that already are the model's tensors)."""
-    current = get_model_state_dict(model)
+    current = live_model_state(model)
     _check_keys(set(current), set(state_dict), "model", strict)
     for key, target in current.items():
         if key in state_dict:
@@ -123,14 +127,16 @@ def _params_needing_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, reset_steps: bool = True) -> None:
     """Create the state of a fresh optimizer without changing any parameter.
 
     Runs one ``step`` with every learning rate set to 0 on zero gradients
     (existing gradients are kept aside and restored).  Parameters are
     unchanged bitwise: every update is scaled by ``lr == 0``.  Step counters
     (state ``"step"``) are then reset to 0, so for the Adam family (zero
-    moments, step 0) the next real step is exactly a fresh optimizer's first.
+    moments, step 0) the next real step is exactly a fresh optimizer's first;
+    ``reset_steps=False`` keeps the counters at 1, as torch's DCP state-dict
+    functions leave them (their drop-ins must report what torch reports).
     """
     params = _params_needing_state(optimizer)
     if not params:
@@ -144,7 +150,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
             optimizer.step()
-        for p in params:
+        for p in params if reset_steps else ():
             step = optimizer.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
                 step.zero_()
@@ -159,7 +165,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 i += 1
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+def live_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                              init_fresh: bool = True) -> dict[str, Any]:
     """``{"state": {fqn: {...}}, "param_groups": [...]}`` with live state tensors.
 
@@ -187,7 +193,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     return {"state": state, "param_groups": groups}
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any],
+def apply_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any],
                              *, strict: bool = True) -> None:
     """Copy an FQN-keyed optimizer state into ``optimizer`` in place (hyper-parameters included)."""
     init_optimizer_state(optimizer)
@@ -252,7 +258,7 @@ def to_torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 # both
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                    trainable_only: bool = False) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` (``"optim"`` only with an optimizer); values share storage.
 
@@ -261,9 +267,9 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     steps then store a few percent of the model, and loading them over a base
     checkpoint (``load(..., strict=False)``) rebuilds the whole model.
     """
-    out: dict[str, Any] = {"model": get_model_state_dict(model)}
+    out: dict[str, Any] = {"model": live_model_state(model)}
     if optimizer is not None:
-        out["optim"] = get_optimizer_state_dict(model, optimizer)
+        out["optim"] = live_optimizer_state(model, optimizer)
     if trainable_only:
         trainable = {clean_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
         out["model"] = {k: v for k, v in out["model"].items() if k in trainable}
@@ -272,7 +278,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return out
 
 
-def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, Any],
+def set_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, Any],
                    *, strict: bool = True) -> None:
     """Apply a state dict (e.g. one ``load`` filled) to the model and optimizer.
 
@@ -280,11 +286,11 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     ``load`` this only applies optimizer hyper-parameters and non-tensor state.
     """
     if "model" in state_dict:
-        set_model_state_dict(model, state_dict["model"], strict=strict)
+        apply_model_state(model, state_dict["model"], strict=strict)
     elif strict:
         raise IncompatibleStateDict("state dict has no 'model' entry")
     if optimizer is not None:
         if "optim" in state_dict:
-            set_optimizer_state_dict(model, optimizer, state_dict["optim"], strict=strict)
+            apply_optimizer_state(model, optimizer, state_dict["optim"], strict=strict)
         elif strict:
             raise IncompatibleStateDict("state dict has no 'optim' entry but an optimizer was given")

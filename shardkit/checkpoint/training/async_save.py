@@ -38,6 +38,7 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.repeat_staging import RepeatStaging
 from shardkit.checkpoint.training.save import save_options, write_and_commit
@@ -182,7 +183,8 @@ def choose_writer(writer: str | None, storage: Storage,
     return "process", writer_options(storage, storage_options)
 
 
-def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
+def async_save(state_dict: dict[str, Any], url: str | None = None, *,
+               checkpoint_id: str | os.PathLike | None = None, compression: Any = None,
                storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
                overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
@@ -202,8 +204,10 @@ def async_save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     first call (a collective).  Staging buffers are reused from save to save,
     so host memory stays flat; a new ``async_save`` first waits for the
     previous one.  The returned future raises what the save raised.
+    ``checkpoint_id``: DCP's keyword for ``url`` (give one of them).
     ``digests``/``reuse_from``: as for :func:`save` (the hashing runs in the background).
     """
+    url = checkpoint_url(url, checkpoint_id, "async_save")
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None

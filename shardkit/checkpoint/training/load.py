@@ -50,6 +50,7 @@ from shardkit.checkpoint.state.tree import (
     flatten,
     from_json_value,
 )
+from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.shared_reads import exchange, share_reads
 from shardkit.errors import (
@@ -65,7 +66,8 @@ __all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing"
            "default_staging_bytes"]
 
 
-def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
+def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: str | os.PathLike | None = None,
+         strict: bool = True,
          storage_options: Mapping[str, Any] | None = None, verify_first: bool = True,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
          process_group: Any = None, dtype_cast: bool = False,
@@ -92,7 +94,12 @@ def load(state_dict: dict[str, Any], url: str, *, strict: bool = True,
     the stored dtype into a host buffer of the target's local shape, then cast
     into the target; such buffers add the stored size of the cast shards to
     the load's memory.  Off by default, so a dtype mismatch is an error.
+
+    ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
+    ``dcp.load(state_dict, checkpoint_id=path)`` runs with the import swapped
+    (DCP returns ``None``; the ``meta`` returned here is simply not used).
     """
+    url = checkpoint_url(url, checkpoint_id, "load")
     dist = Dist(process_group)
     local_exc: BaseException | None = None
     requests: list[ReadRequest] = []

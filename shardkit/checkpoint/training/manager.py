@@ -59,7 +59,7 @@ from shardkit.checkpoint.formats.native.ownership import (
 )
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.state_dict import get_state_dict, set_state_dict
+from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
 from shardkit.checkpoint.training.dedup import digest_algorithm
@@ -169,7 +169,7 @@ class CheckpointManager:
             raise CheckpointExists(self._run.refusal(step, plan["in_the_way"], self.root_url))
         if plan["supersedes"]:
             meta["run"] = self._run.run  # what makes the record of the steps it supersedes take effect
-        state = {**get_state_dict(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
+        state = {**get_training_state(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
         url = self.url_of(step)
         # a step committed there meanwhile by someone else is refused at commit, not replaced
         opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
@@ -310,10 +310,10 @@ class CheckpointManager:
         restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
         check_input_state(step, inputs, data, stateful, rng=rng and "rng" in inputs, restores=restores_inputs,
                           process_group=self.process_group)
-        state = {**get_state_dict(model, optimizer), **inputs}
+        state = {**get_training_state(model, optimizer), **inputs}
         meta = load(state, url, strict=strict, storage_options=self.storage_options,
                     process_group=self.process_group)
-        set_state_dict(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
+        set_training_state(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
                        strict=strict)
         if restores_inputs:
             load_data_state_dict({k: state[k] for k in inputs}, data, stateful, rng=rng and "rng" in state)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -62,6 +63,7 @@ from shardkit.checkpoint.state.tree import (
     keep_keys,
     to_json_value,
 )
+from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import deduplicate, digest_algorithm, with_digests
 from shardkit.checkpoint.training.writer_assignment import WriterAssignments, writer_assignments
 from shardkit.errors import (
@@ -375,7 +377,8 @@ def save_options(compression: Any, chunk_bytes: int, block_bytes: int,
     return parse_compression(compression)
 
 
-def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
+def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: str | os.PathLike | None = None,
+         compression: Any = None,
          storage_options: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
          overwrite: bool = True, fsync: bool = True, direct_io: bool = True,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
@@ -384,9 +387,12 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
          reuse_from: str | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
+    ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
+    ``dcp.save(state_dict, checkpoint_id=path)`` runs with the import swapped.
+
     ``only``/``exclude``: globs over the flattened keys (``model.*lora*``,
     ``optim.*``) choosing what is saved, e.g. a fine-tune's adapters alone
-    (see also ``get_state_dict(..., trainable_only=True)``).
+    (see also ``get_training_state(..., trainable_only=True)``).
 
     ``compression``: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (per chunk).
     ``meta``: JSON metadata stored in the manifest (e.g. ``{"step": 100}``).
@@ -405,6 +411,7 @@ def save(state_dict: dict[str, Any], url: str, *, compression: Any = None,
     directory) references its chunks that are unchanged instead of writing them again (what
     ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
     """
+    url = checkpoint_url(url, checkpoint_id, "save")
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None

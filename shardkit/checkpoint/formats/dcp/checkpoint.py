@@ -100,7 +100,7 @@ def shardkit_names(keys: Sequence[str], tensor_keys: Collection[str]) -> dict[st
     """Stored key -> shardkit key.
 
     A DCP with tensors under ``model`` or ``optim`` (shardkit's own,
-    accelerate's ``{"model": ...}``, ``get_state_dict`` saved as ``{"model":
+    accelerate's ``{"model": ...}``, DCP's ``get_state_dict`` saved as ``{"model":
     ..., "optim": ...}``) keeps its keys.  So does one whose other keys nest a
     model or optimizer deeper (``{"app": AppState}``, torch's recipe): what is
     model there is the user's to say (``--rename``).  One whose tensors sit
