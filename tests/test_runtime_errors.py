@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from shardkit import MixedPrecisionPolicy
 from shardkit.errors import ConfigurationError
@@ -62,7 +62,7 @@ def _misuses():
         fully_shard(untouched, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
 
     def placement_not_shard():
-        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: "dim 0")
 
     def scalar():
         fully_shard(_WithScalar())
@@ -110,7 +110,7 @@ EXPECTED = {
     "twice": ("ShardedTwiceError", "Apply fully_shard once per module"),
     "three_d_mesh": ("UnsupportedMeshError", "3-D mesh"),
     "uneven_dim1": ("UnsupportedParameterLayoutError", "7 is not divisible by 2"),
-    "placement_not_shard": ("ConfigurationError", "must return a torch.distributed.tensor.Shard"),
+    "placement_not_shard": ("ConfigurationError", "return None, Shard(dim), Replicate() or ShardPlacementResult"),
     "scalar": ("UnshardableParameterError", "scale"),
     "module_list": ("ConfigurationError", "ModuleList"),
     "meta_forward": ("TrainingStateError", "to_empty"),

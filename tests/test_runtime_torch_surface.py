@@ -387,3 +387,90 @@ def test_data_parallel_mesh_dims_has_torch_s_fields_and_refuses_neither_dim():
         DataParallelMeshDims()
     with pytest.raises(ValueError, match="^At least one of shard or replicate must be set in DataParallelMeshDims"):
         TorchDims()
+
+
+def _lazy_init_as_frameworks_see_it(impl: str) -> dict[str, object]:
+    fully_shard = _fully_shard(impl)
+    model = _sharded_model(impl)
+    states = [fully_shard.state(m) for m in (model, model[0], model[2])]
+    before = [set(s._modules_to_run_forward) for s in states]
+    states[0]._lazy_init()
+    ctx = states[0]._state_ctx
+    return {
+        "roots": [s._is_root for s in states],
+        "all states are these, root first": [any(a is b for b in states) for a in ctx.all_states] == [True] * 3
+        and ctx.all_states[0] is states[0],
+        "module fqns": [s._fsdp_param_group._module_fqn for s in states],
+        "param fqns": [[p._param_fqn for p in s._fsdp_param_group.fsdp_params] for s in states],
+        "modules to run, before and after a step": (before, _train(model) and [set(s._modules_to_run_forward)
+                                                                          for s in states]),
+        "one comm context": states[1]._comm_ctx is states[0]._comm_ctx,
+    }
+
+
+def _child_lazy_init_first(impl: str) -> tuple[str, str]:
+    fully_shard = _fully_shard(impl)
+    model = _sharded_model(impl)
+    fully_shard.state(model[0])._lazy_init()
+    try:
+        fully_shard.state(model)._lazy_init()
+    except RuntimeError as error:
+        return "RuntimeError", str(error)
+    return "no error", ""
+
+
+def _lazy_init_both() -> dict[str, dict]:
+    return {impl: {"names": _lazy_init_as_frameworks_see_it(impl), "child first": _child_lazy_init_first(impl)}
+            for impl in ("torch", "shardkit")}
+
+
+def test_lazy_init_through_fully_shard_state_sets_what_torch_sets():
+    for result in run_on_ranks(2, _lazy_init_both):
+        theirs, ours = result["torch"]["names"], result["shardkit"]["names"]
+        assert ours == theirs
+        assert ours["roots"] == [True, False, False]
+        assert ours["module fqns"] == ["", "0", "2"]
+        assert ours["param fqns"] == [["4.weight", "4.bias"], ["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+        assert ours["modules to run, before and after a step"] == ([set()] * 3, [set()] * 3)
+        (_, torch_message), (kind, our_message) = result["torch"]["child first"], result["shardkit"]["child first"]
+        assert kind == "RuntimeError"
+        assert torch_message.startswith("FSDP state has already been lazily initialized for 0\n"
+                                        "FSDP requires running forward through the root module first")
+        assert our_message.startswith(torch_message)
+
+
+def _cast_to_float64_with_swapped_tensors(impl: str) -> list[torch.Tensor]:
+    fully_shard, mesh = _fully_shard(impl), _mesh((2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 5))
+    originals = list(model.parameters())  # the caller still holds the parameters it built (as after a loop over them)
+    for module in _sharded_modules(model):
+        fully_shard(module, mesh=mesh)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert all(p.dtype == p.to_local().dtype == torch.float64 for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        torch.manual_seed(100 + step + dist.get_rank())
+        model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    del originals
+    return [p.full_tensor().detach() for p in model.parameters()]
+
+
+def _cast_both() -> dict[str, list[torch.Tensor]]:
+    return {impl: _cast_to_float64_with_swapped_tensors(impl) for impl in ("torch", "shardkit")}
+
+
+def test_casting_a_sharded_model_with_swapped_tensors_trains_as_torch():
+    """``module.to(dtype)`` swaps the parameter tensors in place when
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``; a swap
+    refuses tensors that anything holds a weak reference to."""
+    for result in run_on_ranks(2, _cast_both):
+        assert len(result["shardkit"]) == len(result["torch"]) == 6
+        assert all(torch.equal(a, b) for a, b in zip(result["shardkit"], result["torch"]))

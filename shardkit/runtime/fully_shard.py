@@ -40,7 +40,10 @@ from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 from shardkit.runtime.spmd_mesh import DataParallelMeshDims, spmd_mesh_info
 
 # Original Parameter -> (the class of the module whose fully_shard call owns it,
-# a weak reference to the sharded parameter that call made of it).
+# a weak reference to the module that registers the sharded copy, and its name
+# there).  Never a reference to the sharded parameter itself: a tensor with a
+# weak reference cannot be swapped (``torch.utils.swap_tensors``, which
+# ``module.to(dtype)`` uses when swapping on conversion is on).
 # Keys are held weakly and by identity, so an entry lives exactly as long as its
 # Parameter: a second call that reaches the same (tied) Parameter through another
 # module is caught at once, and a freed original is never confused with a new
@@ -129,7 +132,7 @@ def shard_modules(modules: tuple[nn.Module, ...], mesh_info: MeshInfo, device: t
                for info, members in group_by_mesh(sharded, [info for info, _ in placements])]
     for p, sp in zip(params, sharded):  # only now: a parameter that cannot be sharded leaves the module untouched
         sp.info.register(sp.sharded_param)
-        _CLAIMED[p] = (type(modules[0]).__name__, weakref.ref(sp.sharded_param))
+        _CLAIMED[p] = (type(modules[0]).__name__, weakref.ref(sp.info.module), sp.info.name)
 
     state = ShardState(modules, device, mp_policy, auto_reshard_after_forward=reshard_after_forward is None)
     for group_info, members, reshard in by_mesh:
@@ -261,10 +264,10 @@ def _managed_params(roots: tuple[nn.Module, ...], modules: list[nn.Module],
             if claim is not None:
                 # torch finds this at the first forward; here it is found at once, before anything
                 # is changed, in torch's words (and its ValueError), naming the earlier group's copy
-                owner, sharded = claim
+                owner, earlier_module, earlier_name = claim
                 here = _name_under(roots, m, name)
                 raise UnshardableParameterError(
-                    f"Parameter '{_fqn_of(roots, sharded()) or here}' is shared with a parameter already "
+                    f"Parameter '{_fqn_of(roots, earlier_module(), earlier_name) or here}' is shared with a parameter already "
                     "managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, "
                     f"module_b]) to place them in the same FSDP group. Here it is '{here}', already in the "
                     f"group of an earlier fully_shard({owner}) call; sharding their common parent also works"
@@ -274,13 +277,13 @@ def _managed_params(roots: tuple[nn.Module, ...], modules: list[nn.Module],
     return params
 
 
-def _fqn_of(roots: tuple[nn.Module, ...], param: nn.Parameter | None) -> str | None:
-    """Where ``param`` is registered under the module(s) given to ``fully_shard``, if anywhere."""
-    if param is not None:
+def _fqn_of(roots: tuple[nn.Module, ...], module: nn.Module | None, name: str) -> str | None:
+    """Where parameter ``name`` of ``module`` sits under the module(s) given to ``fully_shard``, if anywhere."""
+    if module is not None:
         for root in roots:
-            for fqn, p in root.named_parameters(remove_duplicate=False):
-                if p is param:
-                    return fqn
+            for prefix, m in root.named_modules(remove_duplicate=False):
+                if m is module:
+                    return f"{prefix}.{name}" if prefix else name
     return None
 
 

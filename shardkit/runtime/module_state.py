@@ -101,22 +101,24 @@ class ShardState(TorchStateNames):
                 "a list of modules cannot be the root; apply fully_shard to the module that contains "
                 "them as well"
             )
-        self.is_root = True
         root = self.modules[0]
-        seen: set[int] = set()
+        states: list[ShardState] = []
         for name, module in root.named_modules():
             state = state_of(module)
-            if state is None or id(state) in seen:
+            if state is None or any(state is s for s in states):
                 continue
-            seen.add(id(state))
+            if state is not self and state.is_root is not None:
+                raise TrainingStateError(
+                    f"FSDP state has already been lazily initialized for {name}\n"
+                    "FSDP requires running forward through the root module first: the sharded "
+                    f"module {name!r} already ran forward as a root; run the first forward "
+                    "through the outermost sharded module"
+                )
+            states.append(state)
+        # only now, with every state checked: a refused root leaves nothing half set
+        self.is_root = True
+        for state in states:
             if state is not self:
-                if state.is_root is not None:
-                    raise TrainingStateError(
-                        f"FSDP state has already been lazily initialized for {name}\n"
-                        "FSDP requires running forward through the root module first: the sharded "
-                        f"module {name!r} already ran forward as a root; run the first forward "
-                        "through the outermost sharded module"
-                    )
                 state.is_root = False
             self.ctx.all_states.append(state)
         if self.auto_reshard_after_forward:
@@ -147,7 +149,8 @@ class ShardState(TorchStateNames):
             state = state_of(module)
             if state is not None:
                 for group in state.groups:
-                    group.fqn = clean_fqn(name) or "<root>"
+                    group.module_fqn = clean_fqn(name)
+                    group.fqn = group.module_fqn or "<root>"
 
     # -------------------------------------------------------------- forward
 

@@ -86,7 +86,8 @@ class ParamGroup(TorchParamGroupNames):
         self.device = device
         self.mp_policy = mp_policy
         self.comm = comm  # its state's until lazy init, then the root's
-        self.fqn = ", ".join(type(m).__name__ for m in modules)
+        self.fqn = ", ".join(type(m).__name__ for m in modules)  # for messages; the FQN after lazy init
+        self.module_fqn: str | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         # reshard_after_forward: True/False; post_forward_mesh is set for an int k

@@ -23,6 +23,28 @@ class TorchStateNames:
 
     groups: list
     is_root: bool | None
+    ctx: Any
+    comm: Any
+    _to_run: set
+
+    def lazy_init(self) -> None: ...
+
+    def _lazy_init(self) -> None:
+        self.lazy_init()
+
+    @property
+    def _state_ctx(self) -> Any:
+        """What every state under one root shares (``all_states``, root first)."""
+        return self.ctx
+
+    @property
+    def _comm_ctx(self) -> Any:
+        return self.comm
+
+    @property
+    def _modules_to_run_forward(self) -> set:
+        """Modules of a grouped call still to run in this forward (empty between forwards)."""
+        return self._to_run
 
     @property
     def _fsdp_param_groups(self) -> list:
@@ -48,6 +70,7 @@ class TorchParamGroupNames:
 
     params: list
     fqn: str
+    module_fqn: str | None
     comms: Any
 
     @property
@@ -55,8 +78,9 @@ class TorchParamGroupNames:
         return self.params
 
     @property
-    def _module_fqn(self) -> str:
-        return self.fqn
+    def _module_fqn(self) -> str | None:
+        """The module's FQN under the root (``""`` for the root), known after lazy init."""
+        return self.module_fqn
 
     @property
     def force_sum_reduction_for_comms(self) -> bool:
