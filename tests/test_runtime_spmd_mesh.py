@@ -142,7 +142,7 @@ def _placement_fns(meshes: dict) -> dict:
     group's 4-rank mesh: sharded over 2 ranks and replicated over the other 2,
     or kept whole on every rank.  torch has no Replicate(); its equivalent is a
     (4, 1) mesh whose one-rank shard groups hold the whole tensor."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 
     hsdp = HSDPMeshInfo(meshes["hsdp"], shard_mesh_dim=1, replicate_mesh_dim=0)
     whole = HSDPMeshInfo(meshes["whole"], shard_mesh_dim=1, replicate_mesh_dim=0)
@@ -150,8 +150,16 @@ def _placement_fns(meshes: dict) -> dict:
     def on(info):
         return lambda p: ShardPlacementResult(Shard(0), info) if p.shape == (OUT, HIDDEN) else None
 
+    def built_per_call(p):
+        """A new mesh info object on every call, each dropped once used (so its id() may come back).
+        torch refuses it (it wants one object per process group); its equivalent shares the objects."""
+        if p.shape == (OUT, HIDDEN):
+            return ShardPlacementResult(Shard(0), HSDPMeshInfo(meshes["hsdp"], shard_mesh_dim=1, replicate_mesh_dim=0))
+        return ShardPlacementResult(Shard(0), FSDPMeshInfo(meshes["dp"], shard_mesh_dim=0))
+
     ours_replicate = lambda p: Replicate() if p.shape == (OUT, HIDDEN) else None  # noqa: E731
-    return {"own mesh": (on(hsdp), on(hsdp)), "Replicate()": (on(whole), ours_replicate)}
+    return {"own mesh": (on(hsdp), on(hsdp)), "Replicate()": (on(whole), ours_replicate),
+            "mesh infos built per call": (on(hsdp), built_per_call)}
 
 
 def _per_param_runs() -> dict:
@@ -188,7 +196,7 @@ def _train_local(model: nn.Module, steps: int = 3) -> list[dict]:
 
 def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_does():
     for rank, results in enumerate(run_on_ranks(4, _per_param_runs, isolated=True)):
-        for variant in ("own mesh", "Replicate()"):
+        for variant in ("own mesh", "Replicate()", "mesh infos built per call"):
             (torch_layout, torch_history), (ours_layout, ours_history) = (results[variant, impl]
                                                                           for impl in ("torch", "shardkit"))
             assert _equal_histories(torch_history, ours_history) == [], (rank, variant)
@@ -198,6 +206,7 @@ def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_doe
         assert results["own mesh", "shardkit"][0]["2.weight"] == results["own mesh", "torch"][0]["2.weight"] \
             == (("rep", "shard"), [[0, 1], [2, 3]], (Replicate(), Shard(0)))
         assert results["Replicate()", "shardkit"][0]["2.weight"] == (("dp",), [0, 1, 2, 3], (Replicate(),))
+        assert results["mesh infos built per call", "shardkit"][0] == results["own mesh", "torch"][0]  # whole layout
 
 
 # ------------------------------------------------------------------- misuse

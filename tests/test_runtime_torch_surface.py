@@ -474,3 +474,22 @@ def test_casting_a_sharded_model_with_swapped_tensors_trains_as_torch():
     for result in run_on_ranks(2, _cast_both):
         assert len(result["shardkit"]) == len(result["torch"]) == 6
         assert all(torch.equal(a, b) for a, b in zip(result["shardkit"], result["torch"]))
+
+
+def _unshard_returns(impl: str) -> tuple[object, bool]:
+    model = _sharded_model(impl)
+    synchronous = model.unshard()
+    model.reshard()
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    model.reshard()
+    return synchronous, callable(getattr(handle, "wait", None))
+
+
+def test_unshard_returns_none_unless_asked_for_a_handle_as_torch():
+    for result in run_on_ranks(2, _unshard_both):
+        assert result["shardkit"] == result["torch"] == (None, True)
+
+
+def _unshard_both() -> dict[str, tuple[object, bool]]:
+    return {impl: _unshard_returns(impl) for impl in ("torch", "shardkit")}

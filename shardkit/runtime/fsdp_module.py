@@ -105,18 +105,20 @@ class FSDPModule:
             raise TrainingStateError(f"{type(self).__name__} has no sharding state")
         return state
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (not its sharded submodules').
 
         With ``async_op=True`` the returned handle's ``wait()`` (or the
-        module's own forward) completes it, so it can overlap other work."""
+        module's own forward) completes it, so it can overlap other work;
+        with ``False`` it is done on return, and returns None (as torch's)."""
         groups = self._shard_state().groups
         for group in groups:
             group.unshard(async_op=async_op)
         handle = UnshardHandle(list(groups))
-        if not async_op:
-            handle.wait()
-        return handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded DTensors (not recursive)."""

@@ -265,10 +265,10 @@ def _managed_params(roots: tuple[nn.Module, ...], modules: list[nn.Module],
                 # torch finds this at the first forward; here it is found at once, before anything
                 # is changed, in torch's words (and its ValueError), naming the earlier group's copy
                 owner, earlier_module, earlier_name = claim
-                here = _name_under(roots, m, name)
+                here = _fqn_of(roots, m, name) or name
                 raise UnshardableParameterError(
-                    f"Parameter '{_fqn_of(roots, earlier_module(), earlier_name) or here}' is shared with a parameter already "
-                    "managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, "
+                    f"Parameter '{_fqn_of(roots, earlier_module(), earlier_name) or here}' is shared with a "
+                    "parameter already managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, "
                     f"module_b]) to place them in the same FSDP group. Here it is '{here}', already in the "
                     f"group of an earlier fully_shard({owner}) call; sharding their common parent also works"
                 )
@@ -281,19 +281,10 @@ def _fqn_of(roots: tuple[nn.Module, ...], module: nn.Module | None, name: str) -
     """Where parameter ``name`` of ``module`` sits under the module(s) given to ``fully_shard``, if anywhere."""
     if module is not None:
         for root in roots:
-            for prefix, m in root.named_modules(remove_duplicate=False):
-                if m is module:
+            for prefix, sub in root.named_modules(remove_duplicate=False):
+                if sub is module:
                     return f"{prefix}.{name}" if prefix else name
     return None
-
-
-def _name_under(roots: tuple[nn.Module, ...], module: nn.Module, name: str) -> str:
-    """``name`` of ``module`` as an FQN under the module(s) given to ``fully_shard``."""
-    for root in roots:
-        for prefix, sub in root.named_modules():
-            if sub is module:
-                return f"{prefix}.{name}" if prefix else name
-    return name
 
 
 def _module_infos(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, ParamModuleInfo]:

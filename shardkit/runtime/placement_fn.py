@@ -44,11 +44,13 @@ def resolve_placements(fn: Callable[[nn.Parameter], Any] | None, params: list[nn
     """``(mesh info, shard dim)`` of each parameter."""
     if fn is None:
         return [(default, 0)] * len(params)
-    converted: dict[int, MeshInfo] = {}  # id(torch mesh info) -> ours, so its parameters share one group
+    # id(torch mesh info) -> (that object, ours): its parameters share one group.  The entry holds
+    # the object, so a result built per call cannot be freed and its id() reused by another mesh's.
+    converted: dict[int, tuple[Any, MeshInfo]] = {}
     return [_resolve(fn(p), default, converted) for p in params]
 
 
-def _resolve(result: Any, default: MeshInfo, converted: dict[int, MeshInfo]) -> tuple[MeshInfo, int]:
+def _resolve(result: Any, default: MeshInfo, converted: dict[int, tuple[Any, MeshInfo]]) -> tuple[MeshInfo, int]:
     if result is None:
         return default, 0
     if isinstance(result, Shard):
@@ -60,12 +62,12 @@ def _resolve(result: Any, default: MeshInfo, converted: dict[int, MeshInfo]) -> 
                 f"fully_shard's mesh is {tuple(default.mesh.shape)}{' (dp_mesh_dims)' if default.spmd else ''}; "
                 "return a ShardPlacementResult with a mesh of its own instead"
             )
-        return converted.setdefault(id(default), replicate_mesh_info(default.mesh)), 0
+        return converted.setdefault(id(default), (default, replicate_mesh_info(default.mesh)))[1], 0
     if isinstance(result, ShardPlacementResult):
         info = result.mesh_info
         if id(info) not in converted:
-            converted[id(info)] = info if isinstance(info, MeshInfo) else _from_torch_mesh_info(info)
-        return converted[id(info)], 0 if result.placement is None else result.placement.dim
+            converted[id(info)] = (info, info if isinstance(info, MeshInfo) else _from_torch_mesh_info(info))
+        return converted[id(info)][1], 0 if result.placement is None else result.placement.dim
     raise ConfigurationError(
         f"Invalid shard_placement_fn result: {result}; return None, Shard(dim), Replicate() or "
         "ShardPlacementResult(placement, mesh_info)"
