@@ -183,7 +183,9 @@ def _load_optims(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
     for optimizer in optimizers:
         _init_like_torch(optimizer)
     for optimizer in optimizers:
-        like = {fqn: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] for fqn in names[id(p)]}
+        # .get: indexing the state defaultdict would add an empty entry for each parameter without state
+        like = {fqn: optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]
+                for fqn in names[id(p)]}
 
         def own_part(optimizer: torch.optim.Optimizer = optimizer) -> dict[str, Any]:
             if not osd:
