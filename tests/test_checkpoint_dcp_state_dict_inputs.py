@@ -8,15 +8,43 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint.state_dict as torch_sd
 
 import shardkit.checkpoint.state_dict as our_sd
-from tests.checkpoint_helpers import build_model, make_optimizer, train
+from shardkit.errors import IncompatibleStateDict
+from tests.checkpoint_helpers import build_model, make_optimizer, train, world
 from tests.dist import run_on_ranks
 
 Options = torch_sd.StateDictOptions
 
+
+# --------------------------------------------------------------------------
+# a key JSON cannot carry, on rank 0 only
+
+
+def _broadcast_with_key(key: Any) -> tuple[str, str]:
+    """torch's ``set_model_state_dict`` fails here on rank 0 alone (``AttributeError`` for a tuple key,
+    ``TypeError`` for an object key) while the other ranks succeed or time out: there is no common builtin
+    to match, so ours is shardkit's ``IncompatibleStateDict`` (a ``ValueError``) on every rank."""
+    model = build_model("shardkit", seed=0)
+    full = torch_sd.get_model_state_dict(model, options=Options(full_state_dict=True))
+    given = {**full, key: torch.zeros(2)} if world()[0] == 0 else {}
+    try:
+        our_sd.set_model_state_dict(model, given, options=Options(full_state_dict=True, broadcast_from_rank0=True))
+    except IncompatibleStateDict as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("key", [("layers", 0), torch.float32], ids=["tuple", "object"])
+def test_a_key_rank0_cannot_send_is_one_error_on_every_rank(key):
+    (rank0_kind, rank0_says), (rank1_kind, rank1_says) = run_on_ranks(2, _broadcast_with_key, key, timeout=60)
+    assert rank0_kind == rank1_kind == "IncompatibleStateDict"
+    assert rank0_says == f"{str(key)!r}: the key {key!r} is a {type(key).__name__}; a state dict broadcast from " \
+                         "rank 0 has string or integer keys only (use the parameter's FQN)"
+    assert rank1_says == f"rank 0 failed under broadcast_from_rank0: {rank0_says}"
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,9 @@ reading the file).  Every rank first needs the structure -- keys, non-tensor
 values, each tensor's shape and dtype -- and then each tensor's values, which
 it cuts to its own layout at once so that no rank ever holds two full tensors.
 The structure travels as JSON (no pickle); dict keys keep their type (an
-optimizer's nested state may use integers) and tuples stay tuples.
+optimizer's nested state may use integers) and tuples stay tuples.  What JSON
+cannot carry is refused while rank 0 describes the tree, inside its decision,
+so every rank raises the same error instead of the others waiting for rank 0.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def _encode(value: Any, path: Path) -> Any:
     if isinstance(value, torch.Tensor):
         return {"tensor": [list(value.shape), str(value.dtype).removeprefix("torch.")]}
     if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, (str, int)):
+                raise IncompatibleStateDict(f"{'.'.join(map(str, (*path, key)))!r}: the key {key!r} is a "
+                                            f"{type(key).__name__}; a state dict broadcast from rank 0 has string "
+                                            "or integer keys only (use the parameter's FQN)")
         return {"dict": [[k, _encode(v, (*path, k))] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return {"tuple" if isinstance(value, tuple) else "list": [_encode(v, (*path, i)) for i, v in enumerate(value)]}
