@@ -13,11 +13,53 @@ import torch
 import torch.distributed.checkpoint.state_dict as torch_sd
 
 import shardkit.checkpoint.state_dict as our_sd
-from shardkit.errors import IncompatibleStateDict
+from shardkit.errors import ArgumentTypeError, IncompatibleStateDict
 from tests.checkpoint_helpers import build_model, make_optimizer, train, world
 from tests.dist import run_on_ranks
 
 Options = torch_sd.StateDictOptions
+
+# shardkit's former dict-form calls, which torch's signatures refuse, and the function each now is
+FORMER_CALLS = {
+    "get_state_dict(model)": (lambda f, m, o, s: f.get_state_dict(m), "get_training_state"),
+    "get_state_dict(model, None)": (lambda f, m, o, s: f.get_state_dict(m, None), "get_training_state"),
+    "get_state_dict(model, optimizer, trainable_only=True)":
+        (lambda f, m, o, s: f.get_state_dict(m, o, trainable_only=True), "get_training_state"),
+    "get_optimizer_state_dict(model, optimizer, init_fresh=False)":
+        (lambda f, m, o, s: f.get_optimizer_state_dict(m, o, init_fresh=False), "live_optimizer_state"),
+    "set_model_state_dict(model, state_dict, strict=False)":
+        (lambda f, m, o, s: f.set_model_state_dict(m, s["model"], strict=False), "apply_model_state"),
+    "set_optimizer_state_dict(model, optimizer, osd, strict=False)":
+        (lambda f, m, o, s: f.set_optimizer_state_dict(m, o, s["optim"], strict=False), "apply_optimizer_state"),
+    "set_state_dict(model, optimizer, state)": (lambda f, m, o, s: f.set_state_dict(m, o, s), "set_training_state"),
+    "set_state_dict(model, optimizer, state, strict=False)":
+        (lambda f, m, o, s: f.set_state_dict(m, o, s, strict=False), "set_training_state"),
+}
+
+
+@pytest.mark.parametrize("call", FORMER_CALLS)
+def test_a_former_dict_form_call_is_torchs_type_error_naming_the_function_it_became(call):
+    make_call, new_name = FORMER_CALLS[call]
+    model = build_model("plain", seed=0)
+    optimizer = make_optimizer(model)
+    state = our_sd.get_training_state(model, optimizer)
+    with pytest.raises(TypeError) as theirs:
+        make_call(torch_sd, model, optimizer, state)
+    with pytest.raises(ArgumentTypeError) as ours:
+        make_call(our_sd, model, optimizer, state)
+    assert str(ours.value).startswith(f"{theirs.value}. ")
+    assert f" is now {new_name}" in str(ours.value)
+
+
+def test_a_type_error_from_inside_a_call_that_fits_torchs_signature_stays_torchs():
+    model = build_model("plain", seed=0)
+    messages = []
+    for functions in (torch_sd, our_sd):
+        with pytest.raises(TypeError) as caught:
+            functions.get_state_dict(model, 5)
+        assert type(caught.value) is TypeError
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1] == "'int' object is not iterable"
 
 
 # --------------------------------------------------------------------------
