@@ -20,7 +20,7 @@ import torch
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["broadcast_tree"]
+__all__ = ["broadcast_tree", "is_json_value"]
 
 Path = tuple[Any, ...]
 
@@ -37,10 +37,18 @@ def _encode(value: Any, path: Path) -> Any:
         return {"dict": [[k, _encode(v, (*path, k))] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return {"tuple" if isinstance(value, tuple) else "list": [_encode(v, (*path, i)) for i, v in enumerate(value)]}
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if is_json_value(value):
         return {"value": value}
     raise IncompatibleStateDict(f"{'.'.join(map(str, path))!r} is a {type(value).__name__}; a state dict broadcast "
                                 "from rank 0 holds tensors, dicts, lists, tuples and JSON values only")
+
+
+def is_json_value(value: Any) -> bool:
+    """A JSON scalar (``None``, bool, int, float, str) or a list or tuple of them: a non-tensor leaf the
+    description of a tree carries as is."""
+    if isinstance(value, (list, tuple)):
+        return all(is_json_value(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _decode(node: dict[str, Any], path: Path, tensors: list[tuple[Path, list[int], torch.dtype]]) -> Any:
