@@ -208,3 +208,38 @@ def test_relayout_like_keeps_cuts_or_gathers_and_communicates_only_for_another_l
         assert out["no communication"] == 0
         assert out["other layout"] == (torch.float32, True, True, True)
         assert "(5, 4)" in out["mismatch"] and "(6, 4)" in out["mismatch"]
+
+
+def _rank0_hyper_parameters_everywhere():
+    """Rank 0 holds a full state whose Adam betas differ from the live ones; the other ranks hold nothing."""
+    import torch.distributed.checkpoint.state_dict as torch_sd
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = world()[0]
+    source = build_model("plain", seed=0)
+    source_opt = torch.optim.AdamW(source.parameters(), lr=0.5, betas=(0.8, 0.99))
+    train(source, source_opt, range(1), alone=True)
+    full = skc.get_training_state(source, source_opt) if rank == 0 else {}
+    out = {}
+    for name, load in (("torch", lambda m, o: torch_sd.set_optimizer_state_dict(
+                            m, o, full.get("optim", {}),
+                            options=torch_sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))),
+                       ("set_full_state_dict", lambda m, o: skc.set_full_state_dict(m, o, full,
+                                                                                     broadcast_from_rank0=True))):
+        model = build_model("shardkit", seed=1)
+        opt = make_optimizer(model)
+        load(model, opt)
+        out[name] = [(g["lr"], list(g["betas"])) for g in opt.param_groups]
+    out["set_full_state_dict betas type"] = type(opt.param_groups[0]["betas"]).__name__
+    like = {"weight": distribute_tensor(torch.zeros(4, 2), make_mesh((world()[1],)), [Shard(0)]), "betas": (0.9, 0.9)}
+    given = {"weight": torch.ones(4, 2), "betas": (0.8, 0.99)} if rank == 0 else {}
+    cut = sdm.shard_state(given, like, broadcast_from_rank0=True)
+    out["shard_state"] = (cut["betas"], torch.equal(cut["weight"].to_local(), torch.ones(2, 2)))
+    return out
+
+
+def test_broadcast_from_rank0_gives_every_rank_rank0s_tuple_hyper_parameters_as_torch():
+    for out in run_on_ranks(2, _rank0_hyper_parameters_everywhere):
+        assert out["set_full_state_dict"] == out["torch"] == [(0.5, [0.8, 0.99])]
+        assert out["set_full_state_dict betas type"] == "tuple"  # torch's load makes it a list
+        assert out["shard_state"] == ((0.8, 0.99), True)

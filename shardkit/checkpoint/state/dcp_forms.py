@@ -10,22 +10,58 @@ here, apart from the moving of tensors.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from shardkit.checkpoint.state.state_dict import clean_fqn
+from shardkit.errors import ArgumentTypeError
 
 __all__ = ["StateDictOptions", "as_optimizers", "checked_options", "check_not_empty", "param_names",
-           "flatten_optim_state_dict", "unflatten_optim_state_dict", "split_optim_state_dict"]
+           "flatten_optim_state_dict", "unflatten_optim_state_dict", "split_optim_state_dict", "formerly"]
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def formerly(old_use: str) -> Callable[[Function], Function]:
+    """A torch-named function whose wrong-shaped calls also say where shardkit's former function went.
+
+    Until these functions followed torch, ``shardkit.checkpoint.state_dict``
+    gave the same names to shardkit's own dict form (``get_state_dict(model,
+    optimizer)`` returned ``{"model": ..., "optim": ...}``, ``set_*`` took
+    ``strict=``).  Such a call now misses torch's signature, and Python raises
+    a ``TypeError`` before the body runs; that error, and only that one (a
+    ``TypeError`` from inside the body passes unchanged), becomes
+    :class:`~shardkit.errors.ArgumentTypeError` -- still the ``TypeError``
+    torch raises, with Python's wording first -- followed by ``old_use``.
+    """
+    def wrap(function: Function) -> Function:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except TypeError as exc:
+                if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                    raise  # raised inside the function: the call itself fits the signature
+                raise ArgumentTypeError(f"{exc}. {function.__name__} is torch.distributed.checkpoint.state_dict's; "
+                                        f"{old_use}") from None
+        return call  # type: ignore[return-value]
+    return wrap
 
 
 def as_optimizers(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
                   ) -> tuple[torch.optim.Optimizer, ...]:
-    """One optimizer or an iterable of them, as torch accepts both."""
+    """One optimizer or an iterable of them, as torch accepts both; ``None`` (shardkit's former "no optimizer")
+    is torch's ``TypeError`` with where to go instead."""
+    if optimizers is None:
+        raise ArgumentTypeError("'NoneType' object is not iterable. torch's state-dict functions take an optimizer "
+                                "or an iterable of them; for the model alone use get_model_state_dict / "
+                                "set_model_state_dict. shardkit's former get_state_dict(model, None) is now "
+                                "get_training_state(model).")
     return (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
 
 

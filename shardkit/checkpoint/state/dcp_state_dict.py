@@ -32,6 +32,7 @@ from shardkit.checkpoint.state.dcp_forms import (
     check_not_empty,
     checked_options,
     flatten_optim_state_dict,
+    formerly,
     param_names,
     split_optim_state_dict,
     unflatten_optim_state_dict,
@@ -113,6 +114,8 @@ def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None 
     return state
 
 
+@formerly("shardkit's former get_optimizer_state_dict(model, optimizer, *, init_fresh=True) is now "
+           "live_optimizer_state, or get_training_state(model, optimizer)['optim'].")
 def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules: set[nn.Module] | None = None,
                              options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizers' combined state dict keyed by parameter FQN, as torch's ``get_optimizer_state_dict``."""
@@ -123,6 +126,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, *, submod
     return state
 
 
+@formerly("shardkit's former get_state_dict(model, optimizer=None, *, trainable_only=False), which returned "
+           "{'model': ..., 'optim': ...}, is now get_training_state.")
 def get_state_dict(model: nn.Module, optimizers: Optimizers, *, submodules: set[nn.Module] | None = None,
                    options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_state_dict, optimizer_state_dict)``, as torch's ``get_state_dict``."""
@@ -183,7 +188,9 @@ def _load_optims(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
     for optimizer in optimizers:
         _init_like_torch(optimizer)
     for optimizer in optimizers:
-        like = {fqn: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] for fqn in names[id(p)]}
+        # .get: indexing the state defaultdict would add an empty entry for each parameter without state
+        like = {fqn: optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]
+                for fqn in names[id(p)]}
 
         def own_part(optimizer: torch.optim.Optimizer = optimizer) -> dict[str, Any]:
             if not osd:
@@ -208,6 +215,9 @@ def _load_optims(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
             optimizer.load_state_dict(part)
 
 
+@formerly("strict is StateDictOptions(strict=...) in options=. shardkit's former set_model_state_dict(model, "
+           "state_dict, *, strict=True) is now apply_model_state, or set_training_state(model, None, "
+           "{'model': state_dict}).")
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None) -> Any:
     """Load a model state dict (sharded, or full with ``full_state_dict``); torch's ``_IncompatibleKeys``."""
@@ -217,6 +227,8 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
     return _load_model(model, model_state_dict, options)
 
 
+@formerly("strict is StateDictOptions(strict=...) in options=. shardkit's former set_optimizer_state_dict(model, "
+           "optimizer, osd, *, strict=True) is now apply_optimizer_state.")
 def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_state_dict: dict[str, Any], *,
                              options: StateDictOptions | None = None) -> None:
     """Load the optimizers' state (FQN-keyed, nested or flat), as torch's ``set_optimizer_state_dict``."""
@@ -226,6 +238,9 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
     _load_optims(model, optimizers, optim_state_dict, options)
 
 
+@formerly("model_state_dict= and optim_state_dict= are keyword-only and strict is StateDictOptions(strict=...) "
+           "in options=. shardkit's former set_state_dict(model, optimizer, {'model': ..., 'optim': ...}, *, strict=True) is now "
+           "set_training_state.")
 def set_state_dict(model: nn.Module, optimizers: Optimizers, *, model_state_dict: dict[str, Any],
                    optim_state_dict: dict[str, Any], options: StateDictOptions | None = None) -> Any:
     """Load model and optimizers (optimizers first, as torch); torch's ``_IncompatibleKeys`` of the model."""

@@ -15,9 +15,8 @@ import torch.nn as nn
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.relayout import (
     copy_into,
-    full_for,
+    full_leaves_from_rank0,
     gather_full_state,
-    is_json_scalar,
     leaf_paths,
     leaf_paths_with_slots,
 )
@@ -39,36 +38,46 @@ def set_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     """Load a full state dict into a (sharded) model and optimizer, one tensor at a time.
 
     Every rank needs ``full`` unless ``broadcast_from_rank0``, where only rank
-    0's is read and each tensor is broadcast in turn.  Keys and shapes are
-    checked on every rank before any tensor is written.
+    0's is read and each tensor is broadcast in turn and copied into the live
+    tensor as it arrives (:func:`~shardkit.checkpoint.state.relayout.full_leaves_from_rank0`).
+    Keys and shapes are checked on every rank before any tensor is written.
     """
-    dist = Dist()
     live = get_training_state(model, optimizer)
-    have = {p for p, _ in leaf_paths(live)}
-    problem = None
-    if not broadcast_from_rank0 or dist.rank == 0:
+    slots = dict(leaf_paths_with_slots(live))
+    have = {path: like for path, (_, _, like) in slots.items()}
+    if broadcast_from_rank0:
+        def refuse_mismatch(given: dict[str, Any]) -> None:
+            problem = _mismatch(have, given, strict)
+            if problem:
+                raise IncompatibleStateDict(problem)
+
+        given = full_leaves_from_rank0(full, have, _copy_into_live, refuse_mismatch)
+    else:
         given = dict(leaf_paths(full))
-        missing = sorted(have - set(given)) if strict else []
-        unexpected = sorted(set(given) - have) if strict else []
-        wrong = [p for p, v in leaf_paths(live) if isinstance(v, torch.Tensor) and p in given
-                 and (not isinstance(given[p], torch.Tensor) or tuple(given[p].shape) != tuple(v.shape))]
-        if missing or unexpected or wrong:
-            problem = f"full state dict mismatch: missing {missing[:10]}, unexpected {unexpected[:10]}, " \
-                      f"wrong shape or type {wrong[:10]}"
-    if dist.any_failed(problem is not None):
-        raise IncompatibleStateDict(problem or "full state dict mismatch on rank 0 (see its error)")
-    given = dict(leaf_paths(full)) if (not broadcast_from_rank0 or dist.rank == 0) else {}
-    for path, (container, key, like) in leaf_paths_with_slots(live):
+        problem = _mismatch(have, given, strict)
+        if Dist().any_failed(problem is not None):
+            raise IncompatibleStateDict(problem or "full state dict mismatch on another rank (see its error)")
+    for path, (container, key, like) in slots.items():
         if isinstance(like, torch.Tensor):
-            if path in given or broadcast_from_rank0:
-                value = full_for(path, like, given, broadcast_from_rank0, dist)
-                copy_into(like, value, path)
+            if path in given:
+                copy_into(like, given[path], path)  # a broadcast tensor already is ``like``: skipped
         elif path in given:
             container[key] = restore_like(given[path], like)
-    if broadcast_from_rank0:
-        values = dist.broadcast_json({p: v for p, v in given.items() if not isinstance(v, torch.Tensor)
-                                      and is_json_scalar(v)} if dist.rank == 0 else None)
-        for path, (container, key, like) in leaf_paths_with_slots(live):
-            if not isinstance(like, torch.Tensor) and path in values:
-                container[key] = restore_like(values[path], like)
     set_training_state(model, optimizer, live, strict=False)
+
+
+def _copy_into_live(path: str, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    copy_into(like, full, path)
+    return like
+
+
+def _mismatch(have: dict[str, Any], given: dict[str, Any], strict: bool) -> str | None:
+    """What keeps ``given`` (leaf path -> value) from loading into the live leaves ``have``, or ``None``."""
+    missing = sorted(set(have) - set(given)) if strict else []
+    unexpected = sorted(set(given) - set(have)) if strict else []
+    wrong = [p for p, v in have.items() if isinstance(v, torch.Tensor) and p in given
+             and (not isinstance(given[p], torch.Tensor) or tuple(given[p].shape) != tuple(v.shape))]
+    if missing or unexpected or wrong:
+        return f"full state dict mismatch: missing {missing[:10]}, unexpected {unexpected[:10]}, " \
+               f"wrong shape or type {wrong[:10]}"
+    return None

@@ -6,7 +6,9 @@ reading the file).  Every rank first needs the structure -- keys, non-tensor
 values, each tensor's shape and dtype -- and then each tensor's values, which
 it cuts to its own layout at once so that no rank ever holds two full tensors.
 The structure travels as JSON (no pickle); dict keys keep their type (an
-optimizer's nested state may use integers) and tuples stay tuples.
+optimizer's nested state may use integers) and tuples stay tuples.  What JSON
+cannot carry is refused while rank 0 describes the tree, inside its decision,
+so every rank raises the same error instead of the others waiting for rank 0.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["broadcast_tree"]
+__all__ = ["broadcast_tree", "is_json_value"]
 
 Path = tuple[Any, ...]
 
@@ -27,13 +29,26 @@ def _encode(value: Any, path: Path) -> Any:
     if isinstance(value, torch.Tensor):
         return {"tensor": [list(value.shape), str(value.dtype).removeprefix("torch.")]}
     if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, (str, int)):
+                raise IncompatibleStateDict(f"{'.'.join(map(str, (*path, key)))!r}: the key {key!r} is a "
+                                            f"{type(key).__name__}; a state dict broadcast from rank 0 has string "
+                                            "or integer keys only (use the parameter's FQN)")
         return {"dict": [[k, _encode(v, (*path, k))] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return {"tuple" if isinstance(value, tuple) else "list": [_encode(v, (*path, i)) for i, v in enumerate(value)]}
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if is_json_value(value):
         return {"value": value}
     raise IncompatibleStateDict(f"{'.'.join(map(str, path))!r} is a {type(value).__name__}; a state dict broadcast "
                                 "from rank 0 holds tensors, dicts, lists, tuples and JSON values only")
+
+
+def is_json_value(value: Any) -> bool:
+    """A JSON scalar (``None``, bool, int, float, str) or a list or tuple of them: a non-tensor leaf the
+    description of a tree carries as is."""
+    if isinstance(value, (list, tuple)):
+        return all(is_json_value(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _decode(node: dict[str, Any], path: Path, tensors: list[tuple[Path, list[int], torch.dtype]]) -> Any:

@@ -8,24 +8,25 @@ value (and, with ``broadcast_from_rank0``, broadcast first) one at a time.
 
 Per tensor: :func:`full_to_local`, :func:`shard_full_tensor`,
 :func:`relayout_like`, :func:`gather_full_tensor`.  Per tree (nested dicts/lists, e.g. an optimizer
-state): :func:`gather_full_state`, :func:`shard_state`.  For a model and
+state): :func:`gather_full_state`, :func:`shard_state`, :func:`full_leaves_from_rank0`.  For a model and
 optimizer: :func:`get_full_state_dict`, :func:`set_full_state_dict`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
 from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.state.rank0_tree import broadcast_tree, is_json_value
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor", "gather_full_state",
-           "shard_state", "copy_into", "full_for", "is_json_scalar", "leaf_paths", "leaf_paths_with_slots"]
+           "shard_state", "full_leaves_from_rank0", "copy_into", "leaf_paths", "leaf_paths_with_slots"]
 
 
 def full_to_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -164,47 +165,55 @@ def shard_state(full_tree: Any, like_tree: Any, *, broadcast_from_rank0: bool = 
 
     Each DTensor leaf of ``like_tree`` becomes a new DTensor (same mesh and
     placements) cut from the matching full tensor; plain tensors are copied.
-    With ``broadcast_from_rank0`` only rank 0 needs ``full_tree``: each tensor
-    is broadcast in turn (every rank must call this, in the same order).
+    With ``broadcast_from_rank0`` only rank 0 needs ``full_tree``
+    (:func:`full_leaves_from_rank0`; every rank must call this, in the same order).
     """
-    dist = Dist()
     out = _copy_tree(like_tree)
-    full_leaves = dict(leaf_paths(full_tree)) if (not broadcast_from_rank0 or dist.rank == 0) else {}
-    for path, (container, key, like) in leaf_paths_with_slots(out):
-        if not isinstance(like, torch.Tensor):
-            if path in full_leaves:
-                container[key] = restore_like(full_leaves[path], like)
-            continue
-        full = full_for(path, like, full_leaves, broadcast_from_rank0, dist)
-        container[key] = shard_full_tensor(full, like)
+    slots = dict(leaf_paths_with_slots(out))
     if broadcast_from_rank0:
-        values = dist.broadcast_json({p: v for p, v in full_leaves.items() if not isinstance(v, torch.Tensor)
-                                      and is_json_scalar(v)} if dist.rank == 0 else None)
-        for path, (container, key, like) in leaf_paths_with_slots(out):
-            if not isinstance(like, torch.Tensor) and path in values:
-                container[key] = restore_like(values[path], like)
+        full_leaves = full_leaves_from_rank0(full_tree, {p: like for p, (_, _, like) in slots.items()},
+                                             lambda _path, full, like: shard_full_tensor(full, like))
+    else:
+        full_leaves = dict(leaf_paths(full_tree))
+    for path, (container, key, like) in slots.items():
+        if isinstance(like, torch.Tensor):
+            full = full_leaves.get(path)
+            if not isinstance(full, torch.Tensor):
+                raise IncompatibleStateDict(f"{path!r} is missing from the full state dict")
+            container[key] = full if broadcast_from_rank0 else shard_full_tensor(full, like)
+        elif path in full_leaves:
+            container[key] = restore_like(full_leaves[path], like)
     return out
 
 
-def is_json_scalar(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str))
+def full_leaves_from_rank0(full_tree: Any, like_leaves: dict[str, Any],
+                           cut: Callable[[str, torch.Tensor, torch.Tensor], Any],
+                           check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Rank 0's leaves of ``full_tree`` (:func:`leaf_paths`) that ``like_leaves`` names, on every rank, each
+    tensor as ``cut(path, full_tensor, like)`` returns it.
 
+    The leaf-path form of :func:`~shardkit.checkpoint.state.rank0_tree.broadcast_tree`,
+    which sends them: only rank 0 reads ``full_tree``, and each tensor is cut
+    (e.g. to this rank's shard, or copied into the live tensor) as it arrives,
+    so no rank holds two full tensors.  Before anything is sent, rank 0
+    checks that every tensor of ``like_leaves`` has a full tensor of its
+    shape, and runs ``check(its leaves)``: what either raises is raised on
+    every rank.  A non-tensor leaf JSON cannot carry stays behind (the caller
+    keeps its live value).  Collective: every rank calls it.
+    """
+    def rank0_leaves() -> dict[str, Any]:
+        given = dict(leaf_paths(full_tree))
+        for path, like in like_leaves.items():
+            full = given.get(path)
+            if isinstance(like, torch.Tensor) and not (isinstance(full, torch.Tensor)
+                                                       and tuple(full.shape) == tuple(like.shape)):
+                raise IncompatibleStateDict(f"{path!r}: rank 0's full state dict lacks it or has another shape")
+        if check is not None:
+            check(given)
+        return {path: value for path, value in given.items() if path in like_leaves
+                and (isinstance(value, torch.Tensor) or is_json_value(value))}
 
-def full_for(path: str, like: torch.Tensor, full_leaves: dict[str, Any], broadcast: bool, dist: Dist) -> torch.Tensor:
-    full = full_leaves.get(path)
-    if not broadcast:
-        if not isinstance(full, torch.Tensor):
-            raise IncompatibleStateDict(f"{path!r} is missing from the full state dict")
-        return full
-    import torch.distributed as tdist
-
-    ok = isinstance(full, torch.Tensor) and tuple(full.shape) == tuple(like.shape) if dist.rank == 0 else True
-    if dist.any_failed(not ok):
-        raise IncompatibleStateDict(f"{path!r}: rank 0's full state dict lacks it or has another shape")
-    buf = full.to(like.dtype).contiguous() if dist.rank == 0 else torch.empty(like.shape, dtype=like.dtype)
-    if dist.active:
-        tdist.broadcast(buf, 0)
-    return buf
+    return broadcast_tree(rank0_leaves, lambda path, full: cut(path[0], full, like_leaves[path[0]]))
 
 
 def leaf_paths(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
