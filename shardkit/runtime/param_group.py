@@ -118,7 +118,10 @@ class ParamGroup(TorchParamGroupNames):
             return
         if self.sharded_state is ShardedState.SHARDED:
             # Users may replace a parameter between fully_shard and the first forward (e.g. set
-            # a norm computed from other, now materialized, parameters): take what is registered.
+            # a norm computed from other, now materialized, parameters): take what is registered,
+            # once every replacement is known good, so a refused one leaves the group as it was.
+            for p in self.params:
+                p.check_replacement()
             for p in self.params:
                 p.reset_sharded_param()
         check_materialized(self.params)
