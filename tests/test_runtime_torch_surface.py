@@ -197,6 +197,55 @@ def test_each_comm_setting_trains_exactly_as_torch_fully_shard(setting):
         assert ours == [[("DeprecationWarning", "Use `set_gradient_divide_factor` instead")]] * 3
 
 
+class _PoolingReduceScatter(_CountingReduceScatter):
+    """A user-owned reduce-scatter over a buffer pool, as a comm over registered
+    memory keeps one: ``allocate`` hands out the same buffer for the same size
+    and dtype every call, so a buffer is overwritten at the next reduction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: dict[tuple, torch.Tensor] = {}
+
+    def allocate(self, size, *, dtype, device):
+        key = (tuple(size), dtype, torch.device(device))
+        if key not in self.pool:
+            self.pool[key] = torch.empty(*size, dtype=dtype, device=device)
+        return self.pool[key]
+
+
+MICRO_BATCHES = 3
+
+
+def _accumulated_without_all_reduce(impl: str, shape: tuple[int, int], comm: type | None) -> dict[str, torch.Tensor]:
+    """HSDP, all-reduced only at the last micro-batch."""
+    model = _sharded_model(impl, shape)
+    for module in _sharded_modules(model) if comm else ():
+        module.set_custom_reduce_scatter(comm())
+    for micro in range(MICRO_BATCHES):
+        model.set_requires_all_reduce(micro == MICRO_BATCHES - 1)
+        torch.manual_seed(100 + 10 * micro + dist.get_rank())
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+    grads = {f"grad {n}": p.grad.full_tensor() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {**grads, **{f"param {n}": p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def _pooled_and_torch(shape: tuple[int, int]) -> dict[str, dict]:
+    return {"torch": _accumulated_without_all_reduce("torch", shape, None),
+            "shardkit, pooling comm": _accumulated_without_all_reduce("shardkit", shape, _PoolingReduceScatter)}
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (2, 2)], ids=["one shard rank, its input is its output", "two shard ranks"])
+def test_held_hsdp_sums_survive_a_reduce_scatter_comm_that_reuses_its_buffers(shape):
+    """The default comm gives torch's gradients in the accumulation matrix; a
+    pooling comm must give the same (torch's own held sum views the pooled output)."""
+    for result in run_on_ranks(shape[0] * shape[1], _pooled_and_torch, shape):
+        theirs, ours = result["torch"], result["shardkit, pooling comm"]
+        assert list(ours) == list(theirs) and len(theirs) == 12
+        for key, expected in theirs.items():
+            assert torch.equal(ours[key], expected), key
+
+
 def _hsdp_hook_and_stream() -> dict[str, object]:
     out = _both_trained("all_reduce_hook", shape=(2, 2))
     for impl in ("torch", "shardkit"):

@@ -107,6 +107,26 @@ class GroupComms:
     max_input_buffers: int = 1
     reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
 
+    @property
+    def custom_reduce_scatter(self) -> bool:
+        """Whether a user's comm allocates the reduce-scatter buffers: it may pool
+        them and hand the same memory out again at the next reduction."""
+        return type(self.reduce_scatter) not in (DefaultReduceScatter, ProcessGroupReduceScatter)
+
+    def single_rank_output(self, inp: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter output over one shard rank, where the laid-out input
+        already is the result.  shardkit's own input is fresh memory that only this
+        reduction holds, so it is the output.  A user's comm may reuse its input
+        buffer at the next reduction, while the sharded gradient and a held HSDP
+        sum still view this one; so, as torch does, the result goes into an output
+        of the comm's allocating, or of ordinary memory if that is the input again."""
+        if not self.custom_reduce_scatter:
+            return inp
+        out = self.reduce_scatter.allocate(tuple(inp.shape), dtype=inp.dtype, device=inp.device)
+        if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+            out = torch.empty_like(inp)
+        return out.copy_(inp)
+
     def reduce_group(self, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
         return self.reduce_scatter_group or shard_group
 
