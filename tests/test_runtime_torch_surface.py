@@ -11,6 +11,7 @@ whatever a hook or a comm recorded.  gloo, CPU, 2 ranks (HSDP: 2x2).
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 
 import pytest
@@ -244,6 +245,56 @@ def test_held_hsdp_sums_survive_a_reduce_scatter_comm_that_reuses_its_buffers(sh
         assert list(ours) == list(theirs) and len(theirs) == 12
         for key, expected in theirs.items():
             assert torch.equal(ours[key], expected), key
+
+
+class _LogRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelname, record.getMessage()))
+
+
+def _settings_without_effect_on_gloo() -> dict[str, object]:
+    """Each setting on every sharded module of each implementation, then a
+    training run; returns what shardkit logged and both runs' results."""
+    from shardkit.runtime import comm_hooks
+
+    comm_hooks.warn_no_effect.cache_clear()  # once per process: these ranks may have seen it before
+    records = _LogRecords()
+    logger = logging.getLogger("shardkit.runtime.comm_hooks")
+    logger.addHandler(records)
+    out: dict[str, object] = {}
+    try:
+        for impl in ("torch", "shardkit"):
+            model = _sharded_model(impl)
+            hooks = [_Recorder() for _ in _sharded_modules(model)]
+            for module, hook in zip(_sharded_modules(model), hooks):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+                module.set_all_reduce_hook(hook, stream=torch.cpu.Stream())
+                module.set_reduce_scatter_max_input_buffers(2)
+            out[impl] = {"tensors": _train(model), "records": _recorded(hooks)}
+    finally:
+        logger.removeHandler(records)
+    out["logged"] = records.seen
+    return out
+
+
+def test_settings_without_effect_on_gloo_are_taken_as_torch_takes_them_and_say_so_once():
+    for result in run_on_ranks(2, _settings_without_effect_on_gloo):
+        _assert_same_training([{impl: result[impl] for impl in ("torch", "shardkit")}])
+        assert [level for level, _ in result["logged"]] == ["WARNING"] * 3  # three modules each: one per setting
+        process_group_memory, hook_stream, max_input_buffers = (message for _, message in result["logged"])
+        assert process_group_memory.startswith("set_allocate_memory_from_process_group_for_comm(True) has no "
+                                               "effect here: this process group's backend has no allocator of "
+                                               "its own (that needs NCCL), so collective buffers come from the "
+                                               "ordinary allocator")
+        assert hook_stream.startswith("set_all_reduce_hook(stream=...) has no effect on the CPU: there are no "
+                                      "streams, so the hook runs inline on the caller's thread")
+        assert max_input_buffers.startswith("set_reduce_scatter_max_input_buffers() has no effect on the CPU: "
+                                            "reductions complete inline, so no reduce-scatter input buffer is "
+                                            "ever held")
 
 
 def _hsdp_hook_and_stream() -> dict[str, object]:
