@@ -152,12 +152,37 @@ def _recorded(records: list) -> list:
     return out
 
 
+def _effects(impl: str, model: nn.Sequential) -> dict[str, list]:
+    """What each setting changed, read through torch's state names on every group."""
+    if impl == "torch":
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            ProcessGroupAllocAllGather as PgAllGather,
+        )
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            ProcessGroupAllocReduceScatter as PgReduceScatter,
+        )
+    else:
+        from shardkit.runtime.comm_hooks import ProcessGroupAllGather as PgAllGather
+        from shardkit.runtime.comm_hooks import ProcessGroupReduceScatter as PgReduceScatter
+    groups = [g for m in _sharded_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return {
+        "process_group_memory": [(isinstance(g._all_gather_comm, PgAllGather),
+                                  isinstance(g._reduce_scatter_comm, PgReduceScatter)) for g in groups],
+        "separate_reduce_scatter_group": [
+            (g._reduce_scatter_process_group is not g._all_gather_process_group,
+             dist.get_process_group_ranks(g._reduce_scatter_process_group)
+             == dist.get_process_group_ranks(g._all_gather_process_group)) for g in groups],
+        "max_input_buffers": [g.reduce_scatter_max_input_buffers for g in groups],
+        "unshard_async_op": [g.unshard_async_op for g in groups],
+    }
+
+
 def _both_trained(setting: str, shape: tuple[int, ...] = (2,)) -> dict[str, dict]:
     results = {}
     for impl in ("torch", "shardkit"):
         model = _sharded_model(impl, shape)
         records = _configure(model, setting)
-        results[impl] = {"tensors": _train(model), "records": _recorded(records)}
+        results[impl] = {"tensors": _train(model), "records": _recorded(records), "effects": _effects(impl, model)}
     return results
 
 
@@ -196,6 +221,16 @@ def test_each_comm_setting_trains_exactly_as_torch_fully_shard(setting):
         assert all(len(calls) >= STEPS for calls in ours)
     if setting == "deprecated_divide_factor":
         assert ours == [[("DeprecationWarning", "Use `set_gradient_divide_factor` instead")]] * 3
+    effect_of_setting = {  # on each of the three groups, after training
+        "process_group_memory": [(True, True)] * 3,  # the process-group-memory comms, all-gather and reduce-scatter
+        "separate_reduce_scatter_group": [(True, True)] * 3,  # a group of its own over the shard ranks
+        "max_input_buffers": [2] * 3,
+        "unshard_async_op": [True] * 3,
+    }
+    if setting in effect_of_setting:
+        for result in results:
+            assert result["shardkit"]["effects"][setting] == result["torch"]["effects"][setting] \
+                == effect_of_setting[setting]
 
 
 class _PoolingReduceScatter(_CountingReduceScatter):
