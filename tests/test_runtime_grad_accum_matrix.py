@@ -12,6 +12,9 @@ torch's own ``fully_shard`` on the same seed and inputs:
 * accumulation: no gradient sync and ``set_is_last_backward(False)`` on all
   but the last micro-batch; no sync alone; sync on every micro-batch with
   ``set_is_last_backward(False)``; HSDP with ``set_requires_all_reduce(False)``;
+  and both no-sync modes again with ``MixedPrecisionPolicy(reduce_dtype=
+  torch.float64)`` over float32 parameters, where the unsynced gradients are
+  kept upcast between micro-batches and the last one's is added to them;
 * the loss: the whole forward; ``norm`` only (``head`` unused); ``head`` per
   chunk with a backward per chunk (torch's chunked cross-entropy pattern) or
   one backward for all chunks; ``head`` or ``norm`` left out of one
@@ -30,7 +33,10 @@ run is the reference.  Every HSDP case compares within torch's float32
 tolerances: shardkit all-reduces a parameter's held partial sum at the first
 reduction that all-reduces, even one the parameter has no gradient in (a
 chunk's backward), which can come before torch's: the same sum in another
-order.
+order.  With the float64 reduce dtype torch raises an ``AttributeError``
+when a module sharded on its own never ran in an unsynced micro-batch (it
+upcasts the gradient of a parameter never unsharded); there the reference is
+torch's same case with the default reduce dtype, within the same tolerances.
 
 The model is tiny (vocab 9 does not divide 2 ranks, so the head's shards
 are padded) and each run returns its mismatches, so one failure names every
@@ -145,12 +151,14 @@ def _no_all_reduce_not_last_backward(model, last: bool) -> None:
     model.set_is_last_backward(last)
 
 
-# name: (switch before each micro-batch, on the HSDP mesh)
-ACCUMULATIONS: dict[str, tuple[Callable, bool]] = {
-    "no sync, not last backward": (_no_sync_not_last_backward, False),
-    "no sync": (_no_sync, False),
-    "sync each, not last backward": (_sync_each_not_last_backward, False),
-    "HSDP no all-reduce, not last backward": (_no_all_reduce_not_last_backward, True),
+# name: (switch before each micro-batch, on the HSDP mesh, reduce dtype)
+ACCUMULATIONS: dict[str, tuple[Callable, bool, torch.dtype | None]] = {
+    "no sync, not last backward": (_no_sync_not_last_backward, False, None),
+    "no sync": (_no_sync, False, None),
+    "sync each, not last backward": (_sync_each_not_last_backward, False, None),
+    "HSDP no all-reduce, not last backward": (_no_all_reduce_not_last_backward, True, None),
+    "no sync, not last backward, float64 reduce": (_no_sync_not_last_backward, False, torch.float64),
+    "no sync, float64 reduce": (_no_sync, False, torch.float64),
 }
 
 GROUPINGS = ("[norm, head] grouped", "norm and head apart")
@@ -161,10 +169,21 @@ CASES = list(itertools.product(GROUPINGS, ACCUMULATIONS, LOSSES))
 # --------------------------------------------------------------- on each rank
 
 
-def _sharded_model(fully_shard, grouped: bool, mesh, resharding: str) -> nn.Module:
+def _implementation(impl: str) -> tuple[Callable, type]:
+    """``fully_shard`` and ``MixedPrecisionPolicy`` of torch or of shardkit."""
+    if impl == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from shardkit import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _sharded_model(impl: str, grouped: bool, mesh, resharding: str, reduce_dtype: torch.dtype | None) -> nn.Module:
+    fully_shard, policy = _implementation(impl)
     torch.manual_seed(0)
     model = TrunkNormHead()
-    kwargs = {"mesh": mesh, "reshard_after_forward": resharding == "reshard after forward"}
+    kwargs = {"mesh": mesh, "reshard_after_forward": resharding == "reshard after forward",
+              "mp_policy": policy(reduce_dtype=reduce_dtype)}
     fully_shard(model.embed, **kwargs)
     fully_shard(model.body, **kwargs)
     if grouped:
@@ -186,14 +205,15 @@ def _batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _train_case(fully_shard, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
+def _train_case(impl: str, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
     """Accumulate over the micro-batches, then take one AdamW step; returns
     what the comparison reads (full tensors: every rank takes part)."""
     from torch.distributed.tensor import DTensor
 
     grouping, accumulation, loss = case
-    switch, hsdp = ACCUMULATIONS[accumulation]
-    model = _sharded_model(fully_shard, grouping == GROUPINGS[0], meshes["hsdp" if hsdp else "fsdp"], resharding)
+    switch, hsdp, reduce_dtype = ACCUMULATIONS[accumulation]
+    model = _sharded_model(impl, grouping == GROUPINGS[0], meshes["hsdp" if hsdp else "fsdp"], resharding,
+                           reduce_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     unsharded_after_backward = []
     for micro, step in enumerate(LOSSES[loss]):
@@ -209,13 +229,13 @@ def _train_case(fully_shard, case: tuple[str, str, str], resharding: str, meshes
     return {"unsharded after backward": unsharded_after_backward, "grads": grads, "params": params}
 
 
-def _outcome(fully_shard, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
+def _outcome(impl: str, case: tuple[str, str, str], resharding: str, meshes: dict) -> dict:
     """What ``_train_case`` returns, or the builtin type of what it raised
     (torch raises in some HSDP cases: see ``_run_matrix``; the error is local
     and the same on every rank, so the ranks stay in step)."""
     try:
-        return _train_case(fully_shard, case, resharding, meshes)
-    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as error:
+        return _train_case(impl, case, resharding, meshes)
+    except (RuntimeError, ValueError, AssertionError, AttributeError, NotImplementedError) as error:
         return {"raises": next(t.__name__ for t in type(error).__mro__ if t.__module__ == "builtins")}
 
 
@@ -255,6 +275,9 @@ def _mismatches(where: str, expected: dict, actual: dict, exact: bool = True) ->
 
 HSDP_PARTIAL = "HSDP no all-reduce, not last backward"
 UNSYNCED = "no sync, not last backward"
+# a float64-reduce accumulation -> the same one with the default reduce dtype
+FLOAT32_REDUCE_OF = {name: name.removesuffix(", float64 reduce") for name, (*_, reduce_dtype) in ACCUMULATIONS.items()
+                     if reduce_dtype is torch.float64}
 
 
 def _run_matrix(resharding: str) -> tuple[int, list[str], list[str]]:
@@ -271,9 +294,6 @@ def _run_matrix(resharding: str) -> tuple[int, list[str], list[str]]:
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from shardkit import fully_shard
 
     world = dist.get_world_size()
     meshes = {"fsdp": init_device_mesh("cpu", (world,)),
@@ -281,13 +301,18 @@ def _run_matrix(resharding: str) -> tuple[int, list[str], list[str]]:
     torch_wrong, found = [], []
     for case in CASES:
         where = " / ".join(case)
-        theirs = _outcome(torch_fully_shard, case, resharding, meshes)
-        ours = _outcome(fully_shard, case, resharding, meshes)
+        theirs = _outcome("torch", case, resharding, meshes)
+        ours = _outcome("shardkit", case, resharding, meshes)
         grouping, accumulation, loss = case
+        if accumulation in FLOAT32_REDUCE_OF and "raises" in theirs:
+            torch_wrong.append(where)
+            theirs = _outcome("torch", (grouping, FLOAT32_REDUCE_OF[accumulation], loss), resharding, meshes)
+            found += _mismatches(where, theirs, ours, exact=False)
+            continue
         if accumulation != HSDP_PARTIAL:
             found += _mismatches(where, theirs, ours)
             continue
-        unsynced = _outcome(torch_fully_shard, (grouping, UNSYNCED, loss), resharding, meshes)
+        unsynced = _outcome("torch", (grouping, UNSYNCED, loss), resharding, meshes)
         if _mismatches(where, unsynced, theirs, exact=False):
             torch_wrong.append(where)
             theirs = unsynced
@@ -298,21 +323,24 @@ def _run_matrix(resharding: str) -> tuple[int, list[str], list[str]]:
 # --------------------------------------------------------------------- tests
 
 
-# Where torch 2.13's HSDP partial sums are wrong (see _run_matrix): it raises for a grouped call used in
-# part, and it loses the gradient of a module left out of the last micro-batch.
-TORCH_WRONG = [f"{grouping} / {HSDP_PARTIAL} / {loss}" for grouping, loss in [
-    (GROUPINGS[0], "head per chunk, a backward each"),
-    (GROUPINGS[0], "head per chunk, one backward"),
-    (GROUPINGS[0], "head left out of micro-batch 1"),
-    (GROUPINGS[0], "head left out of the last micro-batch"),
-    (GROUPINGS[0], "norm left out of micro-batch 1"),
-    (GROUPINGS[1], "head left out of the last micro-batch"),
+# Where torch 2.13 is wrong (see _run_matrix): its HSDP partial sums raise for a grouped call used in
+# part and lose the gradient of a module left out of the last micro-batch; with the float64 reduce dtype
+# it raises for a head sharded on its own that never runs.
+TORCH_WRONG = [f"{grouping} / {accumulation} / {loss}" for grouping, accumulation, loss in [
+    (GROUPINGS[0], HSDP_PARTIAL, "head per chunk, a backward each"),
+    (GROUPINGS[0], HSDP_PARTIAL, "head per chunk, one backward"),
+    (GROUPINGS[0], HSDP_PARTIAL, "head left out of micro-batch 1"),
+    (GROUPINGS[0], HSDP_PARTIAL, "head left out of the last micro-batch"),
+    (GROUPINGS[0], HSDP_PARTIAL, "norm left out of micro-batch 1"),
+    (GROUPINGS[1], HSDP_PARTIAL, "head left out of the last micro-batch"),
+    (GROUPINGS[1], "no sync, not last backward, float64 reduce", "norm only"),
+    (GROUPINGS[1], "no sync, float64 reduce", "norm only"),
 ]]
 
 
 @pytest.mark.parametrize("resharding", RESHARDINGS)
 def test_accumulated_gradients_and_step_equal_torch_for_every_grouping_and_partial_forward(resharding):
     for cases_run, torch_wrong, mismatches in run_on_ranks(2, _run_matrix, resharding):
-        assert cases_run == len(GROUPINGS) * len(ACCUMULATIONS) * len(LOSSES) == 56
+        assert cases_run == len(GROUPINGS) * len(ACCUMULATIONS) * len(LOSSES) == 84
         assert torch_wrong == TORCH_WRONG
         assert mismatches == []

@@ -249,3 +249,37 @@ def test_a_replacement_torch_cannot_take_is_refused_with_the_same_builtin_and_ho
         assert ours is not None and ours["type"] == "ReplacedParameterError" and builtin.__name__ in ours["mro"]
         assert ours["message"].startswith("parameter weight_norm was replaced by a ")
         assert "distribute_tensor(full, param.device_mesh, param.placements)" in ours["message"]
+
+
+def _second_replacement_refused(fully_shard) -> dict:
+    """One group owns all three parameters; ``layer1.weight`` is replaced by a good
+    DTensor, then ``layer2.weight`` (later in the group) by a plain tensor."""
+    torch.manual_seed(0)
+    model = _WithNorm()
+    fully_shard(model)
+    group = fully_shard.state(model)._fsdp_param_group
+    first = model.layer1.weight
+    held = next(p for p in group.fsdp_params if p.sharded_param is first)
+    with torch.no_grad():
+        model.layer1.weight = nn.Parameter(first * 2)  # a DTensor op: same mesh, placements and shape
+    model.layer2.weight = nn.Parameter(torch.ones(3, 3))
+    return {"outcome": _outcome(lambda: model(torch.ones(2, 3))), "first still the original": held.sharded_param is first}
+
+
+def _second_replacement_with_torch_and_shardkit() -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shardkit import fully_shard
+
+    return {"torch": _second_replacement_refused(torch_fully_shard),
+            "shardkit": _second_replacement_refused(fully_shard)}
+
+
+def test_a_refused_replacement_leaves_the_replacements_before_it_untaken():
+    for rank, out in enumerate(run_on_ranks(2, _second_replacement_with_torch_and_shardkit)):
+        theirs, ours = out["torch"], out["shardkit"]
+        assert theirs["outcome"]["type"] == "AttributeError", (rank, theirs)
+        assert ours["outcome"]["type"] == "ReplacedParameterError" and "AttributeError" in ours["outcome"]["mro"]
+        assert ours["outcome"]["message"].startswith("parameter layer2.weight was replaced by a Parameter")
+        assert theirs["first still the original"] is False  # torch took layer1.weight before it failed
+        assert ours["first still the original"] is True

@@ -11,6 +11,7 @@ whatever a hook or a comm recorded.  gloo, CPU, 2 ranks (HSDP: 2x2).
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 
 import pytest
@@ -151,12 +152,37 @@ def _recorded(records: list) -> list:
     return out
 
 
+def _effects(impl: str, model: nn.Sequential) -> dict[str, list]:
+    """What each setting changed, read through torch's state names on every group."""
+    if impl == "torch":
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            ProcessGroupAllocAllGather as PgAllGather,
+        )
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            ProcessGroupAllocReduceScatter as PgReduceScatter,
+        )
+    else:
+        from shardkit.runtime.comm_hooks import ProcessGroupAllGather as PgAllGather
+        from shardkit.runtime.comm_hooks import ProcessGroupReduceScatter as PgReduceScatter
+    groups = [g for m in _sharded_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return {
+        "process_group_memory": [(isinstance(g._all_gather_comm, PgAllGather),
+                                  isinstance(g._reduce_scatter_comm, PgReduceScatter)) for g in groups],
+        "separate_reduce_scatter_group": [
+            (g._reduce_scatter_process_group is not g._all_gather_process_group,
+             dist.get_process_group_ranks(g._reduce_scatter_process_group)
+             == dist.get_process_group_ranks(g._all_gather_process_group)) for g in groups],
+        "max_input_buffers": [g.reduce_scatter_max_input_buffers for g in groups],
+        "unshard_async_op": [g.unshard_async_op for g in groups],
+    }
+
+
 def _both_trained(setting: str, shape: tuple[int, ...] = (2,)) -> dict[str, dict]:
     results = {}
     for impl in ("torch", "shardkit"):
         model = _sharded_model(impl, shape)
         records = _configure(model, setting)
-        results[impl] = {"tensors": _train(model), "records": _recorded(records)}
+        results[impl] = {"tensors": _train(model), "records": _recorded(records), "effects": _effects(impl, model)}
     return results
 
 
@@ -195,6 +221,115 @@ def test_each_comm_setting_trains_exactly_as_torch_fully_shard(setting):
         assert all(len(calls) >= STEPS for calls in ours)
     if setting == "deprecated_divide_factor":
         assert ours == [[("DeprecationWarning", "Use `set_gradient_divide_factor` instead")]] * 3
+    effect_of_setting = {  # on each of the three groups, after training
+        "process_group_memory": [(True, True)] * 3,  # the process-group-memory comms, all-gather and reduce-scatter
+        "separate_reduce_scatter_group": [(True, True)] * 3,  # a group of its own over the shard ranks
+        "max_input_buffers": [2] * 3,
+        "unshard_async_op": [True] * 3,
+    }
+    if setting in effect_of_setting:
+        for result in results:
+            assert result["shardkit"]["effects"][setting] == result["torch"]["effects"][setting] \
+                == effect_of_setting[setting]
+
+
+class _PoolingReduceScatter(_CountingReduceScatter):
+    """A user-owned reduce-scatter over a buffer pool, as a comm over registered
+    memory keeps one: ``allocate`` hands out the same buffer for the same size
+    and dtype every call, so a buffer is overwritten at the next reduction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: dict[tuple, torch.Tensor] = {}
+
+    def allocate(self, size, *, dtype, device):
+        key = (tuple(size), dtype, torch.device(device))
+        if key not in self.pool:
+            self.pool[key] = torch.empty(*size, dtype=dtype, device=device)
+        return self.pool[key]
+
+
+MICRO_BATCHES = 3
+
+
+def _accumulated_without_all_reduce(impl: str, shape: tuple[int, int], comm: type | None) -> dict[str, torch.Tensor]:
+    """HSDP, all-reduced only at the last micro-batch."""
+    model = _sharded_model(impl, shape)
+    for module in _sharded_modules(model) if comm else ():
+        module.set_custom_reduce_scatter(comm())
+    for micro in range(MICRO_BATCHES):
+        model.set_requires_all_reduce(micro == MICRO_BATCHES - 1)
+        torch.manual_seed(100 + 10 * micro + dist.get_rank())
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+    grads = {f"grad {n}": p.grad.full_tensor() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {**grads, **{f"param {n}": p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def _pooled_and_torch(shape: tuple[int, int]) -> dict[str, dict]:
+    return {"torch": _accumulated_without_all_reduce("torch", shape, None),
+            "shardkit, pooling comm": _accumulated_without_all_reduce("shardkit", shape, _PoolingReduceScatter)}
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (2, 2)], ids=["one shard rank, its input is its output", "two shard ranks"])
+def test_held_hsdp_sums_survive_a_reduce_scatter_comm_that_reuses_its_buffers(shape):
+    """The default comm gives torch's gradients in the accumulation matrix; a
+    pooling comm must give the same (torch's own held sum views the pooled output)."""
+    for result in run_on_ranks(shape[0] * shape[1], _pooled_and_torch, shape):
+        theirs, ours = result["torch"], result["shardkit, pooling comm"]
+        assert list(ours) == list(theirs) and len(theirs) == 12
+        for key, expected in theirs.items():
+            assert torch.equal(ours[key], expected), key
+
+
+class _LogRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelname, record.getMessage()))
+
+
+def _settings_without_effect_on_gloo() -> dict[str, object]:
+    """Each setting on every sharded module of each implementation, then a
+    training run; returns what shardkit logged and both runs' results."""
+    from shardkit.runtime import comm_hooks
+
+    comm_hooks.warn_no_effect.cache_clear()  # once per process: these ranks may have seen it before
+    records = _LogRecords()
+    logger = logging.getLogger("shardkit.runtime.comm_hooks")
+    logger.addHandler(records)
+    out: dict[str, object] = {}
+    try:
+        for impl in ("torch", "shardkit"):
+            model = _sharded_model(impl)
+            hooks = [_Recorder() for _ in _sharded_modules(model)]
+            for module, hook in zip(_sharded_modules(model), hooks):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+                module.set_all_reduce_hook(hook, stream=torch.cpu.Stream())
+                module.set_reduce_scatter_max_input_buffers(2)
+            out[impl] = {"tensors": _train(model), "records": _recorded(hooks)}
+    finally:
+        logger.removeHandler(records)
+    out["logged"] = records.seen
+    return out
+
+
+def test_settings_without_effect_on_gloo_are_taken_as_torch_takes_them_and_say_so_once():
+    for result in run_on_ranks(2, _settings_without_effect_on_gloo):
+        _assert_same_training([{impl: result[impl] for impl in ("torch", "shardkit")}])
+        assert [level for level, _ in result["logged"]] == ["WARNING"] * 3  # three modules each: one per setting
+        process_group_memory, hook_stream, max_input_buffers = (message for _, message in result["logged"])
+        assert process_group_memory.startswith("set_allocate_memory_from_process_group_for_comm(True) has no "
+                                               "effect here: this process group's backend has no allocator of "
+                                               "its own (that needs NCCL), so collective buffers come from the "
+                                               "ordinary allocator")
+        assert hook_stream.startswith("set_all_reduce_hook(stream=...) has no effect on the CPU: there are no "
+                                      "streams, so the hook runs inline on the caller's thread")
+        assert max_input_buffers.startswith("set_reduce_scatter_max_input_buffers() has no effect on the CPU: "
+                                            "reductions complete inline, so no reduce-scatter input buffer is "
+                                            "ever held")
 
 
 def _hsdp_hook_and_stream() -> dict[str, object]:

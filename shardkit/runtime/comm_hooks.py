@@ -23,10 +23,20 @@ Note [where the all-reduce hook runs]
     so the hook sees the divided gradient; with force-sum or fp16 it sees the
     sum (fp16: divided by the pre-factor only).  ``finish_reduction``
     reproduces both orders on shardkit's SUM-then-divide reduction.
+
+Note [settings without effect here]
+    Some settings only change something on an accelerator: process-group
+    memory needs a backend with its own allocator (NCCL), a hook stream and
+    in-flight reduce-scatter buffers need streams.  torch accepts them on gloo
+    and the CPU, and so does shardkit (a drop-in takes nothing away), but not
+    silently: the first such call in a process logs one WARNING per setting
+    that says what happens instead (``warn_no_effect``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -44,7 +54,24 @@ from shardkit.runtime import collectives as C
 
 __all__ = ["DefaultAllGather", "DefaultReduceScatter", "ProcessGroupAllGather", "ProcessGroupReduceScatter",
            "GroupComms", "only_group", "check_comm", "use_process_group_memory", "refuse_symm_mem",
-           "check_max_input_buffers", "separate_reduce_scatter_groups"]
+           "check_max_input_buffers", "separate_reduce_scatter_groups", "has_own_allocator", "warn_no_effect",
+           "NO_EFFECT"]
+
+log = logging.getLogger("shardkit.runtime.comm_hooks")
+
+# Note [settings without effect here]: what happens instead, and why
+NO_EFFECT = {
+    "set_allocate_memory_from_process_group_for_comm": (
+        "set_allocate_memory_from_process_group_for_comm(True) has no effect here: this process group's backend "
+        "has no allocator of its own (that needs NCCL), so collective buffers come from the ordinary allocator, "
+        "as with torch's fully_shard"),
+    "set_all_reduce_hook(stream=...)": (
+        "set_all_reduce_hook(stream=...) has no effect on the CPU: there are no streams, so the hook runs inline "
+        "on the caller's thread right after each reduction, as with torch's fully_shard"),
+    "set_reduce_scatter_max_input_buffers": (
+        "set_reduce_scatter_max_input_buffers() has no effect on the CPU: reductions complete inline, so no "
+        "reduce-scatter input buffer is ever held for a later one; it bounds memory on an accelerator"),
+}
 
 
 class DefaultAllGather:
@@ -77,11 +104,22 @@ class _ProcessGroupMemory:
         self.group = group
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        backend = self.group._get_backend(device)
-        supports = getattr(backend, "supports_tensor_alloc", None)
-        if supports is not None and supports(device):
+        if has_own_allocator(self.group, device):
+            backend = self.group._get_backend(device)
             return backend.allocate_tensor(math.prod(int(s) for s in size), dtype=dtype, device=device)
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+def has_own_allocator(group: dist.ProcessGroup, device: torch.device) -> bool:
+    supports = getattr(group._get_backend(device), "supports_tensor_alloc", None)
+    return supports is not None and bool(supports(device))
+
+
+@functools.cache
+def warn_no_effect(setting: str) -> None:
+    """Log, once per process, that ``setting`` has no effect here and what
+    happens instead (Note [settings without effect here])."""
+    log.warning(NO_EFFECT[setting])
 
 
 class ProcessGroupAllGather(_ProcessGroupMemory, DefaultAllGather):
@@ -106,6 +144,26 @@ class GroupComms:
     force_sum: bool = False
     max_input_buffers: int = 1
     reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+
+    @property
+    def custom_reduce_scatter(self) -> bool:
+        """Whether a user's comm allocates the reduce-scatter buffers: it may pool
+        them and hand the same memory out again at the next reduction."""
+        return type(self.reduce_scatter) not in (DefaultReduceScatter, ProcessGroupReduceScatter)
+
+    def single_rank_output(self, inp: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter output over one shard rank, where the laid-out input
+        already is the result.  shardkit's own input is fresh memory that only this
+        reduction holds, so it is the output.  A user's comm may reuse its input
+        buffer at the next reduction, while the sharded gradient and a held HSDP
+        sum still view this one; so, as torch does, the result goes into an output
+        of the comm's allocating, or of ordinary memory if that is the input again."""
+        if not self.custom_reduce_scatter:
+            return inp
+        out = self.reduce_scatter.allocate(tuple(inp.shape), dtype=inp.dtype, device=inp.device)
+        if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+            out = torch.empty_like(inp)
+        return out.copy_(inp)
 
     def reduce_group(self, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
         return self.reduce_scatter_group or shard_group
@@ -161,13 +219,16 @@ def _refuse_custom(comm: Any, method: str, kind: str, allowed: tuple[type, ...])
         )
 
 
-def use_process_group_memory(comms: GroupComms, enable: bool, shard_group: dist.ProcessGroup) -> None:
+def use_process_group_memory(comms: GroupComms, enable: bool, shard_group: dist.ProcessGroup,
+                             device: torch.device) -> None:
     method = "set_allocate_memory_from_process_group"
     _refuse_custom(comms.all_gather, method, "all gather", (DefaultAllGather, ProcessGroupAllGather))
     comms.all_gather = ProcessGroupAllGather(shard_group) if enable else DefaultAllGather()
     _refuse_custom(comms.reduce_scatter, method, "reduce scatter", (DefaultReduceScatter, ProcessGroupReduceScatter))
     group = comms.reduce_group(shard_group)
     comms.reduce_scatter = ProcessGroupReduceScatter(group) if enable else DefaultReduceScatter()
+    if enable and not (has_own_allocator(shard_group, device) and has_own_allocator(group, device)):
+        warn_no_effect("set_allocate_memory_from_process_group_for_comm")
 
 
 def refuse_symm_mem(comms: GroupComms, backend: str, shard_group: dist.ProcessGroup) -> None:

@@ -243,6 +243,8 @@ class FSDPModule:
                     raise ConfigurationError("stream cannot be set when using native HSDP; the hook runs after "
                                              "the HSDP all-reduce, on its stream")
                 group.comms.hook_stream = stream
+                if group.comm.inline:
+                    H.warn_no_effect("set_all_reduce_hook(stream=...)")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reduce-scatter input buffers may be in flight at
@@ -252,6 +254,8 @@ class FSDPModule:
         for state in states_of(self, recurse):  # type: ignore[arg-type]
             for group in state.groups:
                 group.comms.max_input_buffers = value
+                if group.comm.inline:
+                    H.warn_no_effect("set_reduce_scatter_max_input_buffers")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own over the shard ranks, so
@@ -265,7 +269,7 @@ class FSDPModule:
         its backend has one (NCCL); gloo has none, so buffers stay ordinary
         memory.  Not together with a custom all-gather/reduce-scatter."""
         for group in self._shard_state().groups:
-            H.use_process_group_memory(group.comms, enable, group.mesh_info.shard_group)
+            H.use_process_group_memory(group.comms, enable, group.mesh_info.shard_group, group.device)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Symmetric-memory staging buffers (NCCL on CUDA): not implemented by

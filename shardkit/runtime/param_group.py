@@ -118,7 +118,10 @@ class ParamGroup(TorchParamGroupNames):
             return
         if self.sharded_state is ShardedState.SHARDED:
             # Users may replace a parameter between fully_shard and the first forward (e.g. set
-            # a norm computed from other, now materialized, parameters): take what is registered.
+            # a norm computed from other, now materialized, parameters): take what is registered,
+            # once every replacement is known good, so a refused one leaves the group as it was.
+            for p in self.params:
+                p.check_replacement()
             for p in self.params:
                 p.reset_sharded_param()
         check_materialized(self.params)
@@ -340,8 +343,8 @@ class ParamGroup(TorchParamGroupNames):
                 rs_group = comms.reduce_group(info.shard_group)
                 with D.collective(self._call("reduce-scatter", rs_in.numel(), reduce_dtype), rs_group, self.device):
                     comms.issue_reduce_scatter(rs_out, rs_in, rs_group)
-            else:  # one shard rank: the laid-out input is already this rank's output
-                rs_out = rs_in
+            else:  # one shard rank: the laid-out input is already this rank's result
+                rs_out = comms.single_rank_output(rs_in)
             if info.is_hsdp:
                 if not self.all_reduce_grads:
                     self._hold_partial(owners, numels, rs_out)
@@ -364,11 +367,12 @@ class ParamGroup(TorchParamGroupNames):
     def _hold_partial(self, owners: list[ShardedParam], numels: list[int], rs_out: torch.Tensor) -> None:
         """Sum the reduce-scattered gradients to all-reduce later, per parameter:
         which parameters have gradients can change between micro-batches (a
-        grouped call used in part, a module left out of one)."""
+        grouped call used in part, a module left out of one).  A sum starts as a
+        copy where a user's comm owns the buffer, which it may reuse."""
         for p, part in zip(owners, rs_out.split(numels)):
             held = self._partial_reduce.get(p)
             if held is None:
-                self._partial_reduce[p] = part
+                self._partial_reduce[p] = part.clone() if self.comms.custom_reduce_scatter else part
             else:
                 held += part
 

@@ -232,7 +232,7 @@ class ShardedParam(TorchParamNames):
         longer a view into ``padded``, a new padded buffer is made from it."""
         current = getattr(self.info.module, self.info.name)
         if current is not self.sharded_param:
-            self._check_replacement(current)
+            self.check_replacement()
             self.sharded_param = current
             self.requires_grad = current.requires_grad
             self.info.register(current)
@@ -254,11 +254,14 @@ class ShardedParam(TorchParamNames):
         if dtype_changed:
             self._drop_unsharded()
 
-    def _check_replacement(self, new: object) -> None:
+    def check_replacement(self) -> None:
         """A parameter set on the module after ``fully_shard`` (``module.w = nn.Parameter(d)``,
         ``load_state_dict(assign=True)``) is taken as the new shard, as torch takes it, only
         if it is this rank's shard in the old one's layout: a plain tensor could be the full
         tensor or this rank's rows, and another layout would be all-gathered wrongly."""
+        new = getattr(self.info.module, self.info.name)
+        if new is self.sharded_param:
+            return
         howto = ("build it as a DTensor in the parameter's layout: nn.Parameter(distribute_tensor("
                  "full, param.device_mesh, param.placements)), or compute it from the other sharded "
                  "parameters (DTensor ops keep their layout)")

@@ -72,6 +72,7 @@ class TorchParamGroupNames:
     fqn: str
     module_fqn: str | None
     comms: Any
+    mesh_info: Any
 
     @property
     def fsdp_params(self) -> list:
@@ -113,6 +114,15 @@ class TorchParamGroupNames:
     @property
     def _all_reduce_hook(self) -> Any:
         return self.comms.all_reduce_hook
+
+    @property
+    def _all_gather_process_group(self) -> Any:
+        return self.mesh_info.shard_group
+
+    @property
+    def _reduce_scatter_process_group(self) -> Any:
+        """The shard group, or the one ``set_separate_reduce_scatter_group`` made."""
+        return self.comms.reduce_group(self.mesh_info.shard_group)
 
 
 class TorchParamNames:
