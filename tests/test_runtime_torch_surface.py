@@ -628,3 +628,28 @@ def test_unshard_returns_none_unless_asked_for_a_handle_as_torch():
 
 def _unshard_both() -> dict[str, tuple[object, bool]]:
     return {impl: _unshard_returns(impl) for impl in ("torch", "shardkit")}
+
+
+def _trained_with_torchs_policies(impl: str) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    fully_shard, mesh = _fully_shard(impl), _mesh((2,))
+    policies = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64),
+                "offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 5))
+    for module in _sharded_modules(model):
+        fully_shard(module, mesh=mesh, **policies)
+    return list(_train(model).values())  # the last step's gradients, then the parameters after it
+
+
+def _policies_both() -> dict[str, list[torch.Tensor]]:
+    return {impl: _trained_with_torchs_policies(impl) for impl in ("torch", "shardkit")}
+
+
+def test_torchs_own_policy_objects_are_taken_and_train_as_torch():
+    """Code written for torch passes torch's MixedPrecisionPolicy / CPUOffloadPolicy
+    objects; only its ``fully_shard`` import is swapped."""
+    for result in run_on_ranks(2, _policies_both):
+        assert len(result["shardkit"]) == len(result["torch"]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(result["shardkit"], result["torch"]))

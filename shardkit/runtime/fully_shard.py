@@ -35,7 +35,7 @@ from shardkit.runtime.mesh_info import (
 from shardkit.runtime.module_state import STATE_ATTR, ShardState, state_of
 from shardkit.runtime.param_group import ParamGroup
 from shardkit.runtime.placement_fn import ShardPlacementResult, group_by_mesh, resolve_placements
-from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardkit.runtime.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_shardkit_policies
 from shardkit.runtime.sharded_param import ParamModuleInfo, ShardedParam
 from shardkit.runtime.spmd_mesh import DataParallelMeshDims, spmd_mesh_info
 
@@ -101,8 +101,7 @@ def fully_shard(
     """
     # torch.compile(block) wraps the block: shard (and hook) the block itself
     modules = tuple(unwrap_compiled(m) for m in (module if isinstance(module, (list, tuple)) else (module,)))
-    _check_modules(modules)
-    _check_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = check_shardable(modules, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh()
     mesh_info = _data_parallel_mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
     shard_modules(modules, mesh_info, device_from_mesh(mesh), shard_placement_fn=shard_placement_fn,
@@ -181,10 +180,11 @@ fully_shard.state = state_of  # type: ignore[attr-defined]
 # --------------------------------------------------------------------- checks
 
 
-def check_shardable(modules: tuple[nn.Module, ...], mp_policy: Any, offload_policy: Any) -> None:
-    """The checks of ``fully_shard``'s arguments that ``replicate`` shares."""
+def check_shardable(modules: tuple[nn.Module, ...], mp_policy: Any,
+                    offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The checks of ``fully_shard``'s arguments that ``replicate`` shares; the policies as shardkit's."""
     _check_modules(modules)
-    _check_policies(mp_policy, offload_policy)
+    return as_shardkit_policies(mp_policy, offload_policy)
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:
@@ -219,15 +219,6 @@ def _torch_composable_state(module: nn.Module) -> Any:
     except ImportError:  # pragma: no cover - older torch
         return None
     return _get_module_state(module)
-
-
-def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ConfigurationError(f"mp_policy must be a shardkit MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ConfigurationError(
-            f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {type(offload_policy).__name__}"
-        )
 
 
 # ------------------------------------------------------------- managed states

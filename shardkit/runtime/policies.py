@@ -11,12 +11,13 @@ forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardkit.errors import ConfigurationError
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "as_shardkit_policies"]
 
 
 def _check_dtype(name: str, value: object) -> None:
@@ -98,3 +99,32 @@ class CPUOffloadPolicy(OffloadPolicy):
             raise ConfigurationError(
                 f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}"
             )
+
+
+def as_shardkit_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """shardkit's policies, or torch's own (``torch.distributed.fsdp.MixedPrecisionPolicy``,
+    ``OffloadPolicy``, ``CPUOffloadPolicy``) taken field for field, so code written for
+    torch's ``fully_shard`` runs unchanged after swapping only the ``fully_shard`` import."""
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        if not _is_torch_policy(mp_policy, "MixedPrecisionPolicy"):
+            raise ConfigurationError(
+                f"mp_policy must be a MixedPrecisionPolicy (shardkit's or torch's), got {type(mp_policy).__name__}"
+            )
+        mp_policy = MixedPrecisionPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, mp_policy.output_dtype,
+                                         mp_policy.cast_forward_inputs)
+    if not isinstance(offload_policy, OffloadPolicy):
+        if _is_torch_policy(offload_policy, "CPUOffloadPolicy"):
+            offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+        elif _is_torch_policy(offload_policy, "OffloadPolicy"):
+            offload_policy = OffloadPolicy()
+        else:
+            raise ConfigurationError(
+                "offload_policy must be OffloadPolicy() or CPUOffloadPolicy() (shardkit's or torch's), "
+                f"got {type(offload_policy).__name__}"
+            )
+    return mp_policy, offload_policy
+
+
+def _is_torch_policy(value: Any, name: str) -> bool:
+    cls = type(value)
+    return cls.__name__ == name and cls.__module__.startswith("torch.distributed.fsdp")

@@ -64,7 +64,7 @@ def replicate(
                 "Cannot apply `replicate()` on a Module already managed by `fully_shard`; use one of "
                 "the two per module"
             )
-    check_shardable(modules, mp_policy, offload_policy)
+    mp_policy, offload_policy = check_shardable(modules, mp_policy, offload_policy)
     if mesh is None:
         mesh = default_mesh(mesh_dim_names=("replicate",))
     if dp_mesh_dims is not None:
