@@ -126,6 +126,28 @@ class MLPStack(nn.Module):
         return self.l2(torch.relu(self.l1(torch.relu(self.l0(x)))))
 
 
+class WithScalarParameter(nn.Module):
+    """A module with a 0-dim parameter, which cannot be sharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.lin = nn.Linear(3, 3)
+
+
+class TiedLinears(nn.Module):
+    """Two linears sharing one weight (a tied parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
 def sharded_transformer(fully_shard, seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer, ModelArgs]:
     """``Transformer`` seeded with ``seed``, each block and then the root sharded by ``fully_shard``
     (shardkit's or torch's) on a 1-D mesh over the whole default group, with an AdamW optimizer.

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardkit import MixedPrecisionPolicy
 from shardkit.errors import ConfigurationError
 from tests.dist import run_on_ranks
-from tests.models import MLPStack
+from tests.models import MLPStack, TiedLinears, WithScalarParameter
 
 
 def _error(fn):
@@ -25,24 +25,6 @@ def _error(fn):
 
         return {"type": type(exc).__name__, "shardkit": isinstance(exc, ShardkitError), "message": str(exc)}
     return None
-
-
-class _WithScalar(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(2.0))
-        self.lin = nn.Linear(3, 3)
-
-
-class _Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-
-    def forward(self, x):
-        return self.b(self.a(x))
 
 
 def _misuses():
@@ -65,7 +47,7 @@ def _misuses():
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: "dim 0")
 
     def scalar():
-        fully_shard(_WithScalar())
+        fully_shard(WithScalarParameter())
 
     def module_list():
         fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
@@ -80,7 +62,7 @@ def _misuses():
         fully_shard(MLPStack(), reshard_after_forward=3)
 
     def shared_between_groups():
-        model = _Tied()
+        model = TiedLinears()
         fully_shard(model.b)
         fully_shard(model)
         model(torch.randn(2, 4))

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.dist import run_on_ranks
-from tests.models import MLPStack
+from tests.models import MLPStack, TiedLinears, WithScalarParameter
 
 # case -> the builtin torch 2.13 raises for it
 TORCH_RAISES = {
@@ -39,28 +39,10 @@ TORCH_RAISES = {
 }
 
 
-class _WithScalar(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(2.0))
-        self.lin = nn.Linear(3, 3)
-
-
 class _Transposed(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.ones(4, 6).t())
-
-
-class _Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-
-    def forward(self, x):
-        return self.b(self.a(x))
 
 
 def _misuse(case: str, fully_shard) -> None:
@@ -81,7 +63,7 @@ def _misuse(case: str, fully_shard) -> None:
     elif case == "two_dim_mesh_without_dim_names":
         fully_shard(MLPStack(), mesh=init_device_mesh("cpu", (1, 2)))
     elif case == "scalar_parameter":
-        fully_shard(_WithScalar())
+        fully_shard(WithScalarParameter())
     elif case == "non_contiguous_parameter":
         fully_shard(_Transposed())
     elif case == "uneven_sharding_on_dim_1":
@@ -94,7 +76,7 @@ def _misuse(case: str, fully_shard) -> None:
         fully_shard(model)
         model(x)
     elif case == "parameter_shared_by_two_groups":
-        tied = _Tied()
+        tied = TiedLinears()
         fully_shard(tied.b)
         fully_shard(tied)
         tied(torch.ones(2, 4))
