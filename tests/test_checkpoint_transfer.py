@@ -198,6 +198,36 @@ def test_an_existing_committed_target_or_foreign_directory_is_never_overwritten(
     assert [r.ok for results in per_rank for r in results if r.move.src in (2, 3)] == [True] * 4
 
 
+def _move_while_someone_fills_the_target(root: str):
+    """Rank 2 finds a file in its target once the copy is complete but before it is renamed into place."""
+    rank = dist.get_rank()
+    _write_checkpoint(_rank_dir(root, rank, rank), seed=rank)
+    dist.barrier()
+    finish = transfer_files.IncomingFiles.finish
+
+    def finish_then_someone_writes(self):
+        finish(self)
+        Path(self.target_dir).mkdir()
+        Path(self.target_dir, "manifest.json").write_text("theirs")
+
+    if rank != 2:
+        return move_directories(_ring(root), round_bytes=ROUND)
+    with mock.patch.object(transfer_files.IncomingFiles, "finish", finish_then_someone_writes):
+        return move_directories(_ring(root), round_bytes=ROUND)
+
+
+def test_a_target_that_appears_during_the_move_is_left_as_it_is_and_the_move_fails_on_both_ends(tmp_path):
+    per_rank = run_on_ranks(RANKS, _move_while_someone_fills_the_target, str(tmp_path))
+    target = Path(_rank_dir(str(tmp_path), 2, 0))
+    assert _tree(target) == {"manifest.json": hashlib.sha256(b"theirs").hexdigest()}
+    assert sorted(os.listdir(target.parent)) == ["rank-0", "rank-2"]  # the discarded copy is gone too
+    failed = [(r.move.src, r.ok) for results in per_rank for r in results if not r.ok]
+    assert failed == [(0, False), (0, False)]
+    assert [r.error for r in per_rank[0] if r.move.src == 0] == [r.error for r in per_rank[2] if r.move.src == 0]
+    assert [r.error for r in per_rank[0] if r.move.src == 0][0].startswith(
+        f"rank 2: target directory {target} appeared during the move and is not empty; it was left as it is")
+
+
 def _count_allocations_during_a_move(root: str, round_bytes: int):
     """Two moves out and two in per rank, many rounds each; every ``torch.empty`` during the call recorded."""
     rank = dist.get_rank()

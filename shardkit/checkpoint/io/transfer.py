@@ -103,9 +103,9 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
         mine = [i for i in live if me in (moves[i].src, moves[i].dst)]
         buffer = _TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), _device_of(dist_))
         _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
-        local_errors.update(_finish(incoming, local_errors, live))
+        local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))
-        errors.update(_gather_errors(dist_, _publish(incoming, errors)))
+        errors.update(_gather_errors(dist_, _publish(me, incoming, errors)))
     finally:
         for source in outgoing.values():
             source.close()
@@ -287,7 +287,8 @@ def _run_rounds(dist_: Dist, moves: Sequence[DirectoryMove], live: dict[int, int
                     failed[i] = f"rank {me} failed writing into target directory {moves[i].target_dir}: {exc}"
 
 
-def _finish(incoming: dict[int, IncomingFiles], failed: dict[int, str], live: dict[int, int]) -> dict[int, str]:
+def _finish(me: int, incoming: dict[int, IncomingFiles], failed: dict[int, str],
+            live: dict[int, int]) -> dict[int, str]:
     """Complete every staging directory whose bytes all landed (commit file last, all fsynced)."""
     more = {}
     for i, files in incoming.items():
@@ -295,11 +296,11 @@ def _finish(incoming: dict[int, IncomingFiles], failed: dict[int, str], live: di
             try:
                 files.finish()
             except Exception as exc:  # noqa: BLE001 - this move fails
-                more[i] = f"failed completing the copy for {files.target_dir}: {exc}"
+                more[i] = f"rank {me} failed completing the copy for {files.target_dir}: {exc}"
     return more
 
 
-def _publish(incoming: dict[int, IncomingFiles], errors: dict[int, str]) -> dict[int, str]:
+def _publish(me: int, incoming: dict[int, IncomingFiles], errors: dict[int, str]) -> dict[int, str]:
     """Rename each complete copy into place, now that its source confirmed every byte it sent."""
     failed = {}
     for i in list(incoming):
@@ -308,7 +309,7 @@ def _publish(incoming: dict[int, IncomingFiles], errors: dict[int, str]) -> dict
                 incoming[i].publish()
                 del incoming[i]
             except Exception as exc:  # noqa: BLE001 - this move fails; its staging directory is discarded
-                failed[i] = str(exc)
+                failed[i] = f"rank {me}: {exc}"
     return failed
 
 
