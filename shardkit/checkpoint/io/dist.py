@@ -23,6 +23,14 @@ from shardkit.errors import error_record, from_record
 __all__ = ["Dist"]
 
 
+class _ThisRankAlone:
+    """The stand-in group of work one rank does by itself while a process group exists (the hot tier's
+    per-rank copies): collectives over it are the identity, and caches keyed by group keep it apart."""
+
+
+_THIS_RANK_ALONE = _ThisRankAlone()
+
+
 class Dist:
     """Rank, world size and a process group (``None`` when running without one)."""
 
@@ -38,6 +46,14 @@ class Dist:
             self.group_size = dist.get_world_size(group) if group is not None else self.world_size
         else:
             self.rank, self.world_size, self.group_rank, self.group_size = 0, 1, 0, 1
+
+    @classmethod
+    def alone(cls) -> "Dist":
+        """This rank by itself: its real rank and world size (data files are named by rank), but a group of
+        one, so ``save``'s planning, writing and commit run with no collective at all."""
+        solo = cls()
+        solo.group, solo.group_rank, solo.group_size = _THIS_RANK_ALONE, 0, 1
+        return solo
 
     @property
     def active(self) -> bool:

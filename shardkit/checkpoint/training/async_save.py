@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.codec import Compression
 from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
@@ -105,6 +105,16 @@ class BackgroundSaver:
                 pending.result()
             except BaseException:  # noqa: BLE001 - reported through that save's own future
                 pass
+
+    def run(self, job: Callable[[Any], Any]) -> Future:
+        """Run ``job(group)`` on the background thread, after the save in flight, with the private group (made
+        now on first use: a collective): work that writes and talks to the other ranks while training goes on,
+        such as a hot-tier save, without ever overlapping a background save on the same group."""
+        with self._lock:
+            self.wait()
+            group = self._private_group()
+            self._pending = self._executor.submit(job, group)
+            return self._pending
 
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
                meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,

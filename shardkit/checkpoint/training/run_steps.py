@@ -49,6 +49,12 @@ def is_step_dir(name: str) -> bool:
     return _STEP_RE.match(name) is not None
 
 
+def step_of_dir(name: str) -> int | None:
+    """The step a ``step-<N>`` directory name stands for, or ``None`` for any other name."""
+    found = _STEP_RE.match(name)
+    return int(found.group(1)) if found else None
+
+
 def committed_at(root: Storage, dirs: Mapping[int, str], step: int) -> bool:
     """Whether step ``step`` (a directory of ``dirs``) holds a committed checkpoint."""
     return step in dirs and root.child(dirs[step]).exists(MANIFEST_NAME)
