@@ -1,0 +1,113 @@
+"""Where the hot tier keeps things: one directory per node, one step directory per saved step.
+
+::
+
+    <local>/                           "{node}" in the template replaced by the node index
+      step-0000000017/
+        rank-2.<save id>/              rank 2's own shards (a native checkpoint, manifest.json last)
+        replica-0.<save id>/           rank 0's shards, kept here for when rank 0's node is lost
+        fetched-2.<save id>.<token>/   a copy brought from a peer at recovery (removed after the load)
+        complete.json                  written once every rank's copy and replicas were written, everywhere
+
+Step directories are named as under the durable root (:func:`~..run_steps.step_dir`).  A rank is on node ``rank // local_world_size``.  Rank ``r``'s replicas go to the ranks with the same local
+rank on the next ``replicas`` nodes (``r + k * local_world_size``, wrapping), so a node's loss costs
+every rank on it one copy and no rank two.  The save id names one save of one manager (a token drawn
+once per manager plus a counter), so copies of the same step from two runs -- a step saved, the job
+killed, the step saved again -- are never mixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from shardkit.errors import ConfigurationError
+
+__all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy"]
+
+log = logging.getLogger(__name__)
+
+COMPLETE_NAME = "complete.json"
+_COPY = re.compile(r"^(rank|replica|fetched)-(\d{1,9})\.([0-9a-f]{12}\d{6})(\.[0-9a-f]{8})?$")
+
+
+def copy_name(kind: str, rank: int, save_id: str, token: str | None = None) -> str:
+    """``rank-2.<save id>``: the directory name of one copy (``kind``: rank, replica or fetched)."""
+    return f"{kind}-{rank}.{save_id}" + (f".{token}" if token else "")
+
+
+def is_partial_copy(name: str) -> bool:
+    """Whether ``name`` is what a killed transfer of a copy leaves: ``.<copy name>.partial-<pid>-<random>``
+    (:func:`~shardkit.checkpoint.io.files.temporary_name_prefix`)."""
+    head, marker, _ = name.partition(".partial-")
+    return bool(marker) and head.startswith(".") and parse_copy_name(head[1:]) is not None
+
+
+def parse_copy_name(name: str) -> tuple[str, int, str] | None:
+    """``(kind, rank, save id)`` of a copy directory name, or ``None`` for any other name."""
+    found = _COPY.match(name)
+    return (found.group(1), int(found.group(2)), found.group(3)) if found else None
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The node arithmetic of a job: ``world_size`` ranks, ``local_world_size`` per node."""
+
+    template: str
+    world_size: int
+    local_world_size: int
+    replicas: int
+
+    @classmethod
+    def of(cls, template: str, world_size: int, local_world_size: int | None, replicas: int) -> "NodeLayout":
+        """Check the options against the job; ``local_world_size=None`` takes torchrun's LOCAL_WORLD_SIZE."""
+        if not isinstance(template, (str, os.PathLike)) or not str(template):
+            raise ConfigurationError(f"local= must be a local directory path, got {template!r}")
+        template = os.fspath(template)
+        if "://" in template and not template.startswith("file://"):
+            raise ConfigurationError(f"local={template!r}: the hot tier lives on a node-local filesystem "
+                                     f"(RAM disk or NVMe); give a path, not a URL")
+        template = template.removeprefix("file://")
+        if local_world_size is None:
+            found = os.environ.get("LOCAL_WORLD_SIZE")
+            if found is None and world_size > 1:
+                raise ConfigurationError("local_world_size=None takes the ranks per node from torchrun's "
+                                         "LOCAL_WORLD_SIZE, which is not set: pass local_world_size=")
+            local_world_size = int(found) if found is not None else 1
+        if not isinstance(local_world_size, int) or local_world_size < 1 or world_size % local_world_size:
+            raise ConfigurationError(f"local_world_size={local_world_size!r} must be a positive integer dividing "
+                                     f"the world size {world_size}")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ConfigurationError(f"replicas must be a non-negative integer, got {replicas!r}")
+        nodes = world_size // local_world_size
+        if replicas > nodes - 1:  # e.g. a job restarted smaller after losing a node for good: not an error
+            log.warning("replicas=%d needs %d nodes; this job has %d (%d ranks, %d per node): keeping %d "
+                        "replica(s) of each rank's copy", replicas, replicas + 1, nodes, world_size,
+                        local_world_size, nodes - 1)
+            replicas = nodes - 1
+        return cls(template, world_size, local_world_size, replicas)
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def node_dir(self, rank: int) -> str:
+        """The directory of ``rank``'s node (the template with ``{node}`` replaced)."""
+        return os.path.abspath(self.template.replace("{node}", str(self.node_of(rank))))
+
+    def replica_holders(self, rank: int) -> list[int]:
+        """The ranks that keep ``rank``'s replicas, nearest node first."""
+        return [(rank + k * self.local_world_size) % self.world_size for k in range(1, self.replicas + 1)]
+
+    def replicated_here(self, rank: int) -> list[int]:
+        """The ranks whose replicas ``rank`` keeps."""
+        return [(rank - k * self.local_world_size) % self.world_size for k in range(1, self.replicas + 1)]
+
+    def is_node_leader(self, rank: int) -> bool:
+        """The lowest rank of its node: the one that records completion and runs retention there."""
+        return rank % self.local_world_size == 0

@@ -1,0 +1,168 @@
+"""Recovery from the hot tier: the ranks agree on the newest step they can assemble from verified copies.
+
+1. **Report.**  Each rank reads the manifests of the copies it keeps -- its own ``rank-<r>`` and the
+   ``replica-<q>`` it holds for other nodes -- and the ranks exchange the reports with the structure each
+   rank's state has now (one JSON all-gather).  A copy whose manifest cannot be read is reported as such.
+2. **Choose.**  Every rank computes the same answer from the same reports: the newest (step, save) at or
+   above ``at_least`` (the newest durable step) saved by this world size, for which every rank has a copy
+   of its own layout that was not found bad.  Each rank's source is its own copy when it has one, else the
+   replica on the nearest node.
+3. **Fetch.**  A rank without a usable copy of its own receives one from its replica holder over the
+   process group (:func:`~shardkit.checkpoint.io.transfer.move_directories`) into ``fetched-<r>...``.
+4. **Check, then agree.**  Each rank reads and checks every byte of its copy (checksums, sizes, keys,
+   shapes) without writing any target; the ranks exchange what failed.  A failed copy is marked bad, named
+   in the log with the reason, and step 2 runs again -- the next copy of that rank, then an older step --
+   until every rank's copy checks out, or no hot step is left (the caller then loads the durable root).
+
+Nothing here writes a target: the caller applies the checked copies once this returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
+from shardkit.checkpoint.training.hot.copies import copy_meta
+from shardkit.checkpoint.training.hot.layout import NodeLayout, copy_name, parse_copy_name
+from shardkit.checkpoint.training.hot.retention import remove_copy
+from shardkit.checkpoint.training.run_steps import step_dir
+from shardkit.errors import ShardkitError
+
+__all__ = ["Recovered", "recover", "hot_reports"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Recovered(Generic[T]):
+    """The agreed step: its number and save, whether any rank needed a peer's copy, this rank's copy
+    (checked, ready to apply) and where it came from."""
+
+    step: int
+    save_id: str
+    source: str          # "local" | "peer"
+    opened: T
+    path: str
+    fetched: bool
+    meta: dict[str, Any]
+
+    def done(self) -> None:
+        """Remove a copy fetched from a peer (the next save writes this node's own copy again)."""
+        if self.fetched:
+            remove_copy(self.path)
+
+
+def hot_reports(layout: NodeLayout, rank: int) -> list[dict[str, Any]]:
+    """Step 1 for this rank: one entry per copy it keeps (see the module docstring)."""
+    node_dir = layout.node_dir(rank)
+    kept = {("rank", rank)} | {("replica", q) for q in layout.replicated_here(rank)}
+    reports = []
+    if not os.path.isdir(node_dir):
+        return reports
+    for step_name in sorted(os.listdir(node_dir)):
+        step_path = os.path.join(node_dir, step_name)
+        if not os.path.isdir(step_path) or not step_name.startswith("step-"):
+            continue
+        for name in sorted(os.listdir(step_path)):
+            parsed = parse_copy_name(name)
+            if parsed is None or (parsed[0], parsed[1]) not in kept:
+                continue
+            path = os.path.join(step_path, name)
+            entry: dict[str, Any] = {"path": path, "holder": rank, "of": parsed[1], "save_id": parsed[2]}
+            try:
+                hot = copy_meta(path)["hot"]
+                entry.update(step=hot["step"], world_size=hot["world_size"], structure=hot["structure"])
+                if hot["rank"] != parsed[1] or hot["save_id"] != parsed[2]:
+                    entry["bad"] = f"its manifest says rank {hot['rank']}, save {hot['save_id']}"
+            except ShardkitError as exc:
+                entry["bad"] = str(exc)
+            reports.append(entry)
+    return reports
+
+
+def _choose(entries: list[dict[str, Any]], structures: list[str], world_size: int, at_least: int,
+            bad: set[str]) -> tuple[int, str, dict[int, dict[str, Any]]] | None:
+    """Step 2: the newest complete (step, save) and each rank's source copy, or ``None``."""
+    by_save: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
+    for e in entries:
+        if "bad" in e or e["path"] in bad or e["world_size"] != world_size or e["step"] < at_least:
+            continue
+        if e["structure"] != structures[e["of"]]:
+            continue
+        by_save.setdefault((e["step"], e["save_id"]), {}).setdefault(e["of"], []).append(e)
+    for (step, save_id), held in sorted(by_save.items(), reverse=True):
+        if len(held) == world_size:
+            return step, save_id, {q: min(copies, key=lambda e: (e["holder"] != q, (e["holder"] - q) % world_size))
+                                   for q, copies in held.items()}
+    return None
+
+
+def _explain(entries: list[dict[str, Any]], world_size: int, at_least: int) -> None:
+    """Why nothing hot qualified, said once at INFO (the caller falls back to the durable root)."""
+    for e in entries:
+        if "bad" in e:
+            log.warning("hot tier: skipping %s (kept by rank %d): %s", e["path"], e["holder"], e["bad"])
+    other = sorted({(e["step"], e["world_size"]) for e in entries if "bad" not in e and e["world_size"] != world_size})
+    if other:
+        log.info("hot tier: steps %s were saved by %s ranks; this job has %d, so they are not used",
+                 ", ".join(str(s) for s, _ in other), ", ".join(sorted({str(w) for _, w in other})), world_size)
+
+
+def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], discard: Callable[[T], None], *,
+            at_least: int = 0, group: Any = None) -> Recovered[T] | None:
+    """Steps 1-4 of the module docstring (collective); ``None`` when no hot step qualifies.
+
+    ``open_copy(path)`` reads and checks one copy for this rank without writing a target (raising a
+    :class:`~shardkit.errors.ShardkitError` or ``OSError`` when it is damaged); ``discard`` drops an opened
+    copy that another rank's failure made unusable."""
+    dist = Dist(group)
+    rank = dist.rank
+    gathered = dist.all_gather_json({"reports": hot_reports(layout, rank), "structure": structure})
+    entries = [e for g in gathered for e in g["reports"]]
+    structures = [g["structure"] for g in gathered]
+    bad: set[str] = set()
+    for attempt in range(len(entries) + 1):
+        chosen = _choose(entries, structures, layout.world_size, at_least, bad)
+        if chosen is None:
+            _explain(entries, layout.world_size, at_least)
+            return None
+        step, save_id, sources = chosen
+        token = f"{attempt:08x}"
+        fetch_dir = os.path.join(layout.node_dir(rank), step_dir(step), copy_name("fetched", rank, save_id, token))
+        moves = [DirectoryMove(src=e["holder"], source_dir=e["path"], dst=q,
+                               target_dir=os.path.join(layout.node_dir(q), step_dir(step),
+                                                       copy_name("fetched", q, save_id, token)))
+                 for q, e in sorted(sources.items()) if e["holder"] != q]
+        failures = {res.move.source_dir: res.error for res in move_directories(moves, group=group) if not res.ok} \
+            if moves else {}
+        mine = sources[rank]
+        path = mine["path"] if mine["holder"] == rank else fetch_dir
+        opened, problem = None, failures.get(mine["path"]) if mine["holder"] != rank else None
+        if problem is None:
+            try:
+                opened = open_copy(path)
+            except (ShardkitError, OSError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        reported = dist.all_gather_json(None if problem is None else {"path": sources[rank]["path"], "why": problem})
+        failed = [r for r in reported if r is not None]
+        if not failed:
+            source = "local" if all(e["holder"] == q for q, e in sources.items()) else "peer"
+            used = ", ".join(f"rank {q} from rank {e['holder']}'s {os.path.basename(e['path'])}"
+                             for q, e in sorted(sources.items()))
+            if rank == 0:
+                log.info("hot tier: step %d (%s) assembled from %s", step, source, used)
+            return Recovered(step, save_id, source, opened, path, mine["holder"] != rank, copy_meta(path))
+        if opened is not None:
+            discard(opened)
+        if mine["holder"] != rank:
+            remove_copy(fetch_dir)
+        for f in failed:
+            bad.add(f["path"])
+            log.warning("hot tier: not using %s for step %d: %s; trying the next copy", f["path"], step, f["why"])
+    return None  # pragma: no cover - every attempt marks a copy bad, so the loop ends in a return above

@@ -1,0 +1,90 @@
+"""Resuming a manager's model, optimizer and input state from the hot tier, and the record of how.
+
+:func:`resume_hot` runs :func:`~.recover.recover` with a checker that builds this rank's targets (the
+training state plus the input state the copy holds), refuses input state that cannot be restored as asked,
+and reads and checks every byte; once every rank's copy checked out it writes the targets, restores the
+data position and objects, and the RNG last -- as a durable resume does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
+from shardkit.checkpoint.state.tree import flatten
+from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
+from shardkit.checkpoint.training.hot.recover import recover
+from shardkit.checkpoint.training.hot.tier import HotTier
+from shardkit.checkpoint.training.input_state import stored_input_state
+from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, load_data_state_dict
+from shardkit.errors import error_record, from_record
+
+__all__ = ["LastLoad", "resume_hot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LastLoad:
+    """How the manager's last ``load_latest`` resumed: ``step``, ``source`` (``"local"``: every rank read
+    its own node's copy; ``"peer"``: some rank needed a replica from another node; ``"durable"``: the
+    durable root) and the wall-clock ``seconds`` it took."""
+
+    step: int
+    source: str
+    seconds: float
+
+
+@dataclass
+class _Opened:
+    copy: CheckedCopy
+    state: dict[str, Any]
+    inputs: dict[str, Any]
+    restores_inputs: bool
+
+
+def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+               data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
+               at_least: int) -> tuple[int, Any, str] | None:
+    """Load the newest hot step at or above ``at_least`` that every rank can assemble from verified copies;
+    ``(step, extra, source)``, or ``None`` when there is none (collective)."""
+    structure = structure_of(flatten(get_training_state(model, optimizer)).tensors)
+
+    def open_copy(path: str) -> _Opened:
+        inputs = stored_input_state(path)
+        restores = data is not None or bool(stateful) or (rng and "rng" in inputs)
+        if restores:
+            check_data_state_dict(inputs, data, stateful, rng=rng and "rng" in inputs)
+        state = {**get_training_state(model, optimizer), **inputs}
+        return _Opened(check_copy(path, state, structure), state, inputs, restores)
+
+    found = recover(tier.layout(), structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
+                    group=tier.process_group)
+    if found is None:
+        return None
+    opened = found.opened
+    problem = None
+    try:
+        opened.copy.apply()
+        set_training_state(model, optimizer, {k: v for k, v in opened.state.items() if k in ("model", "optim")})
+        if opened.restores_inputs:
+            load_data_state_dict({k: opened.state[k] for k in opened.inputs}, data, stateful,
+                                 rng=rng and "rng" in opened.state)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        problem = exc
+    finally:
+        found.done()
+    failed = Dist(tier.process_group).first_error(None if problem is None else error_record(problem))
+    if failed is not None:
+        if problem is not None:
+            raise problem
+        raise from_record(failed[1], f"resuming hot step {found.step} failed on rank {failed[0]}: "
+                                     f"{failed[1]['message']}")
+    log.info("resumed from hot step %d (%s copy)", found.step, found.source)
+    return found.step, found.meta.get("extra"), found.source

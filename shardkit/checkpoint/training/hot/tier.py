@@ -1,0 +1,101 @@
+"""``HotTier``: what :class:`~shardkit.checkpoint.training.manager.CheckpointManager` holds when given
+``local=``.  It turns the manager's options into a :class:`~.layout.NodeLayout`, names every save, checks
+once per state structure that each node's directory can hold what it is asked to keep, copies the state
+to host for a background save, and loads a recovered copy into the targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import torch
+
+from shardkit.checkpoint.geometry.boxes import is_dtensor
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.state.tree import from_json_value
+from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState, local_state
+from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.retention import check_space
+from shardkit.checkpoint.training.hot.save import HotSave
+from shardkit.errors import ConfigurationError, error_record, from_record
+
+__all__ = ["HotTier", "durable_view"]
+
+log = logging.getLogger(__name__)
+
+
+class HotTier:
+    """The hot tier's options and per-run state (see :mod:`shardkit.checkpoint.training.hot`)."""
+
+    def __init__(self, local: str, *, local_world_size: int | None, replicas: int, local_keep: int,
+                 process_group: Any = None) -> None:
+        if not isinstance(local_keep, int) or isinstance(local_keep, bool) or local_keep < 1:
+            raise ConfigurationError(f"local_keep must be a positive integer, got {local_keep!r}")
+        NodeLayout.of(local, 1, 1, 0)  # the path alone, checked now; the node arithmetic at first use
+        self.local = local
+        self.local_world_size = local_world_size
+        self.replicas = replicas
+        self.local_keep = local_keep
+        self.process_group = process_group
+        self._layout: NodeLayout | None = None
+        self._incarnation: str | None = None
+        self._saves = 0
+        self._space_checked: tuple[str, int] | None = None
+        self._host = HostCopy()
+
+    def layout(self) -> NodeLayout:
+        """The node arithmetic for this job (checked against the world size on first use)."""
+        if self._layout is None:
+            self._layout = NodeLayout.of(self.local, Dist(self.process_group).world_size, self.local_world_size,
+                                         self.replicas)
+        return self._layout
+
+    def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
+                to_host: bool) -> tuple[HotSave, LocalState]:
+        """On the training thread, on every rank: name the save, check space when the structure is new, and
+        (``to_host``) copy the local tensors into reused host buffers so training may go on."""
+        layout = self.layout()
+        dist = Dist(self.process_group)
+        local = local_state(state)
+        if self._incarnation is None:
+            self._incarnation = dist.broadcast_json(uuid.uuid4().hex[:12] if dist.rank == 0 else None)
+        if self._space_checked != (local.structure, local.nbytes):
+            self._check_space(layout, dist, local.nbytes)
+            self._space_checked = (local.structure, local.nbytes)
+        self._saves += 1
+        save_id = f"{self._incarnation}{self._saves % 10**6:06d}"
+        on_device = any(t.device.type != "cpu" for t in local.tensors.values())
+        tensors = self._host.copy(local) if to_host or on_device else local.tensors
+        return HotSave(step, save_id, tensors, local.values, local.structure, meta, self.local_keep), local
+
+    def _check_space(self, layout: NodeLayout, dist: Dist, nbytes: int) -> None:
+        """Every node's leader checks its directory for ``local_keep`` + 1 steps of its ranks' copies and the
+        replicas it keeps; a refusal is raised on every rank."""
+        sizes = dist.all_gather_json(nbytes)
+        problem = None
+        if layout.is_node_leader(dist.rank):
+            node = [r for r in range(layout.world_size) if layout.node_of(r) == layout.node_of(dist.rank)]
+            kept = node + [q for r in node for q in layout.replicated_here(r)]
+            try:
+                check_space(layout.node_dir(dist.rank), sum(sizes[r] for r in kept), self.local_keep)
+            except (ConfigurationError, OSError) as exc:
+                problem = exc
+        failed = dist.first_error(None if problem is None else error_record(problem))
+        if failed is not None:
+            if problem is not None:
+                raise problem
+            raise from_record(failed[1])
+
+
+def durable_view(local: LocalState, staged: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The state for a durable save of the same step from the hot save's host copy: each DTensor rebuilt
+    around its staged local shard with the original's spec (global shape, mesh, placements), so the durable
+    save shares the one host copy instead of making its own."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {key: from_json_value(v) for key, v in local.values.items()}
+    for key, t in local.flat.tensors.items():
+        out[key] = DTensor(staged[key], t._spec, requires_grad=False) if is_dtensor(t) else staged[key]
+    return out
