@@ -62,7 +62,11 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
+from shardkit.checkpoint.training.async_save import background_saver
 from shardkit.checkpoint.training.dedup import digest_algorithm
+from shardkit.checkpoint.training.hot.resume import LastLoad, resume_hot
+from shardkit.checkpoint.training.hot.save import run_hot_save
+from shardkit.checkpoint.training.hot.tier import HotTier, durable_view
 from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.checkpoint.training.load import load
 from shardkit.checkpoint.training.retention import retain
@@ -109,7 +113,18 @@ class CheckpointManager:
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
                  dedup: bool | str = False, overwrite: bool = False,
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None, writer: str | None = None, **save_options: Any) -> None:
+                 process_group: Any = None, writer: str | None = None, local: str | None = None,
+                 local_world_size: int | None = None, replicas: int = 1, local_keep: int = 2,
+                 durable_every: int = 1, **save_options: Any) -> None:
+        if not isinstance(durable_every, int) or isinstance(durable_every, bool) or durable_every < 1:
+            raise ConfigurationError(f"durable_every must be a positive integer, got {durable_every!r}")
+        if local is None and (local_world_size, replicas, local_keep, durable_every) != (None, 1, 2, 1):
+            raise ConfigurationError("local_world_size, replicas, local_keep and durable_every configure the "
+                                     "node-local tier: pass local= (a directory path, e.g. '/dev/shm/run/node{node}')")
+        self._hot = None if local is None else HotTier(local, local_world_size=local_world_size, replicas=replicas,
+                                                       local_keep=local_keep, process_group=process_group)
+        self.durable_every = durable_every
+        self.last_load: LastLoad | None = None
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigurationError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if writer is not None and not async_save:
@@ -164,20 +179,12 @@ class CheckpointManager:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         meta = {"step": step, "extra": to_json_value(extra, "extra")}
         self.wait()
-        plan = self._on_rank0(lambda: self._save_plan(step))  # one decision for all ranks
-        if plan["in_the_way"] and not self._run.overwrite:
-            raise CheckpointExists(self._run.refusal(step, plan["in_the_way"], self.root_url))
-        if plan["supersedes"]:
-            meta["run"] = self._run.run  # what makes the record of the steps it supersedes take effect
+        durable = self._hot is None or step % self.durable_every == 0
+        opts = self._durable_options(step, meta) if durable else None
         state = {**get_training_state(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
+        if self._hot is not None:
+            return self._save_hot(step, state, meta, opts)
         url = self.url_of(step)
-        # a step committed there meanwhile by someone else is refused at commit, not replaced
-        opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
-                    **self.save_options,
-                    overwrite=self._run.may_replace(step, plan["in_the_way"]) or step in plan["superseded"])
-        if self.dedup:
-            base = plan["base"]
-            opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
         if self.async_save:
             upload = _async_save(state, url, writer=self.writer, **opts)
             done: Future = Future()
@@ -191,6 +198,50 @@ class CheckpointManager:
         self._run.written.add(step)
         self._retain(step)
         return None
+
+    def _durable_options(self, step: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's decision about the durable root (refusing a step in the way), as ``save`` options."""
+        plan = self._on_rank0(lambda: self._save_plan(step))  # one decision for all ranks
+        if plan["in_the_way"] and not self._run.overwrite:
+            raise CheckpointExists(self._run.refusal(step, plan["in_the_way"], self.root_url))
+        if plan["supersedes"]:
+            meta["run"] = self._run.run  # what makes the record of the steps it supersedes take effect
+        # a step committed there meanwhile by someone else is refused at commit, not replaced
+        opts = dict(compression=self.compression, storage_options=self.storage_options, meta=meta,
+                    **self.save_options,
+                    overwrite=self._run.may_replace(step, plan["in_the_way"]) or step in plan["superseded"])
+        if self.dedup:
+            base = plan["base"]
+            opts.update(digests=self.dedup, reuse_from=None if base is None else self.url_of(base))
+        return opts
+
+    def _save_hot(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+                  durable: dict[str, Any] | None) -> Future | None:
+        """A save with the node-local tier: the hot copies every time, the durable root when ``durable`` (its
+        save options) is given -- from the same host copy when in the background."""
+        assert self._hot is not None
+        job, local = self._hot.prepare(step, state, meta, to_host=self.async_save)
+        layout, url = self._hot.layout(), self.url_of(step)
+        if not self.async_save:
+            run_hot_save(layout, job, self.process_group)
+            if durable is not None:
+                save(state, url, process_group=self.process_group, **durable)
+                self._run.written.add(step)
+                self._retain(step)
+            return None
+        durable_state = durable_view(local, job.tensors) if durable is not None else None
+
+        def in_background(group: Any) -> None:
+            run_hot_save(layout, job, group)
+            if durable_state is not None:
+                save(durable_state, url, process_group=group, **durable)
+
+        work = background_saver().run(in_background)
+        done: Future = Future()
+        done.set_running_or_notify_cancel()
+        work.add_done_callback(lambda f, s=step: self._after_commit(s, f, done, durable=durable is not None))
+        self._pending, self._pending_step = done, step if durable is not None else None
+        return done
 
     def wait(self) -> None:
         """Wait for the background save in flight and the retention after it (re-raising a save's error)."""
@@ -225,10 +276,12 @@ class CheckpointManager:
     def _on_rank0(self, decide: Callable[[], Any]) -> Any:
         return Dist(self.process_group).decided_on_rank0(decide, self.root_url)
 
-    def _after_commit(self, step: int, upload: Future, done: Future) -> None:
+    def _after_commit(self, step: int, upload: Future, done: Future, durable: bool = True) -> None:
         """Runs when the background save ends: retention first, then ``done`` (what :meth:`wait` waits on)."""
         error = upload.exception()
-        if error is None:
+        if error is None and not durable:
+            done.set_result(None)
+        elif error is None:
             log.info("step %d committed at %s (background save)", step, self.url_of(step))
             self._run.written.add(step)
             try:
@@ -277,7 +330,18 @@ class CheckpointManager:
         :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
         """
         self.wait()
+        started = time.perf_counter()
         candidates = self._on_rank0(self._resumable_steps)
+        if self._hot is not None:
+            hot = resume_hot(self._hot, model, optimizer, data=data, stateful=stateful, rng=rng,
+                             at_least=candidates[-1] if candidates else 0)
+            if hot is not None:
+                step, extra, source = hot
+                self._run.resumed = max((s for s in candidates if s <= step), default=None)
+                self.last_load = LastLoad(step, source, time.perf_counter() - started)
+                return step, extra
+            log.info("nothing in the hot tier is newer than the durable root's newest step; resuming from %s",
+                     self.root_url)
         if not candidates:
             return self._nothing(self._on_rank0(self._why_nothing), required)
         for step in reversed(candidates):
@@ -288,6 +352,7 @@ class CheckpointManager:
                 continue
             log.info("resumed from step %d at %s", step, self.url_of(step))
             self._run.resumed = step
+            self.last_load = LastLoad(step, "durable", time.perf_counter() - started)
             return step, meta.get("extra")
         return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged, and this "
                              f"manager will not save over them without overwrite=True", required)
