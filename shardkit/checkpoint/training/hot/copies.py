@@ -28,6 +28,7 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import Flat, flatten, from_json_value
+from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.input_state import INPUT_KEYS
 from shardkit.checkpoint.training.load import Checked, check_before_writing, default_staging_bytes, plan_load
 from shardkit.checkpoint.training.save import plan_save, write_and_commit
@@ -114,7 +115,7 @@ class CheckedCopy:
             for out, buf in self.checked.staged:
                 out.copy_(buf)
             self.checked.staged.clear()
-            self.reader.read(self.checked.in_place)
+            read_requests(self.reader, self.checked.in_place)  # a GPU target through small page-locked rounds
             values = self.reader.values()
             for key in self.flat.values:
                 if key in values:

@@ -1,0 +1,131 @@
+"""The hot tier's rules in one process: retention, damaged and partial copies, space, options."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit.checkpoint as skc
+from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.retention import check_space
+from shardkit.errors import ConfigurationError
+
+
+def _model(step: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+        model.bias.fill_(-float(step))
+    return model
+
+
+def _manager(root, **options) -> skc.CheckpointManager:
+    options = {"local_keep": 2, "replicas": 0, "durable_every": 5, **options}
+    return skc.CheckpointManager(str(root / "durable"), local=str(root / "hot" / "node{node}"), **options)
+
+
+def _save_steps(root, steps, **options) -> None:
+    manager = _manager(root, **options)
+    for step in steps:
+        manager.save(step, _model(step), extra={"step": step})
+    manager.wait()
+
+
+def _resume(root, **options) -> tuple[int, str, float]:
+    """Resume a fresh model; check it holds the recovered step's values; (step, source, seconds)."""
+    manager = _manager(root, **options)
+    model = _model(-1)
+    step, extra = manager.load_latest(model, required=True)
+    assert extra == {"step": step}
+    assert torch.equal(model.weight, torch.full((8, 16), float(step)))
+    assert torch.equal(model.bias, torch.full((8,), -float(step)))
+    return step, manager.last_load.source, manager.last_load.seconds
+
+
+def _step_dir(root, step: int) -> str:
+    return str(root / "hot" / "node0" / f"step-{step:010d}")
+
+
+def _copy_of_rank0(root, step: int) -> str:
+    [name] = [n for n in os.listdir(_step_dir(root, step)) if n.startswith("rank-0.")]
+    return os.path.join(_step_dir(root, step), name)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_single_process_run_resumes_from_its_own_newest_local_copy(tmp_path, async_save):
+    _save_steps(tmp_path, range(1, 8), async_save=async_save)
+    assert _resume(tmp_path)[:2] == (7, "local")
+    assert skc.CheckpointManager(str(tmp_path / "durable")).steps() == [5]
+
+
+def test_retention_keeps_local_keep_complete_steps_and_never_a_file_it_did_not_write(tmp_path, caplog):
+    _save_steps(tmp_path, range(1, 4))
+    node = tmp_path / "hot" / "node0"
+    (node / "notes.txt").write_text("mine")
+    (node / "step-0000000002" / "mine.txt").write_text("mine too")
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        _save_steps(tmp_path, range(4, 7))
+    assert sorted(os.listdir(node)) == ["notes.txt", "step-0000000002", "step-0000000005", "step-0000000006"]
+    assert os.listdir(node / "step-0000000002") == ["mine.txt"]
+    assert "mine.txt" in caplog.text
+
+
+def test_a_damaged_newest_copy_falls_back_to_the_older_complete_local_step(tmp_path, caplog):
+    _save_steps(tmp_path, range(1, 5))
+    data = os.path.join(_copy_of_rank0(tmp_path, 4), "data")
+    for name in os.listdir(data):
+        with open(os.path.join(data, name), "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\xff\xff\xff")
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        assert _resume(tmp_path)[:2] == (3, "local")
+    assert "step-0000000004" in caplog.text and "checksum" in caplog.text.lower()
+
+
+def test_a_step_killed_before_its_copy_committed_is_never_chosen(tmp_path):
+    _save_steps(tmp_path, range(1, 4))
+    partial = os.path.join(_step_dir(tmp_path, 9), os.path.basename(_copy_of_rank0(tmp_path, 3)))
+    shutil.copytree(_copy_of_rank0(tmp_path, 3), partial)
+    os.unlink(os.path.join(partial, "manifest.json"))  # data written, the commit never happened
+    assert _resume(tmp_path)[:2] == (3, "local")
+
+
+def test_the_durable_root_wins_when_it_holds_a_newer_step_than_the_hot_tier(tmp_path):
+    _save_steps(tmp_path, range(1, 6))
+    shutil.rmtree(_step_dir(tmp_path, 5))  # the hot tier's newest is now step 4, the durable root's step 5
+    assert _resume(tmp_path)[:2] == (5, "durable")
+
+
+def test_a_directory_that_cannot_hold_local_keep_steps_is_refused_up_front(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ConfigurationError, match=r"cannot hold local_keep=2 steps.*lower local_keep"):
+        check_space(str(tmp_path / "node0"), free // 2, local_keep=2)
+    check_space(str(tmp_path / "node1"), 1 << 20, local_keep=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"replicas": 2}, "pass local="),
+    ({"durable_every": 0}, "durable_every must be a positive integer"),
+    ({"local": "s3://bucket/hot", "replicas": 0}, "node-local filesystem"),
+    ({"local": "/tmp/hot", "local_keep": 0}, "local_keep must be a positive integer"),
+], ids=["replicas_without_local", "durable_every_zero", "url", "local_keep_zero"])
+def test_options_the_hot_tier_cannot_honour_are_refused(tmp_path, options, message):
+    with pytest.raises(ConfigurationError, match=message):
+        skc.CheckpointManager(str(tmp_path / "durable"), **options)
+
+
+def test_node_arithmetic_refuses_ranks_per_node_that_do_not_divide_the_world_and_clamps_replicas(caplog):
+    with pytest.raises(ConfigurationError, match="must be a positive integer dividing the world size 6"):
+        NodeLayout.of("/tmp/n{node}", 6, 4, 1)
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        layout = NodeLayout.of("/tmp/n{node}", 4, 2, 3)
+    assert layout.replicas == 1 and "keeping 1 replica" in caplog.text
+    assert [layout.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.replica_holders(1) == [3] and layout.replicated_here(1) == [3]
+    assert layout.node_dir(3) == "/tmp/n1"
