@@ -129,3 +129,12 @@ def test_node_arithmetic_refuses_ranks_per_node_that_do_not_divide_the_world_and
     assert [layout.node_of(r) for r in range(4)] == [0, 0, 1, 1]
     assert layout.replica_holders(1) == [3] and layout.replicated_here(1) == [3]
     assert layout.node_dir(3) == "/tmp/n1"
+
+
+def test_a_run_resumed_below_the_hot_tiers_newest_step_removes_that_abandoned_history_at_its_next_save(tmp_path):
+    _save_steps(tmp_path, range(1, 8))  # hot 6 and 7, durable 5
+    rerun = _manager(tmp_path)
+    rerun.load(5, _model(-1))  # the user chose step 5: steps 6 and 7 are another history now
+    rerun.save(6, _model(6), extra={"step": 6})
+    assert sorted(os.listdir(tmp_path / "hot" / "node0")) == ["step-0000000006"]
+    assert _resume(tmp_path)[:2] == (6, "local")

@@ -96,8 +96,7 @@ def retain_local(node_dir: str, step: int, save_id: str, local_keep: int) -> Non
     kept = set(complete[:max(local_keep, 1)]) | {step}
     incarnation = save_id[:12]  # this manager's saves: one above ``step`` is the next save, under way
     for s, path in sorted(steps.items()):
-        if s > step and any((parsed := parse_copy_name(n)) is not None and parsed[2].startswith(incarnation)
-                            for n in os.listdir(path)):
+        if s > step and not _abandoned(path, incarnation):
             continue
         if s > step:
             _remove_step(path, f"above step {step}, which this run saved after resuming from below it")
@@ -111,6 +110,14 @@ def retain_local(node_dir: str, step: int, save_id: str, local_keep: int) -> Non
                     remove_copy(os.path.join(path, name))
                 elif is_partial_copy(name) and not name[1:].split(".partial-")[0].endswith(save_id):
                     shutil.rmtree(os.path.join(path, name), ignore_errors=True)  # a killed transfer's leftovers
+
+
+def _abandoned(step_dir: str, incarnation: str) -> bool:
+    """Whether a step above the one just completed is an earlier run's: it holds copies, none of them this
+    manager's.  An empty one may be this manager's next save, whose ranks are creating it right now."""
+    names = [parse_copy_name(n) for n in os.listdir(step_dir)]
+    copies = [parsed for parsed in names if parsed is not None]
+    return bool(copies) and not any(parsed[2].startswith(incarnation) for parsed in copies)
 
 
 def held_bytes(node_dir: str) -> int:
