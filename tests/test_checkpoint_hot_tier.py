@@ -64,16 +64,21 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, reference):
     """The directories a 9-step run leaves: hot steps 8 and 9 on both nodes, durable step 5 -- saved in the
-    background (``async_save=True``: the durable step written from the hot save's host copy)."""
-    root = str(tmp_path_factory.mktemp("saved"))
+    background (``async_save=True``: the durable step written from the hot save's host copy).  Returns
+    (the run's root, a pristine copy of it): the hot tier belongs to its durable root's URL, so each test
+    restores the run in place instead of copying it elsewhere."""
+    root = str(tmp_path_factory.mktemp("saved") / "run")
     first = run_on_ranks(4, _run, root, resume=False, until=SAVED_STEPS, async_save=True)[0]
     assert first["losses"] == {s: reference["losses"][s] for s in range(1, SAVED_STEPS + 1)}
-    return root
+    pristine = root + ".pristine"
+    shutil.copytree(root, pristine)
+    return root, pristine
 
 
-def _copy_of(saved: str, tmp_path) -> str:
-    root = str(tmp_path / "run")
-    shutil.copytree(saved, root)
+def _copy_of(saved: tuple[str, str], tmp_path) -> str:
+    root, pristine = saved
+    shutil.rmtree(root)
+    shutil.copytree(pristine, root)
     return root
 
 
@@ -108,8 +113,11 @@ def _resumes_as_the_uninterrupted_run(root: str, reference: dict, step: int, sou
 
 
 def test_the_saved_run_leaves_two_complete_hot_steps_per_node_and_the_durable_step(saved):
+    saved, _ = saved
     for node in (0, 1):
-        node_dir = os.path.join(saved, "hot", f"node{node}")
+        [run] = os.listdir(os.path.join(saved, "hot", f"node{node}"))
+        assert run.startswith("run-")
+        node_dir = os.path.join(saved, "hot", f"node{node}", run)
         assert sorted(os.listdir(node_dir)) == ["step-0000000008", "step-0000000009"]
         for step in (8, 9):
             names = sorted(os.listdir(os.path.join(node_dir, f"step-000000000{step}")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -13,7 +14,8 @@ import torch.nn as nn
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.training.hot.layout import NodeLayout
 from shardkit.checkpoint.training.hot.retention import check_space
-from shardkit.errors import ConfigurationError
+from shardkit.data import Stateful
+from shardkit.errors import ConfigurationError, DataStateError
 
 
 def _model(step: int) -> nn.Module:
@@ -26,8 +28,9 @@ def _model(step: int) -> nn.Module:
 
 
 def _manager(root, **options) -> skc.CheckpointManager:
-    options = {"local_keep": 2, "replicas": 0, "durable_every": 5, **options}
-    return skc.CheckpointManager(str(root / "durable"), local=str(root / "hot" / "node{node}"), **options)
+    options = {"local": str(root / "hot" / "node{node}"), "local_keep": 2, "replicas": 0, "durable_every": 5,
+               **options}
+    return skc.CheckpointManager(str(root / "durable"), **options)
 
 
 def _save_steps(root, steps, **options) -> None:
@@ -48,8 +51,14 @@ def _resume(root, **options) -> tuple[int, str, float]:
     return step, manager.last_load.source, manager.last_load.seconds
 
 
+def _run_dir(root):
+    """This run's directory on node 0 (``<local>/run-<digest of the durable root>``)."""
+    [run] = os.listdir(root / "hot" / "node0")
+    return root / "hot" / "node0" / run
+
+
 def _step_dir(root, step: int) -> str:
-    return str(root / "hot" / "node0" / f"step-{step:010d}")
+    return str(_run_dir(root) / f"step-{step:010d}")
 
 
 def _copy_of_rank0(root, step: int) -> str:
@@ -66,7 +75,7 @@ def test_a_single_process_run_resumes_from_its_own_newest_local_copy(tmp_path, a
 
 def test_retention_keeps_local_keep_complete_steps_and_never_a_file_it_did_not_write(tmp_path, caplog):
     _save_steps(tmp_path, range(1, 4))
-    node = tmp_path / "hot" / "node0"
+    node = _run_dir(tmp_path)
     (node / "notes.txt").write_text("mine")
     (node / "step-0000000002" / "mine.txt").write_text("mine too")
     with caplog.at_level(logging.WARNING, logger="shardkit"):
@@ -124,11 +133,11 @@ def test_node_arithmetic_refuses_ranks_per_node_that_do_not_divide_the_world_and
     with pytest.raises(ConfigurationError, match="must be a positive integer dividing the world size 6"):
         NodeLayout.of("/tmp/n{node}", 6, 4, 1)
     with caplog.at_level(logging.WARNING, logger="shardkit"):
-        layout = NodeLayout.of("/tmp/n{node}", 4, 2, 3)
+        layout = NodeLayout.of("/tmp/n{node}", 4, 2, 3, "s3://bucket/run-7")
     assert layout.replicas == 1 and "keeping 1 replica" in caplog.text
     assert [layout.node_of(r) for r in range(4)] == [0, 0, 1, 1]
     assert layout.replica_holders(1) == [3] and layout.replicated_here(1) == [3]
-    assert layout.node_dir(3) == "/tmp/n1"
+    assert layout.node_dir(3) == "/tmp/n1/run-" + hashlib.sha256(b"s3://bucket/run-7").hexdigest()[:12]
 
 
 def test_a_run_resumed_below_the_hot_tiers_newest_step_removes_that_abandoned_history_at_its_next_save(tmp_path):
@@ -136,5 +145,49 @@ def test_a_run_resumed_below_the_hot_tiers_newest_step_removes_that_abandoned_hi
     rerun = _manager(tmp_path)
     rerun.load(5, _model(-1))  # the user chose step 5: steps 6 and 7 are another history now
     rerun.save(6, _model(6), extra={"step": 6})
-    assert sorted(os.listdir(tmp_path / "hot" / "node0")) == ["step-0000000006"]
+    assert sorted(os.listdir(_run_dir(tmp_path))) == ["step-0000000006"]
     assert _resume(tmp_path)[:2] == (6, "local")
+
+
+class _Leftover:
+    """Input state whose tensor changes size from step to step (a packing loader's carried-over tokens)."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = torch.as_tensor(tokens, dtype=torch.float32)
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens = state["tokens"].clone()
+
+
+def test_input_state_that_changes_size_between_background_saves_is_saved_as_it_was(tmp_path):
+    manager = _manager(tmp_path, async_save=True)
+    for step, tokens in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [7.0]), (3, [5.0, 6.0])):
+        manager.save(step, _model(step), extra={"step": step}, stateful={"loader": Stateful(_Leftover(tokens))})
+    manager.wait()
+    resumed = _Leftover([])
+    model = _model(-1)
+    assert _manager(tmp_path).load_latest(model, stateful={"loader": Stateful(resumed)}) == (3, {"step": 3})
+    assert torch.equal(resumed.tokens, torch.tensor([5.0, 6.0]))
+
+
+def test_a_sampler_or_object_the_copy_lacks_is_refused_and_the_hot_steps_stay(tmp_path):
+    _save_steps(tmp_path, range(1, 4))
+    before = sorted(os.listdir(_run_dir(tmp_path)))
+    with pytest.raises(DataStateError, match="loader"):
+        _manager(tmp_path).load_latest(_model(-1), stateful={"loader": Stateful(_Leftover([]))})
+    assert sorted(os.listdir(_run_dir(tmp_path))) == before
+
+
+def test_two_runs_sharing_a_local_directory_never_read_or_remove_each_others_copies(tmp_path):
+    _save_steps(tmp_path / "a", range(1, 4), local=str(tmp_path / "shared" / "node{node}"))
+    other = skc.CheckpointManager(str(tmp_path / "b" / "durable"), local=str(tmp_path / "shared" / "node{node}"),
+                                  replicas=0)
+    assert other.load_latest(_model(-1)) is None
+    other.save(1, _model(100))
+    mine = _manager(tmp_path / "a", local=str(tmp_path / "shared" / "node{node}"))
+    model = _model(-1)
+    assert mine.load_latest(model) == (3, {"step": 3}) and mine.last_load.source == "local"
+    assert torch.equal(model.weight, torch.full((8, 16), 3.0))

@@ -121,7 +121,8 @@ class CheckpointManager:
         if local is None and (local_world_size, replicas, local_keep, durable_every) != (None, 1, 2, 1):
             raise ConfigurationError("local_world_size, replicas, local_keep and durable_every configure the "
                                      "node-local tier: pass local= (a directory path, e.g. '/dev/shm/run/node{node}')")
-        self._hot = None if local is None else HotTier(local, local_world_size=local_world_size, replicas=replicas,
+        self._hot = None if local is None else HotTier(local, root_url=Storage(root_url, storage_options).url,
+                                                       local_world_size=local_world_size, replicas=replicas,
                                                        local_keep=local_keep, process_group=process_group)
         self.durable_every = durable_every
         self.last_load: LastLoad | None = None
@@ -340,7 +341,7 @@ class CheckpointManager:
                 self._run.resumed = max((s for s in candidates if s <= step), default=None)
                 self.last_load = LastLoad(step, source, time.perf_counter() - started)
                 return step, extra
-            log.info("nothing in the hot tier is newer than the durable root's newest step; resuming from %s",
+            log.info("resuming from the durable root %s (the hot tier has no newer step every rank can assemble)",
                      self.root_url)
         if not candidates:
             return self._nothing(self._on_rank0(self._why_nothing), required)

@@ -156,14 +156,15 @@ class HostCopy:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._structure: str | None = None
+        self._shapes: list[tuple] | None = None
 
     def copy(self, state: LocalState) -> dict[str, torch.Tensor]:
-        if state.structure != self._structure:
+        shapes = [(key, t.shape, t.dtype, t.device.type) for key, t in state.tensors.items()]  # input state too
+        if shapes != self._shapes:
             self._buffers = {key: torch.empty(t.shape, dtype=t.dtype, device="cpu",
                                               pin_memory=t.is_cuda and torch.cuda.is_available())
                              for key, t in state.tensors.items()}
-            self._structure = state.structure
+            self._shapes = shapes
         on_gpu = False
         for key, t in state.tensors.items():
             self._buffers[key].copy_(t, non_blocking=t.is_cuda)

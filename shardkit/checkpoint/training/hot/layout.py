@@ -2,22 +2,28 @@
 
 ::
 
-    <local>/                           "{node}" in the template replaced by the node index
-      step-0000000017/
-        rank-2.<save id>/              rank 2's own shards (a native checkpoint, manifest.json last)
-        replica-0.<save id>/           rank 0's shards, kept here for when rank 0's node is lost
-        fetched-2.<save id>.<token>/   a copy brought from a peer at recovery (removed after the load)
-        complete.json                  written once every rank's copy and replicas were written, everywhere
+    <local>/                             "{node}" in the template replaced by the node index
+      run-<12 hex>/                      one per durable root (a digest of its URL): runs never mix
+        step-0000000017/
+          rank-2.<save id>/              rank 2's own shards (a native checkpoint, manifest.json last)
+          replica-0.<save id>/           rank 0's shards, kept here for when rank 0's node is lost
+          fetched-2.<save id>.<token>/   a copy brought from a peer at recovery (removed after the load)
+          complete.json                  written once every rank's copy and replicas were written, everywhere
 
-Step directories are named as under the durable root (:func:`~..run_steps.step_dir`).  A rank is on node ``rank // local_world_size``.  Rank ``r``'s replicas go to the ranks with the same local
+Step directories are named as under the durable root (:func:`~..run_steps.step_dir`).  A rank is on
+node ``rank // local_world_size``.  Rank ``r``'s replicas go to the ranks with the same local
 rank on the next ``replicas`` nodes (``r + k * local_world_size``, wrapping), so a node's loss costs
 every rank on it one copy and no rank two.  The save id names one save of one manager (a token drawn
 once per manager plus a counter), so copies of the same step from two runs -- a step saved, the job
-killed, the step saved again -- are never mixed.
+killed, the step saved again -- are never mixed; the token is rank 0's clock in milliseconds when the
+manager first saved, so of two complete saves of one step the later run's sorts last.  Two jobs that
+share a ``local=`` directory but not a durable root keep apart in their ``run-<digest>`` directories, so
+neither ever reads nor removes the other's copies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -25,17 +31,24 @@ from dataclasses import dataclass
 
 from shardkit.errors import ConfigurationError
 
-__all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy"]
+__all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy",
+           "is_marker_leftover"]
 
 log = logging.getLogger(__name__)
 
 COMPLETE_NAME = "complete.json"
 _COPY = re.compile(r"^(rank|replica|fetched)-(\d{1,9})\.([0-9a-f]{12}\d{6})(\.[0-9a-f]{8})?$")
+_MARKER_TMP = re.compile(r"^" + re.escape(COMPLETE_NAME) + r"\.tmp-[0-9a-f]{12}$")
 
 
 def copy_name(kind: str, rank: int, save_id: str, token: str | None = None) -> str:
     """``rank-2.<save id>``: the directory name of one copy (``kind``: rank, replica or fetched)."""
     return f"{kind}-{rank}.{save_id}" + (f".{token}" if token else "")
+
+
+def is_marker_leftover(name: str) -> bool:
+    """Whether ``name`` is what a killed write of ``complete.json`` leaves (``Storage.put_atomic``'s temporary)."""
+    return _MARKER_TMP.match(name) is not None
 
 
 def is_partial_copy(name: str) -> bool:
@@ -59,9 +72,11 @@ class NodeLayout:
     world_size: int
     local_world_size: int
     replicas: int
+    run: str = ""
 
     @classmethod
-    def of(cls, template: str, world_size: int, local_world_size: int | None, replicas: int) -> "NodeLayout":
+    def of(cls, template: str, world_size: int, local_world_size: int | None, replicas: int,
+           root_url: str = "") -> "NodeLayout":
         """Check the options against the job; ``local_world_size=None`` takes torchrun's LOCAL_WORLD_SIZE."""
         if not isinstance(template, (str, os.PathLike)) or not str(template):
             raise ConfigurationError(f"local= must be a local directory path, got {template!r}")
@@ -75,8 +90,13 @@ class NodeLayout:
             if found is None and world_size > 1:
                 raise ConfigurationError("local_world_size=None takes the ranks per node from torchrun's "
                                          "LOCAL_WORLD_SIZE, which is not set: pass local_world_size=")
-            local_world_size = int(found) if found is not None else 1
-        if not isinstance(local_world_size, int) or local_world_size < 1 or world_size % local_world_size:
+            try:
+                local_world_size = int(found) if found is not None else 1
+            except ValueError:
+                raise ConfigurationError(f"LOCAL_WORLD_SIZE={found!r} is not an integer: pass "
+                                         f"local_world_size=") from None
+        if not isinstance(local_world_size, int) or isinstance(local_world_size, bool) or local_world_size < 1 \
+                or world_size % local_world_size:
             raise ConfigurationError(f"local_world_size={local_world_size!r} must be a positive integer dividing "
                                      f"the world size {world_size}")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
@@ -87,7 +107,8 @@ class NodeLayout:
                         "replica(s) of each rank's copy", replicas, replicas + 1, nodes, world_size,
                         local_world_size, nodes - 1)
             replicas = nodes - 1
-        return cls(template, world_size, local_world_size, replicas)
+        return cls(template, world_size, local_world_size, replicas,
+                   "run-" + hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:12])
 
     @property
     def nodes(self) -> int:
@@ -97,8 +118,8 @@ class NodeLayout:
         return rank // self.local_world_size
 
     def node_dir(self, rank: int) -> str:
-        """The directory of ``rank``'s node (the template with ``{node}`` replaced)."""
-        return os.path.abspath(self.template.replace("{node}", str(self.node_of(rank))))
+        """This run's directory on ``rank``'s node (the template with ``{node}`` replaced, then ``run-<digest>``)."""
+        return os.path.join(os.path.abspath(self.template.replace("{node}", str(self.node_of(rank)))), self.run)
 
     def replica_holders(self, rank: int) -> list[int]:
         """The ranks that keep ``rank``'s replicas, nearest node first."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
@@ -103,37 +104,52 @@ def _choose(entries: list[dict[str, Any]], structures: list[str], world_size: in
     return None
 
 
-def _explain(entries: list[dict[str, Any]], world_size: int, at_least: int) -> None:
-    """Why nothing hot qualified, said once at INFO (the caller falls back to the durable root)."""
+def _explain(entries: list[dict[str, Any]], structures: list[str], world_size: int) -> None:
+    """Which copies cannot be used at all and why (rank 0 says it once for all ranks)."""
     for e in entries:
         if "bad" in e:
             log.warning("hot tier: skipping %s (kept by rank %d): %s", e["path"], e["holder"], e["bad"])
-    other = sorted({(e["step"], e["world_size"]) for e in entries if "bad" not in e and e["world_size"] != world_size})
+    usable = [e for e in entries if "bad" not in e]
+    other = sorted({(e["step"], e["world_size"]) for e in usable if e["world_size"] != world_size})
     if other:
-        log.info("hot tier: steps %s were saved by %s ranks; this job has %d, so they are not used",
-                 ", ".join(str(s) for s, _ in other), ", ".join(sorted({str(w) for _, w in other})), world_size)
+        log.warning("hot tier: steps %s were saved by %s ranks; this job has %d, so they are not used (a job on "
+                    "another number of ranks resumes from the durable root)", ", ".join(str(s) for s, _ in other),
+                    ", ".join(sorted({str(w) for _, w in other})), world_size)
+    mesh = sorted({e["step"] for e in usable if e["world_size"] == world_size and e["structure"] != structures[e["of"]]})
+    if mesh:
+        log.warning("hot tier: steps %s were saved for another layout of the model (mesh, placements or shapes); "
+                    "they are not used (such a job resumes from the durable root)", ", ".join(map(str, mesh)))
 
 
 def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], discard: Callable[[T], None], *,
             at_least: int = 0, group: Any = None) -> Recovered[T] | None:
     """Steps 1-4 of the module docstring (collective); ``None`` when no hot step qualifies.
 
-    ``open_copy(path)`` reads and checks one copy for this rank without writing a target (raising a
-    :class:`~shardkit.errors.ShardkitError` or ``OSError`` when it is damaged); ``discard`` drops an opened
+    ``open_copy(path)`` reads and checks one copy for this rank without writing a target (raising when it
+    is damaged or does not fit: any exception marks the copy bad); ``discard`` drops an opened
     copy that another rank's failure made unusable."""
     dist = Dist(group)
     rank = dist.rank
-    gathered = dist.all_gather_json({"reports": hot_reports(layout, rank), "structure": structure})
+    try:
+        reports = hot_reports(layout, rank)
+    except OSError as exc:  # an unreadable directory holds no usable copy; every rank must still gather
+        log.warning("hot tier: cannot list %s (%s); its copies are not used", layout.node_dir(rank), exc)
+        reports = []
+    gathered = dist.all_gather_json({"reports": reports, "structure": structure, "nonce": uuid.uuid4().hex[:6]})
     entries = [e for g in gathered for e in g["reports"]]
     structures = [g["structure"] for g in gathered]
+    if rank == 0:
+        _explain(entries, structures, layout.world_size)
     bad: set[str] = set()
     for attempt in range(len(entries) + 1):
         chosen = _choose(entries, structures, layout.world_size, at_least, bad)
         if chosen is None:
-            _explain(entries, layout.world_size, at_least)
+            if entries and rank == 0:
+                log.warning("hot tier: %d copies found, but no step at or above %d that every rank can assemble "
+                            "from verified copies", len(entries), at_least)
             return None
         step, save_id, sources = chosen
-        token = f"{attempt:08x}"
+        token = f"{gathered[0]['nonce']}{attempt % 256:02x}"  # the same on every rank, new for every recovery
         fetch_dir = os.path.join(layout.node_dir(rank), step_dir(step), copy_name("fetched", rank, save_id, token))
         moves = [DirectoryMove(src=e["holder"], source_dir=e["path"], dst=q,
                                target_dir=os.path.join(layout.node_dir(q), step_dir(step),
@@ -143,11 +159,12 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
             if moves else {}
         mine = sources[rank]
         path = mine["path"] if mine["holder"] == rank else fetch_dir
-        opened, problem = None, failures.get(mine["path"]) if mine["holder"] != rank else None
+        opened, meta, problem = None, None, failures.get(mine["path"]) if mine["holder"] != rank else None
         if problem is None:
             try:
+                meta = copy_meta(path)
                 opened = open_copy(path)
-            except (ShardkitError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure makes this copy unusable; every rank must learn it
                 problem = f"{type(exc).__name__}: {exc}"
         reported = dist.all_gather_json(None if problem is None else {"path": sources[rank]["path"], "why": problem})
         failed = [r for r in reported if r is not None]
@@ -157,7 +174,7 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
                              for q, e in sorted(sources.items()))
             if rank == 0:
                 log.info("hot tier: step %d (%s) assembled from %s", step, source, used)
-            return Recovered(step, save_id, source, opened, path, mine["holder"] != rank, copy_meta(path))
+            return Recovered(step, save_id, source, opened, path, mine["holder"] != rank, meta)
         if opened is not None:
             discard(opened)
         if mine["holder"] != rank:

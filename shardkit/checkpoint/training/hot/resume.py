@@ -2,8 +2,9 @@
 
 :func:`resume_hot` runs :func:`~.recover.recover` with a checker that builds this rank's targets (the
 training state plus the input state the copy holds), refuses input state that cannot be restored as asked,
-and reads and checks every byte; once every rank's copy checked out it writes the targets, restores the
-data position and objects, and the RNG last -- as a durable resume does.
+and reads and checks every byte; once every rank's copy checked out, the ranks check together that the input
+state can be restored as asked (a refusal raises on every rank, as a durable resume's does: it is not
+damage), then each writes its targets, restores the data position and objects, and the RNG last.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
 from shardkit.checkpoint.training.hot.recover import recover
 from shardkit.checkpoint.training.hot.tier import HotTier
-from shardkit.checkpoint.training.input_state import stored_input_state
-from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, load_data_state_dict
+from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
+from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
 from shardkit.errors import error_record, from_record
 
 __all__ = ["LastLoad", "resume_hot"]
@@ -59,8 +60,6 @@ def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer
     def open_copy(path: str) -> _Opened:
         inputs = stored_input_state(path)
         restores = data is not None or bool(stateful) or (rng and "rng" in inputs)
-        if restores:
-            check_data_state_dict(inputs, data, stateful, rng=rng and "rng" in inputs)
         state = {**get_training_state(model, optimizer), **inputs}
         return _Opened(check_copy(path, state, structure), state, inputs, restores)
 
@@ -69,6 +68,13 @@ def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer
     if found is None:
         return None
     opened = found.opened
+    try:  # a sampler or objects that do not fit what was saved: refused on every rank, as a durable resume does
+        check_input_state(found.step, opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs,
+                          restores=opened.restores_inputs, process_group=tier.process_group)
+    except BaseException:
+        opened.copy.discard()
+        found.done()
+        raise
     problem = None
     try:
         opened.copy.apply()

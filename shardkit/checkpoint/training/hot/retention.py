@@ -8,8 +8,8 @@ newest ``local_keep`` complete steps up to ``S`` and removes:
 * steps *above* ``S`` that no save of this manager wrote: an abandoned history (the job resumed from below them and saved ``S`` again), which
   recovery must never prefer to this run's newer state;
 * inside kept steps, copies of another save than the marker's (an earlier attempt at the same step),
-  copies fetched from peers by a recovery that was killed, and what a killed transfer left
-  (``.<copy>.partial-...``, the transport's staging directories).
+  copies fetched from peers by a recovery that was killed, and what a killed transfer or marker write
+  left (``.<copy>.partial-...``, the transport's staging directories; ``complete.json.tmp-...``).
 
 Only what the hot tier can prove it wrote goes (:mod:`~shardkit.checkpoint.formats.native.ownership` for
 the copies' files, this module's names for the rest); anything else in the directory is left alone and
@@ -25,7 +25,7 @@ import shutil
 
 from shardkit.checkpoint.formats.native.ownership import remove_owned, survey
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, is_partial_copy, parse_copy_name
+from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, is_marker_leftover, is_partial_copy, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_of_dir
 from shardkit.errors import ConfigurationError
 
@@ -64,6 +64,8 @@ def _remove_step(step_dir: str, why: str) -> None:
     for name in sorted(os.listdir(step_dir)):
         if parse_copy_name(name) is not None:
             remove_copy(os.path.join(step_dir, name))
+        elif is_marker_leftover(name):
+            os.unlink(os.path.join(step_dir, name))
         elif is_partial_copy(name):
             shutil.rmtree(os.path.join(step_dir, name), ignore_errors=True)
     _rmdir_if_empty(step_dir)
@@ -108,6 +110,8 @@ def retain_local(node_dir: str, step: int, save_id: str, local_keep: int) -> Non
                 parsed = parse_copy_name(name)
                 if parsed is not None and (parsed[0] == "fetched" or parsed[2] != marker):
                     remove_copy(os.path.join(path, name))
+                elif is_marker_leftover(name):
+                    os.unlink(os.path.join(path, name))
                 elif is_partial_copy(name) and not name[1:].split(".partial-")[0].endswith(save_id):
                     shutil.rmtree(os.path.join(path, name), ignore_errors=True)  # a killed transfer's leftovers
 

@@ -8,7 +8,8 @@ The order is what makes a kill at any moment harmless:
 3. the ranks agree that every copy and replica was written (one small collective); a failure anywhere
    fails the save on every rank and removes this save's directories, nothing older;
 4. each node's lowest rank writes ``complete.json`` (atomically) and runs retention, which never
-   removes the newest complete step.
+   removes the newest complete step; one more small collective, and the save is acknowledged -- so by
+   then every node dropped what the step supersedes.
 
 Recovery does not trust ``complete.json``: it checks the copies themselves, so a step killed between 3
 and 4 on some node is still found whole.  The marker is what retention keeps by.
@@ -32,7 +33,7 @@ from shardkit.checkpoint.training.hot.copies import write_copy
 from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, NodeLayout, copy_name
 from shardkit.checkpoint.training.hot.retention import remove_copy, retain_local
 from shardkit.checkpoint.training.run_steps import step_dir
-from shardkit.errors import CheckpointError, error_record, from_record
+from shardkit.errors import CheckpointError, ShardkitError, error_record, from_record
 
 __all__ = ["HotSave", "run_hot_save"]
 
@@ -89,11 +90,27 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
         if error is not None:
             raise error
         raise from_record(first[1], f"hot save of step {job.step} failed on rank {first[0]}: {first[1]['message']}")
+    marker_error = None
     if layout.is_node_leader(rank):
-        marker_dir = Storage(os.path.join(layout.node_dir(rank), step_dir(job.step)))
-        marker_dir.put_atomic(COMPLETE_NAME, json.dumps({"step": job.step, "save_id": job.save_id,
-                                                       "world_size": layout.world_size}).encode())
-        retain_local(layout.node_dir(rank), job.step, job.save_id, job.local_keep)
+        try:
+            marker_dir = Storage(os.path.join(layout.node_dir(rank), step_dir(job.step)))
+            marker_dir.put_atomic(COMPLETE_NAME, json.dumps({"step": job.step, "save_id": job.save_id,
+                                                           "world_size": layout.world_size}).encode())
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+            marker_error = exc
+        else:
+            try:
+                retain_local(layout.node_dir(rank), job.step, job.save_id, job.local_keep)
+            except (OSError, ShardkitError) as exc:  # housekeeping: never fail a complete save over it
+                log.warning("hot tier retention in %s failed: %s", layout.node_dir(rank), exc)
+    # Acknowledged only once every node recorded the step and removed what it replaces (an abandoned
+    # history above it): a kill after this never brings back a step this save superseded.
+    failed = dist.first_error(None if marker_error is None else error_record(marker_error))
+    if failed is not None:
+        if marker_error is not None:
+            raise marker_error
+        raise from_record(failed[1], f"hot save of step {job.step}: recording it complete failed on rank "
+                                     f"{failed[0]}: {failed[1]['message']}")
     seconds = time.perf_counter() - started
     log.info("rank %d: hot step %d complete in %s (own copy and %d replica(s)) in %.3f s", rank, job.step,
              layout.node_dir(rank), layout.replicas, seconds)

@@ -7,7 +7,7 @@ to host for a background save, and loads a recovered copy into the targets.
 from __future__ import annotations
 
 import logging
-import uuid
+import time
 from typing import Any
 
 import torch
@@ -29,12 +29,17 @@ log = logging.getLogger(__name__)
 class HotTier:
     """The hot tier's options and per-run state (see :mod:`shardkit.checkpoint.training.hot`)."""
 
-    def __init__(self, local: str, *, local_world_size: int | None, replicas: int, local_keep: int,
+    def __init__(self, local: str, *, root_url: str, local_world_size: int | None, replicas: int, local_keep: int,
                  process_group: Any = None) -> None:
         if not isinstance(local_keep, int) or isinstance(local_keep, bool) or local_keep < 1:
             raise ConfigurationError(f"local_keep must be a positive integer, got {local_keep!r}")
-        NodeLayout.of(local, 1, 1, 0)  # the path alone, checked now; the node arithmetic at first use
+        if local_world_size is not None and (not isinstance(local_world_size, int) or isinstance(local_world_size, bool)
+                                             or local_world_size < 1):
+            raise ConfigurationError(f"local_world_size must be a positive integer or None, got {local_world_size!r}")
+        NodeLayout.of(local, 1, 1, 0 if isinstance(replicas, int) and not isinstance(replicas, bool) else replicas)
+        # (the path and the option types now; the node arithmetic against the job at first use)
         self.local = local
+        self.root_url = root_url
         self.local_world_size = local_world_size
         self.replicas = replicas
         self.local_keep = local_keep
@@ -48,8 +53,13 @@ class HotTier:
     def layout(self) -> NodeLayout:
         """The node arithmetic for this job (checked against the world size on first use)."""
         if self._layout is None:
-            self._layout = NodeLayout.of(self.local, Dist(self.process_group).world_size, self.local_world_size,
-                                         self.replicas)
+            dist = Dist(self.process_group)
+            if dist.group_size != dist.world_size:
+                raise ConfigurationError(f"the node-local tier needs a process group of every rank (its node "
+                                         f"arithmetic counts global ranks); process_group has {dist.group_size} of "
+                                         f"{dist.world_size}")
+            self._layout = NodeLayout.of(self.local, dist.world_size, self.local_world_size, self.replicas,
+                                         self.root_url)
         return self._layout
 
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
@@ -59,13 +69,16 @@ class HotTier:
         layout = self.layout()
         dist = Dist(self.process_group)
         local = local_state(state)
-        if self._incarnation is None:
-            self._incarnation = dist.broadcast_json(uuid.uuid4().hex[:12] if dist.rank == 0 else None)
-        if self._space_checked != (local.structure, local.nbytes):
-            self._check_space(layout, dist, local.nbytes)
-            self._space_checked = (local.structure, local.nbytes)
         self._saves += 1
-        save_id = f"{self._incarnation}{self._saves % 10**6:06d}"
+        if self._incarnation is None:  # rank 0's clock: a later run's saves of a step sort after an earlier one's
+            self._incarnation = f"{int(time.time() * 1000) % 16**12:012x}"
+        sized = (local.structure, local.nbytes)
+        agreed = dist.all_gather_json({"save_id": f"{self._incarnation}{self._saves % 10**6:06d}",
+                                       "resized": sized != self._space_checked})
+        save_id = agreed[0]["save_id"]  # rank 0's names the save everywhere: no rank's count can drift
+        if any(a["resized"] for a in agreed):  # decided together, so every rank enters the check
+            self._check_space(layout, dist, local.nbytes)
+            self._space_checked = sized
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())
         tensors = self._host.copy(local) if to_host or on_device else local.tensors
         return HotSave(step, save_id, tensors, local.values, local.structure, meta, self.local_keep), local
