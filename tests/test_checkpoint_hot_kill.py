@@ -7,7 +7,10 @@ the other node, to the durable root every 5th step -- alternating blocking saves
 After each step a rank's save acknowledged (``save`` returned, or the future of a background save
 completed) it appends the step to its report, flushed and fsynced.  The test then SIGKILLs the ranks:
 all four at once, or one node first, its survivors failing their next collective within the short
-process-group timeout, and the others after.
+process-group timeout, and the others after.  A round kills at a random point of a save cycle (drawn
+from the cycle's length between the round's first two acknowledged steps), or 0-20 ms after it sees a
+replica's bytes landing in the transfer's staging directory, or a rank's own copy being written
+(:data:`ROUNDS`, :func:`_kill_when`; the delays come from ``random.Random(SEED)``).
 
 The state is a function of the step and the rank (:func:`_fill`), so a resume is checked without a
 reference run.  A step is acknowledged once *any* rank acknowledged it (the ranks agree on completion
@@ -293,6 +296,10 @@ def _kill_when(job: _Restart, when: str, rng: random.Random) -> None:
 
 
 def test_sigkill_at_random_moments_of_hot_saves_never_resumes_before_the_newest_acknowledged_step(tmp_path):
+    # 6 kills; on a 2-core machine they landed: after step 2 completed; in step 4's replication (all 4 replicas
+    # arriving); in step 6's replication with node 0 lost first; after step 8 completed with node 1 lost first;
+    # in step 10's own copies (a durable step); in step 11's replication.  The restarts resumed from the local
+    # tier at 2, 4, 6, 8 and 9, and the last, with node 1 wiped, from the peer replicas at 10.
     root = str(tmp_path)
     os.makedirs(os.path.join(root, "reports"))
     os.makedirs(os.path.join(root, "stores"))
@@ -311,8 +318,9 @@ def test_sigkill_at_random_moments_of_hot_saves_never_resumes_before_the_newest_
         finally:
             job.kill_all()
         resumed = job.resumed()
-        assert len(resumed) == WORLD and all(ok == "ok" for _, _, ok in resumed), resumed
-        assert len({step for step, _, _ in resumed}) == 1 and resumed[0][0] >= acknowledged, (resumed, acknowledged)
+        assert len(resumed) == WORLD and all(ok == "ok" for _, _, ok in resumed), (resumed, landed)
+        assert len({step for step, _, _ in resumed}) == 1 and resumed[0][0] >= acknowledged, \
+            (resumed, acknowledged, landed)
         resumed_at.append(resumed[0][:2])
         acknowledged = max(acknowledged, job.acknowledged())
         landed.append(_where_it_landed(root) + ("" if first_lost is None else
