@@ -103,7 +103,7 @@ def _choose(entries: list[dict[str, Any]], structures: list[str], world_size: in
     return None
 
 
-def _explain(entries: list[dict[str, Any]], world_size: int, at_least: int) -> None:
+def _explain(entries: list[dict[str, Any]], structures: list[str], world_size: int) -> None:
     """Why nothing hot qualified, said once at INFO (the caller falls back to the durable root)."""
     for e in entries:
         if "bad" in e:
@@ -112,6 +112,11 @@ def _explain(entries: list[dict[str, Any]], world_size: int, at_least: int) -> N
     if other:
         log.info("hot tier: steps %s were saved by %s ranks; this job has %d, so they are not used",
                  ", ".join(str(s) for s, _ in other), ", ".join(sorted({str(w) for _, w in other})), world_size)
+    relaid = sorted({e["step"] for e in entries if "bad" not in e and e["world_size"] == world_size
+                     and e["structure"] != structures[e["of"]]})
+    if relaid:
+        log.info("hot tier: steps %s were saved in another layout (mesh or placements) than this job's, so they "
+                 "are not used", ", ".join(map(str, relaid)))
 
 
 def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], discard: Callable[[T], None], *,
@@ -130,7 +135,7 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
     for attempt in range(len(entries) + 1):
         chosen = _choose(entries, structures, layout.world_size, at_least, bad)
         if chosen is None:
-            _explain(entries, layout.world_size, at_least)
+            _explain(entries, structures, layout.world_size)
             return None
         step, save_id, sources = chosen
         token = f"{attempt:08x}"
