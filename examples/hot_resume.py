@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import time
 from typing import Iterator
 
 import torch
@@ -112,7 +111,6 @@ def main(argv: list[str] | None = None) -> None:
     sampler, loader = build_data(args)
     manager = make_manager(args)
 
-    started = time.perf_counter()
     resumed = manager.load_latest(model, optimizer, data=sampler)
     start = resumed[0] if resumed else 0
     last = manager.last_load
@@ -121,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"attempt {attempt}: nothing to resume under {args.root}; starting at step 1", flush=True)
         else:
             print(f"attempt {attempt}: resumed after step {last.step} from the {last.source} tier in "
-                  f"{last.seconds:.2f} s (load_latest: {time.perf_counter() - started:.2f} s)", flush=True)
+                  f"{last.seconds:.2f} s", flush=True)
 
     losses: dict[int, float] = {}
     batches = endless(loader)
