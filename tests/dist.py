@@ -300,14 +300,16 @@ def run_torchrun(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
+    launcher_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    """Launch ``torchrun --standalone --nproc_per_node nproc script args`` and wait.
+    """Launch ``torchrun --standalone --nproc_per_node nproc [launcher_args] script args`` and wait.
 
     Output is captured.  On timeout the whole process tree is killed and a
     ``subprocess.TimeoutExpired`` is raised, so a hung example cannot outlive the test.
+    ``launcher_args`` are torchrun's own options (``--max-restarts 1``).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(script), *args]
+           f"--nproc_per_node={nproc}", *launcher_args, str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
