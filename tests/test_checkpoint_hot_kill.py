@@ -231,9 +231,10 @@ def _step_dirs(root: str) -> dict[int, dict[int, str]]:
     found: dict[int, dict[int, str]] = {}
     for node in range(WORLD // PER_NODE):
         node_dir = os.path.join(root, "hot", f"node{node}")
-        for name in os.listdir(node_dir) if os.path.isdir(node_dir) else []:
-            if name.startswith("step-"):
-                found.setdefault(int(name[5:]), {})[node] = os.path.join(node_dir, name)
+        for run in _listing(node_dir):  # the run's directory, run-<digest of the durable root>
+            for name in _listing(os.path.join(node_dir, run)):
+                if name.startswith("step-"):
+                    found.setdefault(int(name[5:]), {})[node] = os.path.join(node_dir, run, name)
     return found
 
 

@@ -42,4 +42,5 @@ def test_a_lost_node_resumes_from_its_peer_copy_with_the_losses_of_the_uninterru
     assert got["steps"] == list(range(DIE_AT + 1, STEPS + 1))
     assert got["losses"] == reference["losses"][DIE_AT:]  # bitwise: the same floats, through JSON's repr
     # the replaced node holds the steps saved since the restart, nothing of the lost one
-    assert sorted(os.listdir(tmp_path / "lost" / "hot" / "node1")) == [f"step-{STEPS:010d}"]
+    [run] = os.listdir(tmp_path / "lost" / "hot" / "node1")  # run-<digest of the durable root>
+    assert sorted(os.listdir(tmp_path / "lost" / "hot" / "node1" / run)) == [f"step-{STEPS:010d}"]
