@@ -49,7 +49,7 @@ def _pack(value: Any, where: str) -> torch.Tensor:
 def _unpack(payload: torch.Tensor, where: str) -> Any:
     payload = payload.to("cpu")
     length = int(payload[:8].clone().view(torch.int64).item())
-    header = json.loads(bytes(payload[8:8 + length].clone().untyped_storage()).decode("utf-8"))
+    header = json.loads(payload[8:8 + length].numpy().tobytes().decode("utf-8"))  # one copy, not a call per byte
     offset = 8 + length
     tensors = []
     for spec in header["tensors"]:
