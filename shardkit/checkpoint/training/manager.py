@@ -32,6 +32,10 @@ listings sort).  The rules that make it crash-safe:
   wrote, the one it resumed from and the history below it.  ``dedup``
   references only a step this manager committed or resumed from, never merely
   the highest number on disk.
+* With ``local=`` every save also goes to a node-local hot tier (own copies, replicas on other nodes) and
+  only every ``durable_every``-th to the root; ``load_latest`` resumes from whichever tier holds the newer
+  step every rank can assemble from verified copies (:mod:`~shardkit.checkpoint.training.hot`), and
+  :attr:`CheckpointManager.last_load` says which.
 * ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
   the process group), so every rank loads the same one.  When the newest
   committed step turns out damaged (checksum, missing file) it falls back to
