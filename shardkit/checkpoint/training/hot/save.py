@@ -5,8 +5,9 @@ The order is what makes a kill at any moment harmless:
 
 1. each rank writes ``rank-<r>.<save id>/`` (manifest last) -- until then the copy does not exist;
 2. each copy travels to ``replica-<r>.<save id>/`` on the next ``replicas`` nodes (manifest last);
-3. the ranks agree that every copy and replica was written (one small collective); a failure anywhere
-   fails the save on every rank and removes this save's directories, nothing older;
+3. the ranks agree that every copy and replica was written, under the same save id (one small
+   collective); a failure anywhere fails the save on every rank and removes this save's directories,
+   nothing older;
 4. each node's lowest rank writes ``complete.json`` (atomically) and runs retention, which never
    removes the newest complete step; one more small collective, and the save is acknowledged -- so by
    then every node dropped what the step supersedes.
@@ -84,7 +85,12 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
         failed = [res for res in results if not res.ok]
         if failed:
             error = CheckpointError(f"hot save of step {job.step}: replication failed: {failed[0].error}")
-    first = dist.first_error(None if error is None else error_record(error))
+    votes = dist.all_gather_json({"error": None if error is None else error_record(error), "save_id": job.save_id})
+    first = next(((r, v["error"]) for r, v in enumerate(votes) if v["error"] is not None), None)
+    if first is None and any(v["save_id"] != job.save_id for v in votes):
+        error = CheckpointError(f"hot save of step {job.step}: the ranks named it differently ("
+                                f"{sorted({v['save_id'] for v in votes})}); every rank must call save the same times")
+        first = (rank, error_record(error))
     if first is not None:
         _remove_this_save(layout, rank, job)
         if error is not None:

@@ -47,7 +47,7 @@ class HotTier:
         self._layout: NodeLayout | None = None
         self._incarnation: str | None = None
         self._saves = 0
-        self._space_checked: tuple[str, int] | None = None
+        self._space_checked: str | None = None
         self._host = HostCopy()
 
     def layout(self) -> NodeLayout:
@@ -65,20 +65,20 @@ class HotTier:
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
                 to_host: bool) -> tuple[HotSave, LocalState]:
         """On the training thread, on every rank: name the save, check space when the structure is new, and
-        (``to_host``) copy the local tensors into reused host buffers so training may go on."""
+        (``to_host``) copy the local tensors into reused host buffers so training may go on.  No collective
+        but on the first save and when the structure changes: the ranks check that they agree on the save's
+        name when they vote on its completion, off the training thread."""
         layout = self.layout()
         dist = Dist(self.process_group)
         local = local_state(state)
         self._saves += 1
-        if self._incarnation is None:  # rank 0's clock: a later run's saves of a step sort after an earlier one's
-            self._incarnation = f"{int(time.time() * 1000) % 16**12:012x}"
-        sized = (local.structure, local.nbytes)
-        agreed = dist.all_gather_json({"save_id": f"{self._incarnation}{self._saves % 10**6:06d}",
-                                       "resized": sized != self._space_checked})
-        save_id = agreed[0]["save_id"]  # rank 0's names the save everywhere: no rank's count can drift
-        if any(a["resized"] for a in agreed):  # decided together, so every rank enters the check
+        if self._incarnation is None:  # once: rank 0's clock, so a later run's saves of a step sort after an earlier one's
+            self._incarnation = dist.broadcast_json(f"{int(time.time() * 1000) % 16**12:012x}" if dist.rank == 0
+                                                    else None)
+        save_id = f"{self._incarnation}{self._saves % 10**6:06d}"  # checked to agree when the ranks vote (save.py)
+        if local.structure != self._space_checked:  # the model's and optimizer's layout: it changes on every rank at once
             self._check_space(layout, dist, local.nbytes)
-            self._space_checked = sized
+            self._space_checked = local.structure
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())
         tensors = self._host.copy(local) if to_host or on_device else local.tensors
         return HotSave(step, save_id, tensors, local.values, local.structure, meta, self.local_keep), local
