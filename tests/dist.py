@@ -69,6 +69,25 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _forget_sharding_decisions() -> None:
+    """Empty DTensor's sharding-propagation caches (what ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
+    does, without importing that module's debug tools).
+
+    They are keyed by meshes that compare equal by shape, ranks and dim names, and their answers carry the
+    mesh objects of the call that filled them: an op on a DTensor of this call's mesh (``nn.Parameter(dtensor)``
+    is one) could come back on an equal mesh an earlier call built, whose groups may be gone, and
+    ``fully_shard`` wants the very mesh object it is given.  Emptied before every call, each call meets its own
+    meshes only, as in a fresh process.  Both caches are per thread; calls run on this (the main) thread.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor yet: nothing cached
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+
+
 def _rank_main(rank: int, world_size: int, port: int, conn: Connection, parent_pid: int) -> None:
     os.setsid()  # one killable process group for this rank and all it spawns
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -101,6 +120,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Connection, parent_p
         if task is None:
             break
         fn, args, kwargs = task
+        _forget_sharding_decisions()
         try:
             outcome = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
@@ -227,13 +247,15 @@ def run_on_ranks(
     raises, dies, or does not answer within ``timeout`` seconds.
     ``fn`` must be importable by name (defined at module level).
 
+    Every call starts with DTensor's sharding caches empty (see
+    :func:`_forget_sharding_decisions`), so meshes built by earlier calls on
+    the same ranks never come back in this one.
+
     ``isolated=True`` runs ``fn`` on ranks started for this call alone and
     stopped after it.  Use it when ``fn`` changes process-wide state that
     later tests must not inherit, above all when it destroys and re-forms the
-    default process group: torch's DTensor dispatch caches sharding decisions
-    keyed by meshes that compare equal by shape and ranks, not by their
-    groups, so a later test's mesh could be handed a cached one whose groups
-    died with the old default group.
+    default process group.  Ranks cost seconds of CPU to start: do not
+    isolate a call for what the emptied caches already give.
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size must be in 1..8, got {world_size}")
