@@ -10,13 +10,15 @@ Every multi-rank test goes through :func:`run_on_ranks`::
         per_rank = run_on_ranks(2, _train_two_steps, 0.1)
 
 How it mirrors torchrun: the test process plays the elastic agent.  It hosts
-the TCPStore on a free loopback port, and each rank is a fresh interpreter
-(``spawn``) with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
+the TCPStore on a free loopback port, and each rank is a process of its own,
+forked from multiprocessing's fork server with torch already imported (see
+:func:`_rank_context`), with the test process's environment plus
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` and ``TORCHELASTIC_USE_AGENT_STORE=True``,
 joining the default process group through ``env://`` with the gloo backend.
 
-Why a pool: importing torch and forming a process group costs seconds per
-rank, and the whole suite must run within fifteen minutes on two cores.
+Why a pool: forming a process group and a rank's first collectives cost
+time, and the whole suite must run within twenty minutes on two cores.
 Ranks therefore stay up between tests, one pool per world size, and run one
 function after another.  A pool that saw any failure is torn down and rebuilt
 on next use, so a broken process group never leaks into the next test.  So
@@ -30,8 +32,8 @@ Failure semantics, which the tests rely on:
 * Any rank's exception fails the call with that rank's traceback; ranks that
   are left waiting in a collective get a short grace period and are killed.
 * Each rank runs in its own session (process group) with every process it
-  starts, and a watchdog thread ends it when the test process disappears: no
-  orphaned processes, even after ``kill -9`` of pytest.
+  starts, and a watchdog thread ends it when the test process disappears:
+  no orphaned processes, even after ``kill -9`` of pytest.
 """
 
 from __future__ import annotations
@@ -62,16 +64,48 @@ class RankFailure(AssertionError):
 # inside each rank
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(3)
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (its ``kill -9``ed corpse, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _watch_test_process(pid: int) -> None:
+    """End this rank when the test process ``pid`` is gone.  Not its parent: that is the fork server,
+    which lives on while any rank forked from it does."""
+    while _running(pid):
         time.sleep(0.5)
+    os._exit(3)
 
 
-def _rank_main(rank: int, world_size: int, port: int, conn: Connection, parent_pid: int) -> None:
+def _forget_sharding_decisions() -> None:
+    """Empty DTensor's sharding-propagation caches (what ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
+    does, without importing that module's debug tools).
+
+    They are keyed by meshes that compare equal by shape, ranks and dim names, and their answers carry the
+    mesh objects of the call that filled them: an op on a DTensor of this call's mesh (``nn.Parameter(dtensor)``
+    is one) could come back on an equal mesh an earlier call built, whose groups may be gone, and
+    ``fully_shard`` wants the very mesh object it is given.  Emptied before every call, each call meets its own
+    meshes only, as in a fresh process.  Both caches are per thread; calls run on this (the main) thread.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor yet: nothing cached
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn: Connection, test_pid: int,
+               environ: dict[str, str]) -> None:
     os.setsid()  # one killable process group for this rank and all it spawns
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
+    os.environ.clear()  # the test process's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -101,6 +135,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Connection, parent_p
         if task is None:
             break
         fn, args, kwargs = task
+        _forget_sharding_decisions()
         try:
             outcome = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
@@ -119,6 +154,24 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Connection, parent_p
 # in the test process
 
 
+# What every rank imports before its first call: imported once, in the fork server that forks the ranks
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"]
+
+
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """Ranks are forked from multiprocessing's fork server, which has imported ``PRELOADED``.
+
+    Importing torch costs a rank seconds of CPU, and its first DTensor imports ``torch._dynamo``
+    (seconds more); a suite starts ranks a hundred times (a pool per world size, again after every
+    failure, crowding or ``isolated`` call).  The server is a single-threaded process that imported
+    them once and formed no process group; each rank forked from it starts with them imported and
+    nothing else of the test process.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
+
+
 class _RankPool:
     """``world_size`` live ranks sharing one gloo process group."""
 
@@ -127,14 +180,14 @@ class _RankPool:
 
         self.world_size = world_size
         self.store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _rank_context()
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, self.store.port, child_end, os.getpid()),
+                args=(rank, world_size, self.store.port, child_end, os.getpid(), dict(os.environ)),
                 name=f"shardkit-rank{rank}-of-{world_size}",
             )
             proc.start()
@@ -227,13 +280,15 @@ def run_on_ranks(
     raises, dies, or does not answer within ``timeout`` seconds.
     ``fn`` must be importable by name (defined at module level).
 
+    Every call starts with DTensor's sharding caches empty (see
+    :func:`_forget_sharding_decisions`), so meshes built by earlier calls on
+    the same ranks never come back in this one.
+
     ``isolated=True`` runs ``fn`` on ranks started for this call alone and
     stopped after it.  Use it when ``fn`` changes process-wide state that
     later tests must not inherit, above all when it destroys and re-forms the
-    default process group: torch's DTensor dispatch caches sharding decisions
-    keyed by meshes that compare equal by shape and ranks, not by their
-    groups, so a later test's mesh could be handed a cached one whose groups
-    died with the old default group.
+    default process group.  Ranks cost seconds of CPU to start: do not
+    isolate a call for what the emptied caches already give.
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size must be in 1..8, got {world_size}")

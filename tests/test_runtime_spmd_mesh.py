@@ -10,11 +10,12 @@ trains both on the same inputs: the placements of every parameter, every
 gradient and every parameter after each step are equal, bitwise (every
 reduction here sums two values, so the order of the sum cannot differ).
 
-Every test runs on ranks of its own (``isolated``): DTensor caches sharding
-decisions by mesh *equality*, so a parameter distributed on a mesh equal to
-one an earlier test built in the same process comes back on that earlier mesh
-object, and ``fully_shard`` (torch's and ours) requires the very object passed
-as ``mesh``.
+DTensor caches sharding decisions by mesh *equality*, so a parameter
+distributed on a mesh equal to one built earlier in the same process could come
+back on that earlier mesh object, while ``fully_shard`` (torch's and ours)
+requires the very object passed as ``mesh``.  Within one rank call every
+(shape, names) has one mesh (``_meshes``); between calls, ``run_on_ranks``
+empties those caches.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _equal_histories(a: list[dict], b: list[dict]) -> list[str]:
 
 
 def test_dp_mesh_dims_gives_torchs_placements_gradients_and_parameters_on_the_full_spmd_mesh():
-    results = run_on_ranks(4, _torch_and_shardkit_spmd, list(SPMD_VARIANTS), isolated=True)
+    results = run_on_ranks(4, _torch_and_shardkit_spmd, list(SPMD_VARIANTS))
     for rank, per_variant in enumerate(results):
         for variant, runs in per_variant.items():
             (torch_layout, torch_history), (ours_layout, ours_history) = runs["torch"], runs["shardkit"]
@@ -195,7 +196,7 @@ def _train_local(model: nn.Module, steps: int = 3) -> list[dict]:
 
 
 def test_shard_placement_fn_mixes_meshes_and_replicate_in_one_group_as_torch_does():
-    for rank, results in enumerate(run_on_ranks(4, _per_param_runs, isolated=True)):
+    for rank, results in enumerate(run_on_ranks(4, _per_param_runs)):
         for variant in ("own mesh", "Replicate()", "mesh infos built per call"):
             (torch_layout, torch_history), (ours_layout, ours_history) = (results[variant, impl]
                                                                           for impl in ("torch", "shardkit"))
@@ -254,7 +255,7 @@ def _spmd_misuses() -> dict:
 
 
 def test_dp_mesh_dims_misuse_raises_torchs_builtin_with_torchs_wording_first():
-    results = run_on_ranks(4, _spmd_misuses, isolated=True)[0]
+    results = run_on_ranks(4, _spmd_misuses)[0]
     theirs, ours = results["torch"], results["shardkit"]
     for case, (torch_types, torch_message) in theirs.items():
         our_types, our_message = ours[case]
@@ -302,7 +303,7 @@ def _save_and_load_spmd(url: str) -> dict:
 
 
 def test_a_dp_mesh_dims_model_round_trips_through_a_shardkit_checkpoint_into_shardkit_and_torch(tmp_path):
-    for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd"), isolated=True):
+    for result in run_on_ranks(4, _save_and_load_spmd, str(tmp_path / "spmd")):
         assert result["shardkit"] == [] and result["torch"] == []
         assert result["shardkit placements"] == result["torch placements"]
 
@@ -324,7 +325,7 @@ def _replicate_spmd_runs() -> dict:
 
 
 def test_replicate_with_dp_mesh_dims_matches_torchs_replicate_on_the_full_spmd_mesh():
-    for rank, runs in enumerate(run_on_ranks(4, _replicate_spmd_runs, isolated=True)):
+    for rank, runs in enumerate(run_on_ranks(4, _replicate_spmd_runs)):
         (torch_layout, torch_history), (ours_layout, ours_history) = runs["torch"], runs["shardkit"]
         assert ours_layout == torch_layout, rank
         assert ours_layout["0.weight"] == (("dp", "tp"), [[0, 1], [2, 3]], (Replicate(), Shard(0)))
