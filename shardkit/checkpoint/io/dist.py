@@ -59,7 +59,8 @@ class Dist:
     def active(self) -> bool:
         return self.enabled and self.group_size > 1
 
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """Where this group's tensors must live: the current CUDA device under NCCL, else the CPU."""
         import torch.distributed as dist
 
         backend = dist.get_backend(self.group)
@@ -74,7 +75,7 @@ class Dist:
         import torch.distributed as dist
 
         data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-        dev = self._device()
+        dev = self.device()
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
         dist.all_gather(sizes, size, group=self.group)
@@ -101,7 +102,7 @@ class Dist:
             return obj
         import torch.distributed as dist
 
-        dev = self._device()
+        dev = self.device()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
         data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.group_rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -164,7 +165,7 @@ class Dist:
             return failed
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self._device())
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
@@ -180,7 +181,7 @@ class Dist:
             return lambda: ok
         import torch.distributed as dist
 
-        flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self._device())
+        flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self.device())
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
         def answer() -> bool:

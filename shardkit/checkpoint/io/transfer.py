@@ -101,7 +101,7 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
                 except Exception as exc:  # noqa: BLE001 - this move fails; its rounds still run
                     local_errors[i] = f"rank {me} refused the listing for {moves[i].target_dir}: {exc}"
         mine = [i for i in live if me in (moves[i].src, moves[i].dst)]
-        buffer = _TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), _device_of(dist_))
+        buffer = _TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), dist_.device() if dist_.active else torch.device("cpu"))
         _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
         local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))
@@ -235,16 +235,6 @@ class _TransferBuffer:
         if self.wire is not self.host:
             self.host[start:start + n].copy_(self.wire[start:start + n])
         return self.view[start:start + n]
-
-
-def _device_of(dist_: Dist) -> torch.device:
-    """Where the wire's tensors must live: the current CUDA device under NCCL, else the CPU."""
-    if not dist_.active:
-        return torch.device("cpu")
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(dist_.group) == "nccl" \
-        else torch.device("cpu")
 
 
 def _run_rounds(dist_: Dist, moves: Sequence[DirectoryMove], live: dict[int, int], round_bytes: int,

@@ -30,7 +30,7 @@ from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import copy_meta
 from shardkit.checkpoint.training.hot.layout import NodeLayout, copy_name, parse_copy_name
 from shardkit.checkpoint.training.hot.retention import remove_copy
-from shardkit.checkpoint.training.run_steps import step_dir
+from shardkit.checkpoint.training.run_steps import step_dir, step_of_dir
 from shardkit.errors import ShardkitError
 
 __all__ = ["Recovered", "recover", "hot_reports"]
@@ -68,7 +68,7 @@ def hot_reports(layout: NodeLayout, rank: int) -> list[dict[str, Any]]:
         return reports
     for step_name in sorted(os.listdir(node_dir)):
         step_path = os.path.join(node_dir, step_name)
-        if not os.path.isdir(step_path) or not step_name.startswith("step-"):
+        if not os.path.isdir(step_path) or step_of_dir(step_name) is None:
             continue
         for name in sorted(os.listdir(step_path)):
             parsed = parse_copy_name(name)
