@@ -40,6 +40,7 @@ import torch
 
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
 from shardkit.checkpoint.io.transfer_files import IncomingFiles, OutgoingFiles, check_target, list_directory
 from shardkit.errors import ArgumentTypeError, ConfigurationError
 
@@ -101,7 +102,7 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
                 except Exception as exc:  # noqa: BLE001 - this move fails; its rounds still run
                     local_errors[i] = f"rank {me} refused the listing for {moves[i].target_dir}: {exc}"
         mine = [i for i in live if me in (moves[i].src, moves[i].dst)]
-        buffer = _TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), dist_.device() if dist_.active else torch.device("cpu"))
+        buffer = TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), dist_.device() if dist_.active else torch.device("cpu"))
         _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
         local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))
@@ -209,37 +210,9 @@ def _exchange_listings(dist_: Dist, moves: Sequence[DirectoryMove], round_bytes:
     return listings, errors
 
 
-class _TransferBuffer:
-    """The one buffer a rank moves bytes through, sliced per round between its sends and receives.
-
-    On gloo it is a CPU tensor that files are read into and written from directly.  On NCCL the wire
-    needs device memory: the files go through a page-locked host buffer and one device buffer of the
-    same size (host -> device before a send, device -> host after a receive).  That path is kept to these
-    few lines and is not exercised by the CPU-only test suite.
-    """
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes = nbytes
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.wire = self.host if device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.view = memoryview(self.host.numpy())
-
-    def outgoing(self, start: int, n: int) -> torch.Tensor:
-        """The tensor to send once ``view[start:start+n]`` holds the bytes."""
-        if self.wire is not self.host:
-            self.wire[start:start + n].copy_(self.host[start:start + n])
-        return self.wire[start:start + n]
-
-    def landed(self, start: int, n: int) -> memoryview:
-        """The received bytes of ``wire[start:start+n]``, readable on the host."""
-        if self.wire is not self.host:
-            self.host[start:start + n].copy_(self.wire[start:start + n])
-        return self.view[start:start + n]
-
-
 def _run_rounds(dist_: Dist, moves: Sequence[DirectoryMove], live: dict[int, int], round_bytes: int,
                 outgoing: dict[int, OutgoingFiles], incoming: dict[int, IncomingFiles],
-                buffer: _TransferBuffer, failed: dict[int, str]) -> None:
+                buffer: TransferBuffer, failed: dict[int, str]) -> None:
     """Step 2: every round of the schedule, on every rank (a rank with no part in a round skips it).
     A move whose disk end fails keeps its place in the rounds -- its peer is already committed to them --
     but its bytes are no longer read or written; the failure is added to ``failed`` for step 3."""

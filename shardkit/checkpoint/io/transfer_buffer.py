@@ -1,0 +1,82 @@
+"""The one buffer a rank sends and receives bytes through, on whatever device its process group's wire needs.
+
+gloo sends host memory, so there the buffer is one CPU tensor.  NCCL sends device memory only: the
+buffer is then a page-locked host tensor plus one device tensor of the same size, and bytes cross
+between them before a send and after a receive.  Both users -- the hot tier's directory moves
+(:mod:`.transfer`, bytes from files) and a load's shared reads (bytes from tensors) -- slice it per
+round, so the memory a transfer holds is the buffer's size whatever the size of what it moves.  The
+device is an argument, not a guess from the backend, so the staging rounds run (and are tested) with
+a CPU "wire" under gloo too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TransferBuffer", "ALIGNMENT"]
+
+ALIGNMENT = 16  # bytes: any dtype's elements can be viewed at an offset that is a multiple of this
+
+
+class TransferBuffer:
+    """``nbytes`` of wire memory on ``device`` (and, for a device other than the CPU, a page-locked host
+    twin), sliced per round by offset."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.wire = self.host if device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.view = memoryview(self.host.numpy())
+
+    def outgoing(self, start: int, n: int) -> torch.Tensor:
+        """The tensor to send once ``view[start:start+n]`` holds the bytes."""
+        if self.wire is not self.host:
+            self.wire[start:start + n].copy_(self.host[start:start + n])
+        return self.wire[start:start + n]
+
+    def landed(self, start: int, n: int) -> memoryview:
+        """The received bytes of ``wire[start:start+n]``, readable on the host."""
+        if self.wire is not self.host:
+            self.host[start:start + n].copy_(self.wire[start:start + n])
+        return self.view[start:start + n]
+
+    def put(self, start: int, source: torch.Tensor) -> torch.Tensor:
+        """``source``'s bytes (any device, any strides) into the wire at ``start``; the wire slice to send.
+        A source on the wire's device is copied there directly, one elsewhere through the host twin."""
+        wire = self.wire_slice(start, source)
+        if source.device == self.wire.device or self.wire is self.host:
+            wire.copy_(source)
+        else:
+            host = _typed(self.host, start, source)
+            host.copy_(source)
+            wire.copy_(host)
+        return self.wire[start:start + _nbytes(source)]
+
+    def receive_slice(self, start: int, target: torch.Tensor) -> torch.Tensor:
+        """The wire slice that receives ``target``'s bytes (as ``uint8``)."""
+        return self.wire[start:start + _nbytes(target)]
+
+    def take(self, start: int, target: torch.Tensor) -> None:
+        """The received bytes at ``start`` into ``target`` (any device, any strides): directly from the wire
+        when ``target`` lives on its device, else through the host twin."""
+        wire = self.wire_slice(start, target)
+        if target.device == self.wire.device or self.wire is self.host:
+            target.copy_(wire)
+        else:
+            host = _typed(self.host, start, target)
+            host.copy_(wire)
+            target.copy_(host)
+
+    def wire_slice(self, start: int, like: torch.Tensor) -> torch.Tensor:
+        """The wire at ``start`` seen as a contiguous tensor of ``like``'s dtype and shape."""
+        return _typed(self.wire, start, like)
+
+
+def _typed(flat: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+    if start % ALIGNMENT:
+        raise ValueError(f"offset {start} is not a multiple of {ALIGNMENT} bytes")
+    return flat[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
