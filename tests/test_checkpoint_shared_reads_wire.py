@@ -1,0 +1,171 @@
+"""Shared reads through the staging buffer: the path NCCL takes, run here with the buffer on the CPU.
+
+NCCL sends device memory only, so there every shared block travels through
+one transfer buffer on the group's device (the reader's target -> buffer ->
+send/recv -> the receiver's buffer -> its target).  ``exchange(wire=...)``
+forces the same staging on gloo with the buffer on the CPU: the same rounds,
+slots and copies, so what must hold on a GPU is pinned down here -- the bytes
+arrive bitwise (any dtype, strided targets, blocks bigger than a round cut
+into rows or parts of rows), the buffer never holds more than one round, and
+a failure on one rank fails every rank without leaving any of them waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist import run_on_ranks
+
+ROUND = 256  # bytes: far smaller than the tensors below, so they travel in many rounds
+CPU = torch.device("cpu")
+
+
+def _truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "rows": torch.randn(40, 6, generator=g),  # 960 bytes: runs of whole rows per round
+        "wide": torch.randn(3, 100, generator=g).to(torch.bfloat16),  # a row (200 bytes) fits, two do not
+        "long": torch.randint(-2**40, 2**40, (50,), generator=g),  # 400 bytes of int64: cut into elements
+        "flags": torch.rand(7, 5, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "strided": torch.randn(12, 9, generator=g),  # received into a transposed view below
+    }
+
+
+HOLDERS = {"rows": [0, 1, 2], "wide": [1, 2], "long": [0, 2], "flags": [0, 1, 2], "scalar": [0, 1, 2],
+           "strided": [0, 1], "own": [1]}
+
+
+def _exchange_on_rank(wire: str | None) -> tuple[bool, int, int, int]:
+    """(every target equals the truth bitwise, rounds, staging buffer bytes, bytes this rank read itself)."""
+    import torch.distributed as dist
+
+    from shardkit.checkpoint.formats.base import ReadRequest
+    from shardkit.checkpoint.io.dist import Dist
+    from shardkit.checkpoint.training.shared_reads import exchange, share_reads
+
+    rank = dist.get_rank()
+    truth = {**_truth(), "own": torch.arange(5.0)}
+    requests = []
+    for key, ranks in HOLDERS.items():
+        if rank not in ranks:
+            continue
+        t = truth[key]
+        out = torch.zeros(t.shape[::-1], dtype=t.dtype).t() if key == "strided" else torch.zeros_like(t)
+        requests.append(ReadRequest(key, 0, ((0,) * t.dim(), tuple(t.shape)), out))
+    plan = share_reads(requests, Dist(), round_bytes=ROUND)
+    read_here = 0
+    for r in plan.mine:  # what storage would have filled
+        r.out.copy_(truth[r.fqn])
+        read_here += r.out.numel() * r.out.element_size()
+    held = exchange(plan, Dist(), wire=None if wire is None else torch.device(wire))
+    same = all(torch.equal(r.out, truth[r.fqn]) for r in requests)
+    return same, plan.rounds, held, read_here
+
+
+@pytest.mark.parametrize("wire", ["cpu", None], ids=["staged", "in-place"])
+def test_shared_blocks_arrive_bitwise_in_rounds_that_never_stage_more_than_one_round(wire):
+    results = run_on_ranks(3, _exchange_on_rank, wire)
+    assert [same for same, *_ in results] == [True, True, True]
+    assert all(rounds > 5 for _, rounds, _, _ in results)  # the tensors really were cut into rounds
+    assert all(held <= ROUND for _, _, held, _ in results)
+    # staged, every rank stages; in place, only the ranks with the strided target (0 and 1) need a buffer
+    assert [held > 0 for _, _, held, _ in results] == ([True] * 3 if wire else [True, True, False])
+    # every shared tensor was read by one of its holders only: the ranks read the checkpoint once together
+    truth = _truth()
+    assert sum(read for *_, read in results) == sum(t.numel() * t.element_size() for t in truth.values()) + 20
+
+
+def test_blocks_cover_a_tensor_once_in_row_order_and_each_fits_the_limit():
+    from shardkit.checkpoint.training.shared_reads import block_indices
+
+    t = torch.arange(3 * 5 * 7, dtype=torch.int32).reshape(3, 5, 7)
+    for limit in (16, 28, 60, 140, 300, 420):
+        blocks = block_indices(t.shape, 4, limit)
+        assert all(nbytes <= limit for _, nbytes in blocks), limit
+        assert [nbytes for _, nbytes in blocks] == [t[index].numel() * 4 for index, _ in blocks]
+        assert torch.equal(torch.cat([t[index].reshape(-1) for index, _ in blocks]), t.reshape(-1)), limit
+    assert block_indices(t.shape, 4, 420) == [((), 420)]
+    assert block_indices(t.shape, 4, 300) == [((slice(0, 2),), 280), ((slice(2, 3),), 140)]
+    assert block_indices((), 8, 16) == [((), 8)]
+
+
+def test_round_bytes_below_one_element_of_any_dtype_is_refused():
+    from shardkit.checkpoint.io.dist import Dist
+    from shardkit.checkpoint.training.shared_reads import share_reads
+    from shardkit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="round_bytes must be at least 16 bytes"):
+        share_reads([], Dist(), round_bytes=8)
+
+
+SHAPES = {"model.emb": (101, 64), "model.w": (37, 26), "model.b": (26,)}
+
+
+def _saved_truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    import shardkit.checkpoint as skc
+
+    url = str(tmp_path_factory.mktemp("wire") / "ck")
+    skc.save(_saved_truth(), url, block_bytes=512)
+    return url
+
+
+def _load_through_the_staged_wire(url: str, fail: str | None) -> str:
+    """Load at HSDP 2x2 with every shared block staged (buffer on the CPU, 1 KiB rounds); with ``fail``,
+    rank 1's storage read ("read") or its copy out of the buffer ("staging") fails."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import shardkit.checkpoint as skc
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
+    from shardkit.checkpoint.training import load as load_module
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    sd = {k: distribute_tensor(torch.zeros(s), mesh, [Replicate(), Shard(0)]) for k, s in SHAPES.items()}
+    patched = [(load_module, "exchange", functools.partial(load_module.exchange, wire=CPU)),
+               (load_module, "share_reads", functools.partial(load_module.share_reads, round_bytes=1024))]
+    if dist.get_rank() == 1 and fail == "read":
+        def broken(self, name, start, parts):
+            raise OSError(f"simulated I/O error reading {name}")
+        patched.append((Storage, "read_parts", broken))
+    if dist.get_rank() == 1 and fail == "staging":
+        def broken_take(self, start, target):
+            raise RuntimeError("simulated failure copying a received block into its target")
+        patched.append((TransferBuffer, "take", broken_take))
+    saved_attrs = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, value in patched:
+        setattr(owner, name, value)
+    try:
+        skc.load(sd, url)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for owner, name, value in saved_attrs:
+            setattr(owner, name, value)
+    truth = _saved_truth()
+    return "bitwise" if all(torch.equal(v.full_tensor(), truth[k]) for k, v in sd.items()) else "different"
+
+
+def test_a_load_at_hsdp_2x2_through_the_staged_wire_is_bitwise(saved):
+    assert run_on_ranks(4, _load_through_the_staged_wire, saved, None) == ["bitwise"] * 4
+
+
+@pytest.mark.parametrize("fail,message", [
+    ("read", "simulated I/O error reading data/"),
+    ("staging", "simulated failure copying a received block into its target"),
+])
+def test_a_failure_on_one_rank_of_a_staged_load_raises_on_every_rank_without_a_hang(saved, fail, message):
+    outcomes = run_on_ranks(4, _load_through_the_staged_wire, saved, fail, timeout=60)
+    assert all(message in outcome for outcome in outcomes), outcomes
+    assert all("failed on rank 1" in outcome for rank, outcome in enumerate(outcomes) if rank != 1), outcomes
