@@ -123,7 +123,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     try:
         if local_exc is None:
             checked = check_before_writing(reader, shared.mine, budget if verify_first else None,
-                                           [request for _, _, request, _ in shared.sends])
+                                           shared.for_others)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
     _agree(dist, local_exc, url)
