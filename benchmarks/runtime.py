@@ -4,6 +4,11 @@ peak memory, gloo ranks on the CPU, measured in one run, interleaved.
     python benchmarks/runtime.py                # 1-D FSDP on 2 ranks; launches the ranks itself
     python benchmarks/runtime.py --steps 30 --rounds 5 --json
     python benchmarks/runtime.py --tp 2         # 2-D: TP inside the blocks x FSDP, (dp 2, tp 2) on 4 ranks
+    python benchmarks/runtime.py --device cuda --world 1 --rounds 0   # NCCL, one rank per GPU, phase 1 only
+
+With ``--device cuda`` the ranks use NCCL, one GPU each (``--world`` of them,
+at most ``torch.cuda.device_count()``), and the step's memory is the peak of
+CUDA memory allocated during it above its start instead of malloc's.
 
 With ``--tp N`` every block is tensor-parallel over N ranks (q/k/v and the
 first MLP layer column-wise, the attention output and the second MLP layer
@@ -113,6 +118,56 @@ class _HeapPeak:
         self._stop.set()
 
 
+class _DevicePeak:
+    """The CUDA side of :class:`_HeapPeak`: peak of the device memory allocated since the last ``reset()``."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.cuda = torch.cuda
+        self.start = 0
+
+    def read(self) -> int:
+        return self.cuda.memory_allocated()
+
+    @property
+    def peak(self) -> int:
+        return self.cuda.max_memory_allocated()
+
+    def reset(self) -> None:
+        self.cuda.synchronize()
+        self.cuda.reset_peak_memory_stats()
+        self.start = self.read()
+
+    def above_start_mib(self) -> float:
+        self.cuda.synchronize()
+        return (self.peak - self.start) / 2**20
+
+    def stop(self) -> None:
+        pass
+
+
+def _init(args: argparse.Namespace):
+    """Join the job's process group (NCCL and this rank's GPU with ``--device cuda``); the memory meter."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        return _DevicePeak()
+    dist.init_process_group("gloo")
+    return _HeapPeak()
+
+
+def _sync(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _build(impl: str, args: argparse.Namespace):
     """The model of one implementation (``DEBUG`` builds shardkit's) and its optimizer:
     per-block fully_shard plus the root, after tensor parallelism when ``--tp`` > 1."""
@@ -130,10 +185,10 @@ def _build(impl: str, args: argparse.Namespace):
     margs = ModelArgs(vocab_size=args.vocab, dim=args.dim, n_heads=args.heads, n_layers=args.layers,
                       ffn_dim=args.ffn, max_seq_len=args.seq)
     torch.manual_seed(0)
-    model = Transformer(margs)
-    mesh = None
+    model = Transformer(margs).to(args.device)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),)) if args.device == "cuda" else None
     if args.tp > 1:
-        world = init_device_mesh("cpu", (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        world = init_device_mesh(args.device, (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
         parallelize_blocks(model, world["tp"])
         mesh = world["dp"]
     for layer in model.layers:
@@ -189,31 +244,30 @@ def worker_interleaved(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    heap = _init(args)
     rank = dist.get_rank()
     timed = (*IMPLS, DEBUG)
     models = {impl: _build(impl, args) for impl in timed}
     gen = torch.Generator().manual_seed(1 + _data_parallel_rank(args))
-    heap = _HeapPeak()
     wall = {impl: [] for impl in timed}
     cpu = {impl: [] for impl in timed}
     peak = {impl: [] for impl in timed}
     for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(args.device)
         order = timed[step % len(timed):] + timed[:step % len(timed)]  # each goes first in turn
         for impl in order:
             dist.barrier()
             heap.reset()
             start, cpu_start = time.perf_counter(), time.process_time()
             _train_step(*models[impl], tokens, args, debug=impl == DEBUG)
+            _sync(args)
             wall[impl].append((time.perf_counter() - start) * 1e3)
             cpu[impl].append((time.process_time() - cpu_start) * 1e3)
             peak[impl].append(heap.above_start_mib())
     heap.stop()
     result = {"rank": rank, "params": sum(p.numel() for p in models["shardkit"][0].parameters())}
     for impl in timed:
-        walls = torch.tensor(wall[impl])
+        walls = torch.tensor(wall[impl], device=args.device)
         dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
         result[impl] = {"wall": walls.tolist()[args.warmup:], "cpu": cpu[impl][args.warmup:],
                         "heap": peak[impl][args.warmup:]}
@@ -224,18 +278,17 @@ def worker_memory(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    heap = _HeapPeak()
+    heap = _init(args)
     heap.reset()
     model, opt = _build(args.impl, args)
     gen = torch.Generator().manual_seed(1 + _data_parallel_rank(args))
     first_ms = 0.0
     for step in range(args.warmup + args.memory_steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(args.device)
         dist.barrier()
         start = time.perf_counter()
         _train_step(model, opt, tokens, args)
+        _sync(args)
         if step == 0:  # cold: lazy init, first allocations, first dispatch of every op
             first_ms = (time.perf_counter() - start) * 1e3
     heap.stop()
@@ -243,7 +296,7 @@ def worker_memory(args: argparse.Namespace) -> None:
     _emit({"rank": dist.get_rank(), "hwm_mib": _hwm_mib(), "first_ms": first_ms, "heap_peak_mib": in_use})
 
 
-_MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn", "tp")
+_MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ffn", "tp", "device")
 
 
 def launch(args: argparse.Namespace, *extra: str) -> list[dict]:
@@ -272,11 +325,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: 2 runs (dp 2, tp 2) on 4 ranks")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: gloo ranks; cuda: NCCL ranks, one GPU each")
+    parser.add_argument("--world", type=int, default=0,
+                        help="ranks of the job (default: 2 x --tp); with --device cuda at most the GPUs there are")
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=["interleaved", "memory"], help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.ranks = 2 * args.tp  # two data-parallel ranks, each a group of tp ranks
+    args.ranks = args.world or 2 * args.tp  # by default two data-parallel ranks, each a group of tp ranks
+    if args.ranks % args.tp:
+        parser.error(f"--world {args.ranks} is not a multiple of --tp {args.tp}")
     if args.worker == "interleaved":
         return worker_interleaved(args)
     if args.worker == "memory":
@@ -301,26 +360,57 @@ def main() -> None:
         rows.append((label, fmt.format(ours), fmt.format(theirs), f"{ours / theirs:.3f}"))
 
     ranks = range(args.ranks)
+    memory_kind = "CUDA" if args.device == "cuda" else "heap"
     row("ms/step, wall (median)", med(timing[0]["shardkit"]["wall"]), med(timing[0]["torch"]["wall"]))
     for k in ranks:
         row(f"ms/step, CPU, rank {k}", med(timing[k]["shardkit"]["cpu"]), med(timing[k]["torch"]["cpu"]))
     for k in ranks:
-        row(f"step heap peak MiB, rank {k}", med(timing[k]["shardkit"]["heap"]), med(timing[k]["torch"]["heap"]),
-            "{:.2f}")
+        row(f"step {memory_kind} peak MiB, rank {k}", med(timing[k]["shardkit"]["heap"]),
+            med(timing[k]["torch"]["heap"]), "{:.2f}")
+    if args.rounds:
+        _memory_rows(row, memory, ranks)
+    _print_table(args, timing, rows)
+    if args.rounds:
+        spread = {impl: statistics.stdev(v) if len(v) > 1 else 0.0 for impl, v in _hwm(memory, ranks).items()}
+        print(f"\npeak RSS standard deviation between jobs: shardkit {spread['shardkit']:.1f} MiB, "
+              f"torch {spread['torch']:.1f} MiB")
+    debug_wall, plain_wall = med(timing[0][DEBUG]["wall"]), med(timing[0]["shardkit"]["wall"])
+    debug_cpu = med(med(timing[k][DEBUG]["cpu"]) / med(timing[k]["shardkit"]["cpu"]) for k in ranks)
+    print(f"debug mode (SHARDKIT_DEBUG=1): {debug_wall:.1f} ms/step vs {plain_wall:.1f} without, wall ratio "
+          f"{debug_wall / plain_wall:.3f} (target <= 1.10); CPU ratio, median over ranks, {debug_cpu:.3f}")
+    # one line per target, for scripts (benchmarks/gpu_check.sh collects them into its report)
+    job = f"{args.device} world {args.ranks}"
+    wall_ratio = med(timing[0]["shardkit"]["wall"]) / med(timing[0]["torch"]["wall"])
+    memory_ratio = max(med(timing[k]["shardkit"]["heap"]) / max(med(timing[k]["torch"]["heap"]), 1e-9) for k in ranks)
+    for name, value, limit in ((f"{job}: ms/step shardkit / torch fully_shard", wall_ratio, 1.0),
+                               (f"{job}: step {memory_kind} peak shardkit / torch, worst rank", memory_ratio, 1.0),
+                               (f"{job}: debug mode / plain, wall", debug_wall / plain_wall, 1.10)):
+        print(f"FIGURE {name}: {value:.3f} (<= {limit:.2f}) {'MET' if value <= limit else 'MISSED'}")
+
+
+def _hwm(memory: dict, ranks: range) -> dict[str, list[float]]:
+    # peak RSS swings by +-20 MiB between identical jobs on this VM: pool all ranks of every round
+    return {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
+
+
+def _memory_rows(row, memory: dict, ranks: range) -> None:
+    """Phase 2's rows: cold first step, peak RSS and malloc's peak in use, over the fresh jobs."""
+    med = statistics.median
     row("first step ms (fresh job)", med(max(r[k]["first_ms"] for k in ranks) for r in memory["shardkit"]),
         med(max(r[k]["first_ms"] for k in ranks) for r in memory["torch"]))
-    # peak RSS swings by +-20 MiB between identical jobs on this VM: pool all ranks of every round
-    hwm = {impl: [r[k]["hwm_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
+    hwm = _hwm(memory, ranks)
     row(f"peak RSS MiB, mean of {len(hwm['torch'])}", statistics.mean(hwm["shardkit"]), statistics.mean(hwm["torch"]))
     row("peak RSS MiB, median", med(hwm["shardkit"]), med(hwm["torch"]))
     in_use = {impl: [r[k]["heap_peak_mib"] for r in memory[impl] for k in ranks] for impl in IMPLS}
     row("peak malloc in use MiB, median", med(in_use["shardkit"]), med(in_use["torch"]), "{:.2f}")
-    spread = {impl: statistics.stdev(v) if len(v) > 1 else 0.0 for impl, v in hwm.items()}
 
+
+def _print_table(args: argparse.Namespace, timing: list[dict], rows: list[tuple]) -> None:
     layout = (f"TP {args.tp} in every block x FSDP over dp 2, " if args.tp > 1 else "") + \
         "per-block fully_shard + root"
+    ranks = "NCCL ranks, one GPU each" if args.device == "cuda" else "gloo ranks x 1 thread"
     print(f"\nTransformer {timing[0]['params'] / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
-          f"{args.vocab}), {args.ranks} gloo ranks x 1 thread, batch {args.batch}x{args.seq} per dp rank, AdamW + "
+          f"{args.vocab}), {args.ranks} {ranks}, batch {args.batch}x{args.seq} per dp rank, AdamW + "
           f"clip_grad_norm_, {layout}.\nPhase 1: {args.steps} timed steps each after "
           f"{args.warmup} warm-up, interleaved in one job.  Phase 2: {args.rounds} fresh jobs each, "
           f"{args.warmup + args.memory_steps} steps.\n")
@@ -330,13 +420,6 @@ def main() -> None:
     print("-" * sum(widths))
     for r in rows:
         print("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    print(f"\npeak RSS standard deviation between jobs: shardkit {spread['shardkit']:.1f} MiB, "
-          f"torch {spread['torch']:.1f} MiB")
-    debug_wall, plain_wall = med(timing[0][DEBUG]["wall"]), med(timing[0]["shardkit"]["wall"])
-    debug_cpu = med(med(timing[k][DEBUG]["cpu"]) / med(timing[k]["shardkit"]["cpu"]) for k in ranks)
-    print(f"debug mode (SHARDKIT_DEBUG=1): {debug_wall:.1f} ms/step vs {plain_wall:.1f} without, wall ratio "
-          f"{debug_wall / plain_wall:.3f} (target <= 1.10); CPU ratio, median over ranks, {debug_cpu:.3f}")
-
 
 if __name__ == "__main__":
     main()
