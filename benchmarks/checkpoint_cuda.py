@@ -95,12 +95,17 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, else ``sys.argv``), checked; what ``main`` runs on."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=2.0)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/shardkit-cuda-bench")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     state = make_state(args.gb)

@@ -310,7 +310,8 @@ def launch(args: argparse.Namespace, *extra: str) -> list[dict]:
     return sorted(json.loads(lines[0].split(" ", 1)[1]), key=lambda r: r["rank"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, else ``sys.argv``), checked; what ``main`` runs on."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation (phase 1)")
@@ -332,10 +333,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="also print the raw results as JSON")
     parser.add_argument("--worker", choices=["interleaved", "memory"], help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.ranks = args.world or 2 * args.tp  # by default two data-parallel ranks, each a group of tp ranks
     if args.ranks % args.tp:
         parser.error(f"--world {args.ranks} is not a multiple of --tp {args.tp}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker == "interleaved":
         return worker_interleaved(args)
     if args.worker == "memory":

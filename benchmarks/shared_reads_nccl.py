@@ -85,7 +85,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, else ``sys.argv``), checked; what ``main`` runs on."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="NCCL ranks, one GPU each: an even number >= 2")
@@ -95,11 +96,16 @@ def main() -> None:
                         help="cuda: NCCL ranks, one GPU each; cpu: gloo ranks (a dry run of the script)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.worker and (args.ranks < 2 or args.ranks % 2):
+        parser.error(f"--ranks must be an even number >= 2, got {args.ranks}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         return worker(args)
-    if args.ranks < 2 or args.ranks % 2:
-        parser.error(f"--ranks must be an even number >= 2, got {args.ranks}")
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
