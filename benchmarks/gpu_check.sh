@@ -1,49 +1,143 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA device, in one run: the CUDA-marked tests, then
-# the GPU checkpoint benchmark (shardkit beside torch.distributed.checkpoint
-# and a plain page-locked copy, measured in the same process).
+# Everything that needs a CUDA device, in one run of at most 8 minutes on one GPU, with one report:
 #
-#     bash benchmarks/gpu_check.sh            # report on stdout and in $OUT/gpu_check.log
-#     REPS=5 GB=2 bash benchmarks/gpu_check.sh
+#   machine            nvidia-smi, torch, CUDA and NCCL versions, GPU count
+#   cuda-tests         every test marked `cuda` (pytest -m cuda over the test files that use the mark)
+#   runtime-world1     benchmarks/runtime.py: shardkit's fully_shard vs torch's, NCCL, 1 rank on 1 GPU
+#   runtime-world2     the same on 2 ranks, one GPU each (skipped on a machine with one GPU)
+#   checkpoint-cuda    benchmarks/checkpoint_cuda.py: async_save with pinned staging, blocking time and
+#                      stream time vs DCP's async_save with its pinned stager, save and load vs DCP
+#   nccl-shared-reads  benchmarks/shared_reads_nccl.py: an HSDP load whose replicated bytes travel over
+#                      NCCL, checked bitwise on every rank (needs 2 GPUs: skipped on one)
 #
-# Meant for a machine that already has a CUDA build of torch (pytest and
-# pytest-timeout too).  Python packages that machine lacks (zstandard,
-# google-crc32c) may travel as cp3xx wheels in ./.whl; they are installed into
-# /tmp/site first.  Each step runs under its own time limit so that one slow
-# step still leaves the rest of the report; the exit status is the number of
-# steps that failed.
+#     bash benchmarks/gpu_check.sh        # report: $OUT/gpu_check_report.txt, full output: $OUT/gpu_check.log
+#     GB=2 REPS=5 bash benchmarks/gpu_check.sh
+#
+# The report lists every step (PASSED, FAILED, TIMED OUT or SKIPPED and why) and every figure the steps
+# printed as a `FIGURE ... MET|MISSED` line; a step that failed adds a MISSED figure of its own.
+#
+# Time: each step runs under its own limit (below) and the limits add up to 450 s, so even a run in
+# which every step hits its limit ends within 8 minutes.  Expected on one H100 (from the sizes: 1 GB of
+# state for the checkpoint benchmark, a 7M-parameter model for 10 steps, a 600 MB load): about 3 minutes.
+#
+# Without a CUDA device (or without torch) every step is reported SKIPPED with the reason and the run
+# exits 0 within seconds.  Python packages the machine lacks (zstandard, google-crc32c) may travel as
+# cp3xx wheels in ./.whl: they are installed into /tmp/site when the modules do not import.  The exit
+# status is the number of steps that failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/shardkit-gpu-check}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
+REPORT="$OUT/gpu_check_report.txt"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
 : >"$LOG"
+: >"$WORK/steps"
+: >"$WORK/figures"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+GB=${GB:-1}
 REPS=${REPS:-3}
-GB=${GB:-2}
 failed=0
+started=$SECONDS
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+note() { echo "$*" | tee -a "$LOG"; }
+
+if ! $PY -c 'import zstandard, google_crc32c' >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+    note "installing $(ls .whl/*.whl | wc -l) wheel(s) from .whl into /tmp/site"
+    timeout 60 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+
+gpus=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>>"$LOG")
+if [ -z "$gpus" ]; then
+    no_gpu="torch does not import with $PY (see the log)"
+elif [ "$gpus" -eq 0 ]; then
+    no_gpu="no CUDA device (torch.cuda.is_available() is False)"
+else
+    no_gpu=""
+fi
+
+skip() {  # skip NAME REASON
+    echo "$1: SKIPPED: $2" >>"$WORK/steps"
+    note "=== $1: skipped: $2"
+}
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
-    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    if [ -n "$no_gpu" ]; then
+        skip "$name" "$no_gpu"
+        return
+    fi
+    note "=== $name (limit ${limit}s): $*"
     local start=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
-    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    timeout --kill-after=10 "$limit" "$@" >"$WORK/out" 2>&1
+    local rc=$?
+    local took=$((SECONDS - start))
+    cat "$WORK/out" >>"$LOG"
+    tail -n 20 "$WORK/out"
+    local verdict=PASSED
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        verdict="TIMED OUT"
+    elif [ "$rc" -ne 0 ]; then
+        verdict=FAILED
+    fi
+    note "=== $name: $verdict (exit $rc) after $took s"
+    echo "$name: $verdict (exit $rc) after $took s of $limit s" >>"$WORK/steps"
+    grep '^FIGURE ' "$WORK/out" | sed "s/^FIGURE /[$name] /" >>"$WORK/figures"
+    if [ "$verdict" != PASSED ]; then
+        failed=$((failed + 1))
+        echo "[$name] step finished: $verdict (exit $rc) MISSED" >>"$WORK/figures"
+    fi
 }
 
-step machine 60 bash -c "nvidia-smi -L; $PY -c 'import torch, shardkit; print(\"torch\", torch.__version__, \
-\"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))'"
-step cuda-tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_checkpoint_cuda.py tests/test_runtime_cuda.py
-step checkpoint-cuda-benchmark 300 $PY benchmarks/checkpoint_cuda.py --gb "$GB" --reps "$REPS"
+pytest_figure() {  # the pytest summary line of the last step as a figure
+    local summary
+    summary=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$WORK/out" | tail -n 1 | tr -d '=' | sed 's/^ *//')
+    if [ -n "$summary" ]; then
+        case "$summary" in
+            *failed*|*error*) echo "[cuda-tests] CUDA tests: $summary MISSED" >>"$WORK/figures" ;;
+            *) echo "[cuda-tests] CUDA tests: $summary MET" >>"$WORK/figures" ;;
+        esac
+    fi
+}
 
-echo "gpu_check: $failed step(s) failed" | tee -a "$LOG"
+step machine 20 bash -c "nvidia-smi -L; $PY -c 'import torch, shardkit; print(\"torch\", torch.__version__, \
+\"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.device_count(), \"GPU(s):\", \
+torch.cuda.get_device_name(0))'"
+step cuda-tests 100 $PY -m pytest -q -p no:cacheprovider -m cuda $(grep -l 'pytest.mark.cuda' tests/test_*.py)
+[ -z "$no_gpu" ] && pytest_figure
+step runtime-world1 60 $PY benchmarks/runtime.py --device cuda --world 1 --rounds 0 --steps 10 --warmup 2
+if [ -z "$no_gpu" ] && [ "$gpus" -lt 2 ]; then
+    skip runtime-world2 "one GPU (2 NCCL ranks need 2)"
+else
+    step runtime-world2 60 $PY benchmarks/runtime.py --device cuda --world 2 --rounds 0 --steps 10 --warmup 2
+fi
+step checkpoint-cuda 110 $PY benchmarks/checkpoint_cuda.py --gb "$GB" --reps "$REPS"
+if [ -z "$no_gpu" ] && [ "$gpus" -lt 2 ]; then
+    skip nccl-shared-reads "one GPU (NCCL between ranks needs 2)"
+else
+    step nccl-shared-reads 60 $PY benchmarks/shared_reads_nccl.py --ranks 2 --mb 600
+fi
+
+{
+    echo "shardkit GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "machine: ${gpus:-?} GPU(s)${no_gpu:+; $no_gpu}; $((SECONDS - started)) s in all"
+    echo
+    echo "steps"
+    sed 's/^/  /' "$WORK/steps"
+    echo
+    echo "figures"
+    if [ -s "$WORK/figures" ]; then
+        sed 's/^/  /' "$WORK/figures"
+    else
+        echo "  none (every step was skipped)"
+    fi
+    echo
+    echo "$(grep -c ' MET$' "$WORK/figures") MET, $(grep -c ' MISSED$' "$WORK/figures") MISSED; $failed step(s) failed"
+} >"$REPORT"
+cat "$REPORT" | tee -a "$LOG"
 exit "$failed"
