@@ -17,8 +17,10 @@
 # printed as a `FIGURE ... MET|MISSED` line; a step that failed adds a MISSED figure of its own.
 #
 # Time: each step runs under its own limit (below) and the limits add up to 450 s, so even a run in
-# which every step hits its limit ends within 8 minutes.  Expected on one H100 (from the sizes: 1 GB of
-# state for the checkpoint benchmark, a 7M-parameter model for 10 steps, a 600 MB load): about 3 minutes.
+# which every step hits its limit ends within 8 minutes.  Expected on one H100: about 3 minutes, scaled
+# from the H200 run in docs/performance.md (checkpoint_cuda.py at 2 GB: about 10 s a round for both
+# systems, so about 40 s at 1 GB with 3 rounds, warm-up saves and setup), plus process and NCCL start-up
+# (10-20 s per torchrun job) for the 7M-parameter runtime model's 12 steps and the 600 MB load.
 #
 # Without a CUDA device (or without torch) every step is reported SKIPPED with the reason and the run
 # exits 0 within seconds.  Python packages the machine lacks (zstandard, google-crc32c) may travel as
