@@ -20,23 +20,44 @@ ALIGNMENT = 16  # bytes: any dtype's elements can be viewed at an offset that is
 
 class TransferBuffer:
     """``nbytes`` of wire memory on ``device`` (and, for a device other than the CPU, a page-locked host
-    twin), sliced per round by offset."""
+    twin, allocated on first use: GPU-to-GPU transfers never need it), sliced per round by offset."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.pinned = device.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self._view: memoryview | None = None
         self.wire = self.host if device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.view = memoryview(self.host.numpy())
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host side: the wire itself on the CPU, else its page-locked twin."""
+        return self._host if self._host is not None else self._allocate_host()[0]
+
+    @property
+    def view(self) -> memoryview:
+        """:attr:`host` as a writable memoryview (files are read into it and written from it)."""
+        return self._view if self._view is not None else self._allocate_host()[1]
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the wire is host memory itself (gloo), so no copy crosses between host and device."""
+        return self.wire.device.type == "cpu"
+
+    def _allocate_host(self) -> tuple[torch.Tensor, memoryview]:
+        self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._view = memoryview(self._host.numpy())
+        return self._host, self._view
 
     def outgoing(self, start: int, n: int) -> torch.Tensor:
         """The tensor to send once ``view[start:start+n]`` holds the bytes."""
-        if self.wire is not self.host:
+        if not self.on_host:
             self.wire[start:start + n].copy_(self.host[start:start + n])
         return self.wire[start:start + n]
 
     def landed(self, start: int, n: int) -> memoryview:
         """The received bytes of ``wire[start:start+n]``, readable on the host."""
-        if self.wire is not self.host:
+        if not self.on_host:
             self.host[start:start + n].copy_(self.wire[start:start + n])
         return self.view[start:start + n]
 
@@ -44,7 +65,7 @@ class TransferBuffer:
         """``source``'s bytes (any device, any strides) into the wire at ``start``; the wire slice to send.
         A source on the wire's device is copied there directly, one elsewhere through the host twin."""
         wire = self.wire_slice(start, source)
-        if source.device == self.wire.device or self.wire is self.host:
+        if source.device == self.wire.device or self.on_host:
             wire.copy_(source)
         else:
             host = _typed(self.host, start, source)
@@ -60,7 +81,7 @@ class TransferBuffer:
         """The received bytes at ``start`` into ``target`` (any device, any strides): directly from the wire
         when ``target`` lives on its device, else through the host twin."""
         wire = self.wire_slice(start, target)
-        if target.device == self.wire.device or self.wire is self.host:
+        if target.device == self.wire.device or self.on_host:
             target.copy_(wire)
         else:
             host = _typed(self.host, start, target)
