@@ -302,7 +302,9 @@ _MODEL_FLAGS = ("warmup", "batch", "seq", "vocab", "dim", "heads", "layers", "ff
 def launch(args: argparse.Namespace, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            str(Path(__file__).resolve()), *extra, *[f"--{k}={getattr(args, k)}" for k in _MODEL_FLAGS]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # this checkout first, and whatever the caller's PYTHONPATH holds (packages installed beside it) after
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:

@@ -121,7 +121,8 @@ def main() -> None:
     skc.save(truth, url)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            str(Path(__file__).resolve()), "--worker", f"--url={url}", f"--mb={args.mb}", f"--device={args.device}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # keep packages installed there
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     shutil.rmtree(args.dir, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
