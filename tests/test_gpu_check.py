@@ -57,8 +57,12 @@ def test_the_check_runs_the_three_benchmarks_and_the_cuda_marked_test_files():
     assert [script for script, _ in _python_commands()] == [
         "benchmarks/runtime.py", "benchmarks/runtime.py", "benchmarks/checkpoint_cuda.py",
         "benchmarks/shared_reads_nccl.py"]
-    marked = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if "pytest.mark.cuda" in p.read_text()]
-    assert "test_checkpoint_cuda.py" in marked and "test_runtime_cuda.py" in marked
+    marked = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
+              if re.search(r"^(pytestmark = |@)pytest\.mark\.cuda", p.read_text(), re.M)]
+    assert {"test_checkpoint_cuda.py", "test_runtime_cuda.py", "test_shared_reads_cuda.py"} <= set(marked)
+    (selection,) = re.findall(r"-m cuda \$\((grep .*)\)$", SCRIPT.read_text(), re.M)
+    found = subprocess.run(["bash", "-c", selection], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.split() == [f"tests/{name}" for name in marked]
 
 
 @pytest.mark.parametrize("script,args", _python_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
