@@ -35,9 +35,6 @@ from shardkit.checkpoint.formats.base import (
     ReadRequest,
     plan_reads,
 )
-from shardkit.checkpoint.formats.native.reader import (
-    NativeReader,
-)
 from shardkit.checkpoint.geometry.boxes import box_numel, local_tensor
 from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
@@ -185,18 +182,19 @@ def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadReques
     budget are checked by ``reader.verify`` (every needed checksum block read
     through small per-thread buffers), then read again into the targets.
 
-    On a local disk a native checkpoint's requests are staged only when this
-    rank reads them for others too (``for_others``: replicas under HSDP,
-    whose bytes must come from storage once); the rest are checked, not
-    staged -- the check leaves the bytes in the page cache, so the second
-    read is a memory-speed copy and needs no fresh memory, whose page faults
-    cost about as much (docs/checkpoint.md has the figures).  From remote
-    storage or a non-native format every request is a candidate: there a
-    second read is a second fetch.
+    Where the reader rereads from the page cache
+    (:attr:`~shardkit.checkpoint.formats.base.CheckpointReader.rereads_from_cache`: a native
+    checkpoint on a local disk) requests are staged only when this rank reads
+    them for others too (``for_others``: replicas under HSDP, whose bytes must
+    come from storage once); the rest are checked, not staged -- the check
+    leaves the bytes in the page cache, so the second read is a memory-speed
+    copy and needs no fresh memory, whose page faults cost about as much
+    (docs/checkpoint.md has the figures).  Elsewhere every request is a
+    candidate: there a second read is a second fetch.
     """
     if staging_bytes is None:
         return Checked([], list(requests))
-    if isinstance(reader, NativeReader) and reader.storage.is_local:
+    if reader.rereads_from_cache:
         candidates = {id(r) for r in for_others}
     else:
         candidates = {id(r) for r in requests}
