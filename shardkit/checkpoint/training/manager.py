@@ -42,10 +42,10 @@ listings sort).  The rules that make it crash-safe:
   the next older one, reloading every target, and says so: a resume is all or
   nothing per step, though each ``load`` is one pass that may have written
   targets before it found the damage.  If every step fails after one wrote
-  targets, it raises rather than report "nothing to resume" over a half-loaded model.  Finding nothing to resume is silent only on
-  a fresh root; foreign or interrupted steps, or a root that cannot be created,
-  are named in a warning, and ``required=True`` turns "nothing" into
-  :class:`~shardkit.errors.CheckpointNotFound`.
+  targets, it raises rather than report "nothing to resume" over a half-loaded
+  model.  Finding nothing to resume is silent only on a fresh root; foreign or
+  interrupted steps, or a root that cannot be created, are named in a warning,
+  and ``required=True`` turns "nothing" into :class:`~shardkit.errors.CheckpointNotFound`.
 """
 
 from __future__ import annotations
