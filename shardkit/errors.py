@@ -71,7 +71,13 @@ __all__ = [
 
 
 class ShardkitError(Exception):
-    """Base of every error shardkit raises on purpose."""
+    """Base of every error shardkit raises on purpose.
+
+    ``partly_written``: the tensor keys a failed ``load`` may have partly written (the failure came
+    after it began writing its targets); empty when the failure left every target as it was.
+    """
+
+    partly_written: tuple[str, ...] = ()
 
 
 class ConfigurationError(ShardkitError, ValueError):

@@ -194,10 +194,10 @@ def test_flipped_bytes_fail_the_checksum_and_leave_every_target_untouched(pristi
     block = _block_at(ckpt, "model.a.weight", 1, 300)
     net, opt, sd, before = _fresh_target()
     with pytest.raises(ChecksumMismatch, match="model.a.weight.*" + Path(rec["file"]).name + f".*block {block} "):
-        skc.load(sd, str(ckpt))
+        skc.load(sd, str(ckpt), verify_first=True)
     assert _same(_snapshot(sd), before)
-    with pytest.raises(ChecksumMismatch, match=f"checksum block {block} "):  # the one-pass opt-out still detects it
-        skc.load(sd, str(ckpt), verify_first=False)
+    with pytest.raises(ChecksumMismatch, match=f"checksum block {block} "):  # the one-pass default detects it too
+        skc.load(sd, str(ckpt))
 
 
 def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_the_previous(tmp_path, caplog):
@@ -210,7 +210,7 @@ def test_a_damaged_newest_step_leaves_the_model_untouched_and_the_manager_loads_
     _flip(Path(manager.url_of(2)), "optim.state.b.weight.exp_avg", 0, 7)
     target, target_opt, _, before = _fresh_target()
     with pytest.raises(ChecksumMismatch, match="exp_avg"):
-        manager.load(2, target, target_opt)
+        manager.load(2, target, target_opt, verify_first=True)
     assert _same(_snapshot(_state(target, target_opt)), before)
     assert manager.load_latest(target, target_opt) == (1, None)
     assert any(r.levelname == "WARNING" and "step 2 " in r.message and "damaged" in r.message
@@ -235,7 +235,7 @@ def test_flipped_bytes_on_remote_storage_leave_targets_untouched(pristine, stage
     net, opt, sd, before = _fresh_target()
     try:
         with pytest.raises(ChecksumMismatch, match="model.b.weight"):
-            skc.load(sd, url, staging_bytes=stage_bytes)
+            skc.load(sd, url, staging_bytes=stage_bytes, verify_first=True)
         assert _same(_snapshot(sd), before)
     finally:
         fs.rm(url, recursive=True)
@@ -258,7 +258,7 @@ def _save_rows(url: str) -> None:
 def _load_rows(url: str) -> tuple[str, bool]:
     sd = _sharded_rows(-1.0)
     try:
-        skc.load(sd, url)
+        skc.load(sd, url, verify_first=True)
     except ShardkitError as exc:
         return type(exc).__name__, bool((sd["w"].to_local() == -1.0).all())
     return "loaded", bool((sd["w"].to_local() == -1.0).all())
@@ -411,12 +411,12 @@ def test_fuzzed_manifests_and_data_files_raise_shardkit_errors_or_load_correctly
             victim = rng.choice(_data_files(ckpt))
             victim.write_bytes(_mutate_bytes(victim.read_bytes(), rng))
         net, opt, sd, before = _fresh_target()
-        one_pass = i % 4 == 3  # the opt-out: errors are still ShardkitErrors, targets may be partly loaded
+        one_pass = i % 4 != 3  # the default: errors are still ShardkitErrors, targets may be partly loaded
         try:
-            skc.load(sd, str(ckpt), **({"verify_first": False} if one_pass else {}))
+            skc.load(sd, str(ckpt), verify_first=not one_pass)
         except ShardkitError:
             outcomes["error"] += 1
-            if not one_pass:  # the default: every check, checksums included, precedes the first write
+            if not one_pass:  # verify_first: every check, checksums included, precedes the first write
                 assert _same(_snapshot(sd), before), f"mutation {i} left a half-loaded state"
         else:
             outcomes["loaded"] += 1

@@ -5,9 +5,10 @@ mesh): the two replicas of every shard need identical bytes.  One rank of each
 pair reads them (checking every checksum block it reads) and sends them to the
 other, so the data bytes all four ranks ask of storage add up to the
 checkpoint once per pass -- where four ranks each reading their own asked
-for it twice per pass.  By default the reader checks the bytes in staging
-memory before any rank writes a target, so even the all-or-nothing load is
-one pass.  Counted at the storage layer, per rank.
+for it twice per pass.  The default load is one pass; the all-or-nothing one
+(``verify_first=True``) checks the bytes in staging memory before any rank
+writes a target, so it too reads each byte once.  Counted at the storage
+layer, per rank.
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def _load_at_hsdp(url: str, verify_first: bool, staging_bytes: int | None) -> tu
 
 
 @pytest.mark.parametrize("verify_first,staging_bytes,reads", [
-    (True, None, 1.0),  # the default: checked in staging memory, so read once and still all or nothing
-    (False, None, 1.0),  # unchecked: straight into the targets
+    (True, None, 1.0),  # all or nothing: checked in staging memory, so still read once
+    (False, None, 1.0),  # the default: one pass straight into the targets, checked as the bytes land
     (True, 0, 2.0),  # checked without staging memory: a checking pass, then the read
     (True, 2 * 40 * 16 * 4, (1.0, 2.0)),  # staging for a part: that part once, the rest twice
-], ids=["default", "unchecked", "no-staging", "some-staging"])
+], ids=["staged", "one-pass", "no-staging", "some-staging"])
 def test_hsdp_2x2_reads_each_byte_from_storage_once_and_loads_bitwise(saved, verify_first, staging_bytes, reads):
     results = run_on_ranks(4, _load_at_hsdp, saved, verify_first, staging_bytes)
     assert all(same for _, same in results)
@@ -108,7 +109,7 @@ def _load_with_a_damaged_share(url: str) -> tuple[str, bool]:
     sd = {k: distribute_tensor(torch.full(s, 7.0), mesh, [Replicate(), Shard(0)]) if s else torch.full((), 7.0)
           for k, s in SHAPES.items()}
     try:
-        skc.load(sd, url)
+        skc.load(sd, url, verify_first=True)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         name = type(exc).__name__
     else:

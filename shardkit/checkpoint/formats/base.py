@@ -164,6 +164,14 @@ class CheckpointReader(abc.ABC):
         ``diff`` takes a key one side lacks as its tied partner only when that side says so."""
         return fqn in self.aliases()
 
+    @property
+    def rereads_from_cache(self) -> bool:
+        """Whether bytes read again right after they were read cost a memory copy (the page cache holds
+        them) instead of a second fetch from storage.  An all-or-nothing load then checks them in a first
+        pass and reads them again rather than staging them, which would fault in fresh memory for nothing;
+        false by default (remote storage, formats not known to keep it cached): staging reads them once."""
+        return False
+
     def focus(self, wanted: Mapping[str, Sequence[Box]]) -> None:
         """Before planning: the boxes (fqn -> boxes) that will be read.  A reader that fetches chunk
         records lazily fetches those that cover them, and only those; the others hold them all already."""

@@ -10,14 +10,17 @@ under HSDP) are read by one of them and sent to the others
    read); plan, for every local shard of the target, the pieces of stored
    chunks it needs and check every data file it will touch has the recorded
    size.  Ranks agree all is well *before any target tensor is written*.
-2. Check the data before writing any of it (the default, see
-   :func:`check_before_writing`): what fits the staging budget is read once
-   into host staging memory and checked there; the rest has every checksum
-   block it needs read and verified; the ranks agree again.
-3. Staged bytes are copied into the targets; the rest is read in place
-   (contiguous runs straight into the target's memory, every byte verified
-   against its checksum block).  Once every rank's reads succeeded, the bytes
-   of shared requests go from the rank that read them to the others.
+2. Only with ``verify_first=True`` (see :func:`check_before_writing`): check
+   the data before writing any of it -- what fits the staging budget is read
+   once into host staging memory and checked there; the rest has every
+   checksum block it needs read and verified; the ranks agree again.
+3. The bytes go into the targets: staged ones are copied, the rest is read in
+   place (contiguous runs straight into the target's memory, every byte
+   verified against its checksum block as it lands).  Once every rank's reads
+   succeeded, the bytes of shared requests go from the rank that read them to
+   the others.  A failure from here on may have written targets: every rank raises
+   the same error, naming the tensors that may be partly written
+   (:func:`_partly_written_error`).
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ from shardkit.checkpoint.formats.base import (
     CheckpointReader,
     ReadRequest,
     plan_reads,
-)
-from shardkit.checkpoint.formats.native.reader import (
-    NativeReader,
 )
 from shardkit.checkpoint.geometry.boxes import box_numel, local_tensor
 from shardkit.checkpoint.geometry.placements import local_pieces, view
@@ -56,6 +56,7 @@ from shardkit.checkpoint.training.shared_reads import exchange, share_reads
 from shardkit.errors import (
     ConfigurationError,
     IncompatibleStateDict,
+    ShardkitError,
     error_record,
     from_record,
 )
@@ -65,10 +66,12 @@ log = logging.getLogger(__name__)
 __all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
            "default_staging_bytes"]
 
+_NAMED_TARGETS = 5  # tensors a partly-written error names (the exception's ``partly_written`` holds them all)
+
 
 def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: str | os.PathLike | None = None,
          strict: bool = True,
-         storage_options: Mapping[str, Any] | None = None, verify_first: bool = True,
+         storage_options: Mapping[str, Any] | None = None, verify_first: bool = False,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
          process_group: Any = None, dtype_cast: bool = False,
          staging_bytes: int | None = None) -> dict[str, Any]:
@@ -79,14 +82,23 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     are replaced in ``state_dict``.  ``strict``: missing and unexpected keys
     raise; shape and dtype mismatches always raise.  Works without a process group.
 
-    All or nothing: a damaged checkpoint (missing or truncated files, checksum
-    mismatches, undecodable frames) raises on every rank before any target is
-    written.  Bytes are checked in host staging memory of at most
-    ``staging_bytes`` per rank (``None``: :func:`default_staging_bytes`), so
-    they are read once; a load needing more checks the rest in a first pass
-    and reads it again (see :func:`check_before_writing`).
-    ``verify_first=False`` skips the check: one pass and no staging, but a
-    checksum error may then leave targets partly loaded.  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
+    One verified pass by default: every checksum block is checked as its bytes
+    land in their target, so each byte is read from storage once.  A damaged
+    checkpoint (missing or truncated files, checksum mismatches, undecodable
+    frames) raises the same error on every rank, naming the file and key at
+    fault.  What can be checked without reading the data -- manifest, keys,
+    shapes, data file sizes and headers -- is checked before any target is
+    written (then the error says no target was written); damage found while
+    reading means targets may be partly written, and the error names them (all
+    of them in its ``partly_written``): load an older checkpoint into them.
+    :meth:`~shardkit.checkpoint.CheckpointManager.load_latest` does so itself.
+
+    ``verify_first=True`` is all or nothing, for code that must keep its
+    in-memory state when a load fails: every byte is checked before any rank
+    writes any target, in host staging memory of at most ``staging_bytes`` per
+    rank (``None``: :func:`default_staging_bytes`) so it is read once, and a
+    load needing more checks the rest in a first pass and reads it again (see
+    :func:`check_before_writing`).  ``format`` (``"shardkit"``, ``"hf"``, ``"torch"``,
     ``"dcp"``, and the read-only ``"deepspeed"`` and ``"trainer"``) is detected when ``None``.
 
     ``dtype_cast=True`` lets a tensor load into a target of another floating
@@ -97,7 +109,8 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
 
     ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
     ``dcp.load(state_dict, checkpoint_id=path)`` runs with the import swapped
-    (DCP returns ``None``; the ``meta`` returned here is simply not used).
+    (DCP returns ``None``; the ``meta`` returned here is simply not used).  DCP's
+    load also writes as it reads, so the one-pass default keeps its contract.
     """
     url = checkpoint_url(url, checkpoint_id, "load")
     dist = Dist(process_group)
@@ -126,7 +139,8 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
                                            shared.for_others)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         local_exc = exc
-    _agree(dist, local_exc, url)
+    _agree(dist, local_exc, url)  # nothing is written before this agreement
+    written = {r.fqn for r in requests}  # from here on a failure may leave these partly written
     try:
         for out, buf in checked.staged:
             out.copy_(buf)
@@ -134,8 +148,8 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         read_requests(reader, checked.in_place)  # a GPU target through small page-locked rounds
     except Exception as exc:  # noqa: BLE001
         local_exc = exc
-    if shared.shared:
-        _agree(dist, local_exc, url)  # no bytes leave a rank unless every rank's own reads succeeded
+    if shared.shared:  # no bytes leave a rank unless every rank's own reads succeeded
+        _agree(dist, local_exc, url, written, verify_first)
     try:
         exchange(shared, dist)
         for buf, target in device_copies:
@@ -147,7 +161,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         local_exc = exc
     finally:
         reader.close()
-    _agree(dist, local_exc, url)
+    _agree(dist, local_exc, url, written, verify_first)
     log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
              sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
     return LoadResult(reader.info.meta, missing=plan.missing, unexpected=plan.unexpected)
@@ -185,18 +199,19 @@ def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadReques
     budget are checked by ``reader.verify`` (every needed checksum block read
     through small per-thread buffers), then read again into the targets.
 
-    On a local disk a native checkpoint's requests are staged only when this
-    rank reads them for others too (``for_others``: replicas under HSDP,
-    whose bytes must come from storage once); the rest are checked, not
-    staged -- the check leaves the bytes in the page cache, so the second
-    read is a memory-speed copy and needs no fresh memory, whose page faults
-    cost about as much (docs/checkpoint.md has the figures).  From remote
-    storage or a non-native format every request is a candidate: there a
-    second read is a second fetch.
+    Where the reader rereads from the page cache
+    (:attr:`~shardkit.checkpoint.formats.base.CheckpointReader.rereads_from_cache`: a native
+    checkpoint on a local disk) requests are staged only when this rank reads
+    them for others too (``for_others``: replicas under HSDP, whose bytes must
+    come from storage once); the rest are checked, not staged -- the check
+    leaves the bytes in the page cache, so the second read is a memory-speed
+    copy and needs no fresh memory, whose page faults cost about as much
+    (docs/checkpoint.md has the figures).  Elsewhere every request is a
+    candidate: there a second read is a second fetch.
     """
     if staging_bytes is None:
         return Checked([], list(requests))
-    if isinstance(reader, NativeReader) and reader.storage.is_local:
+    if reader.rereads_from_cache:
         candidates = {id(r) for r in for_others}
     else:
         candidates = {id(r) for r in requests}
@@ -215,16 +230,44 @@ def check_before_writing(reader: CheckpointReader, requests: Sequence[ReadReques
     return Checked(pairs, in_place)
 
 
-def _agree(dist: Dist, local_exc: BaseException | None, url: str) -> None:
-    """Raise on every rank when any rank failed (the failing rank re-raises its own exception; the
-    others raise the same kind, learnt from its structured record)."""
+def _agree(dist: Dist, local_exc: BaseException | None, url: str, written: set[str] | None = None,
+           verify_first: bool = False) -> None:
+    """Raise on every rank when any rank failed, the same error everywhere (the class and message of
+    the lowest failing rank's, chained to the local exception where there is one).
+
+    ``written``: the tensors this rank's load writes, once writing began (``None``: nothing was
+    written yet); the error then names every rank's, as :func:`_partly_written_error` says.  A
+    load without a process group that failed before writing raises its own exception unchanged.
+    """
     first = dist.first_error(None if local_exc is None else error_record(local_exc))
     if first is None:
         return
-    if local_exc is not None:
+    if written is None and not dist.active:
+        assert local_exc is not None
         raise local_exc
     rank, record = first
-    raise from_record(record, f"loading {url} failed on rank {rank} ({record['type']}: {record['message']})")
+    text = str(record["message"]).rstrip(".")
+    message = f"loading {url} failed on rank {rank} ({record['type']}: {text})" if dist.active else text
+    if written is None:
+        raise from_record(record, f"{message}. No target was written.") from local_exc
+    keys = sorted({key for keys in dist.all_gather_json(sorted(written)) for key in keys})
+    raise _partly_written_error(record, message, keys, verify_first) from local_exc
+
+
+def _partly_written_error(record: Mapping[str, str], message: str, keys: Sequence[str],
+                          verify_first: bool) -> ShardkitError:
+    """The error of a load that failed after it began writing ``keys`` (every rank's, sorted): the
+    failure's own class (:func:`~shardkit.errors.from_record`), its ``message``, then the tensors that
+    may be partly written -- the count and the first few by name, all of them in ``partly_written``
+    (what :meth:`~shardkit.checkpoint.CheckpointManager.load_latest` reads to know a failed attempt
+    touched the targets) -- and what to do.  The same on every rank, whichever rank failed."""
+    shown = ", ".join(keys[:_NAMED_TARGETS]) + (", ..." if len(keys) > _NAMED_TARGETS else "")
+    advice = "load an older checkpoint into them" + (
+        "" if verify_first else ", or pass verify_first=True to keep the targets as they were when a load fails")
+    error = from_record(dict(record), f"{message}. Targets may be partly written: {len(keys)} tensor"
+                                      f"{'' if len(keys) == 1 else 's'} of this load ({shown}); {advice}.")
+    error.partly_written = tuple(keys)
+    return error
 
 
 class LoadPlan(NamedTuple):

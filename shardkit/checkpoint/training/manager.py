@@ -39,10 +39,13 @@ listings sort).  The rules that make it crash-safe:
 * ``load_latest`` lets rank 0 choose the step and tells the others (JSON over
   the process group), so every rank loads the same one.  When the newest
   committed step turns out damaged (checksum, missing file) it falls back to
-  the next older one and says so.  Finding nothing to resume is silent only on
-  a fresh root; foreign or interrupted steps, or a root that cannot be created,
-  are named in a warning, and ``required=True`` turns "nothing" into
-  :class:`~shardkit.errors.CheckpointNotFound`.
+  the next older one, reloading every target, and says so: a resume is all or
+  nothing per step, though each ``load`` is one pass that may have written
+  targets before it found the damage.  If every step fails after one wrote
+  targets, it raises rather than report "nothing to resume" over a half-loaded
+  model.  Finding nothing to resume is silent only on a fresh root; foreign or
+  interrupted steps, or a root that cannot be created, are named in a warning,
+  and ``required=True`` turns "nothing" into :class:`~shardkit.errors.CheckpointNotFound`.
 """
 
 from __future__ import annotations
@@ -306,19 +309,21 @@ class CheckpointManager:
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              *, strict: bool = True, data: ElasticSampler | None = None,
-             stateful: Mapping[str, Stateful] | None = None, rng: bool = True) -> Any:
+             stateful: Mapping[str, Stateful] | None = None, rng: bool = True, verify_first: bool = False) -> Any:
         """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``.
 
-        ``data``, ``stateful`` and ``rng`` are restored as :meth:`load_latest` does.
+        ``data``, ``stateful`` and ``rng`` are restored as :meth:`load_latest` does; ``verify_first``
+        as :func:`~shardkit.checkpoint.load` takes it (``True``: a damaged step leaves every target as it was).
         """
         self.wait()
-        meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
+        meta = self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first)
         self._run.resumed = step
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, strict: bool = True, required: bool = False, data: ElasticSampler | None = None,
-                    stateful: Mapping[str, Stateful] | None = None, rng: bool = True) -> tuple[int, Any] | None:
+                    stateful: Mapping[str, Stateful] | None = None, rng: bool = True,
+                    verify_first: bool = False) -> tuple[int, Any] | None:
         """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``.
 
         ``data`` continues an :class:`~shardkit.data.ElasticSampler` with exactly
@@ -333,6 +338,11 @@ class CheckpointManager:
         checkpoints, interrupted saves, a root that cannot be created, only
         damaged steps).  ``required=True`` raises
         :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
+
+        A damaged step makes it try the next older one, which reloads every target.  When every
+        step is damaged and a failed load had begun writing the targets (one pass, the default),
+        it raises :class:`~shardkit.errors.CorruptCheckpoint`: the model is neither as it was nor
+        any step.  ``verify_first=True`` checks each step before writing (see ``load``).
         """
         self.wait()
         started = time.perf_counter()
@@ -349,18 +359,27 @@ class CheckpointManager:
                      self.root_url)
         if not candidates:
             return self._nothing(self._on_rank0(self._why_nothing), required)
+        touched: list[int] = []  # steps whose failed load may have written targets
         for step in reversed(candidates):
             try:
-                meta = self._load_step(step, model, optimizer, strict, data, stateful, rng)
+                meta = self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first)
             except CorruptCheckpoint as exc:
-                log.warning("step %d under %s is damaged (%s); trying an older step", step, self.root_url, exc)
+                touched += [step] if exc.partly_written else []
+                log.warning("step %d under %s is damaged (%s); trying an older step%s", step, self.root_url, exc,
+                            ", which reloads every target" if exc.partly_written else "")
                 continue
             log.info("resumed from step %d at %s", step, self.url_of(step))
             self._run.resumed = step
             self.last_load = LastLoad(step, "durable", time.perf_counter() - started)
             return step, meta.get("extra")
-        return self._nothing(f"every committed step ({', '.join(map(str, candidates))}) is damaged, and this "
-                             f"manager will not save over them without overwrite=True", required)
+        every = f"every committed step ({', '.join(map(str, candidates))}) is damaged"
+        if touched:
+            raise CorruptCheckpoint(f"cannot resume under {self.root_url}: {every}, and the failed load of step"
+                                    f"{'s' if len(touched) > 1 else ''} {', '.join(map(str, touched))} may have "
+                                    f"partly written the model and optimizer: they hold no step, so do not train "
+                                    f"from them. Repair a step (shardkit verify names the damaged files) or "
+                                    f"rebuild the model")
+        return self._nothing(f"{every}, and this manager will not save over them without overwrite=True", required)
 
     def _resumable_steps(self) -> list[int]:
         """Committed steps, ascending, without those an ``overwrite=True`` run superseded (its step committed;
@@ -373,8 +392,9 @@ class CheckpointManager:
         return [s for s in committed if s not in superseded]
 
     def _load_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
-                   data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool) -> Any:
-        """Model and optimizer in place (all or nothing), then data position, objects, and the RNG last."""
+                   data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
+                   verify_first: bool) -> Any:
+        """Model and optimizer in place, then -- once they loaded -- data position, objects, and the RNG last."""
         url = self.url_of(step)
         inputs = stored_input_state(url, self.storage_options)
         restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
@@ -382,7 +402,7 @@ class CheckpointManager:
                           process_group=self.process_group)
         state = {**get_training_state(model, optimizer), **inputs}
         meta = load(state, url, strict=strict, storage_options=self.storage_options,
-                    process_group=self.process_group)
+                    process_group=self.process_group, verify_first=verify_first)
         set_training_state(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
                        strict=strict)
         if restores_inputs:

@@ -178,6 +178,11 @@ class NativeReader(CheckpointReader):
     def close(self) -> None:
         self._local = threading.local()
 
+    @property
+    def rereads_from_cache(self) -> bool:
+        """A local disk: a checking pass leaves the bytes in the page cache for the read that follows."""
+        return self.storage.is_local
+
     # -- validation before any write -----------------------------------
     def check_files(self, names: Sequence[str]) -> None:
         """Every named data file exists with exactly the size the manifest records, and its safetensors
