@@ -139,3 +139,20 @@ def test_a_resharded_column_cut_load_plans_each_request_once_on_every_rank(tmp_p
         assert {(key, box) for key, _, box in got["validated"]} == cuts
         assert sorted(got["runs"].values()) == [1, 1, 1, 1]
         assert {sub for _, sub in got["runs"]} == {box for _, box in cuts}
+
+
+def test_a_reader_keeps_a_bounded_number_of_plans_and_still_reads_every_request(tmp_path, monkeypatch):
+    from shardkit.checkpoint.formats.native import reader as native
+
+    saved = _tensors()
+    skc.save(saved, str(tmp_path / "ck"), chunk_bytes=1024, block_bytes=256)
+    monkeypatch.setattr(native, "MAX_PLANS", 3)
+    validated, _, _ = _count_planning(monkeypatch)
+    reader = NativeReader(str(tmp_path / "ck"))
+    for _ in range(2):
+        outs = {key: torch.zeros(shape) for key, shape in SHAPES.items()}
+        requests = plan_reads(reader, [(key, ((0,) * len(shape), shape), outs[key]) for key, shape in SHAPES.items()])
+        reader.read(requests)
+        assert all(torch.equal(outs[key], saved[key]) for key in SHAPES)
+        assert len(reader._plans) <= 3
+    assert sum(validated.calls.values()) == 16  # 8 requests, twice: the plans were dropped and made again

@@ -80,6 +80,7 @@ __all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_read
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
+MAX_PLANS = 1 << 18  # request plans kept (~300 B each): offline tools read a whole checkpoint through one reader
 
 
 def read_manifest(storage: Storage, *, chunks: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> Manifest:
@@ -197,9 +198,12 @@ class NativeReader(CheckpointReader):
     def _plan(self, r: ReadRequest) -> RequestPlan:
         """``r``'s plan: computed by :meth:`_validate` the first time its key, chunk and box are seen (by
         ``prepare``, or by ``verify``/``read`` when nothing prepared it), then looked up; only the
-        destination, which a copy of the request may change, is checked on every use."""
+        destination, which a copy of the request may change, is checked on every use.  The plans are a
+        cache: past ``MAX_PLANS`` they are dropped and worked out again when needed."""
         plan = self._plans.get((r.fqn, r.chunk, r.box))
         if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans = {}
             plan = self._plans[(r.fqn, r.chunk, r.box)] = self._validate(r)
         else:
             self._check_destination(r)
