@@ -156,3 +156,14 @@ def test_a_reader_keeps_a_bounded_number_of_plans_and_still_reads_every_request(
         assert all(torch.equal(outs[key], saved[key]) for key in SHAPES)
         assert len(reader._plans) <= 3
     assert sum(validated.calls.values()) == 16  # 8 requests, twice: the plans were dropped and made again
+
+
+def test_a_request_whose_box_holds_lists_is_planned_and_read(tmp_path):
+    from shardkit.checkpoint.formats.base import ReadRequest
+
+    saved = _tensors()
+    skc.save(saved, str(tmp_path / "ck"))
+    out = torch.zeros(4, 16)
+    reader = NativeReader(str(tmp_path / "ck"))
+    reader.read([ReadRequest("embed", 0, ([2, 0], [4, 16]), out)])
+    assert torch.equal(out, saved["embed"][2:6])

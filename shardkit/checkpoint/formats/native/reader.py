@@ -139,7 +139,7 @@ class NativeReader(CheckpointReader):
 
     def _use(self, manifest: Manifest) -> None:
         self._manifest = manifest
-        self._plans: dict[tuple[str, int, Box], RequestPlan] = {}  # chunk numbers change with the records
+        self._plans: dict[tuple, RequestPlan] = {}  # chunk numbers change with the records
         self._entries = {
             fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
                              tuple(StoredChunk(p.offsets, p.shape, p) for c in t.chunks for p in c.pieces()))
@@ -200,11 +200,12 @@ class NativeReader(CheckpointReader):
         ``prepare``, or by ``verify``/``read`` when nothing prepared it), then looked up; only the
         destination, which a copy of the request may change, is checked on every use.  The plans are a
         cache: past ``MAX_PLANS`` they are dropped and worked out again when needed."""
-        plan = self._plans.get((r.fqn, r.chunk, r.box))
+        key = (r.fqn, r.chunk, tuple(r.box[0]), tuple(r.box[1]))  # a caller's box may hold lists
+        plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:
                 self._plans = {}
-            plan = self._plans[(r.fqn, r.chunk, r.box)] = self._validate(r)
+            plan = self._plans[key] = self._validate(r)
         else:
             self._check_destination(r)
         return plan
