@@ -300,7 +300,8 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
     one box for most layouts, several row ranges for a ``_StridedShard`` that holds them, each
     read straight into its view of the local tensor.  Raises before anything is read when keys,
     dtypes or shapes do not match."""
-    reader.focus({key: [g for g, _ in local_pieces(target, key) or ()] for key, target in flat.tensors.items()})
+    held = {key: local_pieces(target, key) or [] for key, target in flat.tensors.items()}  # once per target
+    reader.focus({key: [g for g, _ in pieces] for key, pieces in held.items()})
     entries, values = reader.tensors(), reader.values()
     stored = set(entries) | set(values)
     wanted_keys = set(flat.tensors) | set(flat.values)
@@ -329,7 +330,7 @@ def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bo
                                         f"is {target.dtype} {list(target.shape)}{hint}")
         if reads[key] != key:  # tied to a key read already: the same memory
             continue
-        pieces = [p for p in local_pieces(target, key) or () if box_numel(p[0])]
+        pieces = [p for p in held[key] if box_numel(p[0])]
         if not pieces:
             continue
         local = local_tensor(target).detach()

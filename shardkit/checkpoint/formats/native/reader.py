@@ -4,6 +4,8 @@ Reading (:class:`NativeReader`): the manifest is parsed and validated once;
 before any destination tensor is touched, every data file a batch of requests
 needs is checked to exist with the size the manifest records, and its
 safetensors header to be intact and to hold the chunks the manifest names.
+What a request reads (its chunk record, byte runs and block span) is worked
+out once, the first time the reader sees it (:mod:`.request_plans`).
 Each request is then served with the fewest bytes that still verify:
 
 * *direct*: the piece is one contiguous run of the stored chunk and the
@@ -56,8 +58,9 @@ from shardkit.checkpoint.formats.native.manifest import (
     Manifest,
     parse_manifest,
 )
+from shardkit.checkpoint.formats.native.request_plans import RequestPlan, batches, plan_request
 from shardkit.checkpoint.geometry.boxes import Box
-from shardkit.checkpoint.geometry.plan import byte_runs, merge_ranges
+from shardkit.checkpoint.geometry.plan import merge_ranges
 from shardkit.checkpoint.io.concurrency import (
     DEFAULT_IO_THREADS,
     ByteBudget,
@@ -77,8 +80,7 @@ __all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_read
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
-_MAX_GAP = 256 << 10
-_MAX_BATCH = 16 << 20
+MAX_PLANS = 1 << 18  # request plans kept (~300 B each): offline tools read a whole checkpoint through one reader
 
 
 def read_manifest(storage: Storage, *, chunks: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> Manifest:
@@ -137,6 +139,7 @@ class NativeReader(CheckpointReader):
 
     def _use(self, manifest: Manifest) -> None:
         self._manifest = manifest
+        self._plans: dict[tuple, RequestPlan] = {}  # chunk numbers change with the records
         self._entries = {
             fqn: TensorEntry(fqn, code_to_dtype(t.dtype), t.shape,
                              tuple(StoredChunk(p.offsets, p.shape, p) for c in t.chunks for p in c.pieces()))
@@ -177,6 +180,7 @@ class NativeReader(CheckpointReader):
 
     def close(self) -> None:
         self._local = threading.local()
+        self._plans = {}
 
     @property
     def rereads_from_cache(self) -> bool:
@@ -196,39 +200,59 @@ class NativeReader(CheckpointReader):
         with self._lock:
             self._checked.update(todo)
 
-    def _validate(self, r: ReadRequest) -> ChunkRecord:
+    def _plan(self, r: ReadRequest) -> RequestPlan:
+        """``r``'s plan: computed by :meth:`_validate` the first time its key, chunk and box are seen (by
+        ``prepare``, or by ``verify``/``read`` when nothing prepared it), then looked up; only the
+        destination, which a copy of the request may change, is checked on every use.  The plans are a
+        cache: past ``MAX_PLANS`` they are dropped and worked out again when needed."""
+        key = (r.fqn, r.chunk, tuple(r.box[0]), tuple(r.box[1]))  # a caller's box may hold lists
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans = {}
+            plan = self._plans[key] = self._validate(r)
+        else:
+            self._check_destination(r)
+        return plan
+
+    def _check_destination(self, r: ReadRequest) -> None:
+        dtype = self._entries[r.fqn].dtype
+        if r.out.dtype != dtype or tuple(r.out.shape) != tuple(r.box[1]):
+            raise IncompatibleStateDict(f"{r.fqn!r}: destination {tuple(r.out.shape)} {r.out.dtype} does not match "
+                                        f"the requested box {tuple(r.box[1])} {dtype}")
+
+    def _validate(self, r: ReadRequest) -> RequestPlan:
+        """Check that ``r`` names a stored chunk holding its box and a destination of its shape and
+        dtype, and work out the bytes it reads."""
         entry = self._entries.get(r.fqn)
         if entry is None:
             raise IncompatibleStateDict(f"{r.fqn!r} is not a tensor in {self.storage.url}")
         if not 0 <= r.chunk < len(entry.chunks):
             raise IncompatibleStateDict(f"{r.fqn!r} has no stored chunk {r.chunk}")
         rec: ChunkRecord = entry.chunks[r.chunk].locator
-        if r.out.dtype != entry.dtype or tuple(r.out.shape) != tuple(r.box[1]):
-            raise IncompatibleStateDict(f"{r.fqn!r}: destination {tuple(r.out.shape)} {r.out.dtype} does not match "
-                                        f"the requested box {tuple(r.box[1])} {entry.dtype}")
+        self._check_destination(r)
         if not all(co <= o and o + s <= co + cs for co, cs, o, s in zip(rec.offsets, rec.shape, *r.box)):
             raise IncompatibleStateDict(f"{r.fqn!r}: requested box lies outside stored chunk {r.chunk}")
         if rec.codec == "raw" and rec.block % r.out.element_size():
             raise InvalidManifest(f"{r.fqn!r} chunk {r.chunk}: checksum block {rec.block} is not a multiple of "
                                   f"the item size")
-        return rec
+        return plan_request(rec, r.box, r.out.element_size())
 
     def prepare(self, requests: Sequence[ReadRequest]) -> None:
-        """Validate every request and check the size of every data file they touch."""
-        self.check_files([self._validate(r).file for r in requests if r.out.numel()])
+        """Validate every request, work out its bytes, and check the size of every data file they touch."""
+        self.check_files([self._plan(r).record.file for r in requests if r.out.numel()])
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         requests = [r for r in requests if r.out.numel()]
-        records = [self._validate(r) for r in requests]
-        self.check_files([rec.file for rec in records])
+        plans = [self._plan(r) for r in requests]
+        self.check_files([p.record.file for p in plans])
         if self.storage.is_local:
-            order = sorted(range(len(requests)), key=lambda i: (records[i].file, records[i].start))
-            self._prefetch([(records[i].file, records[i].start + lo, records[i].start + hi)
-                            for i in order for lo, hi in [self._span(requests[i], records[i])]])
-            parallel_map(lambda i: self._read_local(requests[i], records[i]), order, self.io_threads)
+            order = sorted(range(len(requests)), key=lambda i: (plans[i].record.file, plans[i].record.start))
+            self._prefetch([(p.record.file, p.record.start + p.lo, p.record.start + p.hi)
+                            for p in (plans[i] for i in order)])
+            parallel_map(lambda i: self._read_local(requests[i], plans[i]), order, self.io_threads)
             return
-        batches = _batches([(r, rec, self._span(r, rec)) for r, rec in zip(requests, records)])
-        parallel_map(self._read_batch, batches, max(self.io_threads, REMOTE_IO_THREADS))
+        parallel_map(self._read_batch, batches(list(zip(requests, plans))), max(self.io_threads, REMOTE_IO_THREADS))
 
     def verify(self, requests: Sequence[ReadRequest]) -> None:
         """Read and check every checksum block ``requests`` would read, writing no ``out``.
@@ -246,11 +270,11 @@ class NativeReader(CheckpointReader):
         into scratch, since a frame can only be checked by decoding it.
         """
         requests = [r for r in requests if r.out.numel()]
-        records = [self._validate(r) for r in requests]
-        self.check_files([rec.file for rec in records])
+        plans = [self._plan(r) for r in requests]
+        self.check_files([p.record.file for p in plans])
         spans: dict[tuple[str, int], tuple[str, ChunkRecord, list[tuple[int, int]]]] = {}
-        for r, rec in zip(requests, records):
-            spans.setdefault((rec.file, rec.start), (r.fqn, rec, []))[2].append(self._span(r, rec))
+        for r, p in zip(requests, plans):
+            spans.setdefault((p.record.file, p.record.start), (r.fqn, p.record, []))[2].append((p.lo, p.hi))
         items: list[tuple[str, ChunkRecord, int, int]] = []
         for fqn, rec, ranges in spans.values():
             step = rec.nbytes if rec.codec == "zstd" else max(rec.block, CHECK_SPAN // rec.block * rec.block)
@@ -320,49 +344,37 @@ class NativeReader(CheckpointReader):
     def _where(self, r: ReadRequest, rec: ChunkRecord) -> str:
         return f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
 
-    @staticmethod
-    def _span(r: ReadRequest, rec: ChunkRecord) -> tuple[int, int]:
-        """Chunk-local byte range ``[lo, hi)`` to fetch: the runs ``r`` needs, widened to whole blocks."""
-        if rec.codec == "zstd":
-            return 0, rec.nbytes
-        runs = byte_runs(rec.box, r.box, r.out.element_size())
-        lo = int(runs[0, 0]) // rec.block * rec.block
-        return lo, min(-(-int(runs[-1, 1]) // rec.block) * rec.block, rec.nbytes)
-
-    def _read_local(self, r: ReadRequest, rec: ChunkRecord) -> None:
+    def _read_local(self, r: ReadRequest, plan: RequestPlan) -> None:
         """Local file: a contiguous piece goes straight into ``out``; anything else via scratch."""
-        item = r.out.element_size()
-        needed = math.prod(r.box[1]) * item
-        lo, hi = self._span(r, rec)
-        if rec.codec == "raw" and r.out.is_contiguous():
-            runs = byte_runs(rec.box, r.box, item)
-            if len(runs) == 1:
-                a, b = int(runs[0, 0]), int(runs[0, 1])
-                head = self._scratch(0, (a - lo) + (hi - b))
-                parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
-                acc = BlockCrc(rec.block)
-                pos = rec.start + lo
-                for step in _steps(parts, STEP_BYTES):  # checksum each step while it is still in cache
-                    self.storage.read_parts(rec.file, pos, step)
-                    for seg in step:
-                        acc.update(seg)
-                    pos += sum(seg.numel() for seg in step)
-                self._check(acc.finish(), lo // rec.block, rec, self._where(r, rec))
-                self.stats.add(read=hi - lo, needed=needed, requests=1)
-                return
+        rec, lo, hi = plan.record, plan.lo, plan.hi
+        needed = math.prod(r.box[1]) * r.out.element_size()
+        if plan.run is not None and r.out.is_contiguous():
+            a, b = plan.run
+            head = self._scratch(0, (a - lo) + (hi - b))
+            parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
+            acc = BlockCrc(rec.block)
+            pos = rec.start + lo
+            for step in _steps(parts, STEP_BYTES):  # checksum each step while it is still in cache
+                self.storage.read_parts(rec.file, pos, step)
+                for seg in step:
+                    acc.update(seg)
+                pos += sum(seg.numel() for seg in step)
+            self._check(acc.finish(), lo // rec.block, rec, self._where(r, rec))
+            self.stats.add(read=hi - lo, needed=needed, requests=1)
+            return
         buf = self._scratch(0, hi - lo)
         self.storage.read_parts(rec.file, rec.start + lo, [buf])
         self._deliver(r, rec, buf, lo)
 
-    def _read_batch(self, batch: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> None:
+    def _read_batch(self, batch: list[tuple[ReadRequest, RequestPlan]]) -> None:
         """Remote file: one ranged request for neighbouring pieces, then verify and copy each.
 
         The response is used in place (no scratch copy), and the bytes in flight
         over all threads are bounded by ``REMOTE_INFLIGHT_BYTES``.
         """
-        file = batch[0][1].file
-        start = min(rec.start + lo for _, rec, (lo, _) in batch)
-        end = max(rec.start + hi for _, rec, (_, hi) in batch)
+        file = batch[0][1].record.file
+        start = min(p.record.start + p.lo for _, p in batch)
+        end = max(p.record.start + p.hi for _, p in batch)
         with self._inflight.take(end - start):
             data = self.storage.read_bytes(file, start, end)
             if len(data) != end - start:
@@ -370,8 +382,8 @@ class NativeReader(CheckpointReader):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only buffer: we only read from it
                 buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            for r, rec, (lo, hi) in batch:
-                self._deliver(r, rec, buf[rec.start + lo - start:rec.start + hi - start], lo)
+            for r, p in batch:
+                self._deliver(r, p.record, buf[p.record.start + p.lo - start:p.record.start + p.hi - start], p.lo)
 
     def _deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
         """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
@@ -419,22 +431,3 @@ def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tens
             if off == parts[i].numel():
                 i, off = i + 1, 0
         yield out
-
-
-def _batches(items: list[tuple[ReadRequest, ChunkRecord, tuple[int, int]]]) -> list[list]:
-    """Group pieces of the same file whose byte spans nearly touch (gap <= ``_MAX_GAP``, batch <= ``_MAX_BATCH``)."""
-    items = sorted(items, key=lambda it: (it[1].file, it[1].start + it[2][0]))
-    batches: list[list] = []
-    end = -1
-    for it in items:
-        _, rec, (lo, hi) = it
-        a, b = rec.start + lo, rec.start + hi
-        cur = batches[-1] if batches else None
-        if (cur is not None and cur[0][1].file == rec.file and a - end <= _MAX_GAP
-                and b - (cur[0][1].start + cur[0][2][0]) <= _MAX_BATCH):
-            cur.append(it)
-            end = max(end, b)
-        else:
-            batches.append([it])
-            end = b
-    return batches
