@@ -22,7 +22,7 @@ other); DCP asks for it once per replica.
 ``benchmarks/checkpoint.py`` runs this as its ``replicas`` phase, one round
 per repetition, and adds the targets to its own.
 
-    python benchmarks/replicated_load.py --gb 0.5 --reps 3
+    python benchmarks/replicated_load.py --gb 0.5 --reps 5
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def launch(args: argparse.Namespace, worker: str, ranks: int, *extra: str) -> st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=0.5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=targets.MIN_ROUNDS)
     parser.add_argument("--dir", default="/tmp/shardkit-replicated-bench")
     parser.add_argument("--worker", choices=("save", "load"))
     parser.add_argument("--rep", type=int, default=0, help="the first round's number (it rotates the order)")
