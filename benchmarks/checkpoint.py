@@ -277,7 +277,8 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         dist.all_reduce(t)
         totals[key] = float(t.item()) if not key.endswith(".step") else value  # plain tensors are replicated
     order = rotated(SYSTEMS, args.rep)
-    out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes}
+    out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes,
+                           "cold_sleep_s": args.cold_sleep}
     def path(system: str, tag: str) -> str:
         return os.path.join(args.dir, f"{system}-{tag}")
 
@@ -463,13 +464,14 @@ def report(args: argparse.Namespace,
     """Print the save/load/async tables from the results kept in ``results``; return the verdicts of the shared
     targets this phase measures (by key) and of this script's own (async_save)."""
     runs: dict[str, list[dict]] = {}
-    state_gb = None
+    state_gb, cold_sleep = None, args.cold_sleep
     for rep in range(args.rounds):
         for ws in ("ws2", "ws1"):
             with open(os.path.join(results, f"shardkit-ckpt-bench-{ws}-{rep}.json")) as f:
                 data = json.load(f)
             state_gb = data.pop("state_gb_total", state_gb)
             data.pop("rank_bytes", None)
+            cold_sleep = data.pop("cold_sleep_s", cold_sleep)  # the 2-rank jobs record it
             for key, value in data.items():
                 runs.setdefault(key, []).append(value)
 
@@ -485,7 +487,7 @@ def report(args: argparse.Namespace,
 
     dropped = all(r.get("dropped", True) for key in runs if key.endswith("/uncached") for r in runs[key])
     print(f"\nstate: {state_gb:.2f} GB (weights + AdamW), 2 gloo ranks; {args.rounds} repetitions, medians (min-max); "
-          f"uncached: page cache dropped before every load: {dropped}, then {args.cold_sleep:g} s asleep")
+          f"uncached: page cache dropped before every load: {dropped}, then {cold_sleep:g} s asleep")
     print(targets.describe_modes(skc.load))
     print("raw: saves write each rank's shards to one file; loads read each rank's share of shardkit's own data "
           "files front to back (the disk's floor, benchmarks/checkpoint_targets.py)")
