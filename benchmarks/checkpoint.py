@@ -2,8 +2,8 @@
 
 The state is a LLaMA-shaped model's fp32 weights plus AdamW's two moments
 (about ``--gb`` GB in all), sharded ``Shard(0)`` over 2 gloo ranks exactly as
-FSDP lays it out.  Every repetition runs, interleaved (the order of the three
-systems rotates from repetition to repetition):
+FSDP lays it out.  Every repetition (a round: ``--rounds``, 5 by default)
+runs, interleaved (the order of the systems rotates from round to round):
 
 * at 2 ranks (torchrun): ``save`` cold and warm; ``load`` page-cached and
   uncached; ``async_save`` blocking time (first call and a repeat) next to
@@ -15,19 +15,25 @@ systems rotates from repetition to repetition):
 Systems: shardkit (data files written with ``O_DIRECT``), shardkit with
 ``direct_io=False`` (saves only: buffered writes), DCP (``dcp.save``/
 ``load``/``async_save``, its background thread on its own gloo group), and the
-raw disk (each rank writes its shards to one file with ``write`` and reads them
-back with ``readinto``).  All fsync their data before a save counts as done.
-shardkit loads run twice: the default (a checking pass over every needed
-checksum block, then the read: all or nothing) and ``verify_first=False`` (one
-pass; a checksum error may leave targets partly loaded).
+raw disk: for saves, each rank writes its shards to one file with ``write``;
+for loads, the disk's floor, each rank reads its share of shardkit's own data
+files front to back with plain reads and does nothing with the bytes (the
+same files on the same blocks as the load, so no loader of them can be
+faster: ``checkpoint_targets.py``).  All fsync their data before a save
+counts as done.  shardkit loads run twice: ``"default"`` (``load(sd, url)``,
+whichever mode that is in the checkout) and the other mode
+(``"all-or-nothing"``: ``verify_first=True``, a checking pass over every
+needed checksum block, then the read; or ``"one pass"``:
+``verify_first=False``); the output says which is which.
 
-"cold": sleep 4 s before the op, so the VM has handed freed memory back to the
-host (a fresh process sees this); "warm": the op repeats at once, reusing the
-memory its previous run freed.  "page-cached": the checkpoint's files are read
-once (untimed) before the load; "uncached": ``drop_caches`` (then the cold
-sleep) before it.  Every load is checked against float64 sums of the saved
-state.  Peak RSS is sampled every 5 ms; it is reported above the RSS before
-the op, as a fraction of the state bytes the process holds.
+"cold": sleep ``--cold-sleep`` s (4) before the op, so the VM has handed
+freed memory back to the host (a fresh process sees this); "warm": the op
+repeats at once, reusing the memory its previous run freed.  "page-cached":
+the checkpoint's files are read once (untimed) before the load; "uncached":
+``drop_caches`` (then the cold sleep) before it.  Every load is checked
+against float64 sums of the saved state.  Peak RSS is sampled every 5 ms; it
+is reported above the RSS before the op, as a fraction of the state bytes the
+process holds.
 
 Then, per repetition, a third job trains while saving (``--phases train``;
 :mod:`checkpoint_training` says how): blocking time per save, step time while
@@ -35,13 +41,18 @@ a save is being written and total time, for ``async_save`` with its writer
 process and with a thread, ``dcp.async_save`` with a thread and with a
 process, and no saving.  Then, per repetition, one round of
 :mod:`replicated_load` (``--phases replicas``): an HSDP 2x2 load on 4 ranks,
-the bytes every rank asks of storage, shardkit vs DCP.  Last, every target
-with its verdict (MET/MISSED).
+the bytes every rank asks of storage, shardkit vs DCP.  Last, the verdict
+table: the targets shared with ``save_load_minimal.py`` (defined once in
+``checkpoint_targets.py``: a ratio is our median over the rounds / the
+other's; the save is the warm one, into a fresh directory, as a training
+job's periodic save; the loads are the default's), each MET, MISSED or NOT
+MEASURED (a phase left out), then this script's own (``async_save``,
+training while saving).
 
-    python benchmarks/checkpoint.py --gb 2 --reps 5 --dir /tmp/shardkit-ckpt-bench
-    python benchmarks/checkpoint.py --phases train --reps 3   # the training phase alone
-    python benchmarks/checkpoint.py --gb 2 --reps 5 --only-rep 0 --results R   # ... one call per repetition,
-    python benchmarks/checkpoint.py --gb 2 --reps 5 --report-only --results R  # then the report of all five
+    python benchmarks/checkpoint.py --gb 2 --rounds 5 --dir /tmp/shardkit-ckpt-bench
+    python benchmarks/checkpoint.py --phases train --rounds 3   # the training phase alone
+    python benchmarks/checkpoint.py --gb 2 --only-rep 0 --results R   # ... one call per repetition,
+    python benchmarks/checkpoint.py --gb 2 --report-only --results R  # then the report of all five
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_targets as targets  # noqa: E402 - the targets and definitions shared with save_load_minimal
 import checkpoint_training as training  # noqa: E402 - the training-while-saving phase, beside this file
 
 import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
@@ -71,16 +83,21 @@ from shardkit.checkpoint.geometry.boxes import shard_box  # noqa: E402
 from shardkit.checkpoint.state.tree import flatten  # noqa: E402
 
 SYSTEMS = ("shardkit", "dcp", "raw", "shardkit-buffered")  # the last: direct_io=False
-LOADS = ("shardkit", "shardkit-onepass", "dcp", "raw")  # shardkit-onepass: load(verify_first=False)
-COLD_SLEEP_S = 4.0
+MODES = targets.load_modes(skc.load)  # shardkit's loads: "default" and the other mode, by label
+LOADS = (*MODES, "dcp", "raw")  # raw: the disk's floor, a plain read of shardkit's data files
 
 
 # -- the state -------------------------------------------------------------
 
 
 def shapes_for(gb: float) -> dict[str, tuple[int, ...]]:
-    """Model parameter shapes (dim 1024, vocab 32000) whose weights + 2 AdamW moments reach ``gb``."""
+    """Model parameter shapes (dim 1024, vocab 32000) whose weights + 2 AdamW moments reach ``gb``.
+
+    Where the two vocabulary matrices alone would pass ``gb`` (0.79 GB: a smoke run), the vocabulary shrinks
+    to take half of ``gb``, so the state stays near ``gb`` plus one layer (0.12 GB)."""
     dim, ffn, vocab = 1024, 2816, 32000
+    if 12 * 2 * vocab * dim > gb * 1e9:
+        vocab = max(1, int(gb * 1e9 / 2 / (12 * 2 * dim)))
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (vocab, dim), "output.weight": (vocab, dim)}
     layer = 0
     while 12 * sum(torch.Size(s).numel() for s in shapes.values()) < gb * 1e9:
@@ -163,26 +180,6 @@ class PeakRSS:
         self.delta = self.peak - self.base
 
 
-def warm_cache(path: str) -> None:
-    """Read every file under ``path`` once, so the load that follows finds it in the page cache."""
-    buf = bytearray(8 << 20)
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -196,20 +193,22 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def timed(fn: Callable[[], Any], state_nbytes: int, *, cold: bool = False, uncached: bool = False,
+def timed(fn: Callable[[], Any], state_nbytes: int, *, sleep_s: float = 0.0, uncached: bool = False,
           rank: int = 0) -> dict[str, float]:
-    """Run ``fn`` between barriers; seconds (slowest rank) and peak RSS above the start (largest rank)."""
-    if uncached and rank == 0:
-        drop_caches()
-    if cold or uncached:
-        time.sleep(COLD_SLEEP_S)
+    """Run ``fn`` between barriers; seconds (slowest rank) and peak RSS above the start (largest rank).
+
+    ``sleep_s``: seconds asleep first ("cold": the VM hands freed memory back); ``uncached``: rank 0 drops
+    the page cache first (``"dropped"`` in the result says whether it could)."""
+    dropped = targets.drop_page_cache() if uncached and rank == 0 else True
+    time.sleep(sleep_s)
     barrier()
     with PeakRSS() as rss:
         start = time.perf_counter()
         fn()
         barrier()
         seconds = time.perf_counter() - start
-    return {"s": max_over_ranks(seconds), "rss": max_over_ranks(rss.delta / state_nbytes)}
+    return {"s": max_over_ranks(seconds), "rss": max_over_ranks(rss.delta / state_nbytes),
+            "dropped": max_over_ranks(float(not dropped)) == 0.0}
 
 
 # -- the three systems -----------------------------------------------------
@@ -225,46 +224,25 @@ def raw_save(state: dict[str, Any], path: str, rank: int) -> None:
         os.fsync(f.fileno())
 
 
-def raw_load(state: dict[str, Any], path: str, rank: int, world_saved: int) -> None:
-    """Read the 2-rank raw files into this process's tensors (its shards, or full tensors at world 1)."""
-    keys = tensors_of(state)
-    sharded = any(hasattr(t, "to_local") for _, t in keys)
-    for src in ([rank] if sharded else range(world_saved)):
-        with open(os.path.join(path, f"rank{src}.bin"), "rb", buffering=0) as f:
-            for _, t in keys:
-                local = local_of(t)
-                if local.dim() == 0 and src > 0 and not sharded:  # replicated scalars: rank 0's copy
-                    f.seek(local.element_size(), os.SEEK_CUR)
-                    continue
-                view = local
-                if not sharded and local.dim():  # at world 1: the rows rank ``src`` wrote
-                    (row, *_), (rows, *_) = shard_box(tuple(t.shape), (world_saved,), (src,), [Shard(0)])
-                    view = local.narrow(0, row, rows)
-                mv, got = memoryview(view.reshape(-1).view(torch.uint8).numpy()), 0
-                while got < len(mv):
-                    got += f.readinto(mv[got:])
-
-
 def run_save(system: str, state: dict[str, Any], path: str, rank: int) -> None:
     if system.startswith("shardkit"):
-    
         skc.save(state, path, direct_io=system == "shardkit")
     elif system == "dcp":
-    
         dcp.save(state, checkpoint_id=path)
     else:
         raw_save(state, path, rank)
 
 
 def run_load(system: str, state: dict[str, Any], path: str, rank: int) -> None:
-    if system.startswith("shardkit"):
-    
-        skc.load(state, path, verify_first=system != "shardkit-onepass")
+    """Load with ``system`` (a label of ``LOADS``) from its checkpoint at ``path``; ``raw`` only reads
+    this rank's share of the files at ``path`` (a shardkit checkpoint), the disk's floor."""
+    if system in MODES:
+        skc.load(state, path, **MODES[system])
     elif system == "dcp":
-        
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     else:
-        raw_load(state, path, rank, 2)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        targets.read_sequentially(targets.floor_files(path, rank, world))
 
 
 def rotated(systems: tuple[str, ...], rep: int) -> tuple[str, ...]:
@@ -299,13 +277,14 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         dist.all_reduce(t)
         totals[key] = float(t.item()) if not key.endswith(".step") else value  # plain tensors are replicated
     order = rotated(SYSTEMS, args.rep)
-    out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes}
+    out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes,
+                           "cold_sleep_s": args.cold_sleep}
     def path(system: str, tag: str) -> str:
         return os.path.join(args.dir, f"{system}-{tag}")
 
     for system in order:  # save: cold, then warm (the previous output freed just before)
         out[f"save/{system}/cold"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
-                                           cold=True, rank=rank)
+                                           sleep_s=args.cold_sleep, rank=rank)
     for system in order:
         if rank == 0:
             shutil.rmtree(path(system, "main"), ignore_errors=True)
@@ -313,7 +292,7 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
         out[f"save/{system}/warm"] = timed(lambda: run_save(system, state, path(system, "main"), rank), nbytes,
                                            rank=rank)
     measure_loads("load2", state, sums, out, rank, args)
-    measure_async(state, out, nbytes, rank, order, path)
+    measure_async(state, out, nbytes, rank, order, path, args.cold_sleep)
     if rank == 0:
         with open(os.path.join(args.dir, "sums.json"), "w") as f:
             json.dump(totals, f)
@@ -324,29 +303,33 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
 
 def measure_loads(op: str, state: dict[str, Any], sums: dict[str, float], out: dict[str, Any], rank: int,
                   args: argparse.Namespace) -> None:
-    """Every loader, page-cached (files read once before, untimed) then uncached, into ``out[op/system/...]``."""
+    """Every loader, page-cached (files read once before, untimed) then uncached (page cache dropped, then
+    the cold sleep), into ``out[op/system/...]``; every load but the raw read is checked against ``sums``."""
     for cached in ("page-cached", "uncached"):
         for system in rotated(LOADS, args.rep):
             zero_state(state)
-            src = os.path.join(args.dir, f"{system.replace('-onepass', '')}-main")
+            src = os.path.join(args.dir, "dcp-main" if system == "dcp" else "shardkit-main")
             if cached == "page-cached" and rank == 0:
-                warm_cache(src)
+                targets.read_every_file(src)
+            uncached = cached == "uncached"
             out[f"{op}/{system}/{cached}"] = timed(lambda: run_load(system, state, src, rank), state_bytes(state),
-                                                   uncached=cached == "uncached", rank=rank)
-            check_sums(state, sums, f"{system} {op}")
+                                                   sleep_s=args.cold_sleep if uncached else 0.0,
+                                                   uncached=uncached, rank=rank)
+            if system != "raw":
+                check_sums(state, sums, f"{system} {op}")
 
 
 def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank: int, order: tuple,
-                path: Callable[[str, str], str]) -> None:
+                  path: Callable[[str, str], str], cold_sleep: float) -> None:
     """async_save blocking time (first and repeat) beside copying the shards to host memory."""
     group = dist.new_group(backend="gloo")
     locals_ = [local_of(t) for _, t in tensors_of(state)]
     copies: list[torch.Tensor] = []
     # the baseline first, in the same conditions as the first save of each system (cold memory)
-    out["async/copy-to-host/clone"] = timed(lambda: copies.extend(t.clone() for t in locals_), nbytes, cold=True,
-                                            rank=rank)
+    out["async/copy-to-host/clone"] = timed(lambda: copies.extend(t.clone() for t in locals_), nbytes,
+                                            sleep_s=cold_sleep, rank=rank)
     out["async/copy-to-host/preallocated"] = timed(
-        lambda: [c.copy_(t) for c, t in zip(copies, locals_)], nbytes, cold=True, rank=rank)
+        lambda: [c.copy_(t) for c, t in zip(copies, locals_)], nbytes, sleep_s=cold_sleep, rank=rank)
     copies.clear()
     for system in [s for s in order if s in ("shardkit", "dcp")]:
         for attempt in ("first", "repeat"):
@@ -354,7 +337,7 @@ def measure_async(state: dict[str, Any], out: dict[str, Any], nbytes: int, rank:
             holder: dict[str, Any] = {}
             start_save = (lambda: skc.async_save(state, target, process_group=group)) if system == "shardkit" else \
                 (lambda: dcp.async_save(state, checkpoint_id=target, process_group=group))
-            res = timed(lambda: holder.setdefault("f", start_save()), nbytes, cold=True, rank=rank)
+            res = timed(lambda: holder.setdefault("f", start_save()), nbytes, sleep_s=cold_sleep, rank=rank)
             start = time.perf_counter()
             holder["f"].result()
             barrier()
@@ -382,7 +365,10 @@ def worker_one_process(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=2.0, help="total state (weights + AdamW) in GB")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", "--reps", dest="rounds", type=int, default=targets.MIN_ROUNDS,
+                        help="repetitions (rounds), each a fresh job per phase, orders rotating")
+    parser.add_argument("--cold-sleep", type=float, default=4.0, help="seconds asleep before a cold op and "
+                        "after dropping the page cache for an uncached load")
     parser.add_argument("--dir", default="/tmp/shardkit-ckpt-bench")
     parser.add_argument("--results", default=None, help="folder that keeps each repetition's results "
                         "(default: the parent of --dir)")
@@ -404,29 +390,34 @@ def main() -> None:
     os.makedirs(results, exist_ok=True)
     phases = set(args.phases.split(","))
     if not args.report_only:
-        for rep in range(args.reps) if args.only_rep is None else [args.only_rep]:
+        for rep in range(args.rounds) if args.only_rep is None else [args.only_rep]:
             run_repetition(args, rep, phases, results)
         if args.only_rep is not None:
             return
-    targets = report(args, results) if "io" in phases else []
+    found: dict[str, targets.Verdict] = {}  # the shared targets measured, by key
+    others: list[targets.Verdict] = []  # this script's further targets (async_save, training)
+    if "io" in phases:
+        measured, others = report(args, results)
+        found.update(measured)
     if "train" in phases:
         runs = []
-        for rep in range(args.reps):
+        for rep in range(args.rounds):
             with open(os.path.join(results, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
                 runs.append(json.load(f))
-        targets += training.report(runs, args.save_every)
+        others += [targets.Verdict(name, ours, limit) for name, ours, limit, _ in training.report(runs, args.save_every)]
     if "replicas" in phases:
         import replicated_load  # here, not at the top: it imports this module's helpers
 
         rounds = []
-        for rep in range(args.reps):
+        for rep in range(args.rounds):
             with open(os.path.join(results, f"shardkit-ckpt-bench-replicas-{rep}.json")) as f:
                 rounds.append(json.load(f))
-        targets += replicated_load.report({"size": rounds[0]["size"], "dropped": rounds[0]["dropped"],
-                                           "rounds": [r for res in rounds for r in res["rounds"]]})
-    print("\ntargets")
-    for name, ours, limit, met in targets:
-        print(f"  {name:72s} {ours:6.2f} (<= {limit:.2f})  {'MET' if met else 'MISSED'}")
+        found["hsdp/bytes"] = replicated_load.report({"size": rounds[0]["size"], "dropped": rounds[0]["dropped"],
+                                                      "rounds": [r for res in rounds for r in res["rounds"]]})
+    where = {"hsdp/bytes": "replicas"}
+    verdicts = [found.get(t.key) or targets.not_measured(t.key, f"the {where.get(t.key, 'io')} phase did not run "
+                                                                f"(--phases {args.phases})") for t in targets.TARGETS]
+    targets.print_verdicts(verdicts + others, args.rounds)
 
 
 def run_repetition(args: argparse.Namespace, rep: int, phases: set[str], results: str) -> None:
@@ -436,6 +427,7 @@ def run_repetition(args: argparse.Namespace, rep: int, phases: set[str], results
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     base = [os.path.abspath(__file__), "--gb", str(args.gb), "--dir", args.dir, "--rep", str(rep),
+            "--cold-sleep", str(args.cold_sleep),
             "--train-steps", str(args.train_steps), "--save-every", str(args.save_every),
             "--train-dim", str(args.train_dim), "--train-layers", str(args.train_layers)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -453,7 +445,7 @@ def run_repetition(args: argparse.Namespace, rep: int, phases: set[str], results
                         "--json", os.path.join(results, f"shardkit-ckpt-bench-replicas-{rep}.json")],
                        check=True, env=env)
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
+    print(f"repetition {rep + 1}/{args.rounds} done", file=sys.stderr)
 
 
 def worker_training(args: argparse.Namespace) -> None:
@@ -467,39 +459,49 @@ def worker_training(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace, results: str) -> list[tuple[str, float, float, bool]]:
-    """Print the save/load/async tables from the results kept in ``results``; return the targets as
-    ``(name, ours, limit, met)``."""
+def report(args: argparse.Namespace,
+           results: str) -> tuple[dict[str, targets.Verdict], list[targets.Verdict]]:
+    """Print the save/load/async tables from the results kept in ``results``; return the verdicts of the shared
+    targets this phase measures (by key) and of this script's own (async_save)."""
     runs: dict[str, list[dict]] = {}
-    state_gb = None
-    for rep in range(args.reps):
+    state_gb, cold_sleep = None, args.cold_sleep
+    for rep in range(args.rounds):
         for ws in ("ws2", "ws1"):
             with open(os.path.join(results, f"shardkit-ckpt-bench-{ws}-{rep}.json")) as f:
                 data = json.load(f)
             state_gb = data.pop("state_gb_total", state_gb)
             data.pop("rank_bytes", None)
+            cold_sleep = data.pop("cold_sleep_s", cold_sleep)  # the 2-rank jobs record it
             for key, value in data.items():
                 runs.setdefault(key, []).append(value)
 
     def med(key: str, field: str = "s") -> float:
         return statistics.median(r[field] for r in runs[key])
 
+    def times(key: str) -> list[float]:
+        return [r["s"] for r in runs[key]]  # in repetition order, so the systems' rounds line up
+
     def spread(key: str) -> str:
-        values = sorted(r["s"] for r in runs[key])
+        values = sorted(times(key))
         return f"{values[0]:.2f}-{values[-1]:.2f}"
 
-    print(f"\nstate: {state_gb:.2f} GB (weights + AdamW), 2 gloo ranks; {args.reps} repetitions, medians (min-max)")
+    dropped = all(r.get("dropped", True) for key in runs if key.endswith("/uncached") for r in runs[key])
+    print(f"\nstate: {state_gb:.2f} GB (weights + AdamW), 2 gloo ranks; {args.rounds} repetitions, medians (min-max); "
+          f"uncached: page cache dropped before every load: {dropped}, then {cold_sleep:g} s asleep")
+    print(targets.describe_modes(skc.load))
+    print("raw: saves write each rank's shards to one file; loads read each rank's share of shardkit's own data "
+          "files front to back (the disk's floor, benchmarks/checkpoint_targets.py)")
     print(f"{'op':32s} {'shardkit s':>17s} {'GB/s':>5s} {'RSS+':>6s} {'DCP s':>6s} {'raw s':>6s} "
           f"{'vs DCP':>6s} {'vs raw':>6s}")
     saves = [("save, 2 ranks, cold", "save", "cold"), ("save, 2 ranks, warm", "save", "warm")]
     loads = [("load, 2 ranks, page-cached", "load2", "page-cached"), ("load, 2 ranks, uncached", "load2", "uncached"),
              ("load at 1 (reshard), page-cached", "load1", "page-cached"),
              ("load at 1 (reshard), uncached", "load1", "uncached")]
-    sections = [("shardkit", "default: checking pass, then read (all or nothing)", saves + loads),
-                ("shardkit-onepass", "load(verify_first=False): one pass", loads),
-                ("shardkit-buffered", "save(direct_io=False): buffered writes", saves)]
+    sections = [("shardkit", "save(): data files with O_DIRECT", saves),
+                ("shardkit-buffered", "save(direct_io=False): buffered writes", saves)] + \
+        [(label, f"shardkit load, {label}", loads) for label in MODES]
     for name, what, ops in sections:
-        print(f"-- {name} ({what})")
+        print(f"-- {what}")
         for label, op, variant in ops:
             ours, theirs, raw = f"{op}/{name}/{variant}", f"{op}/dcp/{variant}", f"{op}/raw/{variant}"
             print(f"{label:32s} {med(ours):5.2f} ({spread(ours):>10s}) {state_gb / med(ours):5.2f} "
@@ -516,14 +518,21 @@ def report(args: argparse.Namespace, results: str) -> list[tuple[str, float, flo
           f"into preallocated buffers {med(pre):.3f} s")
     print(f"  shardkit repeat / fresh clone = {med('async/shardkit/repeat') / med(clone):.2f}x, "
           f"/ preallocated copy = {med('async/shardkit/repeat') / med(pre):.2f}x")
-    limits = [("save, 2 ranks, cold: shardkit / DCP", "save", "cold", 0.6),
-              ("load, 2 ranks, uncached: shardkit / DCP", "load2", "uncached", 0.8),
-              ("load at 1 (reshard 2 -> 1), uncached: shardkit / DCP", "load1", "uncached", 0.7)]
-    targets = [(name, med(f"{op}/shardkit/{v}") / med(f"{op}/dcp/{v}"), limit,
-                med(f"{op}/shardkit/{v}") / med(f"{op}/dcp/{v}") <= limit) for name, op, v, limit in limits]
+
+    def uncached(key: str, ours: str, theirs: str) -> targets.Verdict:
+        if not dropped:
+            return targets.not_measured(key, "the page cache could not be dropped here (drop_caches needs root)")
+        return targets.judged(key, times(ours), times(theirs))
+
+    found = {
+        "load/dcp": uncached("load/dcp", "load2/default/uncached", "load2/dcp/uncached"),
+        "load/raw": uncached("load/raw", "load2/default/uncached", "load2/raw/uncached"),
+        "save/dcp": targets.judged("save/dcp", times("save/shardkit/warm"), times("save/dcp/warm")),
+        "reshard/dcp": uncached("reshard/dcp", "load1/default/uncached", "load1/dcp/uncached"),
+        "cached/dcp": targets.judged("cached/dcp", times("load2/default/page-cached"), times("load2/dcp/page-cached")),
+    }
     ratio = med("async/shardkit/repeat") / med(pre)
-    targets.append(("async_save blocking (repeat) / copy into preallocated host buffers", ratio, 1.2, ratio <= 1.2))
-    return targets
+    return found, [targets.Verdict("async_save blocking (repeat) / copy into preallocated host buffers", ratio, 1.2)]
 
 
 if __name__ == "__main__":

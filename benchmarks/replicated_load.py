@@ -10,17 +10,19 @@ counter); the sum over ranks, divided by the checkpoint's bytes, is the
 figure.  Systems, interleaved over ``--reps`` rounds, page cache dropped
 before each load when the machine allows it:
 
-* shardkit, default (all or nothing: the reading rank checks the bytes in
-  staging memory before any rank writes a target);
-* shardkit, ``verify_first=False`` (one unchecked pass);
+* shardkit's ``"default"``: ``load(sd, url)``, whichever mode that is in the
+  checkout;
+* shardkit's other mode (``"all-or-nothing"``, ``verify_first=True``, or
+  ``"one pass"``, ``verify_first=False``; the output says which is which);
 * DCP (``dcp.load``).
 
-Target: shardkit asks for at most 1.05x the checkpoint per load (each byte
-read by one replica and sent to the other); DCP asks for it once per replica.
+Target (``benchmarks/checkpoint_targets.py``): the default load asks for at
+most 1.05x the checkpoint (each byte read by one replica and sent to the
+other); DCP asks for it once per replica.
 ``benchmarks/checkpoint.py`` runs this as its ``replicas`` phase, one round
 per repetition, and adds the targets to its own.
 
-    python benchmarks/replicated_load.py --gb 0.5 --reps 3
+    python benchmarks/replicated_load.py --gb 0.5 --reps 5
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
-from benchmarks.checkpoint import build_state, drop_caches, local_sums, shapes_for, zero_state  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_targets as targets  # noqa: E402 - the targets shared by the checkpoint benchmarks
 
-SYSTEMS = ("shardkit", "shardkit-onepass", "dcp")
+import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
+from benchmarks.checkpoint import build_state, local_sums, shapes_for, zero_state  # noqa: E402
+
+MODES = targets.load_modes(skc.load)  # shardkit's loads: "default" and the other mode, by label
+SYSTEMS = (*MODES, "dcp")
 
 
 def rchar() -> int:
@@ -96,13 +102,13 @@ def worker_load(args: argparse.Namespace) -> None:
     for system in SYSTEMS[args.rep % 3:] + SYSTEMS[:args.rep % 3]:
         zero_state(state)
         if rank == 0:
-            drop_caches()
+            targets.drop_page_cache()
         dist.barrier()
         before, start = rchar(), time.perf_counter()
         if system == "dcp":
             dcp.load(state, checkpoint_id=f"{args.dir}/dcp")
         else:
-            skc.load(state, f"{args.dir}/shardkit", verify_first=system == "shardkit")
+            skc.load(state, f"{args.dir}/shardkit", **MODES[system])
         seconds = time.perf_counter() - start
         read = rchar() - before
         dist.barrier()
@@ -129,7 +135,7 @@ def launch(args: argparse.Namespace, worker: str, ranks: int, *extra: str) -> st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=0.5)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=targets.MIN_ROUNDS)
     parser.add_argument("--dir", default="/tmp/shardkit-replicated-bench")
     parser.add_argument("--worker", choices=("save", "load"))
     parser.add_argument("--rep", type=int, default=0, help="the first round's number (it rotates the order)")
@@ -150,36 +156,35 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "rounds": rounds, "dropped": drop_caches()}, f)
+            json.dump({"size": size, "rounds": rounds, "dropped": targets.drop_page_cache()}, f)
         return
-    report({"size": size, "rounds": rounds, "dropped": drop_caches()})
+    targets.print_verdicts([report({"size": size, "rounds": rounds, "dropped": targets.drop_page_cache()})], args.reps)
 
 
-def report(result: dict) -> list[tuple[str, float, float, bool]]:
-    """Print the table of ``main``'s rounds (``{"size", "rounds", "dropped"}``); return the targets as
-    ``(name, ours, limit, met)``."""
+def report(result: dict) -> targets.Verdict:
+    """Print the table of ``main``'s rounds (``{"size", "rounds", "dropped"}``); return the verdict of the
+    default load's bytes."""
     size, rounds = result["size"], result["rounds"]
     print(f"\nHSDP 2x2 load of a {size['shardkit'] / 1e9:.2f} GB checkpoint (DCP's: {size['dcp'] / 1e9:.2f} GB) "
           f"saved at 2 ranks; {len(rounds)} rounds, medians; drop_caches before every load: {result['dropped']}")
+    print(targets.describe_modes(skc.load))
     print(f"{'system':<18}{'bytes asked, 4 ranks':>22}{'x checkpoint':>14}{'per rank':>30}{'seconds':>10}")
-    sums = {}
+    sums, ratios = {}, {}
     for system in SYSTEMS:
-        total = statistics.median(sum(r[k][system]["read"] for k in range(4)) for r in rounds)
+        asked = [sum(r[k][system]["read"] for k in range(4)) for r in rounds]
         per_rank = [statistics.median(r[k][system]["read"] for r in rounds) / 1e6 for k in range(4)]
         seconds = statistics.median(max(r[k][system]["seconds"] for k in range(4)) for r in rounds)
-        ckpt = size["dcp" if system == "dcp" else "shardkit"]
+        ratios[system] = statistics.median(asked) / size["dcp" if system == "dcp" else "shardkit"]
         sums[system] = [r[k][system]["sum"] for r in rounds for k in range(4)]
-        print(f"{system:<18}{total / 1e9:>19.2f} GB{total / ckpt:>13.2f}x"
+        print(f"{system:<18}{statistics.median(asked) / 1e9:>19.2f} GB{ratios[system]:>13.2f}x"
               f"{' '.join(f'{x:.0f}' for x in per_rank):>27} MB{seconds:>9.2f}s")
-    ours = {s: statistics.median(sum(r[k][s]["read"] for k in range(4)) for r in rounds) / size["shardkit"]
-            for s in SYSTEMS[:2]}
-    theirs = statistics.median(sum(r[k]["dcp"]["read"] for k in range(4)) for r in rounds) / size["dcp"]
-    print(f"per load: shardkit default {ours['shardkit']:.2f}x, one unchecked pass {ours['shardkit-onepass']:.2f}x; "
-          f"DCP {theirs:.2f}x")
-    same = all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(sums["shardkit"], sums["dcp"]))
+    same = all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for s in MODES for a, b in zip(sums[s], sums["dcp"]))
     print(f"every load filled the same values as DCP's: {same}")
-    return [(f"HSDP 2x2 {system} load: bytes asked of storage / checkpoint", ours[system], 1.05,
-             ours[system] <= 1.05 and same) for system in SYSTEMS[:2]]
+    target = next(t for t in targets.TARGETS if t.key == "hsdp/bytes")
+    other = next(s for s in MODES if s != targets.DEFAULT)
+    return targets.Verdict(target.name, ratios[targets.DEFAULT], target.limit,
+                           f"{other} {ratios[other]:.2f}x, DCP {ratios['dcp']:.2f}x; same values as DCP's: {same}",
+                           met_also_requires=same)
 
 
 if __name__ == "__main__":

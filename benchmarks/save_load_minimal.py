@@ -1,5 +1,6 @@
-"""A second, minimal measurement of ``save``/``load`` against ``dcp.save``/``dcp.load``: nothing shared with
-``benchmarks/checkpoint.py`` but the two libraries.
+"""A second, minimal measurement of ``save``/``load`` against ``dcp.save``/``dcp.load`` and the disk: it shares
+nothing with ``benchmarks/checkpoint.py`` but the two libraries and the definitions of the targets
+(``benchmarks/checkpoint_targets.py``), so the two scripts' verdicts mean the same.
 
 Two gloo ranks each hold fp32 ``Shard(0)`` DTensors (weights + two AdamW
 moments, ``--gb`` GB in all, ``--tensors`` matrices of equal size, 64 by
@@ -10,20 +11,28 @@ per parameter, as ``benchmarks/checkpoint.py`` does).  Per round, in an
 order that rotates every round: each system saves to a fresh directory
 (both make their data durable: shardkit fsyncs by default, DCP's
 ``FileSystemWriter`` has ``sync_files=True``); then, each with the page cache
-dropped before it, in an order that rotates too, the loads into zeroed
-targets: shardkit's default (all or nothing: a checking pass, then the read),
-shardkit with ``verify_first=False`` (one pass) and DCP.  A time is the
-slowest rank's, from a barrier to the end of the call; the figure is the
-median over rounds, with the ratio to DCP's median and the median of the
-per-round ratios (each round times every loader within seconds of the
-others, so the per-round ratio follows the disk's drift less).
+dropped before it, in an order that rotates too, the uncached loads into
+zeroed targets: shardkit's ``"default"`` (``load(sd, url)``, whichever mode
+that is in the checkout), shardkit's other mode (``"all-or-nothing"``,
+``verify_first=True``, or ``"one pass"``, ``verify_first=False``; the output
+says which is which), DCP, and the disk's floor (``"raw"``: each rank reads
+its half of shardkit's data files front to back with plain reads, nothing
+else); then the page-cached loads (the checkpoint's files read once just
+before), shardkit's two modes and DCP, rotating too.  A time is the slowest
+rank's, from a barrier to the end of the call; the figure is the median over
+rounds, with the ratio to DCP's median (and to the raw read's) and the
+median of the per-round ratios (each round times every loader within seconds
+of the others, so the per-round ratio follows the disk's drift less).  Every
+load is checked against the saved sums.  Last, the verdict table of the
+targets; the resharded load and the HSDP bytes are not measured here (the
+table says so), ``benchmarks/checkpoint.py`` measures them.
 ``--cold-sleep S`` waits ``S`` seconds after dropping the cache, as
 ``benchmarks/checkpoint.py`` does ("cold"), so that this VM has handed freed
 memory back to the host and every fresh allocation of the load faults its
 pages in again.
 
-    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6
-    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 6 --cold-sleep 4
+    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 5
+    python benchmarks/save_load_minimal.py --gb 1.4 --rounds 5 --cold-sleep 4
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import sys
 import threading
 import time
 
+import checkpoint_targets as targets  # beside this file: the targets and definitions both benchmarks share
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -90,16 +100,6 @@ def leaves(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def write_gap(path: str, gb: float) -> None:
     """Write ``gb`` GB of other data (fsynced) to ``path``, replacing what an earlier round wrote there."""
     block = torch.empty(64 << 20, dtype=torch.uint8).random_().numpy()
@@ -138,9 +138,6 @@ def timed(fn, sampler_ms: float = 0.0) -> float:
     return float(elapsed)
 
 
-LOADERS = ("shardkit", "shardkit one pass", "dcp")
-
-
 def worker(args: argparse.Namespace) -> None:
     import shardkit.checkpoint as skc
 
@@ -151,12 +148,14 @@ def worker(args: argparse.Namespace) -> None:
     sums = {k: float(v.double().sum()) for k, v in local.items()}
     systems = ("shardkit", "dcp")
     paths = {s: os.path.join(args.dir, s) for s in systems}
-    loads = {
-        "shardkit": lambda: skc.load(state, paths["shardkit"]),
-        "shardkit one pass": lambda: skc.load(state, paths["shardkit"], verify_first=False),
-        "dcp": lambda: dcp.load(state, checkpoint_id=paths["dcp"]),
-    }
-    times = {f"save {s}": [] for s in systems} | {f"load {s}": [] for s in LOADERS}
+    modes = targets.load_modes(skc.load)  # "default" and the other mode, by label
+    loads = {label: (lambda kw=kw: skc.load(state, paths["shardkit"], **kw)) for label, kw in modes.items()}
+    loads["dcp"] = lambda: dcp.load(state, checkpoint_id=paths["dcp"])
+    loads["raw"] = lambda: targets.read_sequentially(targets.floor_files(paths["shardkit"], rank, 2))
+    uncached, cached = tuple(loads), tuple(modes) + ("dcp",)
+    times = {f"save {s}": [] for s in systems} | {f"uncached {x}": [] for x in uncached} | \
+        {f"cached {x}": [] for x in cached}
+    dropped = True
     for round_index in range(args.rounds):
         for system in systems[round_index % 2:] + systems[:round_index % 2]:
             if rank == 0:
@@ -167,19 +166,25 @@ def worker(args: argparse.Namespace) -> None:
             times[f"save {system}"].append(timed(save, args.sampler_ms))
         if args.gap_gb > 0:  # other data written between the saves and the loads, as in a longer benchmark
             write_gap(os.path.join(args.dir, f"gap-{rank}"), args.gap_gb / 2)
-        shift = round_index % len(LOADERS)
-        for loader in LOADERS[shift:] + LOADERS[:shift]:
-            for v in local.values():
-                v.zero_()
-            dist.barrier()
-            if rank == 0:
-                drop_caches()
-            time.sleep(args.cold_sleep)
-            times[f"load {loader}"].append(timed(loads[loader], args.sampler_ms))
-            bad = [k for k, v in local.items() if float(v.double().sum()) != sums[k]]
-            assert not bad, f"{loader} loaded {len(bad)} tensors wrong, e.g. {bad[:3]}"
+        for cache, loaders in (("uncached", uncached), ("cached", cached)):
+            shift = round_index % len(loaders)
+            for loader in loaders[shift:] + loaders[:shift]:
+                for v in local.values():
+                    v.zero_()
+                dist.barrier()
+                if rank == 0 and cache == "uncached":
+                    dropped = targets.drop_page_cache() and dropped
+                elif rank == 0:
+                    targets.read_every_file(paths["dcp" if loader == "dcp" else "shardkit"])
+                if cache == "uncached":
+                    time.sleep(args.cold_sleep)
+                times[f"{cache} {loader}"].append(timed(loads[loader], args.sampler_ms))
+                bad = [k for k, v in local.items() if float(v.double().sum()) != sums[k]]
+                if loader != "raw" and bad:
+                    raise SystemExit(f"{loader} loaded {len(bad)} tensors wrong, e.g. {bad[:3]}")
     if rank == 0:
-        print("RESULT " + json.dumps(times), flush=True)
+        print("RESULT " + json.dumps({"times": times, "dropped": dropped, "modes": targets.describe_modes(skc.load)}),
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -187,9 +192,9 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.4)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/shardkit-minimal-bench")
-    parser.add_argument("--cold-sleep", type=float, default=0.0, help="seconds to wait before each load")
+    parser.add_argument("--cold-sleep", type=float, default=0.0, help="seconds to wait before each uncached load")
     parser.add_argument("--tensors", type=int, default=64, help="matrices (each with two AdamW moments)")
     parser.add_argument("--llama", action="store_true",
                         help="LLaMA shapes instead: vocabulary matrices, norms, a step per parameter")
@@ -206,27 +211,51 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), "--worker", f"--gb={args.gb}", f"--rounds={args.rounds}", f"--dir={args.dir}",
-           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}", f"--gap-gb={args.gap_gb}", *(["--llama"] if args.llama else []),
-           *(["--nested"] if args.nested else [])]
+           f"--cold-sleep={args.cold_sleep}", f"--tensors={args.tensors}", f"--sampler-ms={args.sampler_ms}",
+           f"--gap-gb={args.gap_gb}", *(["--llama"] if args.llama else []), *(["--nested"] if args.nested else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    times = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT "):])
     shutil.rmtree(args.dir, ignore_errors=True)
+    report(args, result)
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    """The table of every figure beside DCP's and the raw read's, then the verdict table."""
+    times, dropped = result["times"], result["dropped"]
     what = "LLaMA-shaped" if args.llama else f"{args.tensors} x 3 tensors"
-    print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (orders rotating), page cache dropped "
-          f"before each load (then {args.cold_sleep:g} s asleep); RSS sampler {args.sampler_ms:g} ms (0: none); "
-          f"{args.gap_gb:g} GB of other data written between the saves and the loads; "
-          f"medians, ratio to DCP's median, median of the per-round ratios [all rounds]")
-    rows = [("save", "shardkit", "dcp")] + [("load", loader, "dcp") for loader in LOADERS if loader != "dcp"]
-    for op, ours, theirs in rows:
-        a, b = times[f"{op} {ours}"], times[f"{op} {theirs}"]
-        per_round = [x / y for x, y in zip(a, b)]
-        print(f"{op} {ours}: {statistics.median(a):.2f} s, DCP {statistics.median(b):.2f} s, "
-              f"ratio {statistics.median(a) / statistics.median(b):.2f}x, per round {statistics.median(per_round):.2f}x  "
-              f"[{' '.join(f'{r:.2f}' for r in per_round)}]")
+    print(f"{args.gb} GB state ({what}), 2 gloo ranks, {args.rounds} rounds (orders rotating); uncached: page cache "
+          f"dropped before each load: {dropped} (then {args.cold_sleep:g} s asleep); page-cached: the checkpoint's "
+          f"files read once before; RSS sampler {args.sampler_ms:g} ms (0: none); {args.gap_gb:g} GB of other data "
+          f"written between the saves and the loads")
+    print(result["modes"])
+    print("raw: each rank reads its half of shardkit's data files front to back (benchmarks/checkpoint_targets.py)")
+    print("medians (s); ratio = our median / theirs; per round = median of the per-round ratios [each round]")
+    rows = [("save", "shardkit")] + [tuple(k.split(" ", 1)) for k in times
+                                     if k.startswith(("uncached", "cached")) and not k.endswith(" dcp")]
+    for op, ours in rows:
+        a, b = times[f"{op} {ours}"], times[f"{op} dcp"]
+        against = [("DCP", b)] + ([("raw", times["uncached raw"])] if op == "uncached" and ours != "raw" else [])
+        figures = "; ".join(f"vs {name} {targets.ratio(a, t):.2f}x (per round {targets.per_round_ratio(a, t):.2f}x "
+                            f"[{' '.join(f'{x / y:.2f}' for x, y in zip(a, t))}])" for name, t in against)
+        print(f"{op} {ours}: {statistics.median(a):.3f} s, DCP {statistics.median(b):.3f} s; {figures}")
+    reason = "the page cache could not be dropped here (drop_caches needs root)"
+    uncached = (lambda key, a, b: targets.judged(key, a, b)) if dropped else \
+        (lambda key, a, b: targets.not_measured(key, reason))
+    targets.print_verdicts([
+        uncached("load/dcp", times["uncached default"], times["uncached dcp"]),
+        uncached("load/raw", times["uncached default"], times["uncached raw"]),
+        targets.judged("save/dcp", times["save shardkit"], times["save dcp"]),
+        targets.not_measured("reshard/dcp", "this script runs one 2-rank job; benchmarks/checkpoint.py "
+                             "measures it (its load at 1 process)"),
+        targets.not_measured("hsdp/bytes", "needs 4 ranks; benchmarks/checkpoint.py (replicas phase) or "
+                             "benchmarks/replicated_load.py measures it"),
+        targets.judged("cached/dcp", times["cached default"], times["cached dcp"]),
+    ], args.rounds)
 
 
 if __name__ == "__main__":
