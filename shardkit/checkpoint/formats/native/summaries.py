@@ -117,6 +117,8 @@ def write_index(storage: Storage, token: str, writer: int, files: Sequence[Writt
             records.setdefault(fqn, []).append(rec.to_json())
             boxes.setdefault(fqn, []).append((writer, rec.box))
     for fqn in sorted(set(boxes) | set(regions)):
+        if _row_slabs(regions.get(fqn, ()), boxes.get(fqn, [])):
+            continue
         problem = chunks_problem({writer: tuple(regions.get(fqn, ()))}, boxes.get(fqn, []), (writer,))
         if problem:
             raise CheckpointError(f"{storage.where(name)}: writer {writer}'s chunks of {fqn!r} do not tile the "
@@ -125,6 +127,23 @@ def write_index(storage: Storage, token: str, writer: int, files: Sequence[Writt
                           {f.name: header_record_json(f.header) for f in files if f.header is not None}, records)
     storage.put_atomic(name, data)
     return name, IndexRecord(len(data), crc32c(data), writer)
+
+
+def _row_slabs(regions: Sequence[Box], chunks: Sequence[tuple[int, Box]]) -> bool:
+    """Whether ``chunks`` cut one region into consecutive slabs along dim 0, in order -- how a save cuts a
+    box at its chunk size, checked in one pass (else :func:`~.regions.chunks_problem` decides)."""
+    if len(regions) != 1 or not chunks:
+        return False
+    if len(chunks) == 1 and chunks[0][1] == tuple(regions[0]):
+        return True  # the region whole (a scalar among them)
+    if not regions[0][1]:
+        return False
+    (offsets, shape), row = regions[0], regions[0][0][0]
+    for _, (o, s) in chunks:
+        if o[0] != row or o[1:] != offsets[1:] or s[1:] != shape[1:] or s[0] <= 0:
+            return False
+        row += s[0]
+    return row == offsets[0] + shape[0]
 
 
 def _grids(layouts: Sequence[Layout], summaries: Sequence[WriterSummary]) -> tuple[list[list[int]], set[int]]:
