@@ -187,3 +187,40 @@ def test_a_writer_whose_chunks_do_not_tile_its_regions_writes_no_index_file(tmp_
     with pytest.raises(CheckpointError, match="writer 1's chunks of 'model.w' do not tile"):
         write_index(Storage(str(tmp_path)), "abc", 1, files, {"model.w": (((0, 0), (8, 8)),)})
     assert not (tmp_path / "index").exists()
+
+
+def _summaries(claimed: dict[int, int], files: dict[int, str]) -> list:
+    """Summaries of writers (writer -> claimed coordinate on a 4-rank ``Shard(0)`` mesh, writer -> data file)."""
+    from shardkit.checkpoint.formats.native.manifest import IndexRecord
+    from shardkit.checkpoint.formats.native.summaries import WriterSummary
+
+    return [WriterSummary(w, f"index/0123456789-{w}.json", IndexRecord(10, 0, w), {files[w]: 100},
+                          ((0, (coord,)),)) for w, coord in claimed.items()]
+
+
+def _commit_summaries(summaries: list):
+    from shardkit.checkpoint.formats.native.summaries import manifest_from_summaries
+
+    return manifest_from_summaries({"model.emb": ("F32", (101, 64))}, [((4,), (("shard", 0),), ("model.emb",))],
+                                   summaries, values={}, meta={}, writer_info={}, aliases={}, where="save to x")
+
+
+def test_rank_0_makes_one_rule_of_the_writers_claims_and_keeps_their_files():
+    manifest, kept = _commit_summaries(_summaries({0: 0, 1: 1, 2: 2, 3: 3}, {w: f"data/abc-{w}-0.safetensors"
+                                                                           for w in range(4)}))
+    assert manifest.rules == (((4,), (("shard", 0),), (0, 1, 2, 3)),) and manifest.regions == {"model.emb": 0}
+    assert kept == {f"data/abc-{w}-0.safetensors" for w in range(4)} | {f"index/0123456789-{w}.json" for w in range(4)}
+
+
+@pytest.mark.parametrize("claimed,files,words", [
+    ({0: 0, 1: 1, 3: 3}, {0: "data/a-0-0.safetensors", 1: "data/a-1-0.safetensors", 3: "data/a-3-0.safetensors"},
+     r"'model.emb' do not tile it: no writer stored the box at \[52, 0\]"),
+    ({0: 0, 1: 1, 2: 2, 3: 3}, {0: "data/a-0-0.safetensors", 1: "data/a-0-0.safetensors",
+                                2: "data/a-2-0.safetensors", 3: "data/a-3-0.safetensors"},
+     "two writers name the data file data/a-0-0.safetensors"),
+], ids=["a-box-nobody-stored", "a-file-named-twice"])
+def test_rank_0_refuses_summaries_that_leave_a_hole_or_name_a_file_twice(claimed, files, words):
+    from shardkit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=words):
+        _commit_summaries(_summaries(claimed, files))
