@@ -5,13 +5,17 @@ ffn 28672, 8 KV heads; vocabulary 128256), each with AdamW's two moments and
 a ``step`` -- is "saved" by FSDP (``Shard(0)``) at ``--save-ranks`` ranks:
 every rank writes its row range of every tensor (split at the writer's 64 MiB
 chunk cap) into 4 data files, rank 0 the steps.  Only the metadata is made:
-the manifest holds the records the native writer would write -- same keys,
-file names, offsets, byte counts, checksum blocks (256 KiB) and checksum
-lists -- and no data file exists.  Each format version is measured in turn:
-version 1 (every chunk record in ``manifest.json``, what small checkpoints
-still get) and version 3 (the writer's own ``split_into_indexes``: per-tensor
-regions by rule in the manifest, each writer's chunk records in its index
-file).
+the records hold what the native writer would write -- same keys, file
+names, offsets, byte counts, checksum blocks (256 KiB) and checksum lists --
+and no data file exists.  Each format version is measured in turn: version 1
+(every chunk record in ``manifest.json``, what small checkpoints still get)
+and version 3, saved as ``save`` saves it: each writer's part
+(``summary_of``: check its chunks against its regions, write its index file,
+summarise; two writers at a time, each timed, wall and CPU seconds), then rank
+0's part alone in a fresh process (``commit_gathered``: decode the gathered
+summaries, build, check and commit the manifest; seconds and peak RSS).
+Targets: each writer's index at most 1 s, rank 0's commit at most
+2 s and 200 MB.
 
 A child process then stands in for one rank (the middle one) of an FSDP job
 of ``--load-ranks`` ranks and does what ``load`` does before its first data
@@ -20,7 +24,7 @@ the manifest and the index files of the writers it needs) and plan the reads
 of its row range of every tensor, into meta tensors (so the targets take no
 memory).  Reported: the metadata bytes it read (``rchar`` of
 ``/proc/self/io``), seconds for open + plan, and peak RSS (``VmHWM``) above
-the child's RSS before it opened the checkpoint.  Targets (issue 13): at most 5 MB,
+the child's RSS before it opened the checkpoint.  Targets: at most 5 MB,
 1 s and 200 MB.  Median of ``--reps`` children.
 
     python benchmarks/manifest_scale.py --save-ranks 1024 --load-ranks 4096
