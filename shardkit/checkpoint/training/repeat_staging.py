@@ -83,7 +83,8 @@ class RepeatStaging:
         if agreed():
             assert flat is not None and last is not None
             plan = last.plan
-            return SavePlan(groups, plan.tensors, dict(flat.values), plan.layouts, plan.aliases)
+            return SavePlan(groups, plan.tensors, dict(flat.values), plan.layouts, plan.aliases, plan.regions,
+                            plan.coords)
         self._groups[id(dist.group)] = (GroupRef(dist.group), plans + 1, None)
         plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
                          compression=compression)
@@ -91,7 +92,7 @@ class RepeatStaging:
         plan.groups = pool.stage(plan.groups)
         plan.values = dict(plan.values)
         if sources is not None and structure is not None:
-            skeleton = SavePlan([], plan.tensors, {}, plan.layouts, plan.aliases)
+            skeleton = SavePlan([], plan.tensors, {}, plan.layouts, plan.aliases, plan.regions, plan.coords)
             self._groups[id(dist.group)] = (GroupRef(dist.group), plans + 1,
                                             _Staged(plans + 1, structure, pool.staged_token, skeleton, sources))
         return plan

@@ -15,10 +15,13 @@ plain in one process).
 2. Each rank streams its chunks into its own data files, in parallel threads,
    straight from the tensors' memory (``async_save``: from a reused staging
    copy), computing crc32c per block on the way; files are fsynced.
-3. Rank 0 gathers the chunk records (JSON, no pickle), validates the whole
-   manifest as a reader would and commits it atomically.  Files of older saves
-   at the same URL are removed only after that.  Every rank learns the outcome,
-   so a failure anywhere raises everywhere and nothing hangs.
+3. Rank 0 commits (:mod:`~.save_commit`): a small save's chunk records are
+   gathered to it (JSON, no pickle) into one manifest; a large one's writers
+   each write their own index file and send rank 0 only a summary (version 3).
+   Rank 0 validates the manifest as a reader would and commits it atomically.
+   Files of older saves at the same URL are removed only after that.  Every
+   rank learns the outcome, so a failure anywhere raises everywhere and
+   nothing hangs.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from shardkit.checkpoint.formats.base import (
 )
 from shardkit.checkpoint.formats.codec import (
     Compression,
-    code_to_dtype,
     dtype_to_code,
     parse_compression,
 )
+from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.reader import is_committed
 from shardkit.checkpoint.formats.native.writer import (
     COLUMN_STRIPS,
@@ -65,6 +68,7 @@ from shardkit.checkpoint.state.tree import (
 )
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import deduplicate, digest_algorithm, with_digests
+from shardkit.checkpoint.training.save_commit import commit_gathered, state_digest, summary_of
 from shardkit.checkpoint.training.writer_assignment import WriterAssignments, writer_assignments
 from shardkit.errors import (
     CheckpointError,
@@ -87,16 +91,22 @@ class SavePlan:
     """What one rank writes: its chunks grouped into files, and the tensors' global metadata.
 
     ``layouts`` says how the job held its tensors (see :func:`layouts_of`), for the manifest.
+    ``regions`` (key -> the global boxes this rank stores, before they are cut into chunks) and
+    ``coords`` (this rank's coordinate on each layout's mesh, ``None`` off it) are what a writer of a
+    version-3 checkpoint tells rank 0 (:mod:`~.save_commit`).
     """
 
     def __init__(self, groups: list[list[WriteChunk]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  values: dict[str, Any], layouts: list[dict[str, Any]] | None = None,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, regions: Mapping[str, Sequence[Box]] | None = None,
+                 coords: Sequence[tuple[int, ...] | None] = ()) -> None:
         self.groups = groups
         self.tensors = tensors
         self.values = values
         self.layouts = layouts or []
         self.aliases = aliases or {}  # tied key -> the key its data is written under
+        self.regions = dict(regions or {})
+        self.coords = list(coords) or [None] * len(self.layouts)
 
     @property
     def nbytes(self) -> int:
@@ -194,9 +204,11 @@ def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, A
             if box_numel(global_box):
                 held.setdefault(key, []).append(global_box)
                 local_boxes[(key, global_box)] = local_box
+    layouts = layouts_of(flat_tensors)
+    coords = [flat_tensors[layout["tensors"][0]].device_mesh.get_coordinate() for layout in layouts]
     return {"aliases": aliases, "tensors": tensors, "held": held, "local_boxes": local_boxes,
-            "layouts": layouts_of(flat_tensors), "held_signature": WriterAssignments.signature(dist, held),
-            "chunks": None}
+            "layouts": layouts, "coords": [None if c is None else tuple(c) for c in coords],
+            "held_signature": WriterAssignments.signature(dist, held), "chunks": None}
 
 
 def check_storable(key: str, tensor: torch.Tensor) -> None:
@@ -259,7 +271,7 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
     chunks = [WriteChunk(key, tensors[key][0], sub[0], sub[1], locals_[key][index], tensors[key][1])
               for key, sub, index in _chunk_boxes(derived, writes, chunk_bytes)]
     return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
-                    tensors, flat.values, derived["layouts"], derived["aliases"])
+                    tensors, flat.values, derived["layouts"], derived["aliases"], writes, derived["coords"])
 
 
 FileJobs = list[tuple[str, list[WriteChunk]]]
@@ -297,75 +309,43 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                 files = with_digests(files, found.digests)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
-    written = {fqn for f in files for fqn, _ in f.chunks}
-    payload = {"error": None if local_error is None else error_record(local_error),
-               "files": [f.to_json() for f in files + reused],
-               "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
-                           if k in written},
-               "aliases": plan.aliases if plan else {}}
     if local_error is None:
         log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s%s", dist.rank, len(files),
                  sum(f.size for f in files), storage.url, time.perf_counter() - started,
                  f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
+    mine = files + reused
+    counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
+    new_names = [f.name for f in files]
+    if None not in counts and sum(counts) >= index.INDEXED_FROM_CHUNKS:  # every rank decides alike
+        payload: dict[str, Any] = {"error": None, "summary": None, "digest": "", "aliases": {}}
+        if local_error is None and plan is not None:
+            try:
+                summary, written = summary_of(storage, plan, dist.rank, token, mine)
+                new_names += written
+                payload.update(summary=summary.to_json(), digest=state_digest(plan), aliases=plan.aliases)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                local_error = exc
+    else:
+        chunked = {fqn for f in files for fqn, _ in f.chunks}
+        payload = {"files": [f.to_json() for f in mine],
+                   "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
+                               if k in chunked},
+                   "aliases": plan.aliases if plan else {}}
+    payload["error"] = None if local_error is None else error_record(local_error)
     gathered = dist.gather_json(payload)
     commit_error = None
     if gathered is not None:
-        commit_error = _commit(storage, writer, plan, gathered, dist, meta, overwrite)
+        commit_error = commit_gathered(storage, writer, plan, gathered, dist, meta, overwrite)
     commit_error = dist.broadcast_json(commit_error)
     if commit_error is not None or local_error is not None:
         try:  # nothing will reference this rank's new files: remove them (never anything older)
-            storage.delete([f.name for f in files])
+            storage.delete(new_names)
         except ShardkitError:
             pass
     if local_error is not None:
         raise local_error
     if commit_error is not None:
         raise from_record(commit_error)
-
-
-def _commit(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathered: list[dict], dist: Dist,
-            meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
-    """On rank 0: build, validate and publish the manifest; return an error record or ``None``."""
-    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
-    if failed:
-        rank, record = failed[0]
-        return {"type": record["type"], "message": f"save to {storage.url} failed on rank {rank}: "
-                f"{record['type']}: {record['message']}; nothing was committed"}
-    try:
-        _publish(storage, writer, plan, gathered, dist, meta, overwrite)
-        return None
-    except Exception as exc:  # noqa: BLE001 - turned into a record every rank raises
-        if not isinstance(exc, ShardkitError):
-            exc = CheckpointError(f"save to {storage.url} could not commit: {type(exc).__name__}: {exc}")
-        return error_record(exc)
-
-
-def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, gathered: list[dict], dist: Dist,
-             meta: Mapping[str, Any] | None, overwrite: bool) -> None:
-    """Rank 0's part once every rank wrote its files: check that the ranks agree, then commit."""
-    if plan is None:
-        raise CheckpointError(f"save to {storage.url}: rank 0 has no plan")
-    tensors = dict(plan.tensors)
-    for g in gathered:
-        for key, (code, shape) in g["tensors"].items():
-            seen = tensors.setdefault(key, (code_to_dtype(code), tuple(shape)))
-            if (seen[0], tuple(seen[1])) != (code_to_dtype(code), tuple(shape)):
-                raise CheckpointError(f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} "
-                                      f"{list(seen[1])} vs {code} {shape}")
-    for r, g in enumerate(gathered):
-        if g["aliases"] != plan.aliases:
-            raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
-                                  f"{plan.aliases}, rank {r} {g['aliases']}; every rank must tie the same keys")
-    files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
-    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh, "layouts": plan.layouts}
-    manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
-                                     aliases=plan.aliases)
-    if not overwrite and is_committed(storage):
-        raise CheckpointExists(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to "
-                               f"replace it")
-    writer.commit(manifest)
-    log.info("committed %s: %d files from %d ranks", storage.url, sum(len(g["files"]) for g in gathered),
-             len(gathered))
 
 
 def save_options(compression: Any, chunk_bytes: int, block_bytes: int,

@@ -54,7 +54,8 @@ from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, CorruptCheckpoint, InvalidManifest
 
-__all__ = ["INDEX_DIR", "INDEX_FORMAT", "INDEXED_FROM_CHUNKS", "index_file_name", "split_into_indexes",
+__all__ = ["INDEX_DIR", "INDEX_FORMAT", "INDEXED_FROM_CHUNKS", "index_file_name", "index_document",
+           "split_into_indexes",
            "read_indexes", "attach_indexes", "needed_indexes", "dump_indexed_manifest"]
 
 INDEX_FORMAT = "shardkit-index"
@@ -87,6 +88,15 @@ def _candidates(manifest: Manifest) -> dict[str, list[tuple[tuple[int, ...], tup
     return out
 
 
+def index_document(writer: int, files: Mapping[str, int], headers: Mapping[str, Any],
+                   chunks: Mapping[str, Sequence[Mapping[str, Any]]]) -> bytes:
+    """The bytes of ``writer``'s index file: its data files (name -> size), their header records
+    (name -> JSON, :mod:`.headers`) and its chunk records (fqn -> JSON records)."""
+    return json.dumps({"format": INDEX_FORMAT, "version": INDEXED_VERSION, "writer": writer, "files": dict(files),
+                       **({"headers": dict(headers)} if headers else {}), "chunks": dict(chunks)},
+                      separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
 def split_into_indexes(manifest: Manifest, token: str) -> tuple[Manifest, dict[str, bytes]]:
     """``manifest`` (every chunk record in it) as version 3: the manifest to commit, and each writer's
     index file (name -> bytes) to write before it."""
@@ -107,10 +117,7 @@ def split_into_indexes(manifest: Manifest, token: str) -> tuple[Manifest, dict[s
     indexes: dict[str, IndexRecord] = {}
     for writer, (files, records, headers) in sorted(per_writer.items()):
         name = index_file_name(token, writer)
-        docs[name] = json.dumps({"format": INDEX_FORMAT, "version": INDEXED_VERSION, "writer": writer,
-                                 "files": files, **({"headers": headers} if headers else {}), "chunks": records},
-                                separators=(",", ":"),
-                                allow_nan=False).encode("utf-8")
+        docs[name] = index_document(writer, files, headers, records)
         indexes[name] = IndexRecord(len(docs[name]), crc32c(docs[name]), writer)
     references = referenced_dirs(manifest.files)
     indexed = Manifest(tensors={fqn: TensorRecord(t.dtype, t.shape, ()) for fqn, t in manifest.tensors.items()},

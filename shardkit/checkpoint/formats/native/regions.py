@@ -33,6 +33,7 @@ from shardkit.checkpoint.geometry.boxes import Box, box_contains, check_cover, i
 from shardkit.checkpoint.geometry.placements import Spec, held_pieces
 
 __all__ = ["Rule", "Regions", "rule_regions", "derive_regions", "regions_problem", "rule_boxes", "rule_problem", "chunks_problem",
+           "coordinate_boxes",
            "by_writer", "rule_by_writer", "overlapping_writers", "rule_overlapping_writers"]
 
 Rule = tuple[tuple[int, ...], tuple[Spec, ...], tuple[int, ...]]  # (mesh shape, specs, writer per coordinate)
@@ -136,12 +137,27 @@ def rule_problem(shape: tuple[int, ...], rule: Rule) -> str | None:
     """Why a rule's regions do not tile a tensor of ``shape``, or ``None``; once per shape (the layers of a
     model share their shapes).  The boxes the coordinates hold tile the tensor by construction (the DTensor
     box rule: replicas hold the same box, other coordinates disjoint ones), so what is left to check is that
-    the replicas of a box name one writer: linear, where a general tiling check is not."""
+    the replicas of a box name one writer, and -- where some coordinate names none (``-1``) -- that another
+    coordinate names a writer for each box it holds: linear, where a general tiling check is not."""
     writer_of: dict[Box, int] = {}
     for writer, box in rule_regions(shape, rule):
         if writer_of.setdefault(box, writer) != writer:
             return f"the box at {list(box[0])} is named by writers {writer_of[box]} and {writer}"
+    mesh, specs, writers = rule
+    for c, writer in zip(_coords(mesh), writers):
+        if writer < 0:
+            lost = next((box for box in coordinate_boxes(shape, mesh, c, specs) if box not in writer_of), None)
+            if lost is not None:
+                return f"no writer stored the box at {list(lost[0])} (mesh coordinate {list(c)})"
     return None
+
+
+@lru_cache(maxsize=65536)
+def coordinate_boxes(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
+                     specs: tuple[Spec, ...]) -> tuple[Box, ...]:
+    """The non-empty boxes mesh coordinate ``coord`` holds of a tensor of ``shape``: a writer's regions when
+    it stored what its coordinate holds (once per shape: the layers of a model share their shapes)."""
+    return tuple(box for box, _ in held_pieces(shape, mesh, coord, specs) if math.prod(box[1]))
 
 
 def by_writer(regions: Regions) -> dict[int, tuple[Box, ...]]:

@@ -279,6 +279,20 @@ class NativeWriter:
             index.attach_indexes(parsed, docs, self.storage)
             parallel_map(lambda item: self.storage.put_atomic(*item), sorted(docs.items()),
                          1 if self.storage.is_local else DEFAULT_IO_THREADS)
+        return self._publish(data, kept, leftovers, indexed=bool(docs))
+
+    def commit_indexed(self, manifest: Manifest, kept: Collection[str]) -> bytes:
+        """The commit of a version-3 ``manifest`` whose index files its writers wrote already
+        (:mod:`.summaries`): validate it as a reader would (without the chunk records, which only the
+        index files hold), publish it, then remove what it does not use -- as :meth:`commit`.  ``kept``:
+        every data and index file it references."""
+        data = index.dump_indexed_manifest(manifest)
+        parse_manifest(data, self.storage.where(MANIFEST_NAME))  # never commit what we could not load
+        return self._publish(data, set(kept), (), indexed=True)
+
+    def _publish(self, data: bytes, kept: Collection[str], leftovers: Sequence[str], *, indexed: bool) -> bytes:
+        """Make the data (and index) files' names durable, write the manifest atomically, then clean up."""
+        if indexed:
             self.storage.sync_dir(index.INDEX_DIR)
         self.storage.sync_dir(DATA_DIR)
         self.storage.put_atomic(MANIFEST_NAME, data)

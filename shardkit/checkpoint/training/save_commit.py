@@ -1,0 +1,124 @@
+"""Step 3 of a save: what each rank reports once its data files are written, and rank 0's commit of it.
+
+Small saves (fewer than :data:`~shardkit.checkpoint.formats.native.index.INDEXED_FROM_CHUNKS`
+chunk records in all, counted by every rank alike) send their chunk records
+to rank 0, which builds one ``manifest.json`` holding them (version 1 or 2).
+Large ones commit version 3 the way that scales: each writer writes its own
+index file and sends a summary (:mod:`~shardkit.checkpoint.formats.native.summaries`);
+rank 0 never sees a chunk record, so its work grows with tensors plus ranks.
+Either way rank 0 first checks that the ranks agree about the state they saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Mapping, Sequence
+
+from shardkit.checkpoint.formats.codec import code_to_dtype, dtype_to_code
+from shardkit.checkpoint.formats.native.reader import is_committed
+from shardkit.checkpoint.formats.native.summaries import (
+    Layout,
+    WriterSummary,
+    claims_of,
+    manifest_from_summaries,
+    write_index,
+)
+from shardkit.checkpoint.formats.native.writer import NativeWriter, WrittenFile
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import CheckpointError, CheckpointExists, ShardkitError, error_record
+
+log = logging.getLogger(__name__)
+
+__all__ = ["layout_rules", "state_digest", "summary_of", "commit_gathered"]
+
+
+def layout_rules(layouts: Sequence[Mapping[str, Any]]) -> list[Layout]:
+    """A save plan's layouts (:func:`~.save.layouts_of`) as (mesh shape, specs, fqns)."""
+    return [(tuple(int(n) for n in layout["mesh"]["shape"]), tuple(tuple(s) for s in layout["specs"]),
+             tuple(layout["tensors"])) for layout in layouts]
+
+
+def state_digest(plan: Any) -> str:
+    """A digest of what every rank must agree on: each tensor's key, dtype and shape, the tied keys and
+    the layouts.  Sent instead of the tensors themselves, which would make rank 0's part grow with
+    tensors times ranks."""
+    described = [sorted((k, dtype_to_code(d), list(s)) for k, (d, s) in plan.tensors.items()),
+                 sorted(plan.aliases.items()), plan.layouts]
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode("utf-8")).hexdigest()[:32]
+
+
+def summary_of(storage: Storage, plan: Any, rank: int, token: str, files: Sequence[WrittenFile]
+               ) -> tuple[WriterSummary, list[str]]:
+    """This writer's part of a version-3 save: its index file written (when it stored anything), and the
+    summary rank 0 commits from; with the names of the files it wrote."""
+    regions = {k: tuple(boxes) for k, boxes in plan.regions.items()}
+    claims, listed = claims_of(layout_rules(plan.layouts), plan.coords,
+                               {k: s for k, (_, s) in plan.tensors.items()}, regions)
+    if not files:
+        return WriterSummary(rank, None, None, {}, claims, listed), []
+    name, record = write_index(storage, token, rank, files, regions)
+    return WriterSummary(rank, name, record, {f.name: f.size for f in files}, claims, listed), [name]
+
+
+def commit_gathered(storage: Storage, writer: NativeWriter, plan: Any, gathered: list[dict], dist: Dist,
+                    meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
+    """On rank 0: build, validate and publish the manifest; return an error record or ``None``."""
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        rank, record = failed[0]
+        return {"type": record["type"], "message": f"save to {storage.url} failed on rank {rank}: "
+                f"{record['type']}: {record['message']}; nothing was committed"}
+    try:
+        _publish(storage, writer, plan, gathered, dist, meta, overwrite)
+        return None
+    except Exception as exc:  # noqa: BLE001 - turned into a record every rank raises
+        if not isinstance(exc, ShardkitError):
+            exc = CheckpointError(f"save to {storage.url} could not commit: {type(exc).__name__}: {exc}")
+        return error_record(exc)
+
+
+def _publish(storage: Storage, writer: NativeWriter, plan: Any, gathered: list[dict], dist: Dist,
+             meta: Mapping[str, Any] | None, overwrite: bool) -> None:
+    """Rank 0's part once every rank wrote its files: check that the ranks agree, then commit."""
+    if plan is None:
+        raise CheckpointError(f"save to {storage.url}: rank 0 has no plan")
+    tensors = dict(plan.tensors)
+    for g in gathered:
+        for key, (code, shape) in g.get("tensors", {}).items():
+            seen = tensors.setdefault(key, (code_to_dtype(code), tuple(shape)))
+            if (seen[0], tuple(seen[1])) != (code_to_dtype(code), tuple(shape)):
+                raise CheckpointError(f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} "
+                                      f"{list(seen[1])} vs {code} {shape}")
+    for r, g in enumerate(gathered):
+        if g["aliases"] != plan.aliases:
+            raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
+                                  f"{plan.aliases}, rank {r} {g['aliases']}; every rank must tie the same keys")
+    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh, "layouts": plan.layouts}
+    if "summary" in gathered[0]:
+        digest = state_digest(plan)
+        differ = next((r for r, g in enumerate(gathered) if g["digest"] != digest), None)
+        if differ is not None:
+            raise CheckpointError(f"save to {storage.url}: ranks disagree about the tensors they save: rank "
+                                  f"{differ}'s keys, dtypes, shapes or layouts differ from rank 0's; every rank "
+                                  f"must save the same state dict")
+        summaries = [WriterSummary.from_json(g["summary"]) for g in gathered]
+        manifest, kept = manifest_from_summaries(
+            {k: (dtype_to_code(d), tuple(s)) for k, (d, s) in tensors.items()}, layout_rules(plan.layouts),
+            summaries, values=plan.values, meta=meta, writer_info=writer_info, aliases=plan.aliases,
+            where=f"save to {storage.url}")
+    else:
+        files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
+        manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
+                                         aliases=plan.aliases)
+    if not overwrite and is_committed(storage):
+        raise CheckpointExists(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to "
+                               f"replace it")
+    if "summary" in gathered[0]:
+        writer.commit_indexed(manifest, kept)
+    else:
+        writer.commit(manifest)
+    log.info("committed %s: %d files from %d ranks", storage.url,
+             sum(len(g["summary"]["files"]) if "summary" in g else len(g["files"]) for g in gathered), len(gathered))
