@@ -80,7 +80,7 @@ __all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_read
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 _PREFETCH_BYTES = 1 << 30  # local reads: ask the kernel to read ahead this much of what a load needs
-MAX_PLANS = 1 << 18  # request plans kept (~300 B each): offline tools read a whole checkpoint through one reader
+MAX_PLANS = 1 << 16  # request plans kept (about 500 B each with their keys: 32 MiB at most); see NativeReader._plan
 
 
 def read_manifest(storage: Storage, *, chunks: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> Manifest:
@@ -204,12 +204,14 @@ class NativeReader(CheckpointReader):
         """``r``'s plan: computed by :meth:`_validate` the first time its key, chunk and box are seen (by
         ``prepare``, or by ``verify``/``read`` when nothing prepared it), then looked up; only the
         destination, which a copy of the request may change, is checked on every use.  The plans are a
-        cache: past ``MAX_PLANS`` they are dropped and worked out again when needed."""
+        bounded cache (offline tools read a whole checkpoint through one reader): past ``MAX_PLANS`` the
+        oldest plan goes, so a rank that prepares more requests than that in one load plans the evicted
+        ones again when it reads them -- correct, and the price of flat memory."""
         key = (r.fqn, r.chunk, tuple(r.box[0]), tuple(r.box[1]))  # a caller's box may hold lists
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:
-                self._plans = {}
+                del self._plans[next(iter(self._plans))]  # the oldest (dicts keep insertion order)
             plan = self._plans[key] = self._validate(r)
         else:
             self._check_destination(r)
