@@ -21,7 +21,7 @@ import torch
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord
 from shardkit.checkpoint.formats.native.reader import NativeReader
-from shardkit.errors import CheckpointError, CorruptCheckpoint, ShardkitError
+from shardkit.errors import CheckpointError, CorruptCheckpoint, IncompatibleStateDict, ShardkitError
 from tests.checkpoint_helpers import build_model, make_optimizer, train
 from tests.dist import run_on_ranks
 
@@ -220,6 +220,10 @@ def test_load_latest_raises_instead_of_returning_none_when_every_step_failed_aft
         f"cannot resume under {manager.root_url}: every committed step (1, 2) is damaged, and the failed load of "
         f"steps 2, 1 may have partly written the model and optimizer: they hold no step, so do not train from "
         f"them. Repair a step (shardkit verify names the damaged files) or rebuild the model")
+    from shardkit.checkpoint.state.tree import flatten
+
+    tensors = set(flatten(skc.get_training_state(fresh, make_optimizer(fresh))).tensors)
+    assert set(raised.value.partly_written) == tensors | {"rng.rank0.torch", "rng.rank0.numpy.key"}
 
 
 def test_a_load_without_a_process_group_that_failed_mid_write_says_so(tmp_path):
@@ -360,3 +364,44 @@ def test_a_failed_load_names_every_ranks_keys_without_all_gathering_key_lists(ro
     _damage(rows, "flipped")
     assert run_on_ranks(2, _load_rows_counting_gathered_key_lists, rows, strict) == [(("b", "w"), 0)] * 2
 
+
+class _Net(torch.nn.Module):
+    """A linear layer, and with ``extra`` a parameter ``x`` the older step does not hold."""
+
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(COLS, COLS)
+        if extra:
+            self.x = torch.nn.Parameter(torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS))
+
+
+def _root_whose_newest_step_holds_a_damaged_key_the_older_lacks(tmp_path) -> skc.CheckpointManager:
+    manager = skc.CheckpointManager(str(tmp_path / "run"))
+    torch.manual_seed(0)
+    manager.save(1, _Net(extra=False))
+    manager.save(2, _Net(extra=True))
+    _damage(manager.url_of(2), "flipped", "model.x")
+    return manager
+
+
+def test_load_latest_refuses_a_fallback_step_that_lacks_a_key_the_damaged_step_wrote(tmp_path):
+    manager = _root_whose_newest_step_holds_a_damaged_key_the_older_lacks(tmp_path)
+    with pytest.raises(CorruptCheckpoint) as raised:
+        manager.load_latest(_Net(extra=True), strict=False)
+    assert str(raised.value) == (
+        f"cannot resume from step 1 under {manager.root_url}: the failed load of step 2 may have partly written "
+        f"1 key (model.x) that step 1 does not hold (a load with strict=False leaves them alone), so the model "
+        f"would hold neither step. Repair step 2 (shardkit verify names the damaged files) or rebuild the model")
+    assert raised.value.partly_written == ("model.x",)
+
+
+def test_load_latest_says_an_earlier_attempt_wrote_the_targets_when_the_fallback_fails_otherwise(tmp_path):
+    manager = _root_whose_newest_step_holds_a_damaged_key_the_older_lacks(tmp_path)
+    with pytest.raises(IncompatibleStateDict) as raised:
+        manager.load_latest(_Net(extra=True))  # strict: step 1 lacks model.x
+    message = str(raised.value)
+    assert "missing keys ['model.x']" in message and "No target was written" in message
+    touched = ("model.lin.bias", "model.lin.weight", "model.x", "rng.rank0.numpy.key", "rng.rank0.torch")
+    assert message.endswith(f". Loading step 1 was a fallback: the failed load of step 2 before it may have partly "
+                            f"written 5 keys ({', '.join(touched)}), which hold no step; do not train from them")
+    assert raised.value.partly_written == touched
