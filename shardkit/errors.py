@@ -28,6 +28,9 @@ shardkit's error too, and a search for torch's message finds it.
 
 from __future__ import annotations
 
+import builtins
+import sys
+
 __all__ = [
     "ShardkitError",
     "ConfigurationError",
@@ -67,6 +70,7 @@ __all__ = [
     "PerRankStateError",
     "error_record",
     "from_record",
+    "checkpoint_error_kind",
 ]
 
 
@@ -265,8 +269,51 @@ def error_record(exc: BaseException) -> dict[str, str]:
 
 def from_record(record: dict[str, str], message: str | None = None) -> ShardkitError:
     """The error another rank reported (:func:`error_record`): the same shardkit class when it is
-    one, else :class:`CheckpointError`; ``message`` replaces the text (e.g. to name the rank)."""
-    cls = globals().get(str(record.get("type")))
+    one; for a built-in failure (``OSError``, ``MemoryError``, ``torch.OutOfMemoryError``, ...) a
+    :class:`CheckpointError` that is also that built-in (:func:`checkpoint_error_kind`), so code that
+    catches the built-in keeps working on every rank; else :class:`CheckpointError`.  ``message``
+    replaces the text (e.g. to name the rank)."""
+    name = str(record.get("type"))
+    cls = globals().get(name)
     if not (isinstance(cls, type) and issubclass(cls, ShardkitError)):
-        cls = CheckpointError
-    return cls(message if message is not None else str(record.get("message")))
+        cls = checkpoint_error_kind(name)
+    text = message if message is not None else str(record.get("message"))
+    try:
+        return cls(text)
+    except TypeError:  # a built-in whose constructor takes more than a message (UnicodeDecodeError)
+        return CheckpointError(text)
+
+
+_KINDS: dict[str, type[CheckpointError]] = {}
+
+
+def checkpoint_error_kind(name: str) -> type[CheckpointError]:
+    """The :class:`CheckpointError` that is also the built-in exception called ``name`` (a Python builtin,
+    or torch's ``OutOfMemoryError``), named ``Checkpoint<name>``; ``name`` may be that name already, as
+    :func:`error_record` gives it.  :class:`CheckpointError` itself where there is no such built-in.
+
+    Made once per name and kept, so every rank raises the same class and ``except OSError`` (or
+    ``except torch.OutOfMemoryError``) catches the shared error of a failed load on each of them.
+    """
+    builtin_name = name.removeprefix("Checkpoint") if name.startswith("Checkpoint") else name
+    if builtin_name in _KINDS:
+        return _KINDS[builtin_name]
+    torch = sys.modules.get("torch")
+    builtin = getattr(builtins, builtin_name, None)
+    if builtin is None and builtin_name == "OutOfMemoryError" and torch is not None:
+        builtin = torch.OutOfMemoryError
+    if not (isinstance(builtin, type) and issubclass(builtin, Exception)):
+        return CheckpointError
+    kind = type(f"Checkpoint{builtin_name}", (CheckpointError, builtin),
+                {"__module__": __name__, "__str__": BaseException.__str__,
+                 "__doc__": f"A checkpoint operation failed with ``{builtin_name}``: also that built-in."})
+    _KINDS[builtin_name] = kind
+    return kind
+
+
+def __getattr__(name: str) -> type[CheckpointError]:
+    """``Checkpoint<built-in>`` classes by name, so errors of those kinds pickle (to another process) and unpickle."""
+    kind = checkpoint_error_kind(name) if name.startswith("Checkpoint") else CheckpointError
+    if kind is CheckpointError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return kind

@@ -25,6 +25,7 @@ under HSDP) are read by one of them and sent to the others
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -64,9 +65,9 @@ from shardkit.errors import (
 log = logging.getLogger(__name__)
 
 __all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
-           "default_staging_bytes"]
+           "default_staging_bytes", "every_ranks_keys", "name_some"]
 
-_NAMED_TARGETS = 5  # tensors a partly-written error names (the exception's ``partly_written`` holds them all)
+_NAMED_TARGETS = 5  # keys a message names (the exception's ``partly_written`` holds them all)
 
 
 def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: str | os.PathLike | None = None,
@@ -152,11 +153,14 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         _agree(dist, local_exc, url, written, verify_first)
     try:
         exchange(shared, dist)
-        for buf, target in device_copies:
-            target.copy_(buf)
-        for key in flat.values:
-            if key in reader.values():
-                flat.set_value(key, from_json_value(reader.values()[key]))
+        if local_exc is None:  # a failed read leaves cast buffers partly unread and values of a damaged step
+            for buf, target in device_copies:
+                target.copy_(buf)
+            stored = reader.values()
+            for key in flat.values:
+                if key in stored:
+                    written.add(key)
+                    flat.set_value(key, from_json_value(stored[key]))
     except Exception as exc:  # noqa: BLE001
         local_exc = exc
     finally:
@@ -235,39 +239,60 @@ def _agree(dist: Dist, local_exc: BaseException | None, url: str, written: set[s
     """Raise on every rank when any rank failed, the same error everywhere (the class and message of
     the lowest failing rank's, chained to the local exception where there is one).
 
-    ``written``: the tensors this rank's load writes, once writing began (``None``: nothing was
-    written yet); the error then names every rank's, as :func:`_partly_written_error` says.  A
-    load without a process group that failed before writing raises its own exception unchanged.
+    ``written``: the keys this rank's load writes, once writing began (``None``: nothing was
+    written yet, and the error says so); the error then names every rank's, as
+    :func:`_partly_written_error` says.  The same with or without a process group.  A built-in
+    failure (``OSError``, ``torch.OutOfMemoryError``, ...) keeps its type: the error is a
+    :class:`~shardkit.errors.CheckpointError` that is also one (:func:`~shardkit.errors.from_record`).
     """
     first = dist.first_error(None if local_exc is None else error_record(local_exc))
     if first is None:
         return
-    if written is None and not dist.active:
-        assert local_exc is not None
-        raise local_exc
     rank, record = first
     text = str(record["message"]).rstrip(".")
     message = f"loading {url} failed on rank {rank} ({record['type']}: {text})" if dist.active else text
     if written is None:
         raise from_record(record, f"{message}. No target was written.") from local_exc
-    keys = sorted({key for keys in dist.all_gather_json(sorted(written)) for key in keys})
-    raise _partly_written_error(record, message, keys, verify_first) from local_exc
+    raise _partly_written_error(record, message, every_ranks_keys(dist, written), verify_first) from local_exc
+
+
+def every_ranks_keys(dist: Dist, keys: set[str]) -> list[str]:
+    """Every rank's ``keys`` together, sorted, on every rank -- without every rank holding every rank's list.
+
+    After a failure that may be about memory, at thousands of ranks, an
+    all-gather of key lists would cost each rank the lists of all of them.
+    Ranks holding the same keys (the usual case: each holds a piece of every
+    tensor) find so in one small all-reduce of a digest; only otherwise are
+    the lists gathered to rank 0, whose union is broadcast.
+    """
+    mine = sorted(keys)
+    if not dist.active:
+        return mine
+    digest = int.from_bytes(hashlib.blake2b("\n".join(mine).encode("utf-8"), digest_size=7).digest(), "big")
+    if dist.all_same(True, digest):
+        return mine
+    gathered = dist.gather_json(mine)
+    return dist.broadcast_json(None if gathered is None else sorted({key for keys in gathered for key in keys}))
 
 
 def _partly_written_error(record: Mapping[str, str], message: str, keys: Sequence[str],
                           verify_first: bool) -> ShardkitError:
     """The error of a load that failed after it began writing ``keys`` (every rank's, sorted): the
-    failure's own class (:func:`~shardkit.errors.from_record`), its ``message``, then the tensors that
-    may be partly written -- the count and the first few by name, all of them in ``partly_written``
-    (what :meth:`~shardkit.checkpoint.CheckpointManager.load_latest` reads to know a failed attempt
-    touched the targets) -- and what to do.  The same on every rank, whichever rank failed."""
-    shown = ", ".join(keys[:_NAMED_TARGETS]) + (", ..." if len(keys) > _NAMED_TARGETS else "")
+    failure's own class (:func:`~shardkit.errors.from_record`), its ``message``, then the keys (tensors
+    and values) that may be partly written -- the count and the first few by name, all of them in
+    ``partly_written`` (what :meth:`~shardkit.checkpoint.CheckpointManager.load_latest` reads to know a
+    failed attempt touched the targets) -- and what to do.  The same on every rank, whichever rank failed."""
     advice = "load an older checkpoint into them" + (
         "" if verify_first else ", or pass verify_first=True to keep the targets as they were when a load fails")
-    error = from_record(dict(record), f"{message}. Targets may be partly written: {len(keys)} tensor"
-                                      f"{'' if len(keys) == 1 else 's'} of this load ({shown}); {advice}.")
+    error = from_record(dict(record), f"{message}. Targets may be partly written: {name_some(keys)}; {advice}.")
     error.partly_written = tuple(keys)
     return error
+
+
+def name_some(keys: Sequence[str]) -> str:
+    """``keys`` for a message: how many, and the first few by name (a load's keys can number millions)."""
+    shown = ", ".join(keys[:_NAMED_TARGETS]) + (", ..." if len(keys) > _NAMED_TARGETS else "")
+    return f"{len(keys)} key{'' if len(keys) == 1 else 's'} ({shown})"
 
 
 class LoadPlan(NamedTuple):

@@ -88,12 +88,12 @@ from shardkit.checkpoint.training.run_steps import (
     write_superseded,
 )
 from shardkit.checkpoint.training.save import save
+from shardkit.checkpoint.training.step_fallback import load_newest_intact
 from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict
 from shardkit.errors import (
     CheckpointExists,
     CheckpointNotFound,
     ConfigurationError,
-    CorruptCheckpoint,
     ShardkitError,
 )
 
@@ -339,10 +339,12 @@ class CheckpointManager:
         damaged steps).  ``required=True`` raises
         :class:`~shardkit.errors.CheckpointNotFound` instead, for jobs that must resume.
 
-        A damaged step makes it try the next older one, which reloads every target.  When every
-        step is damaged and a failed load had begun writing the targets (one pass, the default),
-        it raises :class:`~shardkit.errors.CorruptCheckpoint`: the model is neither as it was nor
-        any step.  ``verify_first=True`` checks each step before writing (see ``load``).
+        A damaged step makes it try the next older one, which reloads every target.  Once a failed
+        load had begun writing the targets (one pass, the default), it never reports a resume or a
+        failure without saying so (:mod:`.step_fallback`): when every step is damaged, or the older
+        step lacks a key the failed load touched (``strict=False``), it raises
+        :class:`~shardkit.errors.CorruptCheckpoint`: the model is neither as it was nor any step.
+        ``verify_first=True`` checks each step before writing (see ``load``).
         """
         self.wait()
         started = time.perf_counter()
@@ -359,27 +361,17 @@ class CheckpointManager:
                      self.root_url)
         if not candidates:
             return self._nothing(self._on_rank0(self._why_nothing), required)
-        touched: list[int] = []  # steps whose failed load may have written targets
-        for step in reversed(candidates):
-            try:
-                meta = self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first)
-            except CorruptCheckpoint as exc:
-                touched += [step] if exc.partly_written else []
-                log.warning("step %d under %s is damaged (%s); trying an older step%s", step, self.root_url, exc,
-                            ", which reloads every target" if exc.partly_written else "")
-                continue
-            log.info("resumed from step %d at %s", step, self.url_of(step))
-            self._run.resumed = step
-            self.last_load = LastLoad(step, "durable", time.perf_counter() - started)
-            return step, meta.get("extra")
-        every = f"every committed step ({', '.join(map(str, candidates))}) is damaged"
-        if touched:
-            raise CorruptCheckpoint(f"cannot resume under {self.root_url}: {every}, and the failed load of step"
-                                    f"{'s' if len(touched) > 1 else ''} {', '.join(map(str, touched))} may have "
-                                    f"partly written the model and optimizer: they hold no step, so do not train "
-                                    f"from them. Repair a step (shardkit verify names the damaged files) or "
-                                    f"rebuild the model")
-        return self._nothing(f"{every}, and this manager will not save over them without overwrite=True", required)
+        loaded = load_newest_intact(
+            candidates, lambda step: self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first),
+            self.root_url, Dist(self.process_group))
+        if loaded is None:
+            every = f"every committed step ({', '.join(map(str, candidates))}) is damaged"
+            return self._nothing(f"{every}, and this manager will not save over them without overwrite=True", required)
+        step, meta = loaded
+        log.info("resumed from step %d at %s", step, self.url_of(step))
+        self._run.resumed = step
+        self.last_load = LastLoad(step, "durable", time.perf_counter() - started)
+        return step, meta.get("extra")
 
     def _resumable_steps(self) -> list[int]:
         """Committed steps, ascending, without those an ``overwrite=True`` run superseded (its step committed;
