@@ -12,7 +12,9 @@ the buffer itself) fails every rank without leaving any of them waiting.
 
 from __future__ import annotations
 
+import ast
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +82,7 @@ def test_shared_blocks_arrive_bitwise_in_rounds_that_never_stage_more_than_one_r
     assert sum(read for *_, read in results) == sum(t.numel() * t.element_size() for t in truth.values()) + 20
 
 
-def _exchange_counting_ops(targets: dict[str, torch.Tensor], pack_below: int | None) -> tuple[bool, int, list]:
+def _exchange_counting_ops(targets: dict[str, torch.Tensor], round_bytes: int) -> tuple[bool, int, list]:
     """Two ranks that both need every tensor of ``targets``: (bitwise, buffer bytes, each round's ops as
     (op, dtype, whether the op's memory is a target's own))."""
     import torch.distributed as dist
@@ -91,8 +93,7 @@ def _exchange_counting_ops(targets: dict[str, torch.Tensor], pack_below: int | N
 
     truth = {k: v.clone() for k, v in targets.items()}
     requests = [ReadRequest(k, 0, ((0,) * t.dim(), tuple(t.shape)), torch.zeros_like(t)) for k, t in truth.items()]
-    extra = {} if pack_below is None else {"pack_below": pack_below}
-    plan = shared_reads.share_reads(requests, Dist(), round_bytes=1 << 16, **extra)
+    plan = shared_reads.share_reads(requests, Dist(), round_bytes=round_bytes)
     for r in plan.mine:
         r.out.copy_(truth[r.fqn])
     pointers = {r.out.data_ptr() for r in requests}
@@ -117,7 +118,7 @@ def _many_small_tensors() -> dict[str, torch.Tensor]:
 
 
 def test_small_blocks_between_two_ranks_travel_as_one_message_of_bytes_each_way_per_round():
-    results = run_on_ranks(2, _exchange_counting_ops, _many_small_tensors(), None)
+    results = run_on_ranks(2, _exchange_counting_ops, _many_small_tensors(), 1 << 16)
     assert [same for same, _, _ in results] == [True, True]
     # each rank reads about half of the 20 tensors: one send and one receive carry all of them
     assert [ops for _, _, ops in results] == [[[("isend", "torch.uint8", False), ("irecv", "torch.uint8", False)]]] * 2
@@ -126,9 +127,10 @@ def test_small_blocks_between_two_ranks_travel_as_one_message_of_bytes_each_way_
 
 def test_a_contiguous_target_on_the_wires_device_is_sent_and_received_in_place_as_bytes():
     g = torch.Generator().manual_seed(4)
-    targets = {"w": torch.randn(8, 8, generator=g).to(torch.bfloat16), "mask": torch.rand(33, generator=g) > 0.5,
-               "step": torch.tensor(7, dtype=torch.int64), "b": torch.randn(3, 5, generator=g)}
-    results = run_on_ranks(2, _exchange_counting_ops, targets, 1)
+    targets = {"w": torch.randn(1024, 512, generator=g).to(torch.bfloat16),  # 1 MiB each: blocks that travel alone
+               "mask": torch.rand(1 << 20, generator=g) > 0.5, "b": torch.randn(512, 512, generator=g),
+               "step": torch.tensor(7, dtype=torch.int64)}  # alone too: the only small block of its reader
+    results = run_on_ranks(2, _exchange_counting_ops, targets, 4 << 20)
     assert [same for same, _, _ in results] == [True, True]
     assert [held for _, held, _ in results] == [0, 0]  # no block went through the buffer
     for _, _, rounds in results:
@@ -264,3 +266,40 @@ def test_an_exchange_whose_buffer_fails_on_one_rank_raises_on_every_rank_naming_
     expected = ("CheckpointError: rank 1 could not set up the exchange of shared reads (OutOfMemoryError: "
                 "simulated: no memory for the transfer buffer); no block was sent")
     assert [outcomes[0], outcomes[2]] == [expected, expected]
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "shardkit"
+
+
+def _top_level(path: Path) -> list[ast.stmt]:
+    return ast.parse(path.read_text()).body
+
+
+def test_shared_reads_lists_every_public_definition_in_all_and_nothing_else():
+    from shardkit.checkpoint.training import shared_reads
+
+    tree = _top_level(PACKAGE / "checkpoint" / "training" / "shared_reads.py")
+    defined = {n.name for n in tree if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert sorted(shared_reads.__all__) == sorted(n for n in defined if not n.startswith("_") and n != "log")
+
+
+def test_no_public_class_of_shared_reads_shares_its_name_with_another_modules():
+    ours = {n.name for n in _top_level(PACKAGE / "checkpoint" / "training" / "shared_reads.py")
+            if isinstance(n, ast.ClassDef)}
+    elsewhere = {n.name for path in PACKAGE.rglob("*.py") if path.name != "shared_reads.py"
+                 for n in _top_level(path) if isinstance(n, ast.ClassDef)}
+    assert ours & elsewhere == set()
+
+
+def test_the_round_size_slot_alignment_and_byte_size_of_staged_transfers_are_defined_once():
+    constants = {"ROUND_BYTES", "ALIGNMENT", "_ALIGNMENT"}
+    helpers = {"aligned", "_aligned", "nbytes_of", "_nbytes"}
+    found = sorted(
+        (str(path.relative_to(PACKAGE)), name)
+        for path in (PACKAGE / "checkpoint").rglob("*.py") for n in _top_level(path)
+        for name in ([n.name] if isinstance(n, ast.FunctionDef) else
+                     [t.id for t in n.targets if isinstance(t, ast.Name)] if isinstance(n, ast.Assign) else [])
+        if name in constants | helpers)
+    assert found == [("checkpoint/io/rounds.py", "ALIGNMENT"), ("checkpoint/io/rounds.py", "ROUND_BYTES"),
+                     ("checkpoint/io/rounds.py", "aligned"), ("checkpoint/io/rounds.py", "nbytes_of")]

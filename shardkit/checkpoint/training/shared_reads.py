@@ -51,8 +51,8 @@ from shardkit.checkpoint.io.rounds import ALIGNMENT, ROUND_BYTES, aligned, nbyte
 from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
 from shardkit.errors import ConfigurationError, error_record, from_record
 
-__all__ = ["SharedBlock", "SharedReads", "PreparedExchange", "share_reads", "block_indices", "prepare_exchange",
-           "exchange", "PACK_BELOW"]
+__all__ = ["SharedBlock", "SharedReads", "Message", "PreparedExchange", "share_reads", "block_indices",
+           "prepare_exchange", "exchange", "PACK_BELOW"]
 
 PACK_BELOW = 1 << 20  # bytes: smaller blocks share a message (a copy of 1 MiB costs about one send's latency)
 
