@@ -8,12 +8,12 @@
 #   checkpoint-cuda    benchmarks/checkpoint_cuda.py: async_save with pinned staging, blocking time and
 #                      stream time vs DCP's async_save with its pinned stager, save and load vs DCP
 #   nccl-shared-reads  benchmarks/shared_reads_nccl.py: an HSDP load whose replicated bytes travel over
-#                      NCCL, checked bitwise on every rank (needs 2 GPUs: skipped on one)
+#                      NCCL, checked bitwise on every rank (needs 2 GPUs: NOT VERIFIED on one)
 #
 #     bash benchmarks/gpu_check.sh        # report: $OUT/gpu_check_report.txt, full output: $OUT/gpu_check.log
 #     GB=2 REPS=5 bash benchmarks/gpu_check.sh
 #
-# The report lists every step (PASSED, FAILED, TIMED OUT or SKIPPED and why) and every figure the steps
+# The report lists every step (PASSED, FAILED, TIMED OUT, SKIPPED or NOT VERIFIED, and why) and every figure the steps
 # printed as a `FIGURE ... MET|MISSED` line; a step that failed adds a MISSED figure of its own.
 #
 # Time: each step runs under its own limit (below) and the limits add up to 450 s, so even a run in
@@ -65,6 +65,12 @@ fi
 skip() {  # skip NAME REASON
     echo "$1: SKIPPED: $2" >>"$WORK/steps"
     note "=== $1: skipped: $2"
+}
+
+not_verified() {  # not_verified NAME REASON: a path this machine cannot run, reported as such, not as a skip
+    echo "$1: NOT VERIFIED: $2" >>"$WORK/steps"
+    echo "[$1] NOT VERIFIED: $2" >>"$WORK/figures"
+    note "=== $1: NOT VERIFIED: $2"
 }
 
 step() {  # step NAME SECONDS COMMAND...
@@ -121,7 +127,7 @@ else
 fi
 step checkpoint-cuda 110 $PY benchmarks/checkpoint_cuda.py --gb "$GB" --reps "$REPS"
 if [ -z "$no_gpu" ] && [ "$gpus" -lt 2 ]; then
-    skip nccl-shared-reads "one GPU (NCCL between ranks needs 2)"
+    not_verified nccl-shared-reads "one GPU: NCCL between ranks needs 2, so shared reads over NCCL did not run"
 else
     step nccl-shared-reads 60 $PY benchmarks/shared_reads_nccl.py --ranks 2 --mb 600
 fi

@@ -4,8 +4,10 @@ One job of ``--ranks`` NCCL ranks, one GPU each (at least 2), loads a
 checkpoint saved here into an HSDP layout -- ``(Replicate(), Shard(0))`` on a
 ``(2, ranks / 2)`` mesh, GPU targets -- plus a plain host tensor every rank
 loads.  Every byte two ranks need is read by one of them and sent to the
-other through the transfer buffer on the GPU (host targets through its
-page-locked twin).  Each rank counts the data bytes it asks of storage.
+other over NCCL: a block of a contiguous GPU target in place, small blocks
+packed and host targets through the transfer buffer on the GPU (host
+targets through its page-locked twin).  Each rank counts the data bytes it
+asks of storage.
 
 Figures: every target equals the saved tensors bitwise (MET or MISSED), and
 the bytes all ranks asked of storage / the checkpoint's bytes (<= 1.05: read

@@ -81,3 +81,16 @@ def test_every_benchmark_the_check_runs_accepts_the_arguments_it_is_given(script
     with pytest.raises(SystemExit) as help_exit:
         module.parse_args(["--help"])
     assert help_exit.value.code == 0
+
+
+def test_on_one_gpu_the_nccl_shared_read_is_reported_not_verified_with_the_reason(tmp_path):
+    fake = tmp_path / "python"  # a machine with one GPU, where every command succeeds at once
+    fake.write_text("#!/bin/bash\ncase \"$*\" in *device_count*) echo 1 ;; esac\nexit 0\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(fake)}
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    report = (tmp_path / "gpu_check_report.txt").read_text().splitlines()
+    reason = "one GPU: NCCL between ranks needs 2, so shared reads over NCCL did not run"
+    assert f"  nccl-shared-reads: NOT VERIFIED: {reason}" in report, proc.stdout
+    assert f"  [nccl-shared-reads] NOT VERIFIED: {reason}" in report
+    assert not any(line.startswith("  nccl-shared-reads: SKIPPED") for line in report)

@@ -26,11 +26,11 @@ def test_the_transfer_buffer_carries_host_and_gpu_tensors_through_device_memory_
     gpu_source = torch.arange(33, dtype=torch.int16, device="cuda")  # device to device
     sent = buffer.put(0, host_source)
     assert (sent.device.type, sent.dtype, sent.numel()) == ("cuda", torch.uint8, 280)
-    buffer.put(288, gpu_source)
+    buffer.put(320, gpu_source)  # the next 64-byte slot after 280 bytes
     host_target = torch.zeros(7, 10)
     gpu_target = torch.zeros(11, 3, dtype=torch.int16, device="cuda").t()
     buffer.take(0, host_target)
-    buffer.take(288, gpu_target)
+    buffer.take(320, gpu_target)
     assert torch.equal(host_target, host_source)
     assert torch.equal(gpu_target, gpu_source.view(3, 11))
 

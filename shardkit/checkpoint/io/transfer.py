@@ -40,13 +40,12 @@ import torch
 
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.rounds import ROUND_BYTES
 from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
 from shardkit.checkpoint.io.transfer_files import IncomingFiles, OutgoingFiles, check_target, list_directory
 from shardkit.errors import ArgumentTypeError, ConfigurationError
 
-__all__ = ["ROUND_BYTES", "DirectoryMove", "MoveResult", "move_directories", "round_schedule"]
-
-ROUND_BYTES = 256 << 20
+__all__ = ["DirectoryMove", "MoveResult", "move_directories", "round_schedule"]
 
 log = logging.getLogger("shardkit.checkpoint.io.transfer")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TransferBuffer", "ALIGNMENT"]
+from shardkit.checkpoint.io.rounds import ALIGNMENT, nbytes_of
 
-ALIGNMENT = 16  # bytes: any dtype's elements can be viewed at an offset that is a multiple of this
+__all__ = ["TransferBuffer"]
 
 
 class TransferBuffer:
@@ -71,11 +71,11 @@ class TransferBuffer:
             host = _typed(self.host, start, source)
             host.copy_(source)
             wire.copy_(host)
-        return self.wire[start:start + _nbytes(source)]
+        return self.wire[start:start + nbytes_of(source)]
 
-    def receive_slice(self, start: int, target: torch.Tensor) -> torch.Tensor:
-        """The wire slice that receives ``target``'s bytes (as ``uint8``)."""
-        return self.wire[start:start + _nbytes(target)]
+    def slot(self, start: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the wire at ``start`` (as ``uint8``): what a send carries or a receive fills."""
+        return self.wire[start:start + nbytes]
 
     def take(self, start: int, target: torch.Tensor) -> None:
         """The received bytes at ``start`` into ``target`` (any device, any strides): directly from the wire
@@ -96,8 +96,4 @@ class TransferBuffer:
 def _typed(flat: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
     if start % ALIGNMENT:
         raise ValueError(f"offset {start} is not a multiple of {ALIGNMENT} bytes")
-    return flat[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return flat[start:start + nbytes_of(like)].view(like.dtype).view(like.shape)

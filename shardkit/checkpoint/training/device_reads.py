@@ -19,11 +19,10 @@ from typing import Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, ReadRequest
+from shardkit.checkpoint.io.rounds import ROUND_BYTES, aligned, nbytes_of
 
-__all__ = ["read_requests", "ROUND_BYTES"]
+__all__ = ["read_requests"]
 
-ROUND_BYTES = 256 << 20
-_ALIGN = 64
 
 
 def read_requests(reader: CheckpointReader, requests: Sequence[ReadRequest], round_bytes: int = ROUND_BYTES) -> None:
@@ -37,14 +36,14 @@ def read_requests(reader: CheckpointReader, requests: Sequence[ReadRequest], rou
     rounds: list[list[ReadRequest]] = [[]]
     filled = 0
     for r in device:
-        size = _aligned(r.out.numel() * r.out.element_size())
+        size = aligned(nbytes_of(r.out))
         if rounds[-1] and filled + size > round_bytes:
             rounds.append([])
             filled = 0
         rounds[-1].append(r)
         filled += size
     pinned = torch.cuda.is_available() and all(r.out.is_cuda for r in device)
-    longest = max(sum(_aligned(r.out.numel() * r.out.element_size()) for r in batch) for batch in rounds)
+    longest = max(sum(aligned(nbytes_of(r.out)) for r in batch) for batch in rounds)
     buffers = [torch.empty(longest, dtype=torch.uint8, pin_memory=pinned) for _ in range(min(2, len(rounds)))]
     copied: list = [None] * len(buffers)
     for i, batch in enumerate(rounds):
@@ -53,9 +52,9 @@ def read_requests(reader: CheckpointReader, requests: Sequence[ReadRequest], rou
             copied[slot].synchronize()  # the device has what this buffer held before
         staged, pos = [], 0
         for r in batch:
-            nbytes = r.out.numel() * r.out.element_size()
+            nbytes = nbytes_of(r.out)
             staged.append(buffers[slot][pos:pos + nbytes].view(r.out.dtype).view(r.out.shape))
-            pos += _aligned(nbytes)
+            pos += aligned(nbytes)
         reader.read([ReadRequest(r.fqn, r.chunk, r.box, buf) for r, buf in zip(batch, staged)])
         for r, buf in zip(batch, staged):
             r.out.copy_(buf, non_blocking=pinned)
@@ -63,10 +62,6 @@ def read_requests(reader: CheckpointReader, requests: Sequence[ReadRequest], rou
     for event in copied:
         if event is not None:
             event.synchronize()
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def _record(device: torch.device):

@@ -53,7 +53,7 @@ from shardkit.checkpoint.state.tree import (
 )
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.device_reads import read_requests
-from shardkit.checkpoint.training.shared_reads import exchange, share_reads
+from shardkit.checkpoint.training.shared_reads import exchange, prepare_exchange, share_reads
 from shardkit.errors import (
     ConfigurationError,
     IncompatibleStateDict,
@@ -142,17 +142,19 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         local_exc = exc
     _agree(dist, local_exc, url)  # nothing is written before this agreement
     written = {r.fqn for r in requests}  # from here on a failure may leave these partly written
+    prepared = None
     try:
         for out, buf in checked.staged:
             out.copy_(buf)
         checked.staged.clear()  # staging memory goes before the in-place reads
         read_requests(reader, checked.in_place)  # a GPU target through small page-locked rounds
+        prepared = prepare_exchange(shared, dist)  # its buffer, before the agreement that lets bytes travel
     except Exception as exc:  # noqa: BLE001
         local_exc = exc
     if shared.shared:  # no bytes leave a rank unless every rank's own reads succeeded
         _agree(dist, local_exc, url, written, verify_first)
     try:
-        exchange(shared, dist)
+        exchange(shared, dist, prepared)
         if local_exc is None:  # a failed read leaves cast buffers partly unread and values of a damaged step
             for buf, target in device_copies:
                 target.copy_(buf)

@@ -20,17 +20,20 @@ bounded.  A request bigger than a round is cut into blocks of whole rows
 (or, for rows bigger than a round, parts of a row), the same blocks on the
 sending and the receiving rank.
 
-How the bytes travel depends on the wire.  On gloo a block that is
-contiguous host memory is sent and received in place; anything else (a
-strided view, a GPU target) goes through the one
-:class:`~shardkit.checkpoint.io.transfer_buffer.TransferBuffer` of the call.
-NCCL sends device memory only, so there every block goes through that
-buffer on the group's device: the reader's target (pinned host twin, then
-the device buffer; or device to device for a GPU target), NCCL send/recv,
-the receiver's device buffer, then its target (host through the pinned
-twin, or device to device).  :func:`exchange`'s ``wire`` argument forces
-that staging on gloo too, with the buffer on the CPU -- the same rounds and
-slots, testable without a GPU.
+How the bytes travel.  Between a reader and the ranks that need the same
+blocks, a round carries messages: a block of at least ``pack_below`` bytes
+is a message of its own; the smaller blocks going to the same ranks are
+packed into one message, so a model of many small tensors costs one send
+per peer and round, not one per tensor.  Both ends cut the same messages
+from the plan alone, in the same order, and each decides by itself how its
+side travels: a message of one block whose target is contiguous on the
+wire's device (the group's: the CPU on gloo, the current GPU on NCCL) is
+sent or received in place, as bytes; anything else goes through a slot of
+the one :class:`~shardkit.checkpoint.io.transfer_buffer.TransferBuffer` of
+the call, which holds at most one round (on NCCL a host target crosses
+through its page-locked twin).  The buffer is set up by
+:func:`prepare_exchange` before the ranks agree to send, so a rank that
+cannot hold it fails every rank at that agreement, not halfway into a round.
 """
 
 from __future__ import annotations
@@ -44,27 +47,30 @@ import torch
 
 from shardkit.checkpoint.formats.base import ReadRequest
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.transfer_buffer import ALIGNMENT, TransferBuffer
-from shardkit.errors import ConfigurationError
+from shardkit.checkpoint.io.rounds import ALIGNMENT, ROUND_BYTES, aligned, nbytes_of
+from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
+from shardkit.errors import ConfigurationError, error_record, from_record
 
-__all__ = ["Piece", "SharedReads", "share_reads", "exchange", "ROUND_BYTES"]
+__all__ = ["SharedBlock", "SharedReads", "Message", "PreparedExchange", "share_reads", "block_indices",
+           "prepare_exchange", "exchange", "PACK_BELOW"]
 
-ROUND_BYTES = 256 << 20
+PACK_BELOW = 1 << 20  # bytes: smaller blocks share a message (a copy of 1 MiB costs about one send's latency)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Piece:
-    """One block of a shared request that travels in one round: ``request.out[index]``, sent to ``peers``
-    (on the rank that reads it) or received from ``peers[0]`` (on a rank that needs it too).  Its
-    round, tag and index are the same on both ends."""
+class SharedBlock:
+    """One block of a request several ranks need, ``request.out[index]`` (``nbytes``): read by ``reader``,
+    sent to ``receivers`` in ``round``.  Round, tag, size and ranks are the same on every rank."""
 
     round: int
     tag: int
     request: ReadRequest
     index: tuple[Any, ...]
-    peers: list[int]
+    nbytes: int
+    reader: int
+    receivers: tuple[int, ...]
 
     @property
     def view(self) -> torch.Tensor:
@@ -73,24 +79,25 @@ class Piece:
 
 @dataclass
 class SharedReads:
-    """This rank's part of a load: what it reads from storage, and the pieces it sends (read here) or
+    """This rank's part of a load: what it reads from storage, and the blocks it sends (read here) or
     receives (read elsewhere)."""
 
     mine: list[ReadRequest]
-    sends: list[Piece] = field(default_factory=list)
-    receives: list[Piece] = field(default_factory=list)
+    sends: list[SharedBlock] = field(default_factory=list)
+    receives: list[SharedBlock] = field(default_factory=list)
     shared: bool = False  # whether any rank of the group sends or receives anything
+    pack_below: int = PACK_BELOW
 
     @property
     def rounds(self) -> int:
-        return 1 + max((p.round for p in self.sends + self.receives), default=-1)
+        return 1 + max((b.round for b in self.sends + self.receives), default=-1)
 
     @property
     def for_others(self) -> list[ReadRequest]:
         """The requests this rank reads for other ranks too, each once."""
         seen: dict[int, ReadRequest] = {}
-        for piece in self.sends:
-            seen.setdefault(id(piece.request), piece.request)
+        for block in self.sends:
+            seen.setdefault(id(block.request), block.request)
         return list(seen.values())
 
 
@@ -100,19 +107,20 @@ def _name(r: ReadRequest) -> str:
     return f"{r.fqn}|{list(r.box[0])}|{list(r.box[1])}"
 
 
-def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = ROUND_BYTES) -> SharedReads:
+def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = ROUND_BYTES,
+                pack_below: int = PACK_BELOW) -> SharedReads:
     """Decide who reads what, and in which round each shared block travels.  Collective over ``dist``
-    (every rank must call it, with ``[]`` after a local failure, and with the same ``round_bytes``);
-    without a process group every rank reads its own."""
+    (every rank must call it, with ``[]`` after a local failure, and with the same ``round_bytes`` and
+    ``pack_below``); without a process group every rank reads its own."""
     if not isinstance(round_bytes, int) or isinstance(round_bytes, bool) or round_bytes < ALIGNMENT:
-        raise ConfigurationError(f"round_bytes must be at least {ALIGNMENT} bytes (one element of any dtype), "
-                                 f"got {round_bytes!r}")
+        raise ConfigurationError(f"round_bytes must be at least {ALIGNMENT} bytes (one slot of the transfer "
+                                 f"buffer), got {round_bytes!r}")
     if not dist.active:
         return SharedReads(list(requests))
     mine: dict[str, list[ReadRequest]] = {}
     for r in requests:
         mine.setdefault(_name(r), []).append(r)
-    everyone = dist.all_gather_json([[name, _nbytes(rs[0].out), len(rs), list(rs[0].out.shape)]
+    everyone = dist.all_gather_json([[name, nbytes_of(rs[0].out), len(rs), list(rs[0].out.shape)]
                                      for name, rs in mine.items()])
     holders: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
@@ -130,7 +138,7 @@ def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = 
             for rank in ranks:
                 load[rank] += sizes[name]
     limit = round_bytes - round_bytes % ALIGNMENT
-    plan = SharedReads([])
+    plan = SharedReads([], pack_below=pack_below)
     round_index, filled, tag = 0, 0, 0
     for name in sorted(n for n, ranks in holders.items() if len(ranks) > 1 and n not in repeated):
         ranks = holders[name]
@@ -140,15 +148,15 @@ def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = 
         request = mine.pop(name)[0] if name in mine else None
         if request is not None and reader == dist.group_rank:
             plan.mine.append(request)
+        receivers = tuple(r for r in ranks if r != reader)
         itemsize = sizes[name] // math.prod(shapes[name])
         for index, nbytes in block_indices(shapes[name], itemsize, limit):
-            if filled and filled + _aligned(nbytes) > limit:
+            if filled and filled + aligned(nbytes) > limit:
                 round_index, filled = round_index + 1, 0
-            filled += _aligned(nbytes)
-            if request is not None and reader == dist.group_rank:
-                plan.sends.append(Piece(round_index, tag, request, index, [r for r in ranks if r != reader]))
-            elif request is not None:
-                plan.receives.append(Piece(round_index, tag, request, index, [reader]))
+            filled += aligned(nbytes)
+            if request is not None:
+                block = SharedBlock(round_index, tag, request, index, nbytes, reader, receivers)
+                (plan.sends if reader == dist.group_rank else plan.receives).append(block)
             tag += 1
     plan.mine.extend(r for rs in mine.values() for r in rs)
     return plan
@@ -170,29 +178,87 @@ def block_indices(shape: Sequence[int], itemsize: int, limit: int) -> list[tuple
     return [((i, *index), nbytes) for i in range(shape[0]) for index, nbytes in block_indices(shape[1:], itemsize, limit)]
 
 
-def exchange(plan: SharedReads, dist: Dist, *, wire: torch.device | None = None) -> int:
+@dataclass
+class Message:
+    """What one send carries from ``blocks[0].reader`` to each of ``blocks[0].receivers`` in a round: one
+    block, or blocks smaller than ``pack_below`` packed at aligned offsets in tag order.  ``start``: its
+    slot in this rank's buffer (``None``: it travels in place)."""
+
+    blocks: list[SharedBlock]
+    start: int | None = None
+
+    @property
+    def tag(self) -> int:
+        return self.blocks[0].tag
+
+    @property
+    def offsets(self) -> list[int]:
+        at, out = 0, []
+        for block in self.blocks:
+            out.append(at)
+            at += aligned(block.nbytes)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[-1] + self.blocks[-1].nbytes
+
+
+@dataclass
+class PreparedExchange:
+    """This rank's messages of an exchange, by round, and the buffer its staged ones travel through."""
+
+    outgoing: dict[int, list[Message]]
+    incoming: dict[int, list[Message]]
+    device: torch.device
+    buffer: TransferBuffer | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.nbytes
+
+
+def prepare_exchange(plan: SharedReads, dist: Dist, *, wire: torch.device | None = None) -> PreparedExchange:
+    """Cut this rank's messages and allocate the buffer its staged ones need (at most one round), before
+    the ranks agree to send: a failure here (a GPU out of memory) must fail every rank at that agreement.
+    Local: no collective.  ``wire``: the device the bytes travel from; ``None`` takes the group's."""
+    device = wire if wire is not None else (dist.device() if plan.shared else torch.device("cpu"))
+    prepared = PreparedExchange(_messages(plan.sends, plan.pack_below), _messages(plan.receives, plan.pack_below),
+                                device)
+    used: dict[int, int] = {}
+    for round_index, messages in [*prepared.outgoing.items(), *prepared.incoming.items()]:
+        for message in messages:
+            if len(message.blocks) == 1 and _travels_in_place(message.blocks[0].view, device):
+                continue
+            message.start = used.get(round_index, 0)
+            used[round_index] = message.start + aligned(message.nbytes)
+    nbytes = max(used.values(), default=0)
+    prepared.buffer = TransferBuffer(nbytes, device) if nbytes else None
+    return prepared
+
+
+def exchange(plan: SharedReads, dist: Dist, prepared: PreparedExchange | None = None, *,
+             wire: torch.device | None = None) -> int:
     """Send the bytes this rank read to the ranks that need them too, and receive what others read;
     return the bytes of the staging buffer this rank held (at most the plan's ``round_bytes``).
 
     Call only after every rank's reads succeeded (the sender's targets hold
-    checked bytes).  Collective in spirit: every rank of the group takes part
-    in each round, even one with nothing to send or receive in it.  A copy
-    into or out of the buffer that fails does not stop the rounds (the peers
-    are committed to them); the failure is raised once they are over.
-
-    ``wire``: the device the bytes travel from; ``None`` takes the group's
-    (the CPU on gloo, with contiguous host blocks sent in place; the current
-    CUDA device on NCCL).  Naming a device stages every block through the
-    buffer on it.
+    checked bytes), with what :func:`prepare_exchange` returned on every rank
+    before the ranks agreed to send; without ``prepared`` this call prepares
+    (on ``wire``) and agrees first, raising the same error on every rank when
+    any rank could not prepare.  Collective in spirit: every rank of the
+    group takes part in each round, even one with nothing to send or receive
+    in it.  A copy into or out of the buffer that fails does not stop the
+    rounds (the peers are committed to them); the failure is raised once
+    they are over.
     """
     if not plan.shared:
         return 0
     import torch.distributed as tdist
 
-    in_place = wire is None and tdist.get_backend(dist.group) == "gloo"
-    device = dist.device() if wire is None else wire
-    slots, nbytes = _slots(plan, in_place)
-    buffer = TransferBuffer(nbytes, device) if nbytes else None
+    if prepared is None:
+        prepared = _prepared_on_every_rank(plan, dist, wire)
+    buffer = prepared.buffer
 
     def global_rank(group_rank: int) -> int:
         return tdist.get_global_rank(dist.group, group_rank) if dist.group is not None else group_rank
@@ -201,57 +267,85 @@ def exchange(plan: SharedReads, dist: Dist, *, wire: torch.device | None = None)
     with torch.no_grad():
         for round_index in range(plan.rounds):
             ops, landing = [], []
-            for piece in (p for p in plan.sends if p.round == round_index):
-                view, start = piece.view, slots.get(id(piece))
-                if start is None:
-                    sent = view
+            for message in prepared.outgoing.get(round_index, []):
+                if message.start is None:
+                    sent = _as_bytes(message.blocks[0].view)
                 else:
-                    sent = buffer.receive_slice(start, view)
+                    sent = buffer.slot(message.start, message.nbytes)
                     try:
-                        sent = buffer.put(start, view)
+                        for block, offset in zip(message.blocks, message.offsets):
+                            buffer.put(message.start + offset, block.view)
                     except Exception as exc:  # noqa: BLE001 - the peers wait for this round: raised after it
                         failure = failure or exc
-                ops.extend(tdist.P2POp(tdist.isend, sent, global_rank(rank), dist.group, piece.tag)
-                           for rank in piece.peers)
-            for piece in (p for p in plan.receives if p.round == round_index):
-                view, start = piece.view, slots.get(id(piece))
-                target = view if start is None else buffer.receive_slice(start, view)
-                ops.append(tdist.P2POp(tdist.irecv, target, global_rank(piece.peers[0]), dist.group, piece.tag))
-                if start is not None:
-                    landing.append((start, view))
+                ops.extend(tdist.P2POp(tdist.isend, sent, global_rank(rank), dist.group, message.tag)
+                           for rank in message.blocks[0].receivers)
+            for message in prepared.incoming.get(round_index, []):
+                if message.start is None:
+                    target = _as_bytes(message.blocks[0].view)
+                else:
+                    target = buffer.slot(message.start, message.nbytes)
+                    landing.append(message)
+                ops.append(tdist.P2POp(tdist.irecv, target, global_rank(message.blocks[0].reader), dist.group,
+                                       message.tag))
             for work in tdist.batch_isend_irecv(ops) if ops else ():
                 work.wait()
-            for start, view in landing:
+            for message in landing:
                 try:
-                    buffer.take(start, view)
+                    for block, offset in zip(message.blocks, message.offsets):
+                        buffer.take(message.start + offset, block.view)
                 except Exception as exc:  # noqa: BLE001 - later rounds still run: raised after them
                     failure = failure or exc
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    if prepared.device.type == "cuda":
+        torch.cuda.current_stream(prepared.device).synchronize()
     if failure is not None:
         raise failure
-    log.debug("rank %d sent %d and received %d pieces in %d rounds through a %d-byte buffer on %s",
-              dist.group_rank, len(plan.sends), len(plan.receives), plan.rounds, nbytes, device)
-    return nbytes
+    log.debug("rank %d sent %d and received %d blocks in %d rounds through a %d-byte buffer on %s",
+              dist.group_rank, len(plan.sends), len(plan.receives), plan.rounds, prepared.nbytes, prepared.device)
+    return prepared.nbytes
 
 
-def _slots(plan: SharedReads, in_place: bool) -> tuple[dict[int, int], int]:
-    """Each staged piece's offset in the buffer (by ``id``), and the buffer's size: the most any round
-    stages.  With ``in_place``, contiguous host blocks travel without a slot."""
-    slots: dict[int, int] = {}
-    used: dict[int, int] = {}
-    for piece in plan.sends + plan.receives:
-        view = piece.view
-        if in_place and view.device.type == "cpu" and view.is_contiguous():
+def _prepared_on_every_rank(plan: SharedReads, dist: Dist, wire: torch.device | None) -> PreparedExchange:
+    """:func:`prepare_exchange`, then one agreement: a rank that could not prepare raises its own error,
+    the others the same shardkit class naming it, so none waits in a round for a peer that never comes."""
+    prepared, failure, record = None, None, None
+    try:
+        prepared = prepare_exchange(plan, dist, wire=wire)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+        failure, record = exc, error_record(exc)
+    first = dist.first_error(record)
+    if first is None:
+        assert prepared is not None
+        return prepared
+    if failure is not None:
+        raise failure
+    rank, theirs = first
+    raise from_record(theirs, f"rank {rank} could not set up the exchange of shared reads ({theirs['type']}: "
+                              f"{theirs['message']}); no block was sent")
+
+
+def _messages(blocks: Sequence[SharedBlock], pack_below: int) -> dict[int, list[Message]]:
+    """The messages of ``blocks`` by round, each round's in the order of their first tag: the same cut on
+    the reader and on every receiver, so sends and receives pair up in order (NCCL matches them so)."""
+    by_round: dict[int, list[Message]] = {}
+    packed: dict[tuple[int, int, tuple[int, ...]], Message] = {}
+    for block in sorted(blocks, key=lambda b: b.tag):
+        key = (block.round, block.reader, block.receivers)
+        if block.nbytes < pack_below and key in packed:
+            packed[key].blocks.append(block)
             continue
-        slots[id(piece)] = used.get(piece.round, 0)
-        used[piece.round] = slots[id(piece)] + _aligned(_nbytes(view))
-    return slots, max(used.values(), default=0)
+        message = Message([block])
+        by_round.setdefault(block.round, []).append(message)
+        if block.nbytes < pack_below:
+            packed[key] = message
+    return by_round
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
+def _travels_in_place(view: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``view`` can be sent or received as it is: contiguous memory on the wire's device."""
+    same_device = view.device.type == device.type and (device.index is None or view.device.index == device.index)
+    return same_device and view.is_contiguous()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _as_bytes(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as ``uint8``: both ends of a message see bytes, whatever the dtype."""
+    return view.reshape(-1).view(torch.uint8)

@@ -31,16 +31,11 @@ from typing import Any, Iterable
 import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
+from shardkit.checkpoint.io.rounds import aligned
 
 __all__ = ["StagingPool", "HostBuffer"]
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 class HostBuffer:
@@ -137,7 +132,7 @@ class StagingPool:
         into the same buffer (every save of a training run after the first) only copies.
         """
         layout = [[(c.fqn, c.dtype, c.offsets, c.shape, c.tensor_shape) for c in g] for g in groups]
-        total = sum(_aligned(c.nbytes) for g in groups for c in g)
+        total = sum(aligned(c.nbytes) for g in groups for c in g)
         on_cuda = any(isinstance(c.data, torch.Tensor) and c.data.is_cuda for g in groups for c in g)
         if self.buffer is None or self.buffer.size < total or (on_cuda and not self.buffer.pinned):
             self.release()  # let the old one go before taking the new one
@@ -189,7 +184,7 @@ class StagingPool:
                 raw = self.buffer.tensor[pos:pos + chunk.nbytes]
                 data = raw.view(chunk.dtype).view(chunk.shape) if chunk.shape else raw.view(chunk.dtype)[0]
                 placed.append(replace(chunk, data=data))
-                pos += _aligned(chunk.nbytes)
+                pos += aligned(chunk.nbytes)
             out.append(placed)
         return out
 
