@@ -27,6 +27,7 @@ all-reduce instead and skip the build.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -35,7 +36,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `tests` importable by torchrun
 
 import deepspeed  # noqa: E402
-import deepspeed.comm.torch as ds_comm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
@@ -52,7 +52,9 @@ from tests.framework_helpers import (  # noqa: E402
     build_model,
 )
 
-ds_comm.build_shm_op = lambda: None  # the optional shm kernel: gloo does the all-reduce
+# the optional shm kernel: gloo does the all-reduce.  Patched in the module itself: ``import
+# deepspeed.comm.torch as m`` binds the attribute ``deepspeed.comm.torch``, which is torch itself.
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def engine_for(model: torch.nn.Module, stage: int, optimizer: str, variant: str = "") -> deepspeed.DeepSpeedEngine:

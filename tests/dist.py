@@ -39,6 +39,7 @@ Failure semantics, which the tests rely on:
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import os
 import signal
@@ -103,6 +104,9 @@ def _forget_sharding_decisions() -> None:
 def _rank_main(rank: int, world_size: int, port: int, conn: Connection, test_pid: int,
                environ: dict[str, str]) -> None:
     os.setsid()  # one killable process group for this rank and all it spawns
+    # the fork server's imports (torch's modules, hundreds of thousands of objects) live as long as the rank:
+    # frozen, the rank's collector no longer walks them at every full collection, copying each page it visits
+    gc.freeze()
     threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
     os.environ.clear()  # the test process's environment now, not the fork server's from when it started
     os.environ.update(environ)

@@ -13,7 +13,8 @@ rank gets the environment torchrun gives a worker (``RANK``, ``WORLD_SIZE``,
 writes its output to ``OUT/launch<i>-rank<r>.log``, runs ``train.main`` with
 ``--checkpoint-dir OUT/launch<i>`` added, and leaves through the interpreter's
 normal exit -- the program's threads joined, exit functions, finalization --
-which is where an exit-time abort happens.  ``AT_ONCE`` launches run at the
+which is where an exit-time abort happens.  The inherited heap is frozen
+(``gc.freeze``) before the first fork, so that no rank's collector walks it.  ``AT_ONCE`` launches run at the
 same time, so they load each other as on a busy machine.
 
 Prints one JSON line: ``{"launches": n, "exit_codes": {code: ranks}, "failed": [{"launch", "rank", "code",
@@ -22,6 +23,7 @@ Prints one JSON line: ``{"launches": n, "exit_codes": {code: ranks}, "failed": [
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -71,6 +73,10 @@ def threads_running() -> int:
 
 def soak(launches: int, at_once: int, out: Path, train_args: list[str]) -> dict:
     train = load_train_module()
+    # Every rank starts with this launcher's heap (torch's modules, hundreds of thousands of objects); the
+    # collector would walk it again in every rank, writing to each page it visits and so copying it.  Frozen,
+    # it is left alone; what a rank creates itself (its groups, threads, tensors) is collected as usual.
+    gc.freeze()
     waiting = list(range(launches))
     running: dict[int, tuple[int, int, float]] = {}  # pid -> (launch, rank, deadline)
     codes: dict[str, int] = {}
