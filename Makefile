@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.shardkit-installed
 TEST_STAMP := $(VENV)/.shardkit-test-installed
 AZURITE := $(VENV)/node/node_modules/.bin/azurite-blob
 
-.PHONY: demo test install azurite clean
+.PHONY: demo test test-deps install azurite clean
 
 install: $(STAMP)
 
@@ -39,9 +39,13 @@ demo: $(STAMP)
 
 # ruff: unused names and import order; the suite includes tests/test_architecture.py (import layers,
 # cycles, private names, module size).  Either failing fails the build.
-test: $(TEST_STAMP) azurite
+test: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# the test extra (pip) and azurite (npm) download and unpack at the same time
+test-deps: $(TEST_STAMP) azurite
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
