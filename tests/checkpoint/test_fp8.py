@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_map
 
 import shardkit.checkpoint as skc
 from shardkit.errors import UnsupportedFormat
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 FP8 = [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz",
                                          "float8_e5m2fnuz") if hasattr(torch, name)]
@@ -188,7 +188,7 @@ def fp8_hf_folder(path) -> dict[str, torch.Tensor]:
 def test_convert_dtype_dequantizes_blockwise_fp8_like_the_published_formula(tmp_path):
     from safetensors.torch import load_file
 
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     src = fp8_hf_folder(tmp_path / "fp8")
     result = run_cli("convert", str(tmp_path / "fp8"), str(tmp_path / "bf16"), "--to", "hf", "--dtype", "bf16")

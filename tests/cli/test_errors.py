@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.offline_cli import run_cli
-from tests.offline_helpers import torch_and_native, write_torch_state
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import torch_and_native, write_torch_state
 
 COMMANDS = ["reshard", "convert", "inspect", "verify", "diff"]
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from shardkit.checkpoint.formats import FORMATS
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 
 def _unwrapped(help_text: str) -> str:

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardkit.checkpoint.formats.native.writer import NativeWriter
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 RESUMES = "rerunning the same command resumes"
 

@@ -10,8 +10,8 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.errors import IncompatibleStateDict
-from tests.offline_cli import run_cli
-from tests.offline_helpers import write_torch_state
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import write_torch_state
 
 
 def _messages(caplog) -> str:

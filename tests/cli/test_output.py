@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardkit.cli.render import human_bytes
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 
 from shardkit.checkpoint import convert, diff, reshard
 from shardkit.checkpoint.offline.progress import Progress
-from tests.offline_cli import run_cli
-from tests.offline_helpers import torch_and_native
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import torch_and_native
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 import shardkit.checkpoint as skc
 from shardkit.data import ElasticLoader, ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest
 from shardkit.errors import DataStateError, PerRankStateError
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 NUM_SAMPLES, GLOBAL_BATCH, SEED = 40, 5, 3          # 8 global batches per epoch, split 3+2 on 2 ranks
 SAVE_AFTER, THEN = 6, 5                              # save 6 steps in, then 5 more (across the epoch end)

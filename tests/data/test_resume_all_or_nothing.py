@@ -13,7 +13,7 @@ import torch.nn as nn
 import shardkit.checkpoint as skc
 from shardkit.data import ElasticSampler, Stateful
 from shardkit.errors import DataStateError, PerRankStateError
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 class Counter:

@@ -20,15 +20,15 @@ from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.runtime import sharded_params_of
 from shardkit.wrap import CustomPolicy, ModuleWrapPolicy, transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     CollectiveCounter,
     assert_close_losses,
     build_transformer,
     reference_losses,
     train_steps,
 )
-from tests.models import Block, ModelArgs, Transformer
+from tests.support.models import Block, ModelArgs, Transformer
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 

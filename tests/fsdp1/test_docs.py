@@ -13,7 +13,7 @@ import shardkit
 import shardkit.fsdp1
 from shardkit import FullyShardedDataParallel as FSDP
 
-DOC = (Path(__file__).resolve().parents[1] / "docs" / "migration.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "migration.md").read_text()
 
 
 def _table_rows(heading: str) -> dict[str, str]:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_on_ranks, run_torchrun
+from tests.support.dist import run_on_ranks, run_torchrun
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp1_migration.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp1_migration.py"
 
 
 def _load_example(path: str | Path = EXAMPLE):

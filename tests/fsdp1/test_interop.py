@@ -21,9 +21,9 @@ from shardkit import FullyShardedDataParallel as FSDP
 from shardkit import StateDictType
 from shardkit.cli.main import main as shardkit_cli
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import build_transformer, torch_fsdp1_writes
-from tests.models import Block
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import build_transformer, torch_fsdp1_writes
+from tests.support.models import Block
 
 
 def _fresh():

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import assert_close_losses, reference_losses, train_steps
-from tests.models import Block, ModelArgs, Transformer
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import assert_close_losses, reference_losses, train_steps
+from tests.support.models import Block, ModelArgs, Transformer
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 

@@ -23,14 +23,14 @@ from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import grad_norm
 from shardkit.wrap import CustomPolicy, transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     PER_RANK,
     CollectiveCounter,
     build_transformer,
     global_batch,
 )
-from tests.models import Block, lm_loss
+from tests.support.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 

@@ -20,14 +20,14 @@ import shardkit.wrap as sk_wrap
 from shardkit import FullyShardedDataParallel as FSDP
 from shardkit import OptimStateKeyType, StateDictType
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     assert_close_losses,
     build_transformer,
     global_batch,
     train_steps,
 )
-from tests.models import Block, lm_loss
+from tests.support.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 ROWS = 6  # divides 1, 2 and 3 ranks

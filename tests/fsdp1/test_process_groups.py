@@ -22,9 +22,9 @@ from shardkit import FullyShardedDataParallel as FSDP
 from shardkit import ShardingStrategy, fully_shard
 from shardkit.runtime import param_groups_of
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import PG_TIMEOUT_S, run_on_ranks
-from tests.fsdp1_helpers import build_transformer, train_steps
-from tests.models import Block
+from tests.support.dist import PG_TIMEOUT_S, run_on_ranks
+from tests.support.fsdp1_helpers import build_transformer, train_steps
+from tests.support.models import Block
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 

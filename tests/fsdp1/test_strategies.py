@@ -15,8 +15,8 @@ from shardkit import FullyShardedDataParallel as FSDP
 from shardkit import ShardingStrategy
 from shardkit.runtime import sharded_params_of
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     CollectiveCounter,
     assert_close_losses,
     build_transformer,
@@ -24,7 +24,7 @@ from tests.fsdp1_helpers import (
     reference_losses,
     train_steps,
 )
-from tests.models import Block, lm_loss
+from tests.support.models import Block, lm_loss
 
 POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
 

@@ -13,14 +13,14 @@ from torch.distributed.tensor import DTensor
 from shardkit import FSDPModule, ShardingStrategy, StateDictType
 from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.wrap import transformer_auto_wrap_policy
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     assert_close_losses,
     build_transformer,
     reference_losses,
     train_steps,
 )
-from tests.models import Block, Transformer
+from tests.support.models import Block, Transformer
 
 
 def _identity_and_keys():

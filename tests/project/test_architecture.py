@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 450
 
 # layer of each checkpoint folder: a module may import its own layer or lower ones, never higher

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import PG_TIMEOUT_S, RankFailure, recycle_crowded_pools, run_on_ranks
+from tests.support.dist import PG_TIMEOUT_S, RankFailure, recycle_crowded_pools, run_on_ranks
 
 
 def _identity_and_sum():

@@ -1,7 +1,7 @@
 """Every Python block of README.md and docs/ runs, so the docs cannot drift from the code.
 
 A block runs as written, in a namespace holding what its prose takes as given
-(``tests/docs_given.py``: the imports and a small ``model``, ``optimizer``,
+(``tests/support/docs_given.py``: the imports and a small ``model``, ``optimizer``,
 ``data``...), in a fresh working directory.  By default it runs in one
 process, a rank of a 1-rank gloo group (as ``torchrun --nproc_per_node=1``
 starts a script).  An HTML comment on the line before the fence says how,
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import run_on_ranks, run_torchrun
+from tests.support.dist import run_on_ranks, run_torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DIRECTIVE = re.compile(r"^<!-- docs-test: (?P<terms>.*?) -->$")
 EXCERPT_REASONS = ("GPU", "cloud account", "ranks")
@@ -92,7 +92,7 @@ def programs() -> list[Program]:
 
 def run_program(sources: list[tuple[str, int, str]], workdir: str, env: dict[str, str], terms: str = "") -> None:
     """Run ``(page, line, code)`` blocks in order in one namespace; module level: ranks call it by name."""
-    from tests.docs_given import given
+    from tests.support.docs_given import given
 
     saved_env = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -115,7 +115,7 @@ TORCHRUN_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-from tests.test_docs_code import run_program
+from tests.project.test_docs_code import run_program
 if {forms_group!r} is False:  # a training script's first line, unless the block is that script
     dist.init_process_group("gloo")
 run_program({sources!r}, {workdir!r}, {{}}, {terms!r})

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist import run_torchrun
+from tests.support.dist import run_torchrun
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hot_resume.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hot_resume.py"
 STEPS, DIE_AT = 7, 6
 
 # torchrun shares its rendezvous store with the workers by default, and a restarted worker's gloo group

@@ -8,9 +8,9 @@ import math
 import re
 from pathlib import Path
 
-from tests.dist import run_torchrun
+from tests.support.dist import run_torchrun
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 COMMON = ["--steps", "6", "--global-batch", "6"]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ["machine", "cuda-tests", "runtime-world1", "runtime-world2", "checkpoint-cuda", "nccl-shared-reads"]
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
@@ -57,12 +57,13 @@ def test_the_check_runs_the_three_benchmarks_and_the_cuda_marked_test_files():
     assert [script for script, _ in _python_commands()] == [
         "benchmarks/runtime.py", "benchmarks/runtime.py", "benchmarks/checkpoint_cuda.py",
         "benchmarks/shared_reads_nccl.py"]
-    marked = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
-              if re.search(r"^(pytestmark = |@)pytest\.mark\.cuda", p.read_text(), re.M)]
-    assert {"test_checkpoint_cuda.py", "test_runtime_cuda.py", "test_shared_reads_cuda.py"} <= set(marked)
+    marked = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+                    if re.search(r"^(pytestmark = |@)pytest\.mark\.cuda", p.read_text(), re.M))
+    assert {"tests/checkpoint/training/test_cuda.py", "tests/runtime/test_cuda.py",
+            "tests/checkpoint/training/test_shared_reads_cuda.py"} <= set(marked)
     (selection,) = re.findall(r"-m cuda \$\((grep .*)\)$", SCRIPT.read_text(), re.M)
     found = subprocess.run(["bash", "-c", selection], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert found.stdout.split() == [f"tests/{name}" for name in marked]
+    assert found.stdout.split() == marked
 
 
 @pytest.mark.parametrize("script,args", _python_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "support" / "fixtures"
 
 IMPORT_EVERY_MODULE = """
 import importlib, pkgutil, sys

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss
-from tests.runtime_common import (
+from tests.support.dist import run_on_ranks
+from tests.support.models import ModelArgs, Transformer, lm_loss
+from tests.support.runtime_common import (
     global_batch,
     local_batch,
     max_relative_loss_error,

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from tests.dist import run_on_ranks
-from tests.models import lm_loss
-from tests.runtime_common import ARGS, local_batch, seeded_transformer
-from tests.runtime_scenarios import make_mesh, per_block, shardkit_api, torch_api
+from tests.support.dist import run_on_ranks
+from tests.support.models import lm_loss
+from tests.support.runtime_common import ARGS, local_batch, seeded_transformer
+from tests.support.runtime_scenarios import make_mesh, per_block, shardkit_api, torch_api
 
 LAYERS = ARGS.n_layers
 

@@ -13,8 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
-from tests.runtime_common import max_relative_loss_error, seeded_transformer, shard_blocks_and_root, train_sharded
+from tests.support.dist import run_on_ranks
+from tests.support.runtime_common import (
+    max_relative_loss_error,
+    seeded_transformer,
+    shard_blocks_and_root,
+    train_sharded,
+)
 
 STEPS = 10
 LOSS_RTOL = 1e-6

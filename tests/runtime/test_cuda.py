@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.dist import run_on_ranks
-from tests.runtime_common import (
+from tests.support.dist import run_on_ranks
+from tests.support.runtime_common import (
     max_relative_loss_error,
     seeded_transformer,
     train_reference,

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.dist import run_on_ranks
-from tests.models import Transformer
-from tests.runtime_common import local_batch, seeded_transformer, shard_blocks_and_root, train_sharded
+from tests.support.dist import run_on_ranks
+from tests.support.models import Transformer
+from tests.support.runtime_common import local_batch, seeded_transformer, shard_blocks_and_root, train_sharded
 
 PG_TIMEOUT_S = 3.0
 

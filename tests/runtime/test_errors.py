@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardkit import MixedPrecisionPolicy
 from shardkit.errors import ConfigurationError
-from tests.dist import run_on_ranks
-from tests.models import MLPStack, TiedLinears, WithScalarParameter
+from tests.support.dist import run_on_ranks
+from tests.support.models import MLPStack, TiedLinears, WithScalarParameter
 
 
 def _error(fn):

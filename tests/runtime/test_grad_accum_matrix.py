@@ -60,7 +60,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 VOCAB, DIM, BATCH, SEQ, CHUNKS, MICRO_BATCHES = 9, 6, 2, 4, 2, 3
 

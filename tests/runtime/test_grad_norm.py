@@ -19,11 +19,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import CollectiveCounter
-from tests.models import TP_ARGS, lm_loss, parallelize_blocks
-from tests.runtime_common import global_batch, local_batch, seeded_transformer
-from tests.runtime_scenarios import per_block, shardkit_api
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import CollectiveCounter
+from tests.support.models import TP_ARGS, lm_loss, parallelize_blocks
+from tests.support.runtime_common import global_batch, local_batch, seeded_transformer
+from tests.support.runtime_scenarios import per_block, shardkit_api
 
 MAX_NORM = 0.1
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.dist import run_on_ranks
-from tests.models import lm_loss
-from tests.runtime_common import local_batch, seeded_transformer, shard_blocks_and_root
+from tests.support.dist import run_on_ranks
+from tests.support.models import lm_loss
+from tests.support.runtime_common import local_batch, seeded_transformer, shard_blocks_and_root
 
 
 def _rows(size0: int, world: int, rank: int) -> int:

@@ -25,8 +25,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.dist import run_on_ranks
-from tests.runtime_common import (
+from tests.support.dist import run_on_ranks
+from tests.support.runtime_common import (
     max_relative_loss_error,
     reference_slices_mismatch,
     seeded_transformer,

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 IN, HIDDEN, OUT, BATCH = 8, 12, 6, 4
 

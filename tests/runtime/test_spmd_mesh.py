@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 IN, HIDDEN, OUT, BATCH = 8, 12, 6, 8
 

@@ -3,7 +3,7 @@ tensor parallelism made DTensors on ``world["tp"]``.
 
 Training parity (losses against one process, parameters bitwise against
 torch's own ``fully_shard``, same placements) runs with the other training
-modes: the ``tp_*`` scenarios of ``tests/test_runtime_training_modes.py``.
+modes: the ``tp_*`` scenarios of ``tests/runtime/test_training_modes.py``.
 Here: the layout itself, which collectives run over which ranks, and DCP
 checkpoints crossing between shardkit and torch.
 """
@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.dist import run_on_ranks
-from tests.models import TP_ARGS, lm_loss, parallelize_blocks
-from tests.runtime_common import local_batch, seeded_transformer
-from tests.runtime_scenarios import per_block, shardkit_api, torch_api
+from tests.support.dist import run_on_ranks
+from tests.support.models import TP_ARGS, lm_loss, parallelize_blocks
+from tests.support.runtime_common import local_batch, seeded_transformer
+from tests.support.runtime_scenarios import per_block, shardkit_api, torch_api
 
 
 def _two_d(api, shape=(2, 2), names=("dp", "tp"), seed=0):
@@ -151,8 +151,8 @@ def test_full_state_dict_distributed_with_the_2d_placements_loads_in_place():
 def _bf16_and_reshard_to_two_ranks(option):
     """A few steps with one more option on both implementations (or shardkit alone
     when torch has no such option for TP parameters)."""
-    from tests.runtime_common import train_sharded
-    from tests.runtime_scenarios import _shardkit_clip
+    from tests.support.runtime_common import train_sharded
+    from tests.support.runtime_scenarios import _shardkit_clip
 
     out = {}
     for api in (shardkit_api(), torch_api()):
@@ -180,7 +180,7 @@ def test_bf16_compute_on_tp_parameters_equals_torchs_bitwise():
 
 
 def test_reshard_after_forward_to_two_ranks_works_for_tp_parameters():
-    from tests.runtime_common import max_relative_loss_error, train_reference
+    from tests.support.runtime_common import max_relative_loss_error, train_reference
 
     reference, _ = train_reference(seeded_transformer(args=TP_ARGS), 4, 3)
     for out in run_on_ranks(4, _bf16_and_reshard_to_two_ranks, "reshard_after_forward_2"):

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tests.dist import run_on_ranks
-from tests.models import MLPStack, TiedLinears, WithScalarParameter
+from tests.support.dist import run_on_ranks
+from tests.support.models import MLPStack, TiedLinears, WithScalarParameter
 
 # case -> the builtin torch 2.13 raises for it
 TORCH_RAISES = {

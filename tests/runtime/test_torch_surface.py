@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 STEPS = 2
 

@@ -1,6 +1,6 @@
 """Every training mode of ``fully_shard`` keeps data-parallel parity.
 
-Each scenario (see ``tests/runtime_scenarios.py``) trains 4 AdamW steps with
+Each scenario (see ``tests/support/runtime_scenarios.py``) trains 4 AdamW steps with
 ``clip_grad_norm_``.  Its per-step losses must match one process on the
 global batch to a relative 1e-6 (fp32), and every shard must be bitwise
 equal to torch's own ``fully_shard`` run on the same mesh and micro-batches,
@@ -20,9 +20,9 @@ import functools
 
 import pytest
 
-from tests.dist import run_on_ranks
-from tests.runtime_common import max_relative_loss_error
-from tests.runtime_scenarios import SCENARIOS, reference_losses, run_scenario
+from tests.support.dist import run_on_ranks
+from tests.support.runtime_common import max_relative_loss_error
+from tests.support.runtime_scenarios import SCENARIOS, reference_losses, run_scenario
 
 LOSS_RTOL = 1e-6
 FP32_SCENARIOS = [name for name in SCENARIOS if name != "bf16_mixed_precision"]

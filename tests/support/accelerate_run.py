@@ -31,7 +31,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `tests` importable by torchrun
+# `tests` importable by torchrun: the repository root, two folders above this file
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -39,7 +40,7 @@ from accelerate import Accelerator, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.framework_helpers import (  # noqa: E402
+from tests.support.framework_helpers import (  # noqa: E402
     ACCELERATE_CASES,
     PROBE,
     STEPS_AFTER,

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.checkpoint_helpers import full_state, mismatches, rel_close, train_rows  # noqa: F401 - re-exported
-from tests.models import ModelArgs
+from tests.support.checkpoint_helpers import full_state, mismatches, rel_close, train_rows  # noqa: F401 - re-exported
+from tests.support.models import ModelArgs
 
 VOCAB, DIM, HIDDEN, LAYERS, SEQ = 37, 26, 51, 2, 8  # 37, 51 divide none of 2, 3, 4; 26 divides 2 only
 LR = 1e-2
@@ -201,7 +201,7 @@ def resume(url: str, runtime: str, layout_name: str) -> dict[str, Any] | None:
 
 def run_layout(layout_name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on the ranks of the layout (in this process for ``plain``); rank 0's answer."""
-    from tests.dist import run_on_ranks
+    from tests.support.dist import run_on_ranks
 
     layout = LAYOUTS[layout_name]
     if not layout.mesh:

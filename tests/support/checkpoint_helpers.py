@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.models import ModelArgs, Transformer, lm_loss, make_batch
 
 ARGS = ModelArgs()
 GLOBAL_BATCH = 12

@@ -33,7 +33,8 @@ import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `tests` importable by torchrun
+# `tests` importable by torchrun: the repository root, two folders above this file
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
@@ -42,7 +43,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from tests.framework_helpers import (  # noqa: E402
+from tests.support.framework_helpers import (  # noqa: E402
     CASES,
     STATE_KEYS,
     STEPS_AFTER,

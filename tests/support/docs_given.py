@@ -1,4 +1,4 @@
-"""What the prose around a documentation block takes as given, for ``tests/test_docs_code.py``.
+"""What the prose around a documentation block takes as given, for ``tests/project/test_docs_code.py``.
 
 The docs show code as a user writes it in their own training script, where
 ``model``, ``optimizer``, ``data`` and ``loss_fn`` already exist.  Each block
@@ -30,9 +30,9 @@ from torch.distributed.tensor import distribute_tensor
 import shardkit
 import shardkit.checkpoint as skc
 from shardkit import fully_shard
-from tests.models import TP_ARGS, Block, Transformer, lm_loss, make_batch
-from tests.test_data_resume import ShardReader
-from tests.test_data_sampler import IndexDataset
+from tests.data.test_resume import ShardReader
+from tests.data.test_sampler import IndexDataset
+from tests.support.models import TP_ARGS, Block, Transformer, lm_loss, make_batch
 
 __all__ = ["given"]
 
@@ -86,7 +86,7 @@ def _fsdp1_situation(workdir: Path) -> dict[str, Any]:
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit import StateDictType
     from shardkit.wrap import transformer_auto_wrap_policy
-    from tests.fsdp1_helpers import build_transformer, torch_fsdp1_writes
+    from tests.support.fsdp1_helpers import build_transformer, torch_fsdp1_writes
 
     torch_fsdp1_writes(str(workdir), "ckpt/step-100")
     if dist.get_rank() == 0:

@@ -38,7 +38,7 @@ import torch._dynamo  # noqa: F401 - likewise: every rank's first DTensor would 
 
 import shardkit.checkpoint.training.manager  # noqa: F401 - likewise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RANKS = 2
 RANK_TIMEOUT_S = 120.0
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tests.dist import run_on_ranks
-from tests.models import lm_loss, make_batch, sharded_transformer
+from tests.support.dist import run_on_ranks
+from tests.support.models import lm_loss, make_batch, sharded_transformer
 
 
 def flat_full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:

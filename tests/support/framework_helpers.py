@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_torchrun
+from tests.support.dist import run_torchrun
 
 VOCAB = 64
 STEPS_SAVED = 2   # steps trained before the save

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models import Block, ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.models import Block, ModelArgs, Transformer, lm_loss, make_batch
 
 ARGS = ModelArgs()
 PER_RANK = 2

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tests.dist import run_on_ranks
-from tests.models import (
+from tests.support.dist import run_on_ranks
+from tests.support.models import (
     ModelArgs,
     Transformer,
     lm_loss,

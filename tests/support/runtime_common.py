@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.models import ModelArgs, Transformer, lm_loss, make_batch
 
 ARGS = ModelArgs()
 PER_RANK_BATCH = 2

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from tests.models import TP_ARGS, Transformer, parallelize_blocks
-from tests.runtime_common import ARGS, seeded_transformer, train_reference, train_sharded
+from tests.support.models import TP_ARGS, Transformer, parallelize_blocks
+from tests.support.runtime_common import ARGS, seeded_transformer, train_reference, train_sharded
 
 # Enough for every mode to show after its first step: the second forward follows the order the first
 # recorded (prefetch), gradients kept as zeros are added to (set_to_none every other step), and

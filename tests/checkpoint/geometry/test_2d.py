@@ -20,7 +20,7 @@ import shardkit.checkpoint as skc
 from shardkit.checkpoint.geometry.boxes import check_cover, shard_range
 from shardkit.checkpoint.geometry.placements import held_pieces, held_runs, placement_specs
 from shardkit.errors import IncompatibleStateDict
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 def _fsdp_over_tp_rows(n: int, dp: int, tp: int, d: int, t: int) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """A checkpoint saved at (dp=2, tp=2) loads into every other layout: bitwise model and AdamW state, and
 5 more steps matching the uninterrupted run.
 
-The writer and the readers are named by runtime (tests/checkpoint_2d_helpers.py):
+The writer and the readers are named by runtime (tests/support/checkpoint_2d_helpers.py):
 ``torch`` is torch's ``fully_shard`` + ``parallelize_module`` (Colwise/Rowwise
 plan, dims 37, 51 and 26 that do not divide the world), ``shardkit`` is
 shardkit's own ``fully_shard`` where it has the layout.  shardkit's 2-D runtime
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_2d_helpers import mismatches, rel_close, resume, run_layout, train_save_continue
+from tests.support.checkpoint_2d_helpers import mismatches, rel_close, resume, run_layout, train_save_continue
 
 WRITERS = [("torch", "dp2tp2")]
 READERS = [

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_2d_helpers import LAYOUTS, build, optimizer, run_layout
-from tests.dist import run_on_ranks
+from tests.support.checkpoint_2d_helpers import LAYOUTS, build, optimizer, run_layout
+from tests.support.dist import run_on_ranks
 
 BIG = (1001, 128, 517)
 

@@ -1,7 +1,7 @@
 """Checkpoints saved in every other layout load into (dp=2, tp=2): bitwise model and AdamW state, and
 5 more steps matching each writer's uninterrupted run.
 
-The other direction of tests/test_checkpoint_2d_from_2d.py, with the same
+The other direction of tests/checkpoint/geometry/test_2d_from_2d.py, with the same
 runtime-named layouts: tensor-parallel writers of torch's runtime and of
 shardkit's, and writers without tensor parallelism (3-rank FSDP, plain).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_2d_helpers import mismatches, rel_close, resume, run_layout, train_save_continue
+from tests.support.checkpoint_2d_helpers import mismatches, rel_close, resume, run_layout, train_save_continue
 
 READER = ("torch", "dp2tp2")
 WRITERS = [

@@ -174,7 +174,7 @@ def test_a_flipped_byte_in_one_strip_is_found_by_the_check_and_refused_by_a_read
 
 def _reader_from_the_format_document():
     """The plain-Python reader of docs/format.md section 9, run as written."""
-    from tests.test_docs_code import ROOT, python_blocks
+    from tests.project.test_docs_code import ROOT, python_blocks
 
     (block,) = [b for b in python_blocks(ROOT / "docs" / "format.md") if "def load_tensor(" in b.code]
     namespace: dict = {}
@@ -183,7 +183,7 @@ def _reader_from_the_format_document():
 
 
 def test_the_format_documents_reader_reads_striped_and_version_1_checkpoints_without_shardkit(tmp_path):
-    from tests.test_format_versions import FIXTURES, expected_state
+    from tests.checkpoint.formats.native.test_versions import FIXTURES, expected_state
 
     load_tensor = _reader_from_the_format_document()
     url = tmp_path / "ck"

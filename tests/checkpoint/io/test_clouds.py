@@ -37,10 +37,10 @@ from shardkit.errors import (
     MissingCredentials,
     StorageError,
 )
-from tests.checkpoint_helpers import load_into_fresh, mismatches, save_trained_two_steps
-from tests.dist import run_on_ranks
-from tests.models import ModelArgs
-from tests.offline_cli import CliResult, run_cli
+from tests.support.checkpoint_helpers import load_into_fresh, mismatches, save_trained_two_steps
+from tests.support.dist import run_on_ranks
+from tests.support.models import ModelArgs
+from tests.support.offline_cli import CliResult, run_cli
 
 ENDPOINT_HELP = "check AWS_ENDPOINT_URL (or the storage option client_kwargs.endpoint_url)"
 CREDENTIALS_HELP = ("no AWS credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "

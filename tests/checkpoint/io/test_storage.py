@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.training.manager import step_dir
-from tests.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     build_model,
     full_state,
     load_into_fresh,
@@ -19,7 +19,7 @@ from tests.checkpoint_helpers import (
     save_trained_two_steps,
     train,
 )
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 @pytest.mark.parametrize("compression", [None, "zstd:3"], ids=["raw", "zstd"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardkit.checkpoint.io import transfer_files
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories, round_schedule
 from shardkit.errors import ConfigurationError
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 RANKS = 4
 ROUND = 4096

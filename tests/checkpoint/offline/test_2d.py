@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.checkpoint_2d_helpers import (
+from tests.support.checkpoint_2d_helpers import (
     LAYOUTS,
     TPNet,
     build,
@@ -20,7 +20,7 @@ from tests.checkpoint_2d_helpers import (
     run_layout,
     train_save_continue,
 )
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 
 def _full_model_state_at_2x2():

@@ -15,7 +15,7 @@ import torch
 
 from shardkit.checkpoint import convert, diff, reshard, verify
 from shardkit.errors import CorruptCheckpoint
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 # what commits each output format: a DST holding none of these is no checkpoint
 MARKERS = {"shardkit": ["manifest.json"], "dcp": [".metadata"],

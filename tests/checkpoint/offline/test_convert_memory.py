@@ -15,7 +15,7 @@ import torch
 from shardkit.checkpoint import reshard, verify
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
-from tests.offline_helpers import peak_rss_all, write_torch_state
+from tests.support.offline_helpers import peak_rss_all, write_torch_state
 
 MiB = 1 << 20
 BUDGET = 16 * MiB

@@ -9,13 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardkit.checkpoint import diff, reshard, verify
-from tests.offline_cli import run_cli
-from tests.offline_helpers import write_torch_state
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import write_torch_state
 
 
 def _cli_options(flag: str, options: dict) -> list[str]:
@@ -102,7 +103,7 @@ def test_killed_migration_resumes_on_rerun_and_verifies(local_ckpt, s3_url):
 
 def test_cloud_migration_example_runs_against_a_local_s3_server():
     done = subprocess.run([sys.executable, "examples/cloud_migration.py"], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=300, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "verify s3://" in done.stdout and ": ok (" in done.stdout
     assert "bit-identical to the original: True" in done.stdout

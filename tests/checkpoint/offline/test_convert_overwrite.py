@@ -9,8 +9,8 @@ import os
 import torch
 
 from shardkit.checkpoint import convert, diff, reshard
-from tests.offline_cli import run_cli
-from tests.offline_helpers import write_torch_state
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import write_torch_state
 
 
 def _weights() -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import diff, reshard, verify
-from tests.offline_helpers import write_torch_state
+from tests.support.offline_helpers import write_torch_state
 
 pytestmark = pytest.mark.slow
 

@@ -21,11 +21,11 @@ import torch
 from shardkit.checkpoint import convert, diff, reshard, verify
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
-from tests.dist import run_on_ranks
-from tests.formats_helpers import torch_fully_shard_dcp
-from tests.models import ModelArgs, Transformer, sharded_transformer
-from tests.offline_cli import run_cli
-from tests.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
+from tests.support.dist import run_on_ranks
+from tests.support.formats_helpers import torch_fully_shard_dcp
+from tests.support.models import ModelArgs, Transformer, sharded_transformer
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
 
 
 def _read_all(url: str) -> dict[str, torch.Tensor]:

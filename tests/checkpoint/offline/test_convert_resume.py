@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import shardkit.checkpoint.offline.native_out as offline_native
 from shardkit.checkpoint import diff, reshard, verify
-from tests.offline_helpers import write_torch_state
+from tests.support.offline_helpers import write_torch_state
 
 
 class _Interrupted(Exception):

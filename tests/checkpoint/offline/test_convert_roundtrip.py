@@ -15,8 +15,8 @@ from shardkit.checkpoint import convert, diff, inspect, reshard, verify
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.state.tree import from_json_value
-from tests.offline_cli import run_cli
-from tests.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import EXTRA_VALUES, shardkit_two_rank_save
 
 
 @pytest.fixture(scope="module")

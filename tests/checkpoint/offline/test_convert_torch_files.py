@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -22,8 +23,8 @@ from shardkit.errors import (
     UnsafeCheckpoint,
     UnsupportedFormat,
 )
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
-from tests.offline_cli import run_cli
+from tests.support.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.offline_cli import run_cli
 
 
 @dataclass
@@ -31,6 +32,9 @@ class RunConfig:
     """Saved next to the weights the way training scripts do; not on torch's weights_only allowlist."""
 
     lr: float = 0.1
+
+
+RUN_CONFIG = "tests.checkpoint.offline.test_convert_torch_files.RunConfig"  # how a refusal names the class
 
 
 def _trusted_file(path):
@@ -42,13 +46,13 @@ def _trusted_file(path):
 def test_a_refused_torch_file_names_the_class_and_suggests_trust_pickle(tmp_path):
     src = tmp_path / "run.pt"
     _trusted_file(src)
-    with pytest.raises(UnsafeCheckpoint, match=r"tests\.test_convert_torch_files\.RunConfig.*--trust-pickle"):
+    with pytest.raises(UnsafeCheckpoint, match=rf"{re.escape(RUN_CONFIG)}.*--trust-pickle"):
         TorchSaveReader(Storage(str(src)))
     for command in (["convert", "--to", "shardkit"], ["reshard", "--world-size", "2"]):
         result = run_cli("-q", command[0], str(src), str(tmp_path / "out"), *command[1:])
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 1 and len(lines) == 1, result.stderr
-        assert "tests.test_convert_torch_files.RunConfig" in lines[0] and "--trust-pickle" in lines[0], lines[0]
+        assert RUN_CONFIG in lines[0] and "--trust-pickle" in lines[0], lines[0]
         assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -66,8 +70,7 @@ def test_trust_pickle_converts_a_trusted_file_with_a_warning_and_leaves_out_what
     skc.load(state, str(out))
     assert torch.equal(state["model"]["w"], weights) and state["step"] == 4
     reader = TorchSaveReader(Storage(str(src)), _options(trust_pickle=True))
-    assert reader.skipped_side_files == ["config: a tests.test_convert_torch_files.RunConfig, neither a tensor nor "
-                                         "a JSON value"]
+    assert reader.skipped_side_files == [f"config: a {RUN_CONFIG}, neither a tensor nor a JSON value"]
     cli = run_cli("reshard", str(src), str(tmp_path / "cli"), "--world-size", "2", "--trust-pickle")
     assert cli.exit_code == 0, cli.stderr
     assert "not copied: config" in cli.stderr

@@ -12,8 +12,8 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
-from tests.dist import run_on_ranks
-from tests.offline_cli import run_cli
+from tests.support.dist import run_on_ranks
+from tests.support.offline_cli import run_cli
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

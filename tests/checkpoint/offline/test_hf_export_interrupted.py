@@ -21,7 +21,7 @@ import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.errors import ConfigurationError
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -9,9 +9,9 @@ import torch
 
 from shardkit.checkpoint import diff, reshard, verify
 from shardkit.checkpoint.offline.native_out import FileUnit, assign_units
-from tests.dist import run_torchrun
-from tests.offline_cli import run_cli
-from tests.offline_helpers import write_torch_state
+from tests.support.dist import run_torchrun
+from tests.support.offline_cli import run_cli
+from tests.support.offline_helpers import write_torch_state
 
 
 def test_units_are_balanced_by_bytes_largest_first():

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint.state_dict as torch_sd
 
 import shardkit.checkpoint.state_dict as our_sd
 from shardkit.errors import ArgumentTypeError, IncompatibleStateDict
-from tests.checkpoint_helpers import build_model, make_optimizer, train, world
-from tests.dist import run_on_ranks
+from tests.support.checkpoint_helpers import build_model, make_optimizer, train, world
+from tests.support.dist import run_on_ranks
 
 Options = torch_sd.StateDictOptions
 

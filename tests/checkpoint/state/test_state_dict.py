@@ -8,7 +8,7 @@ import torch.nn as nn
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.geometry.boxes import local_tensor
 from shardkit.checkpoint.state import state_dict as sdm
-from tests.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     build_model,
     full_state,
     make_mesh,
@@ -17,7 +17,7 @@ from tests.checkpoint_helpers import (
     train,
     world,
 )
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 def _plain_reference(steps: int):

@@ -13,8 +13,8 @@ import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.errors import CheckpointError, IncompatibleStateDict, InvalidManifest
-from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.dist import run_on_ranks
+from tests.support.models import ModelArgs, Transformer, lm_loss, make_batch
 
 TIED = ModelArgs(tie_embeddings=True)
 HEAD, EMBED = "model.output.weight", "model.tok_embeddings.weight"
@@ -210,7 +210,7 @@ def test_a_two_rank_sharded_tied_model_saves_the_weight_once_and_loads_in_one_pr
 def test_diff_counts_a_tied_key_filtered_out_of_one_side_as_held_by_the_other_only(tied_ckpt, tmp_path):
     """Only the side holding the head records its tie; the side it was filtered out of says nothing of
     it (a load of that side into an untied model misses it), so the head is on one side only."""
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     path, model = tied_ckpt
     no_head = tmp_path / "no-head"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.cuda
 

@@ -174,7 +174,7 @@ def test_a_hand_deleted_referenced_step_is_named_by_verify(tmp_path):
     assert not report.ok
     assert any(step_path(tmp_path, 1).name in p and "deleted or moved by hand" in p for p in report.problems), \
         report.problems
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     out = run_cli("verify", str(step_path(tmp_path, 3)))
     assert out.exit_code != 0 and "deleted or moved by hand" in out.stdout + out.stderr
@@ -343,7 +343,7 @@ def test_a_kill_during_dedup_saves_never_loses_the_newest_committed_step(tmp_pat
 # -- many ranks, and version 4 with index files ------------------------------------------------------
 
 def _values(step: int) -> dict[str, torch.Tensor]:
-    from tests.test_format_indexed import _truth
+    from tests.checkpoint.formats.native.test_indexed import _truth
 
     values = _truth()
     values["model.w"] = values["model.w"] + step  # the trainable part; the rest is frozen
@@ -353,7 +353,7 @@ def _values(step: int) -> dict[str, torch.Tensor]:
 def _save_two_steps(root: str, mesh_shape: tuple[int, ...], kind: str, indexed: bool) -> None:
     from contextlib import nullcontext
 
-    from tests.test_format_indexed import _sharded, always_indexed
+    from tests.checkpoint.formats.native.test_indexed import _sharded, always_indexed
 
     with always_indexed() if indexed else nullcontext():
         for step in (1, 2):
@@ -362,7 +362,7 @@ def _save_two_steps(root: str, mesh_shape: tuple[int, ...], kind: str, indexed: 
 
 
 def _load_on_ranks(url: str) -> bool:
-    from tests.test_format_indexed import _sharded
+    from tests.checkpoint.formats.native.test_indexed import _sharded
 
     expected = _values(2)
     state = {k: torch.zeros_like(v) for k, v in _sharded(expected, (3,), "S0").items()}
@@ -372,7 +372,7 @@ def _load_on_ranks(url: str) -> bool:
 
 @pytest.mark.parametrize("layout, indexed", [(((4,), "S0"), False), (((2, 2), "R,S0"), True)])
 def test_every_rank_references_its_own_unchanged_chunks(tmp_path, layout, indexed):
-    from tests.dist import run_on_ranks
+    from tests.support.dist import run_on_ranks
 
     root = tmp_path / "run"
     run_on_ranks(4, _save_two_steps, str(root), *layout, indexed)
@@ -388,7 +388,7 @@ def test_every_rank_references_its_own_unchanged_chunks(tmp_path, layout, indexe
 
 
 def test_inspect_names_the_steps_a_checkpoint_references(tmp_path):
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     three_steps(tmp_path)
     third, first = str(step_path(tmp_path, 3)), step_path(tmp_path, 1).name
@@ -403,7 +403,7 @@ def test_inspect_names_the_steps_a_checkpoint_references(tmp_path):
 
 
 def test_inspect_of_a_step_whose_referenced_step_is_gone_names_it_and_exits_1(tmp_path):
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     three_steps(tmp_path)
     third, first = step_path(tmp_path, 3), step_path(tmp_path, 1)

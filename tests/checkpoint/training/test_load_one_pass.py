@@ -22,8 +22,8 @@ import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.errors import CheckpointError, CorruptCheckpoint, IncompatibleStateDict, ShardkitError
-from tests.checkpoint_helpers import build_model, make_optimizer, train
-from tests.dist import run_on_ranks
+from tests.support.checkpoint_helpers import build_model, make_optimizer, train
+from tests.support.dist import run_on_ranks
 
 ROWS, COLS = 64, 16
 

@@ -17,7 +17,7 @@ import shardkit.checkpoint as skc
 import shardkit.checkpoint.training.manager as manager_module
 from shardkit.checkpoint.training.manager import step_dir
 from shardkit.errors import CheckpointNotFound
-from tests.checkpoint_helpers import build_model
+from tests.support.checkpoint_helpers import build_model
 
 
 def _tree_digest(path: Path) -> dict[str, str]:

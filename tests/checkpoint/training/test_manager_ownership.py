@@ -13,8 +13,8 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.errors import CheckpointExists, ShardkitError
-from tests.dist import run_on_ranks
-from tests.test_checkpoint_dedup import CHUNK, FineTune, at_step, loaded, manifest_of, same, step_path
+from tests.checkpoint.training.test_dedup import CHUNK, FineTune, at_step, loaded, manifest_of, same, step_path
+from tests.support.dist import run_on_ranks
 
 
 def earlier_run(root: Path, steps=(1, 2, 3, 4, 5), **options) -> None:

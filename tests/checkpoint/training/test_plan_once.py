@@ -20,7 +20,7 @@ from shardkit.checkpoint.formats.base import plan_reads
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.geometry import placements, plan
 from shardkit.checkpoint.training.device_reads import read_requests
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 SHAPES = {"embed": (24, 16), "layer.w": (48, 8), "layer.b": (300,), "norm": (12, 4, 8)}  # 1.5 kB each
 

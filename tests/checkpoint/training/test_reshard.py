@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from tests.checkpoint_helpers import (
+from tests.support.checkpoint_helpers import (
     build_model,
     full_state,
     make_mesh,
@@ -18,7 +18,7 @@ from tests.checkpoint_helpers import (
     train,
     world,
 )
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 # --------------------------------------------------------------------------
 # must-show 1: train 5 steps at world size 2, resume anywhere

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import shardkit.checkpoint as skc
 from shardkit.data import ElasticLoader, ElasticSampler
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

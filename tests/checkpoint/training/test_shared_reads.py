@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 SHAPES = {"model.emb": (101, 64), "model.w": (37, 26), "model.b": (26,), "optim.step": ()}
 

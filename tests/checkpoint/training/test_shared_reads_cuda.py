@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.cuda
 

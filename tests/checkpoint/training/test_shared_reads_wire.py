@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 ROUND = 256  # bytes: far smaller than the tensors below, so they travel in many rounds
 CPU = torch.device("cpu")
@@ -271,7 +271,7 @@ def test_an_exchange_whose_buffer_fails_on_one_rank_raises_on_every_rank_naming_
     assert [outcomes[0], outcomes[2]] == [expected, expected]
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "shardkit"
+PACKAGE = Path(__file__).resolve().parents[3] / "shardkit"
 
 
 def _top_level(path: Path) -> list[ast.stmt]:

@@ -19,13 +19,13 @@ import torch.distributed as dist
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.training.async_save import background_saver
 from shardkit.errors import CheckpointError, ConfigurationError
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 def _sharded_state(fill: float):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tests.checkpoint_helpers import make_mesh
+    from tests.support.checkpoint_helpers import make_mesh
 
     mesh = make_mesh((dist.get_world_size(),))
     return {"w": distribute_tensor(torch.full((2048, 1024), fill), mesh, [Shard(0)])}  # 8 MiB, 4 MiB per rank
@@ -132,7 +132,7 @@ def _exchanges_over_saves(url: str) -> dict:
     def state(fill: float) -> dict:  # a structure no other test saves, so no earlier exchange is reused
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        from tests.checkpoint_helpers import make_mesh
+        from tests.support.checkpoint_helpers import make_mesh
 
         return {"reuse-w": distribute_tensor(torch.full((66, 5), fill), make_mesh((2,)), [Shard(0)])}
 
@@ -174,7 +174,7 @@ def _async_repeats(url: str) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     from shardkit.checkpoint.training import repeat_staging
-    from tests.checkpoint_helpers import make_mesh
+    from tests.support.checkpoint_helpers import make_mesh
 
     mesh, rank = make_mesh((2,)), dist.get_rank()
     state = {"repeat-w": DTensor.from_local(torch.zeros(32, 6), mesh, [Shard(0)]), "step": 0}

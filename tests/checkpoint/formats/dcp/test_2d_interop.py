@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_2d_helpers import (
+from tests.support.checkpoint_2d_helpers import (
     LAYOUTS,
     build,
     full_state,
@@ -20,7 +20,7 @@ from tests.checkpoint_2d_helpers import (
     train,
     train_save_continue,
 )
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 
 def _torch_train_dcp_save_continue(path: str):

@@ -13,8 +13,8 @@ from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader, read_dcp_metadata
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
-from tests.formats_helpers import torch_fully_shard_dcp
-from tests.models import ModelArgs, Transformer
+from tests.support.formats_helpers import torch_fully_shard_dcp
+from tests.support.models import ModelArgs, Transformer
 
 
 def _read_all(reader) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def test_dcp_metadata_garbage_is_invalid():
 
 
 def test_cli_convert_of_malicious_dcp_fails_in_one_line_and_writes_nothing(tmp_path):
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     src = tmp_path / "evil"
     src.mkdir()
@@ -144,7 +144,7 @@ def test_dcp_zstd_transform_is_decoded(tmp_path):
 
 def test_dcp_output_holds_each_block_once(tmp_path):
     from shardkit.checkpoint import convert
-    from tests.offline_helpers import write_torch_state
+    from tests.support.offline_helpers import write_torch_state
 
     big = {"model.w": torch.randn(2000, 300), "model.v": torch.randn(10)}
     src = write_torch_state(tmp_path / "s.pt", big, [])

@@ -19,8 +19,8 @@ from shardkit.checkpoint import convert, diff, inspect, reshard, verify  # noqa:
 from shardkit.checkpoint.formats import open_reader  # noqa: E402
 from shardkit.checkpoint.formats.base import read_box  # noqa: E402
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedFormat  # noqa: E402
-from tests.dist import run_on_ranks  # noqa: E402
-from tests.framework_helpers import (  # noqa: E402
+from tests.support.dist import run_on_ranks  # noqa: E402
+from tests.support.framework_helpers import (  # noqa: E402
     CASES,
     FRAMEWORK_MODULE_TIMEOUT,
     STATE_KEYS,
@@ -31,7 +31,7 @@ from tests.framework_helpers import (  # noqa: E402
     resume_and_train,
     write_checkpoints,
 )
-from tests.offline_helpers import peak_rss  # noqa: E402
+from tests.support.offline_helpers import peak_rss  # noqa: E402
 
 MiB = 1 << 20
 
@@ -124,7 +124,7 @@ def test_convert_to_hf_gives_a_model_from_pretrained_loads_with_deepspeeds_weigh
 
 
 def test_diff_of_a_tied_zero2_checkpoint_and_its_hf_export_is_equal_both_ways(zero, tmp_path):
-    from tests.offline_cli import run_cli
+    from tests.support.offline_cli import run_cli
 
     ckpt = tmp_path / "checkpoint-2"
     shutil.copytree(zero / "stage2-tied-frozen", ckpt)

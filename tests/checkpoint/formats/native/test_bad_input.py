@@ -265,7 +265,7 @@ def _load_rows(url: str) -> tuple[str, bool]:
 
 
 def test_a_checksum_error_on_one_rank_leaves_every_rank_untouched(tmp_path):
-    from tests.dist import run_on_ranks
+    from tests.support.dist import run_on_ranks
 
     url = str(tmp_path / "rows")
     run_on_ranks(2, _save_rows, url)

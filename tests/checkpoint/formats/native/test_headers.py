@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 import shardkit.checkpoint as skc
 from shardkit.errors import CorruptCheckpoint
-from tests.offline_cli import run_cli
+from tests.support.offline_cli import run_cli
 
 MATRIX, VECTOR = "model.w", "model.b"
 
@@ -206,7 +206,7 @@ def test_shardkit_verify_exits_non_zero_naming_the_file_with_the_damaged_header(
 
 
 def test_version_3_index_files_carry_the_header_records_and_a_flip_is_found(tmp_path):
-    from tests.test_format_indexed import always_indexed
+    from tests.checkpoint.formats.native.test_indexed import always_indexed
 
     with always_indexed():
         skc.save(_state(), str(tmp_path / "v3"), io_threads=1)

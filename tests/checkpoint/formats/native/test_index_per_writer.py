@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 SHAPES = {"model.emb": (101, 64), "model.w": (37, 26), "optim.step": ()}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 SHAPES = {"model.emb": (101, 64), "model.w": (37, 26), "model.b": (26,), "optim.step": ()}
 LAYOUTS = {"fsdp4": ((4,), "S0"), "hsdp2x2": ((2, 2), "R,S0"), "tp2x2": ((2, 2), "S0,S1")}

@@ -1,10 +1,10 @@
 """Checkpoints written by every earlier version of the native format still load, reshard and convert.
 
-``tests/fixtures/format-v1`` was written by the version-1 writer (before column
-strips existed), ``tests/fixtures/format-v2`` by the version-2 writer (its
-dim-1 sharded matrix stored as column strips) and ``tests/fixtures/format-v3``
+``tests/support/fixtures/format-v1`` was written by the version-1 writer (before column
+strips existed), ``tests/support/fixtures/format-v2`` by the version-2 writer (its
+dim-1 sharded matrix stored as column strips) and ``tests/support/fixtures/format-v3``
 by the version-3 writer (chunk records in one index file per writer, forced on
-this small state) and ``tests/fixtures/format-v4/step-0000000002`` by the
+this small state) and ``tests/support/fixtures/format-v4/step-0000000002`` by the
 version-4 writer (a dedup save: every chunk but those of ``model.norm.weight``
 referenced from ``step-0000000001`` beside it), all at two ranks: a dim-0
 sharded embedding and AdamW moment, a dim-1 sharded matrix, a plain vector, a
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-FIXTURES = {version: Path(__file__).parent / "fixtures" / f"format-v{version}" for version in (1, 2, 3)}
-FIXTURES[4] = Path(__file__).parent / "fixtures" / "format-v4" / "step-0000000002"  # reads its sibling's data
+STORED = Path(__file__).parents[3] / "support" / "fixtures"
+FIXTURES = {version: STORED / f"format-v{version}" for version in (1, 2, 3)}
+FIXTURES[4] = STORED / "format-v4" / "step-0000000002"  # reads its sibling's data
 FIXTURE_SHAPES = {
     "model.emb.weight": ((37, 26), torch.float32),
     "model.w2.weight": ((26, 51), torch.float32),
@@ -118,7 +119,7 @@ def _load_fixture_at_three_ranks(url: str) -> bool:
 
 @versions
 def test_an_older_version_written_at_two_ranks_loads_at_three_bitwise(version):
-    from tests.dist import run_on_ranks
+    from tests.support.dist import run_on_ranks
 
     assert run_on_ranks(3, _load_fixture_at_three_ranks, str(FIXTURES[version])) == [True, True, True]
 

@@ -16,8 +16,8 @@ from shardkit.checkpoint.formats.torchsave.reader import TorchSaveReader
 from shardkit.checkpoint.formats.torchsave.writer import check_tensors, write_torch_save
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, StorageError, UnsupportedFormat
-from tests.dist import run_on_ranks
-from tests.models import ModelArgs, Transformer, lm_loss, make_batch
+from tests.support.dist import run_on_ranks
+from tests.support.models import ModelArgs, Transformer, lm_loss, make_batch
 
 
 def _nonfinite_source(tmp_path):

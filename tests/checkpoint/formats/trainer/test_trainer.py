@@ -21,8 +21,8 @@ from shardkit.checkpoint.formats import open_reader  # noqa: E402
 from shardkit.checkpoint.formats.base import read_box  # noqa: E402
 from shardkit.data.rng import restore_rng_state  # noqa: E402
 from shardkit.errors import UnsupportedFormat  # noqa: E402
-from tests.dist import run_on_ranks  # noqa: E402
-from tests.framework_helpers import (  # noqa: E402
+from tests.support.dist import run_on_ranks  # noqa: E402
+from tests.support.framework_helpers import (  # noqa: E402
     ACCELERATE_CASES,
     DS_WORLD,
     FRAMEWORK_MODULE_TIMEOUT,

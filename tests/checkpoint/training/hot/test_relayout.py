@@ -9,8 +9,8 @@ import os
 import pytest
 
 import shardkit.checkpoint as skc
-from tests.checkpoint_helpers import build_model, make_optimizer, train
-from tests.dist import run_on_ranks
+from tests.support.checkpoint_helpers import build_model, make_optimizer, train
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.slow
 

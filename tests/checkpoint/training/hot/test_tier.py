@@ -14,8 +14,8 @@ import shutil
 import pytest
 
 import shardkit.checkpoint as skc
-from tests.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train
-from tests.dist import run_on_ranks
+from tests.support.checkpoint_helpers import build_model, full_state, make_optimizer, mismatches, train
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
