@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 import shardkit.checkpoint as skc
 from shardkit.data import ElasticLoader, ElasticSampler, Stateful, data_state_dict, load_data_state_dict, nest
 from shardkit.errors import DataStateError, PerRankStateError
+from tests.support.data_helpers import ShardReader
 from tests.support.dist import run_on_ranks
 
 NUM_SAMPLES, GLOBAL_BATCH, SEED = 40, 5, 3          # 8 global batches per epoch, split 3+2 on 2 ranks
@@ -27,19 +28,6 @@ class IndexDataset(Dataset):
 
     def __getitem__(self, i: int) -> int:
         return i
-
-
-class ShardReader:
-    """A per-rank object: counts the samples its rank has read."""
-
-    def __init__(self) -> None:
-        self.samples = 0
-
-    def state_dict(self) -> dict:
-        return {"samples": self.samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples = state["samples"]
 
 
 def _steps(loader: ElasticLoader, reader: ShardReader, count: int, save_at: int | None = None):

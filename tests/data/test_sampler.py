@@ -11,19 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shardkit.data import ElasticLoader, ElasticSampler, share_bounds
 from shardkit.errors import ConfigurationError, DataStateError
-
-
-class IndexDataset(Dataset):
-    """Sample ``i`` is ``i``: what a batch holds is exactly which samples it drew."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
+from tests.support.data_helpers import IndexDataset
 
 
 def expected_global_batches(n: int, batch: int, seed: int, epoch: int, drop_last: bool) -> list[list[int]]:

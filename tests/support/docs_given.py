@@ -30,8 +30,7 @@ from torch.distributed.tensor import distribute_tensor
 import shardkit
 import shardkit.checkpoint as skc
 from shardkit import fully_shard
-from tests.data.test_resume import ShardReader
-from tests.data.test_sampler import IndexDataset
+from tests.support.data_helpers import IndexDataset, ShardReader
 from tests.support.models import TP_ARGS, Block, Transformer, lm_loss, make_batch
 
 __all__ = ["given"]
