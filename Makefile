@@ -37,7 +37,7 @@ azurite:
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# ruff: unused names and import order; the suite includes tests/test_architecture.py (import layers,
+# ruff: unused names and import order; the suite includes tests/project/test_architecture.py (import layers,
 # cycles, private names, module size).  Either failing fails the build.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory -j2 test-deps

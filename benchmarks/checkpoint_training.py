@@ -52,7 +52,7 @@ def _model(args: argparse.Namespace):
 
     sys.path.insert(0, str(REPO))
     from shardkit import fully_shard
-    from tests.models import ModelArgs, Transformer
+    from tests.support.models import ModelArgs, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=8192, dim=args.train_dim, n_heads=8, n_layers=args.train_layers,

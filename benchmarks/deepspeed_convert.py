@@ -1,6 +1,6 @@
 """A DeepSpeed ZeRO checkpoint to Hugging Face safetensors: shardkit vs DeepSpeed's own zero_to_fp32.
 
-The checkpoint is written by the real DeepSpeed (``tests/deepspeed_run.py``:
+The checkpoint is written by the real DeepSpeed (``tests/support/deepspeed_run.py``:
 2 gloo ranks on CPU, ZeRO stage 2, a Llama whose embedding and lm_head are
 ROWS x 1024 fp32, one AdamW step), so it holds ROWS * 8 KiB of fp32 weights
 in the flat master partitions, twice that in Adam moments, and the module's
@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEEPSPEED_RUN = os.path.join(ROOT, "tests", "support", "deepspeed_run.py")
 sys.path.insert(0, ROOT)
 
 from benchmarks.reshard import timed  # noqa: E402
@@ -45,7 +46,7 @@ def write_fixture(root: str, rows: int) -> str:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               os.path.join(ROOT, "tests", "deepspeed_run.py"), root, "--only-big", "--big-embedding",
+                               DEEPSPEED_RUN, root, "--only-big", "--big-embedding",
                                str(rows)], env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
                               capture_output=True, text=True)
         if done.returncode != 0:

@@ -117,7 +117,7 @@ pytest_figure() {  # the pytest summary line of the last step as a figure: MET w
 step machine 20 bash -c "nvidia-smi -L; $PY -c 'import torch, shardkit; print(\"torch\", torch.__version__, \
 \"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.device_count(), \"GPU(s):\", \
 torch.cuda.get_device_name(0))'"
-step cuda-tests 100 $PY -m pytest -q -p no:cacheprovider -m cuda $(grep -lE '^(pytestmark = |@)pytest\.mark\.cuda' tests/test_*.py)
+step cuda-tests 100 $PY -m pytest -q -p no:cacheprovider -m cuda $(grep -rlE '^(pytestmark = |@)pytest\.mark\.cuda' --include='test_*.py' tests | LC_ALL=C sort)
 [ -z "$no_gpu" ] && pytest_figure
 step runtime-world1 60 $PY benchmarks/runtime.py --device cuda --world 1 --rounds 0 --steps 10 --warmup 2
 if [ -z "$no_gpu" ] && [ "$gpus" -lt 2 ]; then

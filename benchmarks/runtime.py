@@ -176,7 +176,7 @@ def _build(impl: str, args: argparse.Namespace):
     from torch.distributed.device_mesh import init_device_mesh
 
     sys.path.insert(0, str(REPO))
-    from tests.models import ModelArgs, Transformer, parallelize_blocks
+    from tests.support.models import ModelArgs, Transformer, parallelize_blocks
 
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard

@@ -11,7 +11,7 @@ instead, it is plain torch FSDP1 code, meant to run under
 CPU-only torch build, torch's FSDP1 crashes gathering a full state dict with
 ``offload_to_cpu=True``; with only that argument dropped it runs, and in fp32
 its ``train``, ``continue`` and ``resume-sharded`` losses equal shardkit's
-bitwise (``tests/test_fsdp1_example.py`` checks this).  Its ``resume-full``
+bitwise (``tests/fsdp1/test_example.py`` checks this).  Its ``resume-full``
 phase differs from the second resumed step on: there (torch 2.13, CPU, gloo,
 ``use_orig_params=True``) torch's ``full_optim_state_dict`` returns every
 ``exp_avg`` equal to its ``exp_avg_sq`` (with ``use_orig_params=False`` it

@@ -34,7 +34,7 @@ import pytest
 
 # gcsfs (2026.x) asks a gRPC control API for each bucket's type before working on it; an emulator has no
 # such API and every call would wait out a 60 s timeout.  Set before gcsfs is imported, here or in the
-# ranks that tests/dist.py starts (they inherit the environment).
+# ranks that tests/support/dist.py starts (they inherit the environment).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,7 +210,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    """Between tests, replace rank pools crowded with earlier tests' process groups (see tests/dist.py)."""
-    from tests.dist import recycle_crowded_pools
+    """Between tests, replace rank pools crowded with earlier tests' process groups (see tests/support/dist.py)."""
+    from tests.support.dist import recycle_crowded_pools
 
     recycle_crowded_pools()

@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import free_port
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent / "support"
 SOAK_LAUNCHES = 30
 SOAK_AT_ONCE = 4  # launches running together (8 ranks on this machine's 2 cores): they load each other
 # two steps, each saved in the background: the last save's commit is the run's last tensor collective.
@@ -42,7 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _late_collective(out: Path, mode: str) -> tuple[list[int], str, dict]:
     """Run ``exit_late_collective_run.py`` on two ranks: (exit codes, rank 0's stderr, rank 0's report)."""
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(HERE / "exit_late_collective_run.py"), str(out), mode],
+    ranks = [subprocess.Popen([sys.executable, str(SUPPORT / "exit_late_collective_run.py"), str(out), mode],
                               env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
@@ -71,7 +71,7 @@ def test_a_collective_ending_late_on_the_async_save_group_does_not_abort_the_exi
 
 @pytest.mark.slow
 def test_thirty_launches_of_the_example_training_with_background_saves_all_exit_cleanly(tmp_path):
-    run = subprocess.run([sys.executable, str(HERE / "exit_soak_run.py"), str(SOAK_LAUNCHES), str(SOAK_AT_ONCE),
+    run = subprocess.run([sys.executable, str(SUPPORT / "exit_soak_run.py"), str(SOAK_LAUNCHES), str(SOAK_AT_ONCE),
                           str(tmp_path), *SOAK_TRAINING], env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])

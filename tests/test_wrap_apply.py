@@ -17,14 +17,14 @@ from shardkit.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from tests.dist import run_on_ranks
-from tests.fsdp1_helpers import (
+from tests.support.dist import run_on_ranks
+from tests.support.fsdp1_helpers import (
     assert_close_losses,
     build_transformer,
     reference_losses,
     train_steps,
 )
-from tests.models import Block
+from tests.support.models import Block
 
 
 def _apply_with_policies():

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import wrap as torch_wrap
 
 from shardkit import wrap as sk_wrap
 from shardkit.errors import ConfigurationError
-from tests.models import Attention, Block, FeedForward, ModelArgs, Transformer
+from tests.support.models import Attention, Block, FeedForward, ModelArgs, Transformer
 
 
 class WithMHA(nn.Module):

@@ -1,0 +1,191 @@
+"""The shape of the code, checked on every run: imports go down the layers, no cycles, no private
+names across modules, no module past the size where it is two ideas.
+
+Every import counts, function-level ones included (a cycle hidden inside a
+function is still a cycle).  The rules are DESIGN.md's:
+
+    cli -> checkpoint.offline | checkpoint.training -> checkpoint.formats -> checkpoint.state
+        -> checkpoint.geometry | checkpoint.io
+
+and ``shardkit.checkpoint`` never imports the sharding runtime.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_LINES = 450
+
+# layer of each checkpoint folder: a module may import its own layer or lower ones, never higher
+LAYERS = {
+    "shardkit.checkpoint.geometry": 0,
+    "shardkit.checkpoint.io": 0,
+    "shardkit.checkpoint.state": 1,
+    "shardkit.checkpoint.formats": 2,
+    "shardkit.checkpoint.training": 3,
+    "shardkit.checkpoint.offline": 3,
+}
+# folders of one layer that must not lean on each other
+INDEPENDENT = [("shardkit.checkpoint.geometry", "shardkit.checkpoint.io"),
+               ("shardkit.checkpoint.training", "shardkit.checkpoint.offline")]
+FORBIDDEN = [("shardkit.checkpoint", "shardkit.runtime"), ("shardkit.checkpoint", "shardkit.fsdp1"),
+             ("shardkit.checkpoint", "shardkit.cli"), ("shardkit.data", "shardkit.checkpoint"),
+             ("shardkit.data", "shardkit.runtime")]
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for the package (``cli/`` is installed as ``shardkit.cli``)."""
+    found = {}
+    for base, prefix in ((root / "shardkit", "shardkit"), (root / "cli", "shardkit.cli")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import in the file, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [alias.name for alias in node.names]
+            sub = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in modules]
+            out.append((node.module, [n for n in names if f"{node.module}.{n}" not in modules], node.lineno))
+            out += [(s, [], node.lineno) for s in sub]
+    return [(m, names, line) for m, names, line in out if m.split(".")[0] == "shardkit" and m != name]
+
+
+def graph(modules: dict[str, Path]) -> dict[str, list[tuple[str, list[str], int]]]:
+    return {name: [(m, n, line) for m, n, line in imports_of(name, path, modules) if m in modules]
+            for name, path in modules.items()}
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> tuple[str, int] | None:
+    for package, level in LAYERS.items():
+        if _under(module, package):
+            return package, level
+    return None
+
+
+def layer_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    found = []
+    for src, targets in edges.items():
+        for dst, _, line in targets:
+            a, b = _layer(src), _layer(dst)
+            if a and b and b[1] > a[1]:
+                found.append(f"{src}:{line} imports {dst}, a higher layer ({b[0]} over {a[0]})")
+            for x, y in INDEPENDENT:
+                if (_under(src, x) and _under(dst, y)) or (_under(src, y) and _under(dst, x)):
+                    found.append(f"{src}:{line} imports {dst}: {x} and {y} are independent")
+            for x, y in FORBIDDEN:
+                if _under(src, x) and _under(dst, y):
+                    found.append(f"{src}:{line} imports {dst}: {x} never imports {y}")
+    return found
+
+
+def cycles(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _, _ in edges.get(v, ()):
+            if _is_package_of(w, v):
+                continue  # importing a submodule runs its package's __init__, which is no cycle of code
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    return module.startswith(package + ".")
+
+
+def private_imports(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    return [f"{src}:{line} takes {n} from {dst}" for src, targets in edges.items() for dst, names, line in targets
+            for n in names if n.startswith("_") and not n.startswith("__")]
+
+
+def oversized(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    return [f"{path.relative_to(root)}: {n} lines" for path in modules.values()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return graph(module_files())
+
+
+def test_imports_go_down_the_layers(edges):
+    assert layer_violations(edges) == []
+
+
+def test_no_module_imports_itself_back_through_others(edges):
+    assert cycles(edges) == []
+
+
+def test_no_private_name_is_used_outside_its_module(edges):
+    assert private_imports(edges) == []
+
+
+def test_no_module_grows_past_the_size_of_one_idea():
+    assert oversized(module_files()) == []
+
+
+def test_each_check_fails_on_a_planted_violation(tmp_path):
+    pkg = tmp_path / "shardkit"
+    for folder in ("checkpoint/io", "checkpoint/formats", "runtime"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "checkpoint" / "__init__.py").write_text("")
+    (pkg / "checkpoint" / "io" / "storage.py").write_text(
+        "from shardkit.checkpoint.formats.codec import _crc\n")                     # upward, private
+    (pkg / "checkpoint" / "formats" / "codec.py").write_text(
+        "def f():\n    import shardkit.checkpoint.formats.reader\n    import shardkit.runtime\n")
+    (pkg / "checkpoint" / "formats" / "reader.py").write_text(
+        "import shardkit.checkpoint.formats.codec\n" + "x = 1\n" * (MAX_LINES + 1))  # cycle, size
+    (tmp_path / "cli").mkdir()
+    planted = module_files(tmp_path)
+    planted_edges = graph(planted)
+    assert any("a higher layer" in v for v in layer_violations(planted_edges))
+    assert any("never imports shardkit.runtime" in v for v in layer_violations(planted_edges))
+    assert cycles(planted_edges) == [["shardkit.checkpoint.formats.codec", "shardkit.checkpoint.formats.reader"]]
+    assert private_imports(planted_edges) == [
+        "shardkit.checkpoint.io.storage:1 takes _crc from shardkit.checkpoint.formats.codec"]
+    assert oversized(planted, tmp_path) == [f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]

@@ -1,0 +1,125 @@
+"""Launch ``examples/train.py``'s training many times, two gloo ranks a launch, each rank exiting like any program.
+
+    exit_soak_run.py LAUNCHES AT_ONCE OUT [train.py arguments...]
+
+Why not torchrun: every process that imports torch spends seconds of CPU on
+it, and a soak of dozens of launches would spend minutes on imports alone.
+This launcher imports torch (``torch._dynamo`` too, which each rank's first
+DTensor would import), shardkit and ``examples/train.py`` once and forks every
+rank from itself (before any thread runs in it, which it checks; the tests set
+``OPENBLAS_NUM_THREADS=1`` so that numpy starts none).  Each
+rank gets the environment torchrun gives a worker (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; rank 0 hosts the store),
+writes its output to ``OUT/launch<i>-rank<r>.log``, runs ``train.main`` with
+``--checkpoint-dir OUT/launch<i>`` added, and leaves through the interpreter's
+normal exit -- the program's threads joined, exit functions, finalization --
+which is where an exit-time abort happens.  The inherited heap is frozen
+(``gc.freeze``) before the first fork, so that no rank's collector walks it.  ``AT_ONCE`` launches run at the
+same time, so they load each other as on a busy machine.
+
+Prints one JSON line: ``{"launches": n, "exit_codes": {code: ranks}, "failed": [{"launch", "rank", "code",
+"log"}]}`` (a rank that outlives ``RANK_TIMEOUT_S`` is killed and counted with code ``"timeout"``).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch  # noqa: F401 - imported once here, inherited by every forked rank
+import torch._dynamo  # noqa: F401 - likewise: every rank's first DTensor would import it (two seconds of CPU)
+
+import shardkit.checkpoint.training.manager  # noqa: F401 - likewise
+
+ROOT = Path(__file__).resolve().parents[2]
+RANKS = 2
+RANK_TIMEOUT_S = 120.0
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("shardkit_example_train", ROOT / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_rank(train, launch: int, rank: int, port: int, out: Path, train_args: list[str]) -> None:
+    """In the forked child: become rank ``rank`` of launch ``launch``, train, and exit normally."""
+    log = os.open(out / f"launch{launch}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train.main([*train_args, "--checkpoint-dir", str(out / f"launch{launch}")])
+    raise SystemExit(0)  # up through the launcher's frames: the interpreter's own exit, finalization included
+
+
+def threads_running() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def soak(launches: int, at_once: int, out: Path, train_args: list[str]) -> dict:
+    train = load_train_module()
+    # Every rank starts with this launcher's heap (torch's modules, hundreds of thousands of objects); the
+    # collector would walk it again in every rank, writing to each page it visits and so copying it.  Frozen,
+    # it is left alone; what a rank creates itself (its groups, threads, tensors) is collected as usual.
+    gc.freeze()
+    waiting = list(range(launches))
+    running: dict[int, tuple[int, int, float]] = {}  # pid -> (launch, rank, deadline)
+    codes: dict[str, int] = {}
+    failed = []
+    while waiting or running:
+        while waiting and len(running) < at_once * RANKS:
+            launch, port = waiting.pop(0), free_port()
+            if threads_running() != 1:
+                raise SystemExit(f"the launcher runs {threads_running()} threads: forking it would copy a "
+                                 f"process whose other threads are gone in the child")
+            for rank in range(RANKS):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    run_rank(train, launch, rank, port, out, train_args)
+                running[pid] = (launch, rank, time.monotonic() + RANK_TIMEOUT_S)
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for pid, (launch, rank, deadline) in list(running.items()):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    del running[pid]
+                    codes["timeout"] = codes.get("timeout", 0) + 1
+                    failed.append({"launch": launch, "rank": rank, "code": "timeout"})
+            time.sleep(0.05)
+            continue
+        launch, rank, _ = running.pop(pid)
+        code = str(os.waitstatus_to_exitcode(status))
+        codes[code] = codes.get(code, 0) + 1
+        if code != "0":
+            failed.append({"launch": launch, "rank": rank, "code": code})
+    for entry in failed:
+        entry["log"] = (out / f"launch{entry['launch']}-rank{entry['rank']}.log").read_text()[-2000:]
+    return {"launches": launches, "exit_codes": codes, "failed": failed}
+
+
+def main(argv: list[str]) -> None:
+    launches, at_once, out = int(argv[0]), int(argv[1]), Path(argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(soak(launches, at_once, out, argv[3:])), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
