@@ -37,11 +37,12 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.data.encode import decode_state, encode_state, encode_tree
-from shardkit.data.gather import all_gather_trees, dist_rank_world
+from shardkit.data.gather import all_gather_trees
 from shardkit.data.rng import capture_rng_state, check_rng_state, restore_rng_state
 from shardkit.data.sampler import ElasticSampler
 from shardkit.data.stateful import Stateful, select_state
 from shardkit.errors import ConfigurationError, DataStateError
+from shardkit.wire.collectives import rank_world
 
 __all__ = ["data_state_dict", "load_data_state_dict", "check_data_state_dict", "nest"]
 
@@ -193,7 +194,7 @@ def _decide(state: Mapping[str, Any], sampler: ElasticSampler | None, objects: M
             rng: bool, rank: int | None, world_size: int | None, run_reshard: bool) -> tuple:
     """Every state a load restores, decided (and every refusal raised) before anything is touched."""
     if rank is None or world_size is None:
-        default_rank, default_world = dist_rank_world()
+        default_rank, default_world = rank_world()
         rank = default_rank if rank is None else rank
         world_size = default_world if world_size is None else world_size
     wrapped = _checked_objects(objects)
