@@ -9,7 +9,7 @@ walked with its indices as path parts.
 
 Non-tensor leaves must be JSON: ``None``, ``bool``, ``int``, ``float``, ``str``,
 and lists/tuples/str-keyed dicts of those.  Non-finite floats, which JSON
-cannot spell, are stored as ``{"$float": "nan" | "inf" | "-inf"}``.  Anything
+cannot spell, are stored as ``{"$float": "nan" | "inf" | "-inf"}`` (:mod:`shardkit.wire.json_values`).  Anything
 else (a torch.dtype, an object) raises :class:`ConfigurationError` naming the
 key: we refuse to save what we could not load without pickle.
 
@@ -21,7 +21,6 @@ comes back as a tuple.
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -29,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
+from shardkit.wire.json_values import FLOAT_TAG, encode_scalar, is_json_scalar, is_tagged_float
 
 __all__ = ["keep_keys", "object_path", "Flat", "flatten", "plain_values", "to_json_value", "from_json_value",
            "restore_like"]
@@ -100,14 +100,8 @@ def plain_values(prefix: str, state: Any) -> dict[str, Any]:
 
 def to_json_value(value: Any, key: str) -> Any:
     """``value`` as JSON types, or :class:`ConfigurationError` naming ``key``."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return float(value)
-        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if is_json_scalar(value):
+        return encode_scalar(value)
     if isinstance(value, (list, tuple)):
         return [to_json_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
@@ -141,8 +135,8 @@ def from_json_value(value: Any) -> Any:
     if isinstance(value, list):
         return [from_json_value(v) for v in value]
     if isinstance(value, dict):
-        if set(value) == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
-            return float(value["$float"])
+        if is_tagged_float(value):
+            return float(value[FLOAT_TAG])
         return {k: from_json_value(v) for k, v in value.items()}
     return value
 
