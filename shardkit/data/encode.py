@@ -12,7 +12,7 @@ and any language can decode it:
 
 ==============================  ===============================================
 ``{"$tensor": i}``              the ``i``-th tensor (``tensors.<i>``)
-``{"$float": "nan"}``           ``nan``, ``inf`` or ``-inf`` (JSON cannot spell them)
+``{"$float": "nan"}``           ``nan``, ``inf`` or ``-inf`` (:mod:`shardkit.wire.json_values`)
 ``{"$tuple": [...]}``           a tuple
 ``{"$items": [[k, v], ...]}``   a dict whose keys are not all strings, or has a key starting with ``$``
 ==============================  ===============================================
@@ -25,12 +25,12 @@ back without pickle.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import torch
 
 from shardkit.errors import DataStateError
+from shardkit.wire.json_values import FLOAT_TAG, encode_scalar, is_json_scalar
 
 __all__ = ["encode_tree", "decode_tree", "encode_state", "decode_state"]
 
@@ -40,14 +40,8 @@ def encode_tree(value: Any, where: str) -> tuple[Any, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
 
     def enc(v: Any, path: str) -> Any:
-        if v is None or isinstance(v, (bool, str)):
-            return v
-        if isinstance(v, int):
-            return int(v)
-        if isinstance(v, float):
-            if math.isfinite(v):
-                return float(v)
-            return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if is_json_scalar(v):
+            return encode_scalar(v)
         if isinstance(v, torch.Tensor):
             if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
                 raise DataStateError(f"{path}: a {type(v).__name__} cannot be stored as input state; store a plain "
@@ -80,7 +74,7 @@ def decode_tree(tree: Any, tensors: list[torch.Tensor]) -> Any:
             (tag, inner), = tree.items()
             if tag == "$tensor":
                 return tensors[inner]
-            if tag == "$float":
+            if tag == FLOAT_TAG:
                 return float(inner)
             if tag == "$tuple":
                 return tuple(decode_tree(x, tensors) for x in inner)

@@ -9,8 +9,8 @@ across ranks on the way.
 
 ``torch.distributed.all_gather_object`` would pickle; here each rank packs
 ``[8-byte header length][UTF-8 JSON header][tensor bytes...]`` into one
-``uint8`` tensor, lengths travel first, and payloads are zero-padded to the
-longest.  Per-rank input state is kilobytes, so the padding is cheap.
+``uint8`` tensor that :func:`shardkit.wire.collectives.all_gather_bytes` gathers
+(lengths first, payloads zero-padded to the longest).  Per-rank input state is kilobytes, so the padding is cheap.
 """
 
 from __future__ import annotations
@@ -22,17 +22,9 @@ import torch
 
 from shardkit.data.encode import decode_tree, encode_tree
 from shardkit.errors import DataStateError
+from shardkit.wire.collectives import all_gather_bytes
 
-__all__ = ["all_gather_trees", "dist_rank_world"]
-
-
-def dist_rank_world(group: Any = None) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group`` (the default group when ``None``), or ``(0, 1)`` without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+__all__ = ["all_gather_trees"]
 
 
 def _pack(value: Any, where: str) -> torch.Tensor:
@@ -69,21 +61,6 @@ def all_gather_trees(value: Any, where: str, group: Any = None) -> list[Any]:
     returns ``[copy of value]``.  Tensors come back as fresh CPU copies, so
     the result is a snapshot that later training steps cannot change.
     """
-    import torch.distributed as dist
-
     payload = _pack(value, where)
-    _, world = dist_rank_world(group)
-    if world == 1:
-        return [_unpack(payload, where)]
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:payload.numel()] = payload.to(device)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    return [_unpack(g[:int(s.item())], f"{where} of rank {r}") for r, (g, s) in enumerate(zip(gathered, sizes))]
+    gathered = all_gather_bytes(payload, group)
+    return [_unpack(g, where if len(gathered) == 1 else f"{where} of rank {r}") for r, g in enumerate(gathered)]

@@ -37,11 +37,13 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.data.encode import decode_state, encode_state, encode_tree
-from shardkit.data.gather import all_gather_trees, dist_rank_world
+from shardkit.data.gather import all_gather_trees
 from shardkit.data.rng import capture_rng_state, check_rng_state, restore_rng_state
 from shardkit.data.sampler import ElasticSampler
 from shardkit.data.stateful import Stateful, select_state
 from shardkit.errors import ConfigurationError, DataStateError
+from shardkit.wire.collectives import rank_world
+from shardkit.wire.rng_keys import RNG_ROOT, WORLD_SIZE, rank_key
 
 __all__ = ["data_state_dict", "load_data_state_dict", "check_data_state_dict", "nest"]
 
@@ -127,23 +129,23 @@ def data_state_dict(sampler: ElasticSampler | None = None, objects: Mapping[str,
             state = _agreed(_describe(name, w), states)
             saved_objects[name] = {"scope": "global", "state": encode_state(state, where)}
         else:
-            saved_objects[name] = {"scope": "per_rank", "world_size": world,
-                                   **{f"rank{r}": encode_state(s, f"{where}.rank{r}") for r, s in enumerate(states)}}
+            per_rank = {rank_key(r): encode_state(s, f"{where}.{rank_key(r)}") for r, s in enumerate(states)}
+            saved_objects[name] = {"scope": "per_rank", WORLD_SIZE: world, **per_rank}
     if saved_objects:
         data["objects"] = saved_objects
     out: dict[str, Any] = {"data": data} if data else {}
     if rng:
-        out["rng"] = {"world_size": world, **{f"rank{r}": g["rng"] for r, g in enumerate(gathered)}}
+        out[RNG_ROOT] = {WORLD_SIZE: world, **{rank_key(r): g["rng"] for r, g in enumerate(gathered)}}
     return out
 
 
 def _world_entries(entry: Any, where: str) -> list[Any]:
-    if not isinstance(entry, dict) or not isinstance(entry.get("world_size"), int) or entry["world_size"] < 1:
+    if not isinstance(entry, dict) or not isinstance(entry.get(WORLD_SIZE), int) or entry[WORLD_SIZE] < 1:
         raise DataStateError(f"{where}: expected world_size and rank<r> entries, got {entry!r:.200}")
-    missing = [f"rank{r}" for r in range(entry["world_size"]) if f"rank{r}" not in entry]
+    missing = [rank_key(r) for r in range(entry[WORLD_SIZE]) if rank_key(r) not in entry]
     if missing:
-        raise DataStateError(f"{where}: saved by {entry['world_size']} ranks but {', '.join(missing)} are missing")
-    return [entry[f"rank{r}"] for r in range(entry["world_size"])]
+        raise DataStateError(f"{where}: saved by {entry[WORLD_SIZE]} ranks but {', '.join(missing)} are missing")
+    return [entry[rank_key(r)] for r in range(entry[WORLD_SIZE])]
 
 
 def check_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | None = None,
@@ -193,7 +195,7 @@ def _decide(state: Mapping[str, Any], sampler: ElasticSampler | None, objects: M
             rng: bool, rank: int | None, world_size: int | None, run_reshard: bool) -> tuple:
     """Every state a load restores, decided (and every refusal raised) before anything is touched."""
     if rank is None or world_size is None:
-        default_rank, default_world = dist_rank_world()
+        default_rank, default_world = rank_world()
         rank = default_rank if rank is None else rank
         world_size = default_world if world_size is None else world_size
     wrapped = _checked_objects(objects)
@@ -208,10 +210,10 @@ def _decide(state: Mapping[str, Any], sampler: ElasticSampler | None, objects: M
               for name, w in wrapped.items()}
     rng_states = None
     if rng:
-        if "rng" not in state:
+        if RNG_ROOT not in state:
             raise DataStateError("the checkpoint holds no RNG state (rng.*); it was saved with rng=False -- pass "
                                  "rng=False to load without it")
-        rng_states = _world_entries(state["rng"], "rng")
+        rng_states = _world_entries(state[RNG_ROOT], RNG_ROOT)
         check_rng_state(rng_states, rank, world_size)
     return wrapped, chosen, rng_states, rank, world_size
 
@@ -228,7 +230,7 @@ def _object_state(name: str, w: Stateful, saved_objects: Mapping[str, Any], rank
     if scope == "global":
         states = [decode_state(entry.get("state"), f"{where}.state")]
     elif scope == "per_rank":
-        states = [decode_state(s, f"{where}.rank{r}") for r, s in enumerate(_world_entries(entry, where))]
+        states = [decode_state(s, f"{where}.{rank_key(r)}") for r, s in enumerate(_world_entries(entry, where))]
     else:
         raise DataStateError(f"{where}: saved scope {scope!r} is neither 'global' nor 'per_rank'")
     if scope != w.scope:

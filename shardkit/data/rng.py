@@ -6,7 +6,8 @@ its RNGs from the seed draws different masks from the uninterrupted run, so
 the two runs diverge after the first step.  Restoring the generators makes the
 resumed run bit-identical.
 
-What one rank's state holds (``capture_rng_state``), all without pickle:
+What one rank's state holds (``capture_rng_state``), all without pickle, under the names of
+:mod:`shardkit.wire.rng_keys`:
 
 * ``python``: ``random.getstate()`` as ``{"version": int, "state": [625 ints], "gauss": float | None}``;
 * ``numpy`` (only when numpy is imported): the legacy ``np.random`` state as
@@ -36,6 +37,20 @@ from typing import Any
 import torch
 
 from shardkit.errors import DataStateError
+from shardkit.wire.rng_keys import (
+    CUDA,
+    NUMPY,
+    NUMPY_CACHED_GAUSSIAN,
+    NUMPY_HAS_GAUSS,
+    NUMPY_KEY,
+    NUMPY_KIND,
+    NUMPY_POS,
+    PYTHON,
+    PYTHON_GAUSS,
+    PYTHON_STATE,
+    PYTHON_VERSION,
+    TORCH,
+)
 
 __all__ = ["capture_rng_state", "restore_rng_state", "check_rng_state", "reseeded_seeds"]
 
@@ -48,16 +63,16 @@ def capture_rng_state() -> dict[str, Any]:
     """This process's RNG state: JSON values and tensors (copies), see the module docstring."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": {"version": int(version), "state": [int(x) for x in internal], "gauss": gauss},
-        "torch": torch.get_rng_state().clone(),
+        PYTHON: {PYTHON_VERSION: int(version), PYTHON_STATE: [int(x) for x in internal], PYTHON_GAUSS: gauss},
+        TORCH: torch.get_rng_state().clone(),
     }
     np = sys.modules.get("numpy")
     if np is not None:
         kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        state[NUMPY] = {NUMPY_KIND: str(kind), NUMPY_KEY: torch.from_numpy(key.astype(np.int64)), NUMPY_POS: int(pos),
+                        NUMPY_HAS_GAUSS: int(has_gauss), NUMPY_CACHED_GAUSSIAN: float(cached)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = {str(i): torch.cuda.get_rng_state(i).clone() for i in range(torch.cuda.device_count())}
+        state[CUDA] = {str(i): torch.cuda.get_rng_state(i).clone() for i in range(torch.cuda.device_count())}
     return state
 
 
@@ -80,12 +95,12 @@ def restore_rng_state(states_by_old_rank: list[dict[str, Any]], rank: int, world
         "rank %d's state salted with its rank (deterministic, distinct per rank)",
         old_world, world_size, rank, source)
     seeds = reseeded_seeds(state, rank)
-    random.seed(seeds["python"])
-    torch.manual_seed(seeds["torch"])
-    if "numpy" in state or "numpy" in sys.modules:
+    random.seed(seeds[PYTHON])
+    torch.manual_seed(seeds[TORCH])
+    if NUMPY in state or "numpy" in sys.modules:
         np = _numpy()
         if np is not None:
-            np.random.seed(seeds["numpy"])
+            np.random.seed(seeds[NUMPY])
 
 
 def reseeded_seeds(state: dict[str, Any], rank: int) -> dict[str, int]:
@@ -107,20 +122,20 @@ def reseeded_seeds(state: dict[str, Any], rank: int) -> dict[str, int]:
     def derive(name: str) -> int:
         return int.from_bytes(hashlib.sha256(digest + name.encode()).digest()[:8], "little")
 
-    return {"python": derive("python"), "torch": derive("torch") >> 1, "numpy": derive("numpy") & 0xFFFFFFFF}
+    return {PYTHON: derive(PYTHON), TORCH: derive(TORCH) >> 1, NUMPY: derive(NUMPY) & 0xFFFFFFFF}
 
 
 def _canonical_parts(state: dict[str, Any]) -> list[bytes]:
     """Every generator's state as bytes, in a fixed order (the input of the re-seed hash)."""
-    python = state["python"]
-    parts = [b"python", repr((python["version"], list(python["state"]), python["gauss"])).encode(),
-             b"torch", bytes(state["torch"].contiguous().clone().untyped_storage())]
-    if "numpy" in state:
-        np_state = state["numpy"]
-        parts += [b"numpy", repr((np_state["kind"], np_state["key"].tolist(), np_state["pos"], np_state["has_gauss"],
-                                  np_state["cached_gaussian"])).encode()]
-    for index in sorted(state.get("cuda", {}), key=int):
-        parts += [f"cuda:{index}".encode(), bytes(state["cuda"][index].contiguous().clone().untyped_storage())]
+    python = state[PYTHON]
+    parts = [PYTHON.encode(), repr((python[PYTHON_VERSION], list(python[PYTHON_STATE]), python[PYTHON_GAUSS])).encode(),
+             TORCH.encode(), bytes(state[TORCH].contiguous().clone().untyped_storage())]
+    if NUMPY in state:
+        np_state = state[NUMPY]
+        parts += [NUMPY.encode(), repr((np_state[NUMPY_KIND], np_state[NUMPY_KEY].tolist(), np_state[NUMPY_POS],
+                                        np_state[NUMPY_HAS_GAUSS], np_state[NUMPY_CACHED_GAUSSIAN])).encode()]
+    for index in sorted(state.get(CUDA, {}), key=int):
+        parts += [f"{CUDA}:{index}".encode(), bytes(state[CUDA][index].contiguous().clone().untyped_storage())]
     return parts
 
 
@@ -141,13 +156,13 @@ def _check(state: Any, rank: int) -> None:
     where = f"saved RNG state of rank {rank}"
     if not isinstance(state, dict):
         raise DataStateError(f"{where} is a {type(state).__name__}, not a dict")
-    for key in ("python", "torch"):
+    for key in (PYTHON, TORCH):
         if key not in state:
             raise DataStateError(f"{where} lacks {key!r}; it was not written by capture_rng_state()")
-    python = state["python"]
-    if not (isinstance(python, dict) and {"version", "state", "gauss"} <= set(python)):
+    python = state[PYTHON]
+    if not (isinstance(python, dict) and {PYTHON_VERSION, PYTHON_STATE, PYTHON_GAUSS} <= set(python)):
         raise DataStateError(f"{where}: 'python' must hold version, state and gauss")
-    if not (isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8):
+    if not (isinstance(state[TORCH], torch.Tensor) and state[TORCH].dtype == torch.uint8):
         raise DataStateError(f"{where}: 'torch' must be a uint8 tensor (torch.get_rng_state())")
 
 
@@ -160,18 +175,18 @@ def _numpy() -> Any:
 
 
 def _set_exact(state: dict[str, Any], rank: int) -> None:
-    python = state["python"]
-    gauss = python["gauss"]
-    random.setstate((int(python["version"]), tuple(int(x) for x in python["state"]),
+    python = state[PYTHON]
+    gauss = python[PYTHON_GAUSS]
+    random.setstate((int(python[PYTHON_VERSION]), tuple(int(x) for x in python[PYTHON_STATE]),
                      None if gauss is None else float(gauss)))
-    torch.set_rng_state(state["torch"].to("cpu", torch.uint8).contiguous())
-    if "numpy" in state:
+    torch.set_rng_state(state[TORCH].to("cpu", torch.uint8).contiguous())
+    if NUMPY in state:
         np = _numpy()
         if np is not None:
-            s = state["numpy"]
-            np.random.set_state((s["kind"], s["key"].numpy().astype(np.uint32), int(s["pos"]),
-                                 int(s["has_gauss"]), float(s["cached_gaussian"])))
-    cuda = state.get("cuda", {})
+            s = state[NUMPY]
+            np.random.set_state((s[NUMPY_KIND], s[NUMPY_KEY].numpy().astype(np.uint32), int(s[NUMPY_POS]),
+                                 int(s[NUMPY_HAS_GAUSS]), float(s[NUMPY_CACHED_GAUSSIAN])))
+    cuda = state.get(CUDA, {})
     if not cuda:
         return
     if not torch.cuda.is_available():

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from shardkit.errors import ConfigurationError, DataStateError
+from shardkit.wire.collectives import rank_world
 
 __all__ = ["ElasticSampler", "share_bounds"]
 
@@ -57,14 +58,6 @@ def _int_arg(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigurationError(f"ElasticSampler: {name} must be an int >= {minimum}, got {value!r}")
     return int(value)
-
-
-def _default_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _prefetching_dataloader_caller() -> bool:
@@ -120,7 +113,7 @@ class ElasticSampler:
         self.seed = _int_arg("seed", seed, 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        default_rank, default_world = _default_rank_world() if rank is None or world_size is None else (0, 1)
+        default_rank, default_world = rank_world() if rank is None or world_size is None else (0, 1)
         self.world_size = _int_arg("world_size", default_world if world_size is None else world_size, 1)
         self.rank = _int_arg("rank", default_rank if rank is None else rank, 0)
         if self.rank >= self.world_size:

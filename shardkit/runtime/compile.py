@@ -33,10 +33,11 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.nn as nn
 
-__all__ = ["eager_hook", "unwrap_compiled", "clean_fqn", "keep_state_dict_keys_clean"]
+from shardkit.wire.fqn import COMPILE_PART, without_compile_parts
+
+__all__ = ["eager_hook", "unwrap_compiled", "keep_state_dict_keys_clean"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_COMPILED = "_orig_mod"
 
 
 def eager_hook(fn: _F) -> _F:
@@ -60,18 +61,11 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def clean_fqn(name: str) -> str:
-    """``name`` without the ``_orig_mod`` segments a compile wrapper adds."""
-    if _COMPILED not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != _COMPILED)
-
-
 def _strip_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     keys = list(state_dict)
-    if not any(_COMPILED in key[len(prefix):] for key in keys if key.startswith(prefix)):
+    if not any(COMPILE_PART in key[len(prefix):] for key in keys if key.startswith(prefix)):
         return
-    items = [(prefix + clean_fqn(key[len(prefix):]) if key.startswith(prefix) else key, state_dict[key])
+    items = [(prefix + without_compile_parts(key[len(prefix):]) if key.startswith(prefix) else key, state_dict[key])
              for key in keys]
     state_dict.clear()
     state_dict.update(items)  # same order, eager names
@@ -80,7 +74,7 @@ def _strip_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, local
 def _restore_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
     real = [name for name, _ in module.named_parameters(remove_duplicate=False)]
     real += [name for name, _ in module.named_buffers(remove_duplicate=False)]
-    renames = {prefix + clean_fqn(name): prefix + name for name in real if _COMPILED in name}
+    renames = {prefix + without_compile_parts(name): prefix + name for name in real if COMPILE_PART in name}
     for clean, name in renames.items():
         if clean in state_dict and name not in state_dict:
             state_dict[name] = state_dict.pop(clean)

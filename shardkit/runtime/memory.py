@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.runtime.compile import clean_fqn
 from shardkit.runtime.module_state import state_of
 from shardkit.runtime.param_group import ParamGroup
 from shardkit.runtime.sharded_param import ShardedParam, ShardedState
+from shardkit.wire.fqn import without_compile_parts
 
 __all__ = ["GroupMemory", "MemoryReport", "memory_report"]
 
@@ -122,6 +122,6 @@ def memory_report(model: nn.Module) -> MemoryReport:
             continue
         if id(state) not in names:
             states.append(state)
-        names.setdefault(id(state), []).append(clean_fqn(name))
+        names.setdefault(id(state), []).append(without_compile_parts(name))
     return MemoryReport([_group_memory(", ".join(names[id(state)]), group)
                          for state in states for group in state.groups])

@@ -38,11 +38,12 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from shardkit.errors import TrainingStateError
-from shardkit.runtime.compile import clean_fqn, eager_hook
+from shardkit.runtime.compile import eager_hook
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.param_group import ParamGroup, TrainingState
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.torch_names import TorchStateNames
+from shardkit.wire.fqn import without_compile_parts
 
 __all__ = ["IterationContext", "ShardState", "STATE_ATTR", "state_of"]
 
@@ -144,12 +145,12 @@ class ShardState(TorchStateNames):
             for name in module._parameters:
                 sp = by_slot.get((id(module), name))
                 if sp is not None:
-                    sp.fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
+                    sp.fqn = without_compile_parts(f"{prefix}.{name}" if prefix else name)
         for name, module in root.named_modules():
             state = state_of(module)
             if state is not None:
                 for group in state.groups:
-                    group.module_fqn = clean_fqn(name)
+                    group.module_fqn = without_compile_parts(name)
                     group.fqn = group.module_fqn or "<root>"
 
     # -------------------------------------------------------------- forward

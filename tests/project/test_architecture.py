@@ -35,6 +35,8 @@ INDEPENDENT = [("shardkit.checkpoint.geometry", "shardkit.checkpoint.io"),
 FORBIDDEN = [("shardkit.checkpoint", "shardkit.runtime"), ("shardkit.checkpoint", "shardkit.fsdp1"),
              ("shardkit.checkpoint", "shardkit.cli"), ("shardkit.data", "shardkit.checkpoint"),
              ("shardkit.data", "shardkit.runtime")]
+# shardkit.wire sits below data/ and checkpoint/ (both may import it): of shardkit it imports itself and the errors
+WIRE_MAY_IMPORT = ("shardkit.wire", "shardkit.errors")
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -189,3 +191,28 @@ def test_each_check_fails_on_a_planted_violation(tmp_path):
     assert private_imports(planted_edges) == [
         "shardkit.checkpoint.io.storage:1 takes _crc from shardkit.checkpoint.formats.codec"]
     assert oversized(planted, tmp_path) == [f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]
+
+
+def wire_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    return [f"{src}:{line} imports {dst}: shardkit.wire imports only {' and '.join(WIRE_MAY_IMPORT)}"
+            for src, targets in edges.items() if _under(src, "shardkit.wire") for dst, _, line in targets
+            if not any(_under(dst, allowed) for allowed in WIRE_MAY_IMPORT)]
+
+
+def test_the_wire_imports_nothing_of_shardkit_but_the_errors(edges):
+    assert wire_violations(edges) == []
+
+
+def test_the_wire_check_fails_on_a_planted_violation(tmp_path):
+    pkg = tmp_path / "shardkit"
+    (pkg / "wire").mkdir(parents=True)
+    (pkg / "data").mkdir()
+    for init in ("__init__.py", "wire/__init__.py", "data/__init__.py", "errors.py"):
+        (pkg / init).write_text("")
+    (pkg / "wire" / "fqn.py").write_text("import shardkit.errors\nimport shardkit.wire\n")
+    (pkg / "wire" / "rng_keys.py").write_text("def f():\n    from shardkit.data.rng import capture\n")
+    (pkg / "data" / "rng.py").write_text("import shardkit.wire.rng_keys\n")
+    (tmp_path / "cli").mkdir()
+    assert wire_violations(graph(module_files(tmp_path))) == [
+        "shardkit.wire.rng_keys:2 imports shardkit.data.rng: shardkit.wire imports only shardkit.wire and "
+        "shardkit.errors"]

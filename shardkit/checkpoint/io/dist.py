@@ -1,8 +1,9 @@
-"""The few collectives a checkpoint needs, carrying JSON instead of pickle.
+"""The few collectives a checkpoint needs, carrying JSON instead of pickle, for one process group.
 
 ``torch.distributed``'s ``*_object`` collectives pickle their payload; shardkit
 never unpickles anything, so metadata travels as UTF-8 JSON in ``uint8``
-tensors.  Every helper works without a process group too (then it is the
+tensors (:mod:`shardkit.wire.collectives` holds the gather and the any-failed
+agreement that ``data/`` uses too).  Every helper works without a process group too (then it is the
 identity), so ``save``/``load`` run unchanged in a single process.
 
 All helpers take an explicit ``group``.  The background writer of
@@ -13,12 +14,19 @@ default group to itself.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 import torch
 
 from shardkit.errors import error_record, from_record
+from shardkit.wire.collectives import (
+    all_gather_json,
+    any_failed,
+    decode_json,
+    encode_json,
+    group_device,
+    pad_to_longest,
+)
 
 __all__ = ["Dist"]
 
@@ -61,40 +69,13 @@ class Dist:
 
     def device(self) -> torch.device:
         """Where this group's tensors must live: the current CUDA device under NCCL, else the CPU."""
-        import torch.distributed as dist
-
-        backend = dist.get_backend(self.group)
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-    def _padded_json(self, obj: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``obj`` as JSON bytes zero-padded to the longest of any rank's, and every rank's length.
-
-        Collective: gathers and gathers-to-one need equal-sized buffers, so the
-        lengths travel first.
-        """
-        import torch.distributed as dist
-
-        data = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-        dev = self.device()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        buf = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=dev)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-        return buf, sizes
+        return group_device(self.group)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in group-rank order."""
         if not self.active:
             return [obj]
-        import torch.distributed as dist
-
-        buf, sizes = self._padded_json(obj)
-        dev, longest = buf.device, buf.numel()
-        bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)]
-        dist.all_gather(bufs, buf, group=self.group)
-        return [_decode(b, s) for b, s in zip(bufs, sizes)]
+        return all_gather_json(obj, self.group)
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of group rank ``src`` on every rank."""
@@ -104,15 +85,15 @@ class Dist:
 
         dev = self.device()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-        data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.group_rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        data = encode_json(obj) if self.group_rank == src else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
         dist.broadcast(size, src_global, group=self.group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        if self.group_rank == src and data:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if self.group_rank == src and data.numel():
+            buf.copy_(data)
         if buf.numel():
             dist.broadcast(buf, src_global, group=self.group)
-        return json.loads(bytes(buf.cpu().numpy()).decode("utf-8"))
+        return decode_json(buf)
 
     def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
@@ -120,7 +101,7 @@ class Dist:
             return [obj]
         import torch.distributed as dist
 
-        buf, sizes = self._padded_json(obj)
+        buf, sizes = pad_to_longest(encode_json(obj), self.group, self.group_size, self.device())
         dev, longest = buf.device, buf.numel()
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
@@ -128,7 +109,7 @@ class Dist:
         dist.gather(buf, bufs, dst=dst_global, group=self.group)
         if bufs is None:
             return None
-        return [_decode(b, s) for b, s in zip(bufs, sizes)]
+        return [decode_json(b[:int(s.item())]) for b, s in zip(bufs, sizes)]
 
     def decided_on_rank0(self, decide: Callable[[], Any], where: str) -> Any:
         """``decide()`` (a JSON value) run on group rank 0 and its answer on every rank.  A failure there is
@@ -163,11 +144,7 @@ class Dist:
         """True on every rank when ``failed`` is true on any rank."""
         if not self.active:
             return failed
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=self.device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return any_failed(failed, self.group)
 
     def all_same(self, ok: bool, value: int) -> bool:
         """True on every rank when ``ok`` holds on every rank and every rank passed the same ``value``
@@ -195,7 +172,3 @@ class Dist:
 
             dist.barrier(group=self.group)
 
-
-def _decode(buf: torch.Tensor, size: torch.Tensor) -> Any:
-    """The JSON value in the first ``size`` bytes of a gathered buffer."""
-    return json.loads(bytes(buf[:int(size.item())].cpu().numpy()).decode("utf-8"))

@@ -24,6 +24,7 @@ from typing import Any
 
 from shardkit.checkpoint.offline.convert import convert, reshard
 from shardkit.errors import ConfigurationError
+from shardkit.wire.collectives import any_failed
 
 __all__ = ["run_reshard", "run_convert", "scaleout_rank", "launched_by_torchrun", "agree"]
 
@@ -86,14 +87,10 @@ def run_reshard(src: str, dst: str, *, distributed: bool | None = None, **kwargs
 
 
 def agree(ok: bool = True) -> bool:
-    """A barrier that also tells every process whether all of them succeeded (all-reduce of a flag),
-    so one process's failure stops the others instead of leaving them waiting."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag)
-    return int(flag.item()) == 0
+    """A barrier that also tells every process whether all of them succeeded, so one process's failure
+    stops the others instead of leaving them waiting: the offline tools' form of
+    :func:`shardkit.wire.collectives.any_failed` over the default group."""
+    return not any_failed(not ok)
 
 
 def run_convert(src: str, dst: str, *, to: str, distributed: bool | None = None, **kwargs: Any) -> Any:

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from shardkit.checkpoint.state.state_dict import clean_fqn
 from shardkit.errors import ArgumentTypeError
+from shardkit.wire.fqn import eager_fqn
 
 __all__ = ["StateDictOptions", "as_optimizers", "checked_options", "check_not_empty", "param_names",
            "flatten_optim_state_dict", "unflatten_optim_state_dict", "split_optim_state_dict", "formerly"]
@@ -98,8 +98,8 @@ def param_names(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         fqns = names.setdefault(id(p), [])
-        if clean_fqn(name) not in fqns:
-            fqns.append(clean_fqn(name))
+        if eager_fqn(name) not in fqns:
+            fqns.append(eager_fqn(name))
     return names
 
 

@@ -40,12 +40,12 @@ from shardkit.checkpoint.state.dcp_forms import (
 from shardkit.checkpoint.state.rank0_tree import broadcast_tree
 from shardkit.checkpoint.state.relayout import gather_full_state, relayout_like
 from shardkit.checkpoint.state.state_dict import (
-    clean_fqn,
     init_optimizer_state,
     live_model_state,
     live_optimizer_state,
     live_tensors,
 )
+from shardkit.wire.fqn import eager_fqn
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
@@ -70,11 +70,11 @@ def _full_or_offloaded(tree: dict[str, Any], options: StateDictOptions) -> dict[
 def _model_part(model: nn.Module, options: StateDictOptions, submodules: Any) -> dict[str, Any]:
     state = live_model_state(model)
     if submodules:
-        prefixes = [f"{clean_fqn(name)}." for name, m in model.named_modules() if m in set(submodules)]
+        prefixes = [f"{eager_fqn(name)}." for name, m in model.named_modules() if m in set(submodules)]
         state = {(k if options.keep_submodule_prefixes else k[len(p):]): v
                  for k, v in state.items() for p in prefixes if k.startswith(p)}
     if options.ignore_frozen_params:
-        frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        frozen = {eager_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
     return _full_or_offloaded(state, options)
 
@@ -161,7 +161,7 @@ def _with_module_keys(model: nn.Module, state_dict: dict[Any, Any]) -> dict[str,
     warnings.warn("Passing model_state_dict as a ``Dict[nn.Module, Dict[str, Any]]``is deprecated and will be "
                   "removed in 2.5. If you need this feature, please preprocess the model_state_dict to achieve the "
                   "same functionality.", FutureWarning, stacklevel=3)
-    prefix = {m: clean_fqn(name) for name, m in model.named_modules()}
+    prefix = {m: eager_fqn(name) for name, m in model.named_modules()}
     return {f"{prefix[m]}.{k}" if prefix[m] else k: v for m, sub in state_dict.items() for k, v in sub.items()}
 
 
@@ -177,7 +177,7 @@ def _load_model(model: nn.Module, state_dict: dict[str, Any], options: StateDict
         state_dict = {k: _cut_like(v, live.get(k)) if isinstance(v, torch.Tensor) else v
                       for k, v in state_dict.items()}
     with live_tensors():
-        raw = {clean_fqn(k): k for k in model.state_dict()}
+        raw = {eager_fqn(k): k for k in model.state_dict()}
     with torch.no_grad():
         return model.load_state_dict({raw.get(k, k): v for k, v in state_dict.items()}, strict=options.strict)
 

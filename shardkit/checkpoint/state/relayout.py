@@ -14,7 +14,7 @@ optimizer: :func:`get_full_state_dict`, :func:`set_full_state_dict`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,7 +22,7 @@ from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
 from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.rank0_tree import broadcast_tree, is_json_value
-from shardkit.checkpoint.state.tree import restore_like
+from shardkit.checkpoint.state.tree import restore_like, walk
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor", "gather_full_state",
@@ -121,23 +121,6 @@ def gather_full_tensor(tensor: torch.Tensor, *, rank0_only: bool = True,
     return full.cpu() if cpu_offload else full
 
 
-def _walk(tree: Any) -> Iterator[tuple[Any, Any, Any]]:
-    """(container, key, value) for every leaf, in a deterministic order."""
-    if isinstance(tree, dict):
-        for k in tree:
-            v = tree[k]
-            if isinstance(v, (dict, list)):
-                yield from _walk(v)
-            else:
-                yield tree, k, v
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            if isinstance(v, (dict, list)):
-                yield from _walk(v)
-            else:
-                yield tree, i, v
-
-
 def _copy_tree(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _copy_tree(v) for k, v in tree.items()}
@@ -152,7 +135,7 @@ def gather_full_state(tree: Any, *, rank0_only: bool = True, cpu_offload: bool =
     Off rank 0 with ``rank0_only`` the result is ``{}`` (the gathers still run: collective).
     """
     out = _copy_tree(tree)
-    for container, key, value in list(_walk(out)):
+    for _, container, key, value in list(walk(out, _every_dict_and_list)):
         if isinstance(value, torch.Tensor):
             container[key] = gather_full_tensor(value, rank0_only=rank0_only, cpu_offload=cpu_offload)
     if rank0_only and Dist().rank != 0:
@@ -216,19 +199,24 @@ def full_leaves_from_rank0(full_tree: Any, like_leaves: dict[str, Any],
     return broadcast_tree(rank0_leaves, lambda path, full: cut(path[0], full, like_leaves[path[0]]))
 
 
+def _every_dict_and_list(_path: str, value: Any) -> bool:
+    return isinstance(value, (dict, list))
+
+
+def _dicts_and_lists_of_dicts_or_tensors(_path: str, value: Any) -> bool:
+    """The leaves of a state dict as torch nests it: a list of numbers (``betas``, ``params``) is one leaf."""
+    return isinstance(value, dict) or (isinstance(value, list)
+                                       and any(isinstance(x, (dict, torch.Tensor)) for x in value))
+
+
 def leaf_paths(tree: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
     for path, (_, _, v) in leaf_paths_with_slots(tree, prefix):
         yield path, v
 
 
 def leaf_paths_with_slots(tree: Any, prefix: str = "") -> Iterable[tuple[str, tuple[Any, Any, Any]]]:
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
-    for k, v in items:
-        path = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, (dict, list)) and (isinstance(v, dict) or any(isinstance(x, (dict, torch.Tensor)) for x in v)):
-            yield from leaf_paths_with_slots(v, path)
-        else:
-            yield path, (tree, k, v)
+    for path, container, key, value in walk(tree, _dicts_and_lists_of_dicts_or_tensors, prefix):
+        yield path, (container, key, value)
 
 
 def copy_into(target: torch.Tensor, value: Any, key: str) -> None:

@@ -48,6 +48,7 @@ from shardkit.checkpoint.state.relayout import (  # noqa: F401
 )
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
+from shardkit.wire.fqn import eager_fqn
 
 __all__ = [
     "get_training_state", "set_training_state", "live_model_state", "live_optimizer_state",
@@ -55,14 +56,6 @@ __all__ = [
     "to_torch_optimizer_state", "full_to_local", "shard_full_tensor", "relayout_like", "gather_full_tensor",
     "gather_full_state", "shard_state",
 ]
-
-_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_dp_wrapped_module")
-
-
-def clean_fqn(name: str) -> str:
-    """Drop wrapper path parts (``torch.compile``, activation checkpointing) from an FQN."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-
 
 _LIVE = contextvars.ContextVar("shardkit_live_state_dict", default=False)
 
@@ -88,7 +81,7 @@ def reading_live_tensors() -> bool:
 
 def param_fqns(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> FQN`` (the first name of a shared parameter)."""
-    return {id(p): clean_fqn(name) for name, p in model.named_parameters()}
+    return {id(p): eager_fqn(name) for name, p in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------
@@ -99,7 +92,7 @@ def live_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with clean FQNs; values share storage with the model."""
     with live_tensors():
         state = model.state_dict()
-    return {clean_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {eager_fqn(k): v.detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def apply_model_state(model: nn.Module, state_dict: dict[str, Any], *, strict: bool = True) -> None:
@@ -271,7 +264,7 @@ def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     if optimizer is not None:
         out["optim"] = live_optimizer_state(model, optimizer)
     if trainable_only:
-        trainable = {clean_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
+        trainable = {eager_fqn(n) for n, p in model.named_parameters() if p.requires_grad}
         out["model"] = {k: v for k, v in out["model"].items() if k in trainable}
         if "optim" in out:
             out["optim"]["state"] = {k: v for k, v in out["optim"]["state"].items() if k in trainable}

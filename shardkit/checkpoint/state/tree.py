@@ -9,7 +9,7 @@ walked with its indices as path parts.
 
 Non-tensor leaves must be JSON: ``None``, ``bool``, ``int``, ``float``, ``str``,
 and lists/tuples/str-keyed dicts of those.  Non-finite floats, which JSON
-cannot spell, are stored as ``{"$float": "nan" | "inf" | "-inf"}``.  Anything
+cannot spell, are stored as ``{"$float": "nan" | "inf" | "-inf"}`` (:mod:`shardkit.wire.json_values`).  Anything
 else (a torch.dtype, an object) raises :class:`ConfigurationError` naming the
 key: we refuse to save what we could not load without pickle.
 
@@ -21,16 +21,16 @@ comes back as a tuple.
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
+from shardkit.wire.json_values import FLOAT_TAG, encode_scalar, is_json_scalar, is_tagged_float
 
-__all__ = ["keep_keys", "object_path", "Flat", "flatten", "plain_values", "to_json_value", "from_json_value",
+__all__ = ["keep_keys", "object_path", "Flat", "walk", "flatten", "plain_values", "to_json_value", "from_json_value",
            "restore_like"]
 
 
@@ -57,35 +57,61 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
+def walk(tree: Any, descend: Callable[[str, Any], bool], prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(path, container, key, value)`` of every leaf below ``tree`` (a dict or a list), depth first, in order.
+
+    The one walker of nested state: paths join dict keys and list indices with
+    ``.`` below ``prefix``.  ``descend(path, value)`` is asked of each entry in
+    turn and says whether it is walked into (a dict or a list) or is a leaf;
+    that is the one rule the readers of nested state differ in (a list of
+    numbers is a value to :func:`flatten`, DCP flattens a list of dicts, a
+    relayout walks every list), so it is theirs to give.
+    """
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if descend(path, value):
+            yield from walk(value, descend, path)
+        else:
+            yield path, tree, key, value
+
+
+def _walked_by_flatten(path: str, value: Any) -> bool:
+    """:func:`flatten`'s rule: every dict is walked, a list only when it holds tensors (else it is a value)."""
+    if isinstance(value, dict):
+        _check_keys(value, path)
+        return True
+    if isinstance(value, (list, tuple)) and _has_tensor(value):
+        if isinstance(value, tuple):
+            raise ConfigurationError(f"{path!r}: tensors inside a tuple cannot be loaded in place; use a list")
+        return True
+    return False
+
+
+def _check_keys(tree: dict, path: str) -> None:
+    for k in tree:
+        if not isinstance(k, str):
+            raise ConfigurationError(f"state dict key {k!r} under {path or '<root>'!r} is not a string")
+
+
 def flatten(state_dict: dict[str, Any]) -> Flat:
     """Flatten ``state_dict``; raise on key collisions and on values JSON cannot hold."""
     if not isinstance(state_dict, dict):
         raise ConfigurationError(f"a state dict must be a dict, got {type(state_dict).__name__}")
     flat = Flat({}, {}, {})
 
-    def visit(prefix: str, container: Any, index: Any, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            add(prefix, flat.tensors, value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise ConfigurationError(f"state dict key {k!r} under {prefix or '<root>'!r} is not a string")
-                visit(f"{prefix}.{k}" if prefix else k, value, k, v)
-        elif isinstance(value, (list, tuple)) and _has_tensor(value):
-            if isinstance(value, tuple):
-                raise ConfigurationError(f"{prefix!r}: tensors inside a tuple cannot be loaded in place; use a list")
-            for i, v in enumerate(value):
-                visit(f"{prefix}.{i}", value, i, v)
-        else:
-            add(prefix, flat.values, to_json_value(value, prefix))
-            flat.slots[prefix] = (container, index)
-
     def add(key: str, table: dict, value: Any) -> None:
         if key in flat.tensors or key in flat.values:
             raise ConfigurationError(f"two entries of the state dict flatten to the same key {key!r}; rename one")
         table[key] = value
 
-    visit("", None, None, state_dict)
+    _check_keys(state_dict, "")
+    for key, container, index, value in walk(state_dict, _walked_by_flatten):
+        if isinstance(value, torch.Tensor):
+            add(key, flat.tensors, value)
+        else:
+            add(key, flat.values, to_json_value(value, key))
+            flat.slots[key] = (container, index)
     return flat
 
 
@@ -100,14 +126,8 @@ def plain_values(prefix: str, state: Any) -> dict[str, Any]:
 
 def to_json_value(value: Any, key: str) -> Any:
     """``value`` as JSON types, or :class:`ConfigurationError` naming ``key``."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return float(value)
-        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if is_json_scalar(value):
+        return encode_scalar(value)
     if isinstance(value, (list, tuple)):
         return [to_json_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
@@ -141,8 +161,8 @@ def from_json_value(value: Any) -> Any:
     if isinstance(value, list):
         return [from_json_value(v) for v in value]
     if isinstance(value, dict):
-        if set(value) == {"$float"} and value["$float"] in ("nan", "inf", "-inf"):
-            return float(value["$float"])
+        if is_tagged_float(value):
+            return float(value[FLOAT_TAG])
         return {k: from_json_value(v) for k, v in value.items()}
     return value
 

@@ -66,7 +66,7 @@ from shardkit.checkpoint.geometry.rows import (
 )
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.tree import from_json_value, object_path, to_json_value
+from shardkit.checkpoint.state.tree import from_json_value, object_path, to_json_value, walk
 from shardkit.errors import (
     ConfigurationError,
     InvalidManifest,
@@ -345,23 +345,14 @@ class DcpReader(CheckpointReader):
 # writing
 
 
+def _walked_by_dcp(_path: str, value: Any) -> bool:
+    """DCP's ``flatten_state_dict`` rule: every dict is walked, a list only when it holds dicts or lists."""
+    return isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value))
+
+
 def _flatten_values(values: dict[str, Any]) -> dict[str, Any]:
     """Flatten list-of-dict values the way DCP's ``flatten_state_dict`` does (``a.0.lr``)."""
-    out: dict[str, Any] = {}
-
-    def visit(key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                visit(f"{key}.{k}", v)
-        elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
-            for i, v in enumerate(value):
-                visit(f"{key}.{i}", v)
-        else:
-            out[key] = value
-
-    for key, value in values.items():
-        visit(key, value)
-    return out
+    return {path: value for path, _, _, value in walk(values, _walked_by_dcp)}
 
 
 def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], values: Mapping[str, Any],

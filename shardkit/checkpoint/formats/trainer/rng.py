@@ -10,7 +10,7 @@ bounded stand-in: ``numpy.dtype`` gives the uint32 of a Mersenne Twister key
 and nothing else, ``_reconstruct`` only the empty array that the pickled bytes
 then fill (numpy refuses bytes that do not match the shape), so neither code
 nor memory beyond what the file holds comes from it.  The states are
-re-expressed as :mod:`shardkit.data.rng` keeps a rank's state
+re-expressed in the names :mod:`shardkit.wire.rng_keys` gives a rank's state
 (``rng.world_size``, ``rng.rank<r>.python``, ``.numpy``, ``.torch``,
 ``.cuda.<device>``), so ``shardkit.data`` restores them: exactly at the same
 world size, reseeded from them (deterministically, with a warning) at another.
@@ -27,6 +27,23 @@ import torch
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, tensors_in
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
+from shardkit.wire.rng_keys import (
+    CUDA,
+    NUMPY,
+    NUMPY_CACHED_GAUSSIAN,
+    NUMPY_HAS_GAUSS,
+    NUMPY_KEY,
+    NUMPY_KIND,
+    NUMPY_POS,
+    PYTHON,
+    PYTHON_GAUSS,
+    PYTHON_STATE,
+    PYTHON_VERSION,
+    RNG_ROOT,
+    TORCH,
+    WORLD_SIZE,
+    rank_key,
+)
 
 __all__ = ["RNG_FILE", "SINGLE_PROCESS_FILE", "rng_files", "read_rng_state"]
 
@@ -101,25 +118,26 @@ def _rank_state(state: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[s
     python = _first(state, _PYTHON)
     if isinstance(python, tuple) and len(python) == 3:
         version, internal, gauss = python
-        values.update({"python.version": int(version), "python.state": [int(x) for x in internal],
-                       "python.gauss": gauss})
+        values.update({f"{PYTHON}.{PYTHON_VERSION}": int(version),
+                       f"{PYTHON}.{PYTHON_STATE}": [int(x) for x in internal], f"{PYTHON}.{PYTHON_GAUSS}": gauss})
     legacy = _first(state, _NUMPY)
     if isinstance(legacy, tuple) and len(legacy) == 5:
         kind, key, pos, has_gauss, cached = legacy
         try:
-            tensors["numpy.key"] = torch.as_tensor(key.astype("int64"))
-            values.update({"numpy.kind": str(kind), "numpy.pos": int(pos), "numpy.has_gauss": int(has_gauss),
-                           "numpy.cached_gaussian": float(cached)})
+            tensors[f"{NUMPY}.{NUMPY_KEY}"] = torch.as_tensor(key.astype("int64"))
+            values.update({f"{NUMPY}.{NUMPY_KIND}": str(kind), f"{NUMPY}.{NUMPY_POS}": int(pos),
+                           f"{NUMPY}.{NUMPY_HAS_GAUSS}": int(has_gauss),
+                           f"{NUMPY}.{NUMPY_CACHED_GAUSSIAN}": float(cached)})
         except (AttributeError, TypeError, ValueError) as exc:
             raise InvalidManifest(f"{where}: the numpy generator state is malformed ({exc})") from None
     cpu = _first(state, _TORCH)
     if isinstance(cpu, torch.Tensor):
-        tensors["torch"] = cpu.clone()
+        tensors[TORCH] = cpu.clone()
     cuda = _first(state, _CUDA)  # one device's state, or every device's (get_rng_state_all)
     for i, t in enumerate(cuda if isinstance(cuda, (list, tuple)) else [cuda]):
         if isinstance(t, torch.Tensor):
-            tensors[f"cuda.{i}"] = t.clone()
-    if "torch" not in tensors or "python.state" not in values:
+            tensors[f"{CUDA}.{i}"] = t.clone()
+    if TORCH not in tensors or f"{PYTHON}.{PYTHON_STATE}" not in values:
         raise InvalidManifest(f"{where}: no Python and torch generator states (found {sorted(state)})")
     return tensors, values
 
@@ -127,7 +145,7 @@ def _rank_state(state: Any, where: str) -> tuple[dict[str, torch.Tensor], dict[s
 def read_rng_state(folder: Storage, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every rank's RNG file, as ``rng.*`` tensors and values."""
     tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {"rng.world_size": len(names)}
+    values: dict[str, Any] = {f"{RNG_ROOT}.{WORLD_SIZE}": len(names)}
     for rank, name in enumerate(names):
         file = MappedTorchFile(folder.child(name), safe_globals=_numpy_globals(), unsafe_hint=(
             "an RNG file holds Python, numpy and torch generator states and nothing else"))
@@ -139,6 +157,7 @@ def read_rng_state(folder: Storage, names: Sequence[str]) -> tuple[dict[str, tor
             t, v = _rank_state(file.obj, folder.where(name))
         finally:
             file.close()
-        tensors.update({f"rng.rank{rank}.{k}": x for k, x in t.items()})
-        values.update({f"rng.rank{rank}.{k}": x for k, x in v.items()})
+        prefix = f"{RNG_ROOT}.{rank_key(rank)}"
+        tensors.update({f"{prefix}.{k}": x for k, x in t.items()})
+        values.update({f"{prefix}.{k}": x for k, x in v.items()})
     return tensors, values
