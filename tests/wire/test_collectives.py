@@ -13,7 +13,7 @@ from shardkit.wire.collectives import (
     encode_json,
     rank_world,
 )
-from tests.dist import run_on_ranks
+from tests.support.dist import run_on_ranks
 
 
 def test_without_a_process_group_this_process_is_rank_0_of_1():
