@@ -85,10 +85,14 @@ class Storage:
         self.is_local = "file" in protocols or "local" in protocols
         self.in_this_process = "memory" in protocols  # no other process sees it
         self.is_object_store = not self.is_local and not self.in_this_process
-        self.disk: LocalDisk | RemoteFiles = (
-            LocalDisk(self.retry) if self.is_local
-            else RemoteFiles(fs, backend, self.retry, is_object_store=self.is_object_store))
+        self.disk = self._byte_backend()
         self.storage_options = dict(storage_options or {})
+
+    def _byte_backend(self) -> LocalDisk | RemoteFiles:
+        """The backend that moves this storage's bytes, retrying through this storage's :meth:`retry`."""
+        if self.is_local:
+            return LocalDisk(self.retry)
+        return RemoteFiles(self.fs, self.backend, self.retry, is_object_store=self.is_object_store)
 
     # -- names ---------------------------------------------------------
     def path(self, name: str) -> str:
@@ -118,6 +122,7 @@ class Storage:
         other.__dict__.update(self.__dict__)
         other.url = join_url(self.url, check_name(name))
         other.root = self.path(name)
+        other.disk = other._byte_backend()  # its retries name its own root
         return other
 
     # -- retries -------------------------------------------------------
