@@ -68,7 +68,6 @@ from shardkit.checkpoint.geometry.rows import (
     row_range,
     rows_per_block,
 )
-from shardkit.checkpoint.io.files import write_then_replace
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import (
@@ -308,7 +307,7 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
     weight_map: dict[str, str] = {}
     for name, idx in zip(names, shards):
         dst.write_stream(name, _shard_producer(tensors, items, idx, fetch, block_bytes, on_bytes),
-                         fsync=dst.is_local)  # durable before the index commits it
+                         fsync=dst.fsync_worthwhile)  # durable before the index commits it
         for i in idx:
             weight_map[items[i][0]] = name
     total = sum(math.prod(s) * itemsize(d) for _, d, s in items)
@@ -326,8 +325,8 @@ def _write_single_file(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple
     """``model.safetensors``, its own commit marker: streamed to a temporary name beside it, then moved
     into place -- a rename on local disks, a server-side copy on object stores, which replaces an old
     ``model.safetensors`` only once complete."""
-    write_then_replace(dst, SINGLE_NAME, _shard_producer(tensors, items, list(range(len(items))), fetch,
-                                                         block_bytes, on_bytes), before_index)
+    dst.write_then_replace(SINGLE_NAME, _shard_producer(tensors, items, list(range(len(items))), fetch,
+                                                        block_bytes, on_bytes), before_index)
 
 
 def _shard_producer(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],

@@ -14,7 +14,6 @@ import json
 import re
 from typing import Any, Collection, Mapping
 
-from shardkit.checkpoint.io.files import temporary_name_prefix
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "HEAD_KEY", "weights_file", "export_files", "is_head",
@@ -53,7 +52,7 @@ def export_files(folder: Storage) -> tuple[set[str], set[str]]:
     committed = weights_file(folder)
     live = {SINGLE_NAME} if committed == SINGLE_NAME else \
         {INDEX_NAME} | _index_shards(folder, names) if committed == INDEX_NAME else set()
-    left = {n for n in names if _SHARD_NAME.match(n) or n.startswith(temporary_name_prefix(SINGLE_NAME))}
+    left = {n for n in names if _SHARD_NAME.match(n) or n.startswith(Storage.temporary_name_prefix(SINGLE_NAME))}
     if committed == SINGLE_NAME and INDEX_NAME in names:
         left |= {INDEX_NAME} | _index_shards(folder, names)
     return live, left - live

@@ -1,51 +1,47 @@
-"""One checkpoint directory at any fsspec URL: ranged reads, streamed writes, atomic commit.
+"""One checkpoint directory at any fsspec URL: the front every byte shardkit moves goes through.
 
-Every byte shardkit moves goes through :class:`Storage`, so the rules live in
-one place:
+:class:`Storage` holds the rules that do not depend on where the bytes live, and
+hands the byte work to a backend: ``local_disk.py`` (pread into tensor memory,
+fsync, ``os.replace`` commits) or ``remote.py`` (ranged requests, streamed
+uploads, single-PUT commits, fresh listings).  The rules:
 
 * **Names stay inside the checkpoint.**  Every name handed in (from our own
   writers or from a manifest read off disk) is checked by :func:`check_name`:
-  relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no backslash or NUL
-  (:class:`~shardkit.errors.UnsafeCheckpoint`); reads alone also take a sibling's file (:meth:`Storage.read_path`).
+  relative, ``/``-separated, no ``..``, no absolute path, no URL scheme, no
+  backslash or NUL (:class:`~shardkit.errors.UnsafeCheckpoint`); reads alone
+  also take a sibling's file (:meth:`Storage.read_path`).
 * **Commit is one atomic step.**  :meth:`Storage.put_atomic` writes a small
-  object so that readers see either the old or the new one: temporary file +
-  fsync + ``os.replace`` + directory fsync on local disks, a single PUT on
-  object stores (never a rename, which S3/GCS implement as copy + delete).
-* **No stale listings.**  s3fs/gcsfs cache directory listings; every listing and
-  existence check here invalidates the cache first, so a committed step is
-  never invisible and a deleted one never visible.
+  object so that readers see either the old or the new one.
 * **One bounded retry layer.**  Transient failures are retried a few times
   (``storage_options={"shardkit": {"retries": N}}``, default 3) with jittered
   backoff, logged at DEBUG; then :class:`~shardkit.errors.StorageError` names the
   URL.  The backend's own retries are off and its timeouts short
-  (``"timeout"``, default 8 s): see ``storage_backends.py``.  Missing files,
+  (``"timeout"``, default 8 s): see ``clouds.py``.  Missing files,
   permissions, missing credentials, a missing bucket and a full disk are not
   retried, and each fails with its own one-line error.
-* **Local disk is special-cased** for speed: ``pread`` straight into the target
-  tensor's memory, buffered writes of tensor memory with no copy, optional
-  fsync.  Other filesystems use fsspec's ranged ``cat_file`` and streamed
-  ``open(..., "wb")`` (multipart uploads on S3).
+* **Policy questions, not "is it local?".**  Callers ask what they need to know
+  (:attr:`Storage.fsync_worthwhile`, :attr:`Storage.reads_in_place`, ...), and
+  the backend answers.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
-import shutil
 import time
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
-import numpy as np
 import torch
 
-from shardkit.checkpoint.io.storage_backends import Backend, classify
+from shardkit.checkpoint.io.clouds import Backend, classify
+from shardkit.checkpoint.io.local_disk import LocalDisk
+from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
+from shardkit.checkpoint.io.remote import RemoteFiles
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,
-    CorruptCheckpoint,
     ShardkitError,
     UnsafeCheckpoint,
 )
@@ -56,7 +52,6 @@ T = TypeVar("T")
 
 _BACKOFF_S = 0.2
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
-from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +85,14 @@ class Storage:
         self.is_local = "file" in protocols or "local" in protocols
         self.in_this_process = "memory" in protocols  # no other process sees it
         self.is_object_store = not self.is_local and not self.in_this_process
+        self.disk = self._byte_backend()
         self.storage_options = dict(storage_options or {})
+
+    def _byte_backend(self) -> LocalDisk | RemoteFiles:
+        """The backend that moves this storage's bytes, retrying through this storage's :meth:`retry`."""
+        if self.is_local:
+            return LocalDisk(self.retry)
+        return RemoteFiles(self.fs, self.backend, self.retry, is_object_store=self.is_object_store)
 
     # -- names ---------------------------------------------------------
     def path(self, name: str) -> str:
@@ -120,6 +122,7 @@ class Storage:
         other.__dict__.update(self.__dict__)
         other.url = join_url(self.url, check_name(name))
         other.root = self.path(name)
+        other.disk = other._byte_backend()  # its retries name its own root
         return other
 
     # -- retries -------------------------------------------------------
@@ -156,83 +159,70 @@ class Storage:
     def _not_found(self, what: str) -> ShardkitError:
         return self.backend.bucket_error(self.fs, self.root, what) or CheckpointNotFound(f"{what}: not found")
 
-    # -- metadata ------------------------------------------------------
-    def _fresh(self, path: str) -> None:
-        try:
-            self.fs.invalidate_cache(path)
-        except Exception:  # noqa: BLE001 - not every filesystem caches
-            pass
+    # -- policy: what callers ask instead of "is it local?" ---------------
+    @property
+    def fsync_worthwhile(self) -> bool:
+        """Whether fsync makes written data durable before a commit names it (a local disk); elsewhere a
+        write is durable once it returns."""
+        return self.disk.fsync_worthwhile
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether reads fill the target tensor's memory directly (pread), so a reader need not stage."""
+        return self.disk.reads_in_place
+
+    @property
+    def rereads_from_cache(self) -> bool:
+        """Whether bytes just read stay in the page cache, so reading them again costs no I/O."""
+        return self.disk.rereads_from_cache
+
+    @property
+    def parallel_requests_help(self) -> bool:
+        """Whether several requests at once go faster (remote latency); one thread streams a local disk."""
+        return self.disk.parallel_requests_help
+
+    @property
+    def small_reads_cheap(self) -> bool:
+        """Whether a read of a few MiB costs little more than its bytes (no per-request latency)."""
+        return self.disk.small_reads_cheap
+
+    @property
+    def maps_files(self) -> bool:
+        """Whether a file here can be memory-mapped where it lies (else it is downloaded first)."""
+        return self.disk.maps_files
+
+    @property
+    def paths_are_os_paths(self) -> bool:
+        """Whether :attr:`root` is a path of this machine's filesystem (os.path functions apply)."""
+        return self.disk.paths_are_os_paths
+
+    # -- metadata ------------------------------------------------------
     def exists(self, name: str = "") -> bool:
         """Whether ``name`` (default: this URL itself) exists."""
-        return self._probe(name, os.path.exists, "exists")
+        what = f"checking {self.where(name) if name else self.url}"
+        return self.disk.exists(self.read_path(name) if name else self.root, self.root, what)
 
     def is_dir(self, name: str = "") -> bool:
         """Whether ``name`` (default: this URL itself) is a directory; ``False`` when missing."""
-        return self._probe(name, os.path.isdir, "isdir")
-
-    def _probe(self, name: str, local: Callable[[str], bool], method: str) -> bool:
-        """Only "not found" means no: any other failure (a 403, a timeout) raises StorageError."""
-        path = self.read_path(name) if name else self.root
-        if self.is_local:
-            return local(path)
-        self._fresh(path)
-
-        def probe() -> bool:
-            try:
-                return bool(getattr(self.fs, method)(path))
-            except FileNotFoundError:
-                return False
         what = f"checking {self.where(name) if name else self.url}"
-        found = self.retry(what, probe)
-        if not found and (missing := self.backend.bucket_error(self.fs, self.root, what)):
-            raise missing
-        return found
+        return self.disk.is_dir(self.read_path(name) if name else self.root, self.root, what)
 
     def size(self, name: str) -> int:
-        path = self.read_path(name)
-        if self.is_local:
-            try:
-                return os.stat(path).st_size
-            except FileNotFoundError:
-                raise CheckpointNotFound(f"{self.where(name)} is missing; the checkpoint is incomplete") from None
-        self._fresh(path)
-        return int(self.retry(f"size of {self.where(name)}", lambda: self.fs.size(path)))
+        return self.disk.size(self.read_path(name), self.where(name))
 
     def listdir(self, name: str = "") -> list[str]:
         """Entry names (not paths) directly under ``name``; empty when it does not exist."""
-        path = self._path_or_root(name)
-        if self.is_local:
-            try:
-                return sorted(os.listdir(path))
-            except (FileNotFoundError, NotADirectoryError):
-                return []
-        self._fresh(path)
-
-        def ls() -> list[str]:
-            try:
-                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
-            except FileNotFoundError:
-                return []
-
         what = f"listing {self.where(name) if name else self.url}"
-        names = self.retry(what, ls)
-        if not names and (missing := self.backend.bucket_error(self.fs, self.root, what)):
-            raise missing
-        return sorted(set(names))
+        return self.disk.listdir(self._path_or_root(name), self.root, what)
+
+    def listing(self) -> list[tuple[str, int, str]]:
+        """(name, size, change stamp) of the files directly at this URL (or of the file itself): a stamp
+        changes whenever a file is rewritten (inode and times locally, ETag or generation remotely)."""
+        return self.disk.listing(self.root, self.url)
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        path = self.read_path(name)
-        what = f"reading {self.where(name)}"
-        if self.is_local:
-            def local() -> bytes:
-                with open(path, "rb") as f:
-                    if start:
-                        f.seek(start)
-                    return f.read() if end is None else f.read(end - (start or 0))
-            return self.retry(what, local)
-        return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
+        return self.disk.read_bytes(self.read_path(name), f"reading {self.where(name)}", start, end)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Fill the flat uint8 tensor ``out`` with bytes ``[start, start + len(out))`` of ``name``."""
@@ -244,19 +234,8 @@ class Storage:
         Issued for everything a load will read before the first read, so the
         disk streams at full depth while the reads copy and verify.
         """
-        if not self.is_local or not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(self.read_path(name), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            for start, end in ranges:
-                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        if self.is_local:
+            self.disk.prefetch(self.read_path(name), ranges)
 
     def read_parts(self, name: str, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Fill flat uint8 tensors ``parts`` with consecutive bytes of ``name`` from ``start``.
@@ -269,42 +248,13 @@ class Storage:
         n = sum(p.numel() for p in parts)
         if n == 0:
             return
-        path = self.read_path(name)
         what = f"reading {n} bytes at {start} of {self.where(name)}"
         truncated = f"{self.where(name)} ends before byte {start + n}; the file is truncated"
-        if self.is_local:
-            views = [memoryview(p.numpy()).cast("B") for p in parts]
+        self.disk.read_parts(self.read_path(name), what, start, parts, truncated)
 
-            def local() -> None:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    pos, i, off = start, 0, 0
-                    while i < len(views):
-                        bufs = [views[i][off:]] + views[i + 1:]
-                        got = os.preadv(fd, bufs, pos)
-                        if got == 0:
-                            raise CorruptCheckpoint(truncated)
-                        pos += got
-                        while got and i < len(views):
-                            left = len(views[i]) - off
-                            if got >= left:
-                                got -= left
-                                i, off = i + 1, 0
-                            else:
-                                off += got
-                                got = 0
-                finally:
-                    os.close(fd)
-            self.retry(what, local)
-            return
-        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
-        if len(data) != n:
-            raise CorruptCheckpoint(truncated)
-        flat = np.frombuffer(data, dtype=np.uint8)
-        pos = 0
-        for p in parts:
-            p.numpy()[:] = flat[pos:pos + p.numel()]
-            pos += p.numel()
+    def download(self, name: str, path: str) -> None:
+        """Copy ``name`` to the local file ``path``."""
+        self.disk.download(self.path(name), f"downloading {self.where(name)}", path)
 
     # -- writes --------------------------------------------------------
     def write_stream(self, name: str, produce: Callable[[BinaryIO], T], *, fsync: bool = True,
@@ -317,126 +267,57 @@ class Storage:
         manifest commits it).  On object stores closing the file completes the
         (multipart) upload.
         """
-        path = self.path(name)
-        what = f"writing {self.where(name)}"
-        if self.is_local:
-            def local() -> T:
-                from shardkit.checkpoint.io.direct_io import open_direct
-
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                raw = open_direct(path) if direct else None
-                if raw is not None:
-                    try:
-                        result = produce(raw)  # type: ignore[arg-type]
-                        raw.close(fsync=fsync)
-                        return result
-                    except OSError as exc:
-                        raw.abort()
-                        if exc.errno != errno.EINVAL:  # EINVAL: O_DIRECT accepted at open, refused on write
-                            raise
-                    except BaseException:
-                        raw.abort()
-                        raise
-                with open(path, "wb") as f:
-                    result = produce(f)
-                    f.flush()
-                    if fsync:
-                        os.fsync(f.fileno())
-                return result
-            return self.retry(what, local)
-
-        def remote() -> T:
-            with self.fs.open(path, "wb") as f:
-                return produce(f)
-        self.backend.reach(self.fs, self.root, what)
-        return self.retry(what, remote)
+        return self.disk.write_stream(self.path(name), f"writing {self.where(name)}", produce, fsync=fsync,
+                                      direct=direct, root=self.root)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         """Publish ``data`` under ``name`` in one atomic step (the commit of a checkpoint)."""
-        path = self.path(name)
-        what = f"committing {self.where(name)}"
-        if self.is_local:
-            def local() -> None:
-                directory = os.path.dirname(path)
-                os.makedirs(directory, exist_ok=True)
-                tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                _fsync_dir(directory)
-            self.retry(what, local)
-            return
-        self.backend.reach(self.fs, self.root, what)
-        self.retry(what, lambda: self.fs.pipe_file(path, data))
-        self._fresh(path)
+        self.disk.put_atomic(self.path(name), f"committing {self.where(name)}", data, self.root)
+
+    def replace(self, src: str, dst: str) -> None:
+        """Move the finished file ``src`` over ``dst`` in one step: a rename on local disks; on object stores
+        a server-side copy, which replaces the old object only once complete, then the source is removed."""
+        self.disk.replace(self.path(src), self.path(dst), f"moving {self.where(src)} to {self.where(dst)}")
+
+    @staticmethod
+    def temporary_name_prefix(name: str) -> str:
+        """How the temporary names :meth:`write_then_replace` streams ``name`` to begin (a hidden name, then
+        the process id and a random part): what a killed writer leaves is recognisable by it."""
+        return f".{name}.partial-"
+
+    def write_then_replace(self, name: str, produce: Callable[[Any], Any],
+                           before_replace: Callable[[], None] = lambda: None) -> None:
+        """Write file ``name`` as its own commit marker: stream ``produce`` to a temporary name beside it,
+        run ``before_replace``, then :meth:`replace` it into place.  A file already at ``name`` (what
+        ``--overwrite`` replaces) stays whole until then; on any failure the temporary file is removed."""
+        temporary = f"{self.temporary_name_prefix(name)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.write_stream(temporary, produce, fsync=self.fsync_worthwhile)
+            before_replace()
+            self.replace(temporary, name)
+        except BaseException:
+            try:
+                self.delete([temporary])
+            except Exception:  # noqa: BLE001 - the original failure is what the user needs to see
+                pass
+            raise
 
     def makedirs(self, name: str = "") -> None:
-        path = self._path_or_root(name)
-        if self.is_local:
-            os.makedirs(path, exist_ok=True)
-        elif not self.is_object_store:
-            self.retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
+        self.disk.makedirs(self._path_or_root(name))
 
     def sync_dir(self, name: str = "") -> None:
         """fsync a local directory so that new entries in it survive a power loss."""
-        if self.is_local:
-            _fsync_dir(self._path_or_root(name))
+        self.disk.sync_dir(self._path_or_root(name))
 
     # -- deletes -------------------------------------------------------
     def delete(self, names: Iterable[str]) -> None:
         paths = [self.path(n) for n in names]
-        if not paths:
-            return
-        if self.is_local:
-            for p in paths:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-            return
-
-        def rm() -> None:
-            try:
-                self.fs.rm(paths)
-            except FileNotFoundError:
-                pass
-        self.retry(f"deleting {len(paths)} files under {self.url}", rm)
-        for p in paths:
-            self._fresh(p)
+        if paths:
+            self.disk.delete(paths, f"deleting {len(paths)} files under {self.url}")
 
     def delete_tree(self, name: str = "") -> None:
         """Remove a directory and everything under it (missing is fine)."""
-        path = self._path_or_root(name)
-        if self.is_local:
-            shutil.rmtree(path, ignore_errors=True)
-            return
-
-        def rm() -> None:
-            try:
-                self.fs.rm(path, recursive=True)
-            except FileNotFoundError:
-                pass
-        self.retry(f"deleting {path}", rm)
-        self._fresh(path)
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        self.disk.delete_tree(self._path_or_root(name))
 
 
 def split_file(storage: Storage) -> tuple[Storage, str]:

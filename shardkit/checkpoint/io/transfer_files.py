@@ -8,7 +8,7 @@ round is just "the next ``n`` bytes" and neither end needs per-file bookkeeping 
 
 Why a staging directory: nothing already at the target is touched before the copy is complete.  The
 files land in a hidden sibling directory (its name starts with what
-:func:`~shardkit.checkpoint.io.files.temporary_name_prefix` gives, so a killed move's leftovers are
+:meth:`~shardkit.checkpoint.io.storage.Storage.temporary_name_prefix` gives, so a killed move's leftovers are
 recognisable), every data file is fsynced, the commit file is written last through a temporary name,
 and only then does one ``rename`` make the target appear.  A kill at any moment leaves either no target
 or a complete one; ``rename`` never replaces a non-empty directory, so a target that appeared meanwhile
@@ -22,8 +22,8 @@ import shutil
 import stat
 import tempfile
 
-from shardkit.checkpoint.io.files import temporary_name_prefix
 from shardkit.checkpoint.io.names import check_name
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointExists, CheckpointNotFound, StorageError, UnsafeCheckpoint
 
 __all__ = ["list_directory", "check_target", "OutgoingFiles", "IncomingFiles"]
@@ -125,7 +125,7 @@ class IncomingFiles:
         self.files: list[tuple[str, int]] = []
         parent, base = os.path.split(self.target_dir)
         os.makedirs(parent, exist_ok=True)
-        self.staging = tempfile.mkdtemp(prefix=f"{temporary_name_prefix(base)}{os.getpid()}-", dir=parent)
+        self.staging = tempfile.mkdtemp(prefix=f"{Storage.temporary_name_prefix(base)}{os.getpid()}-", dir=parent)
         os.chmod(self.staging, 0o755)  # mkdtemp's 0o700 would follow the copy into place
         self._index = 0
         self._done = 0
@@ -146,7 +146,7 @@ class IncomingFiles:
         name = self.files[index][0]
         if name == self.commit_last:
             head, tail = os.path.split(name)
-            name = os.path.join(head, f"{temporary_name_prefix(tail)}{os.getpid()}")
+            name = os.path.join(head, f"{Storage.temporary_name_prefix(tail)}{os.getpid()}")
         return os.path.join(self.staging, name)
 
     def write(self, view: memoryview) -> None:

@@ -65,9 +65,9 @@ class HfExport:
         """Copy the side files to ``dst`` (``config.json`` rewritten when the dtype changed)."""
         copies = [(folder, name, target) for target, (folder, name) in sorted(self.side_files.items())
                   if not (target == CONFIG_NAME and self.config is not None)]
-        written = copy_files(copies, dst, fsync=dst.is_local)
+        written = copy_files(copies, dst, fsync=dst.fsync_worthwhile)
         if self.config is not None:
-            dst.write_stream(CONFIG_NAME, lambda f: f.write(self.config), fsync=dst.is_local)
+            dst.write_stream(CONFIG_NAME, lambda f: f.write(self.config), fsync=dst.fsync_worthwhile)
             written.append(CONFIG_NAME)
         return written
 

@@ -185,7 +185,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
     fetch = Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales)
     dtypes = sel.dtype_for
     shapes = {name: shape for name, _, shape in sel.triples}
-    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
+    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.fsync_worthwhile)
     update: Callable[[int], None] = progress.update if progress else (lambda n: None)
     skipped = [0]
     lock = threading.Lock()
@@ -264,7 +264,7 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
                   writer_info: dict[str, Any], compression: str | None) -> None:
     """Side files, then the manifest (the commit), then cleanup of the journal and stale files."""
     copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
-    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
+    writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.fsync_worthwhile)
     meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
     manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.stored}, files,
                                      values=sel.values, meta=meta, writer_info=writer_info, aliases=sel.aliases)

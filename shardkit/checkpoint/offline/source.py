@@ -11,7 +11,6 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from shardkit.checkpoint.io.files import listing
 from shardkit.checkpoint.io.storage import Storage
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ def canonical_location(storage: Storage) -> str:
     Remotely the endpoint is part of the place: ``s3://ckpts/run`` on two
     S3-compatible services are two places (a migration between them is fine).
     """
-    if storage.is_local:
+    if storage.paths_are_os_paths:
         return "file://" + os.path.realpath(storage.root)
     protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
     opts = storage.storage_options
@@ -58,5 +57,5 @@ def source_fingerprint(storage: Storage, fmt: str) -> str:
     if fmt == "shardkit":
         digest.update(storage.read_bytes("manifest.json"))
     else:
-        digest.update(json.dumps(listing(storage)).encode())
+        digest.update(json.dumps(storage.listing()).encode())
     return digest.hexdigest()[:16]

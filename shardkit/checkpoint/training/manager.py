@@ -413,7 +413,7 @@ class CheckpointManager:
     def _why_nothing(self) -> str | None:
         """What the root holds instead of a committed step, or ``None`` for a fresh run's empty root."""
         if not self.root.exists():
-            if self.root.is_local and not _creatable(self.root.root):
+            if self.root.paths_are_os_paths and not _creatable(self.root.root):
                 return "the root does not exist and cannot be created here (read-only or missing parent?)"
             return None
         dirs = self._all_step_dirs()

@@ -32,7 +32,6 @@ SEVERAL = "4KB"  # the tiny model below in several shards; the 5GB default holds
 # the step a kill lands on; kills its own process with SIGKILL, then runs convert with argv's options
 _CHILD = """
 import json, os, signal, sys
-import shardkit.checkpoint.io.files as files
 from shardkit.checkpoint import convert
 from shardkit.checkpoint.io.storage import Storage
 
@@ -49,7 +48,7 @@ if at == "first-removal":  # the first file of the old export removed (the commi
         return _delete(self, names)
     Storage.delete = delete
 elif at == "before-commit":  # side files copied; model.safetensors not yet moved into place, or no index yet
-    files.replace = die
+    Storage.replace = die
     _put = Storage.put_atomic
     Storage.put_atomic = lambda self, name, data: die() if name == "model.safetensors.index.json" else \\
         _put(self, name, data)

@@ -406,6 +406,6 @@ def write_dcp(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...
             chunk_md[fqn] = (dtype, tuple(shape), offsets_list, sizes_list)
             planner_data[fqn] = object_path(fqn)
 
-    dst.write_stream(data_name, produce, fsync=dst.is_local)
+    dst.write_stream(data_name, produce, fsync=dst.fsync_worthwhile)
     dst.put_atomic(METADATA_NAME, encode_dcp_metadata(chunk_md, list(flat_values), where, planner_data))
     return [data_name, METADATA_NAME]

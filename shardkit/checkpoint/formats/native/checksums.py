@@ -57,7 +57,7 @@ def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | No
     if keep and (scratch is None or scratch.numel() < hi - lo):
         raise ValueError(f"check_chunk(keep=True) needs a scratch tensor of at least {hi - lo} bytes")
     span = CHECK_SPAN if span is None else span
-    step = hi - lo if keep else min(span, STEP_BYTES) if storage.is_local else span
+    step = hi - lo if keep else min(span, STEP_BYTES) if storage.small_reads_cheap else span
     step = max(block, step // block * block)
     for a in range(lo, hi, step):
         b = min(hi, a + step)

@@ -179,7 +179,7 @@ def read_indexes(storage: Storage, manifest: Manifest, names: Iterable[str], io_
         return name, data
 
     todo = sorted(set(names))
-    return dict(parallel_map(fetch, todo, 1 if storage.is_local or len(todo) < 2 else io_threads))
+    return dict(parallel_map(fetch, todo, io_threads if storage.parallel_requests_help and len(todo) >= 2 else 1))
 
 
 def attach_indexes(manifest: Manifest, docs: Mapping[str, bytes], storage: Storage) -> Manifest:

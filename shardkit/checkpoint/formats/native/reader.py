@@ -185,7 +185,7 @@ class NativeReader(CheckpointReader):
     @property
     def rereads_from_cache(self) -> bool:
         """A local disk: a checking pass leaves the bytes in the page cache for the read that follows."""
-        return self.storage.is_local
+        return self.storage.rereads_from_cache
 
     # -- validation before any write -----------------------------------
     def check_files(self, names: Sequence[str]) -> None:
@@ -196,7 +196,7 @@ class NativeReader(CheckpointReader):
             return
         expected = stored_entries(self._manifest, todo)
         parallel_map(lambda name: check_data_file(self.storage, self._manifest, name, expected[name]), todo,
-                     1 if self.storage.is_local else self.io_threads)
+                     self.io_threads if self.storage.parallel_requests_help else 1)
         with self._lock:
             self._checked.update(todo)
 
@@ -248,7 +248,7 @@ class NativeReader(CheckpointReader):
         requests = [r for r in requests if r.out.numel()]
         plans = [self._plan(r) for r in requests]
         self.check_files([p.record.file for p in plans])
-        if self.storage.is_local:
+        if self.storage.reads_in_place:
             order = sorted(range(len(requests)), key=lambda i: (plans[i].record.file, plans[i].record.start))
             self._prefetch([(p.record.file, p.record.start + p.lo, p.record.start + p.hi)
                             for p in (plans[i] for i in order)])
@@ -284,7 +284,7 @@ class NativeReader(CheckpointReader):
                 items.extend((fqn, rec, a, min(hi, a + step)) for a in range(lo, hi, step))
         items.sort(key=lambda it: (it[1].file, it[1].start + it[2]))
         self._prefetch([(rec.file, rec.start + lo, rec.start + hi) for _, rec, lo, hi in items])
-        local = self.storage.is_local
+        local = self.storage.small_reads_cheap
 
         def check(item: tuple[str, ChunkRecord, int, int]) -> None:
             fqn, rec, lo, hi = item
@@ -304,7 +304,7 @@ class NativeReader(CheckpointReader):
     def _prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
         """Local files: ask the kernel to start reading the first ``_PREFETCH_BYTES`` of ``(file, a, b)`` ranges
         (enough to keep the disk busy; its readahead does the rest)."""
-        if not self.storage.is_local:
+        if not self.storage.reads_in_place:
             return
         by_file: dict[str, list[tuple[int, int]]] = {}
         for file, a, b in ranges:

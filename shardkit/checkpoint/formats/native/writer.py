@@ -278,7 +278,7 @@ class NativeWriter:
         if docs:
             index.attach_indexes(parsed, docs, self.storage)
             parallel_map(lambda item: self.storage.put_atomic(*item), sorted(docs.items()),
-                         1 if self.storage.is_local else DEFAULT_IO_THREADS)
+                         DEFAULT_IO_THREADS if self.storage.parallel_requests_help else 1)
         return self._publish(data, kept, leftovers, indexed=bool(docs))
 
     def commit_indexed(self, manifest: Manifest, kept: Collection[str]) -> bytes:

@@ -30,7 +30,6 @@ from shardkit.checkpoint.formats.torchsave.zip_records import (
     data_start,
     list_records,
 )
-from shardkit.checkpoint.io.files import download
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import InvalidManifest, ShardkitError, UnsafeCheckpoint
 
@@ -110,12 +109,12 @@ class MappedTorchFile:
         """(folder, name, path) of the file on local disk; a remote file is spooled to a temporary file
         first so it can be mapped."""
         parent, name = split_file(storage)
-        if parent.is_local:
+        if parent.maps_files:
             return parent, name, parent.path(name)
         fd, self._tmp = tempfile.mkstemp(suffix=".pt", prefix="shardkit-")
         os.close(fd)
         tmp = self._tmp
-        download(parent, name, tmp)
+        parent.download(name, tmp)
         return Storage(os.path.dirname(tmp)), os.path.basename(tmp), tmp
 
     def map_tensors(self, tensors: Iterable[torch.Tensor]) -> None:

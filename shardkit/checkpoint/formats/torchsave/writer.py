@@ -29,7 +29,6 @@ from shardkit.checkpoint.geometry.rows import (
     iter_row_blocks,
     rows_per_block,
 )
-from shardkit.checkpoint.io.files import write_then_replace
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.errors import (
@@ -164,8 +163,8 @@ def write_torch_save(dst: Storage, name: str, tensors: list[tuple[str, torch.dty
     refs = {fqn: TensorRef(str(i), fqn, dtype, tuple(shape)) for i, (fqn, dtype, shape) in enumerate(tensors)}
     root = _nest({**{k: from_json_value(v) for k, v in values.items()}, **refs})
     # The file is its own commit marker (a file already at ``name`` stays whole until the new one is complete).
-    write_then_replace(dst, name, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
-                                                             block_bytes=block_bytes, on_bytes=on_bytes))
+    dst.write_then_replace(name, lambda sink: write_archive(sink, root, list(refs.values()), fetch,
+                                                            block_bytes=block_bytes, on_bytes=on_bytes))
 
 
 class _Counted:

@@ -156,7 +156,7 @@ class _Span:
                 raise CorruptCheckpoint(f"{where}: the archive ends before byte {lo + n}; it is truncated")
             return zlib.crc32(self.view[lo:lo + n])
         assert self.storage is not None
-        scratch = _scratch(SCRATCH_BYTES if self.storage.is_local else _REMOTE_SCRATCH_BYTES)
+        scratch = _scratch(SCRATCH_BYTES if self.storage.small_reads_cheap else _REMOTE_SCRATCH_BYTES)
         crc, pos, end = 0, lo, lo + n
         while pos < end:
             part = scratch[:min(len(scratch), end - pos)]

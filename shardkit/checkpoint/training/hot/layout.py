@@ -53,7 +53,7 @@ def is_marker_leftover(name: str) -> bool:
 
 def is_partial_copy(name: str) -> bool:
     """Whether ``name`` is what a killed transfer of a copy leaves: ``.<copy name>.partial-<pid>-<random>``
-    (:func:`~shardkit.checkpoint.io.files.temporary_name_prefix`)."""
+    (:meth:`~shardkit.checkpoint.io.storage.Storage.temporary_name_prefix`)."""
     head, marker, _ = name.partition(".partial-")
     return bool(marker) and head.startswith(".") and parse_copy_name(head[1:]) is not None
 

@@ -1,0 +1,188 @@
+"""The byte work of :class:`~shardkit.checkpoint.io.storage.Storage` on any other fsspec filesystem.
+
+* **Reads** are ranged ``cat_file`` requests, copied into the target tensors.
+* **Writes** stream through ``open(..., "wb")`` (multipart uploads on S3);
+  closing the file completes the upload.
+* **A commit is a single PUT** (``pipe_file``), never a rename, which S3/GCS
+  implement as copy + delete.
+* **No stale listings.**  s3fs/gcsfs cache directory listings; every listing and
+  existence check here invalidates the cache first, so a committed step is
+  never invisible and a deleted one never visible.
+* **A missing bucket is named** instead of a missing file (``clouds.py``), and
+  the first write to an endpoint that has not answered yet checks the bucket
+  first, so a wrong endpoint fails within the timeout.
+
+Paths handed in are already checked by the front; ``retry`` is the front's
+bounded retry layer (``retry(what, fn)``); ``root`` is the checkpoint's root,
+whose bucket is the one checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from shardkit.checkpoint.io.clouds import Backend
+from shardkit.errors import CorruptCheckpoint
+
+__all__ = ["RemoteFiles", "change_stamp"]
+
+T = TypeVar("T")
+Retry = Callable[[str, Callable[[], Any]], Any]
+
+
+def change_stamp(info: Mapping[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag/generation remotely, else its mtime."""
+    for key in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+class RemoteFiles:
+    """An fsspec filesystem other than the local disk: an object store, or ``memory://``."""
+
+    # The answers to Storage's policy questions (see its properties for what each one means).
+    fsync_worthwhile = False
+    reads_in_place = False
+    rereads_from_cache = False
+    parallel_requests_help = True
+    small_reads_cheap = False
+    maps_files = False
+    paths_are_os_paths = False
+
+    def __init__(self, fs: Any, cloud: Backend, retry: Retry, *, is_object_store: bool) -> None:
+        self.fs = fs
+        self.cloud = cloud
+        self.retry = retry
+        self.is_object_store = is_object_store
+
+    def fresh(self, path: str) -> None:
+        """Drop what the filesystem cached about ``path`` (and its listing)."""
+        try:
+            self.fs.invalidate_cache(path)
+        except Exception:  # noqa: BLE001 - not every filesystem caches
+            pass
+
+    def raise_if_no_bucket(self, root: str, what: str) -> None:
+        if missing := self.cloud.bucket_error(self.fs, root, what):
+            raise missing
+
+    # -- metadata ------------------------------------------------------
+    def probe(self, path: str, method: str, root: str, what: str) -> bool:
+        """Only "not found" means no: any other failure (a 403, a timeout) raises StorageError."""
+        self.fresh(path)
+
+        def probe() -> bool:
+            try:
+                return bool(getattr(self.fs, method)(path))
+            except FileNotFoundError:
+                return False
+        found = self.retry(what, probe)
+        if not found:
+            self.raise_if_no_bucket(root, what)
+        return found
+
+    def exists(self, path: str, root: str, what: str) -> bool:
+        return self.probe(path, "exists", root, what)
+
+    def is_dir(self, path: str, root: str, what: str) -> bool:
+        return self.probe(path, "isdir", root, what)
+
+    def size(self, path: str, where: str) -> int:
+        self.fresh(path)
+        return int(self.retry(f"size of {where}", lambda: self.fs.size(path)))
+
+    def listdir(self, path: str, root: str, what: str) -> list[str]:
+        self.fresh(path)
+
+        def ls() -> list[str]:
+            try:
+                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+            except FileNotFoundError:
+                return []
+        names = self.retry(what, ls)
+        if not names:
+            self.raise_if_no_bucket(root, what)
+        return sorted(set(names))
+
+    def listing(self, root: str, url: str) -> list[tuple[str, int, str]]:
+        """(name, size, change stamp) of the files directly under ``root`` (or of the file itself)."""
+        if self.is_dir(root, root, f"checking {url}"):
+            infos = self.retry(f"listing {url}", lambda: self.fs.ls(root, detail=True))
+        else:
+            infos = [self.retry(f"checking {url}", lambda: self.fs.info(root))]
+        return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), change_stamp(i))
+                      for i in infos if i.get("type", "file") == "file")
+
+    # -- reads ---------------------------------------------------------
+    def read_bytes(self, path: str, what: str, start: int | None, end: int | None) -> bytes:
+        return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
+
+    def prefetch(self, path: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Nothing to hint: remote reads are requests of their own."""
+
+    def read_parts(self, path: str, what: str, start: int, parts: Sequence[torch.Tensor], truncated: str) -> None:
+        """One ranged request for the whole span, copied into the parts."""
+        n = sum(p.numel() for p in parts)
+        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
+        if len(data) != n:
+            raise CorruptCheckpoint(truncated)
+        flat = np.frombuffer(data, dtype=np.uint8)
+        pos = 0
+        for p in parts:
+            p.numpy()[:] = flat[pos:pos + p.numel()]
+            pos += p.numel()
+
+    def download(self, path: str, what: str, local_path: str) -> None:
+        self.retry(what, lambda: self.fs.get_file(path, local_path))
+
+    # -- writes --------------------------------------------------------
+    def write_stream(self, path: str, what: str, produce: Callable[[BinaryIO], T], *, fsync: bool, direct: bool,
+                     root: str) -> T:
+        """Streamed; ``fsync`` and ``direct`` mean nothing here."""
+        def remote() -> T:
+            with self.fs.open(path, "wb") as f:
+                return produce(f)
+        self.cloud.reach(self.fs, root, what)
+        return self.retry(what, remote)
+
+    def put_atomic(self, path: str, what: str, data: bytes, root: str) -> None:
+        self.cloud.reach(self.fs, root, what)
+        self.retry(what, lambda: self.fs.pipe_file(path, data))
+        self.fresh(path)
+
+    def replace(self, src: str, dst: str, what: str) -> None:
+        """A server-side copy, which replaces the old object only once complete; then the source is removed."""
+        self.retry(what, lambda: self.fs.mv(src, dst))
+
+    def makedirs(self, path: str) -> None:
+        if not self.is_object_store:  # object stores have no directories to create
+            self.retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
+
+    def sync_dir(self, path: str) -> None:
+        """Nothing to sync: a remote write is durable once it returns."""
+
+    # -- deletes -------------------------------------------------------
+    def delete(self, paths: Iterable[str], what: str) -> None:
+        paths = list(paths)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:
+                pass
+        self.retry(what, rm)
+        for p in paths:
+            self.fresh(p)
+
+    def delete_tree(self, path: str) -> None:
+        def rm() -> None:
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+        self.retry(f"deleting {path}", rm)
+        self.fresh(path)
