@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "async_save": "shardkit.checkpoint.training.async_save",
     "load": "shardkit.checkpoint.training.load",
     "CheckpointManager": "shardkit.checkpoint.training.manager",
-    "Compression": "shardkit.checkpoint.formats.codec",
+    "Compression": "shardkit.checkpoint.formats.compression",
     "open_reader": "shardkit.checkpoint.formats",
     "reshard": "shardkit.checkpoint.offline.convert",
     "convert": "shardkit.checkpoint.offline.convert",
