@@ -27,8 +27,8 @@ from __future__ import annotations
 from shardkit.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "get_training_state": "shardkit.checkpoint.state.state_dict",
-    "set_training_state": "shardkit.checkpoint.state.state_dict",
+    "get_training_state": "shardkit.checkpoint.state.training_state",
+    "set_training_state": "shardkit.checkpoint.state.training_state",
     "get_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "set_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "save": "shardkit.checkpoint.training.save",

@@ -15,7 +15,7 @@ optimizer state dicts, while ``torch.optim`` names it by integer ID:
   ID-keyed form with each state tensor laid out like its parameter.
 
 Gathering, sharding, re-cutting and broadcasting are
-:mod:`shardkit.checkpoint.state.state_dict`'s (``live_optimizer_state``,
+:mod:`shardkit.checkpoint.state.training_state`'s (``live_optimizer_state``,
 ``gather_full_state``, ``shard_state``, ``relayout_like``,
 ``to_torch_optimizer_state``); this module only maps FSDP1's signatures and
 key conventions onto them.

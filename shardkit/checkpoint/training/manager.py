@@ -66,7 +66,7 @@ from shardkit.checkpoint.formats.native.ownership import (
 )
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
+from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save import async_save as _async_save
 from shardkit.checkpoint.training.async_save import background_saver
