@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.state import state_dict as sd
+from shardkit.checkpoint.state import training_state as sd
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 from shardkit.fsdp1 import mapping, model_state
