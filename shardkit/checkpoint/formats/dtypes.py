@@ -18,13 +18,15 @@ from shardkit.errors import InvalidManifest, UnsupportedFormat
 
 __all__ = ["DTYPE_CODES", "dtype_to_code", "code_to_dtype", "itemsize", "as_bytes"]
 
+# float8 kinds that only newer torch releases define: stored when the running torch has them
+_NEWER_FLOAT8 = (("F8_E8M0", "e8m0fnu"), ("F8_E4M3FNUZ", "e4m3fnuz"), ("F8_E5M2FNUZ", "e5m2fnuz"))
+
 DTYPE_CODES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
     "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
     "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    **{code: getattr(torch, f"float8_{name}") for code, name in (("F8_E8M0", "e8m0fnu"), ("F8_E4M3FNUZ", "e4m3fnuz"),
-                                                                  ("F8_E5M2FNUZ", "e5m2fnuz")) if hasattr(torch, f"float8_{name}")}}
+    **{code: getattr(torch, f"float8_{name}") for code, name in _NEWER_FLOAT8 if hasattr(torch, f"float8_{name}")}}
 _CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
 
 

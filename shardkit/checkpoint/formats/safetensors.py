@@ -185,7 +185,6 @@ class SafetensorsStreamWriter:
             self._crc, self._written = None, 0
             self._index += 1
 
-
     def finish(self) -> dict[str, list[int]]:
         """Check every entry was written in full; return block checksums per key."""
         self._skip_empty(None)
