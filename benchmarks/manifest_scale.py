@@ -198,7 +198,7 @@ def save_plan(save_ranks: int, rank: int):
 
 def written_files(save_ranks: int, rank: int) -> list:
     """The records the native writer returns for ``rank``'s data files (``WrittenFile``), as after step 2."""
-    from shardkit.checkpoint.formats.codec import unpack_crcs
+    from shardkit.checkpoint.formats.crc32c import unpack_crcs
     from shardkit.checkpoint.formats.native.manifest import ChunkRecord
     from shardkit.checkpoint.formats.native.writer import WrittenFile
 

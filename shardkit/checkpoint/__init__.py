@@ -27,15 +27,15 @@ from __future__ import annotations
 from shardkit.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "get_training_state": "shardkit.checkpoint.state.state_dict",
-    "set_training_state": "shardkit.checkpoint.state.state_dict",
+    "get_training_state": "shardkit.checkpoint.state.training_state",
+    "set_training_state": "shardkit.checkpoint.state.training_state",
     "get_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "set_full_state_dict": "shardkit.checkpoint.state.full_state_dict",
     "save": "shardkit.checkpoint.training.save",
     "async_save": "shardkit.checkpoint.training.async_save",
     "load": "shardkit.checkpoint.training.load",
     "CheckpointManager": "shardkit.checkpoint.training.manager",
-    "Compression": "shardkit.checkpoint.formats.codec",
+    "Compression": "shardkit.checkpoint.formats.compression",
     "open_reader": "shardkit.checkpoint.formats",
     "reshard": "shardkit.checkpoint.offline.convert",
     "convert": "shardkit.checkpoint.offline.convert",

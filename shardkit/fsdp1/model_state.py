@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.checkpoint.state.state_dict import reading_live_tensors, relayout_like
+from shardkit.checkpoint.state.training_state import reading_live_tensors, relayout_like
 from shardkit.errors import ConfigurationError
 from shardkit.fsdp1 import mapping
 from shardkit.fsdp1.api import (

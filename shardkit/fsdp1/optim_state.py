@@ -15,7 +15,7 @@ optimizer state dicts, while ``torch.optim`` names it by integer ID:
   ID-keyed form with each state tensor laid out like its parameter.
 
 Gathering, sharding, re-cutting and broadcasting are
-:mod:`shardkit.checkpoint.state.state_dict`'s (``live_optimizer_state``,
+:mod:`shardkit.checkpoint.state.training_state`'s (``live_optimizer_state``,
 ``gather_full_state``, ``shard_state``, ``relayout_like``,
 ``to_torch_optimizer_state``); this module only maps FSDP1's signatures and
 key conventions onto them.
@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.state import state_dict as sd
+from shardkit.checkpoint.state import training_state as sd
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 from shardkit.fsdp1 import mapping, model_state

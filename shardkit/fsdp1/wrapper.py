@@ -23,10 +23,11 @@ import torch
 import torch.nn as nn
 
 from shardkit.errors import ConfigurationError
-from shardkit.fsdp1 import full_params, grad_norm, mapping, model_state, optim_state
+from shardkit.fsdp1 import full_params, mapping, model_state, optim_state
 from shardkit.fsdp1.api import BackwardPrefetch
 from shardkit.fsdp1.construct import FSDP1Args, construct
 from shardkit.runtime import FSDPModule
+from shardkit.runtime.grad_norm import clip_grad_norm_
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -112,8 +113,13 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients of this model to total norm ``max_norm``; return the
-        total norm (before clipping).  Call on every rank."""
-        return grad_norm.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        total norm (before clipping).  Call on every rank.
+
+        The runtime's :func:`shardkit.clip_grad_norm_` as is: it counts each
+        gradient once over every mix an FSDP1 model produces (``DTensor``
+        gradients on several meshes, replicas of ``NO_SHARD`` and HSDP units,
+        whole gradients of ignored parameters)."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """``nn.Module.apply`` with full parameters summoned (and written back)."""

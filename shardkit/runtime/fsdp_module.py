@@ -322,9 +322,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._module_pre_forward(module, args, kwargs)  # type: ignore[arg-type]
+        args, kwargs = state.module_pre_forward(module, args, kwargs)  # type: ignore[arg-type]
         out = original(*args, **kwargs)
-        return state._module_post_forward(module, args, out)  # type: ignore[arg-type]
+        return state.module_post_forward(module, args, out)  # type: ignore[arg-type]
 
     setattr(module, method_name, wrapped)
 

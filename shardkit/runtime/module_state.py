@@ -87,9 +87,9 @@ class ShardState(TorchStateNames):
         self._warned_view = False
         self._handles = []
         for module in modules:
-            self._handles.append(module.register_forward_pre_hook(self._module_pre_forward, prepend=True,
+            self._handles.append(module.register_forward_pre_hook(self.module_pre_forward, prepend=True,
                                                                   with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._module_post_forward, prepend=False))
+            self._handles.append(module.register_forward_hook(self.module_post_forward, prepend=False))
 
     # ------------------------------------------------------------ lazy init
 
@@ -156,13 +156,16 @@ class ShardState(TorchStateNames):
     # -------------------------------------------------------------- forward
 
     @eager_hook
-    def _module_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def module_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward pre-hook on each module of this state; public because forward methods
+        registered with ``register_fsdp_forward_method`` run inside it too."""
         if not self._to_run:
             self._to_run.update(self.modules)
         return self.pre_forward(module, args, kwargs)
 
     @eager_hook
-    def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def module_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The forward hook matching :meth:`module_pre_forward` (and called around the same methods)."""
         if self.training_state is TrainingState.IDLE:
             # already finished for this call (a registered forward method ran inside __call__)
             return output

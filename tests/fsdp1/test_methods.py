@@ -21,7 +21,7 @@ from shardkit import (
 )
 from shardkit import FullyShardedDataParallel as FSDP
 from shardkit.errors import ConfigurationError
-from shardkit.fsdp1 import grad_norm
+from shardkit.runtime import grad_norm
 from shardkit.wrap import CustomPolicy, transformer_auto_wrap_policy
 from tests.support.dist import run_on_ranks
 from tests.support.fsdp1_helpers import (

@@ -152,7 +152,7 @@ def _bf16_and_reshard_to_two_ranks(option):
     """A few steps with one more option on both implementations (or shardkit alone
     when torch has no such option for TP parameters)."""
     from tests.support.runtime_common import train_sharded
-    from tests.support.runtime_scenarios import _shardkit_clip
+    from tests.support.runtime_scenarios import shardkit_clip
 
     out = {}
     for api in (shardkit_api(), torch_api()):
@@ -166,7 +166,7 @@ def _bf16_and_reshard_to_two_ranks(option):
         for layer in model.layers:
             api.fully_shard(layer, mesh=world["dp"], **kwargs)
         api.fully_shard(model, mesh=world["dp"], **{k: v for k, v in kwargs.items() if k == "mp_policy"})
-        losses = train_sharded(model, 3, clip=_shardkit_clip,
+        losses = train_sharded(model, 3, clip=shardkit_clip,
                                data_parallel=(world["dp"].get_local_rank(), world["dp"].size()))
         out[api.name] = (losses, [p.to_local().detach().clone() for p in model.parameters()])
     return out

@@ -255,7 +255,7 @@ def _tensor_parallel(sequence_parallel: bool = False):
     return shard
 
 
-def _shardkit_clip(parameters, max_norm):
+def shardkit_clip(parameters, max_norm):
     # torch's clip_grad_norm_ cannot mix 2-D (TP'd) and 1-D (plain) gradients; both sides use ours
     import shardkit
 
@@ -303,7 +303,7 @@ class Scenario:
 def _tp_scenario(shape: tuple[int, ...], sequence_parallel: bool = False) -> Scenario:
     names = ("dp", "tp") if len(shape) == 2 else ("dp_replicate", "dp_shard", "tp")
     return Scenario(shape=shape, mesh_names=names, build=lambda: seeded_transformer(args=TP_ARGS),
-                    shard=_tensor_parallel(sequence_parallel), clip=_shardkit_clip)
+                    shard=_tensor_parallel(sequence_parallel), clip=shardkit_clip)
 
 
 SCENARIOS: dict[str, Scenario] = {

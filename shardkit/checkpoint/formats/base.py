@@ -20,8 +20,8 @@ Callers rarely build requests by hand: :func:`plan_reads` turns "fill this box
 of this tensor into this view" into requests (and proves the stored chunks
 cover it), and :func:`read_box` returns a fresh tensor for one box.
 
-The write side is format-specific (see ``formats/native.py``'s
-``NativeWriter`` and ``codec.SafetensorsStreamWriter``); what they share is the
+The write side is format-specific (see ``formats/native/writer.py``'s
+``NativeWriter`` and ``safetensors.SafetensorsStreamWriter``); what they share is the
 :class:`WriteChunk` a planner hands them.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.geometry.boxes import Box, box_contains
 from shardkit.checkpoint.geometry.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict

@@ -46,14 +46,7 @@ from shardkit.checkpoint.formats.base import (
     StoredChunk,
     TensorEntry,
 )
-from shardkit.checkpoint.formats.codec import (
-    SafetensorsStreamWriter,
-    as_bytes,
-    code_to_dtype,
-    dtype_to_code,
-    itemsize,
-    parse_safetensors_header,
-)
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, dtype_to_code, itemsize
 from shardkit.checkpoint.formats.hf_layout import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -62,6 +55,7 @@ from shardkit.checkpoint.formats.hf_layout import (
     ties_word_embeddings,
     weights_file,
 )
+from shardkit.checkpoint.formats.safetensors import SafetensorsStreamWriter, parse_safetensors_header
 from shardkit.checkpoint.geometry.rows import (
     copy_rows_into,
     iter_row_blocks,

@@ -31,7 +31,7 @@ from typing import Mapping
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
-from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
 

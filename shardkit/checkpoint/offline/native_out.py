@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
-from shardkit.checkpoint.formats.codec import itemsize, parse_compression
+from shardkit.checkpoint.formats.compression import parse_compression
+from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.formats.native.checksums import check_chunk
 from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import TensorEntry
-from shardkit.checkpoint.formats.codec import itemsize
+from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.errors import ConfigurationError
 
 __all__ = ["Selection", "OutputTensor", "select", "parse_dtype", "parse_rename", "SCALE_SUFFIX", "SCALE_BLOCK"]

@@ -12,7 +12,7 @@ torch's own functions for those).
 
 shardkit's own training-state form (``{"model": ..., "optim": ...}``, what
 ``save``/``load`` and ``CheckpointManager`` take) is
-:func:`~shardkit.checkpoint.state.state_dict.get_training_state`.
+:func:`~shardkit.checkpoint.state.training_state.get_training_state`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from shardkit.checkpoint.state.dcp_forms import (
 )
 from shardkit.checkpoint.state.rank0_tree import broadcast_tree
 from shardkit.checkpoint.state.relayout import gather_full_state, relayout_like
-from shardkit.checkpoint.state.state_dict import (
+from shardkit.checkpoint.state.training_state import (
     init_optimizer_state,
     live_model_state,
     live_optimizer_state,

@@ -20,7 +20,7 @@ from shardkit.checkpoint.state.relayout import (
     leaf_paths,
     leaf_paths_with_slots,
 )
-from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
+from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import restore_like
 from shardkit.errors import IncompatibleStateDict
 

@@ -38,7 +38,7 @@ from typing import Sequence
 import xxhash
 
 from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.codec import as_bytes, dtype_to_code
+from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord, FileRecord
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.formats.native.references import DIGEST_ALGORITHMS, rebase_reference

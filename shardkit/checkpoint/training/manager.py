@@ -66,10 +66,10 @@ from shardkit.checkpoint.formats.native.ownership import (
 )
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
+from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import to_json_value
-from shardkit.checkpoint.training.async_save import async_save as _async_save
-from shardkit.checkpoint.training.async_save import background_saver
+from shardkit.checkpoint.training.async_save.saver import async_save as _async_save
+from shardkit.checkpoint.training.async_save.saver import background_saver
 from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.hot.resume import LastLoad, resume_hot
 from shardkit.checkpoint.training.hot.save import run_hot_save

@@ -38,11 +38,8 @@ import torch
 from shardkit.checkpoint.formats.base import (
     WriteChunk,
 )
-from shardkit.checkpoint.formats.codec import (
-    Compression,
-    dtype_to_code,
-    parse_compression,
-)
+from shardkit.checkpoint.formats.compression import Compression, parse_compression
+from shardkit.checkpoint.formats.dtypes import dtype_to_code
 from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.reader import is_committed
 from shardkit.checkpoint.formats.native.writer import (

@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.formats.codec import code_to_dtype, dtype_to_code
+from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
 from shardkit.checkpoint.formats.native.reader import is_committed
 from shardkit.checkpoint.formats.native.summaries import (
     Layout,

@@ -132,7 +132,7 @@ def test_chunks_of_whole_rows_or_strips_switched_off_stay_row_major_and_version_
 
 
 def test_compressed_chunks_are_never_striped(tmp_path):
-    from shardkit.checkpoint.formats.codec import Compression
+    from shardkit.checkpoint.formats.compression import Compression
 
     manifest = _save_whole(str(tmp_path / "ck"), {"w": _values(64, 512)}, compression=Compression())
     assert manifest["version"] == 1 and manifest["tensors"]["w"]["chunks"][0]["codec"] == "zstd"

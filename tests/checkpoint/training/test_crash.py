@@ -68,7 +68,7 @@ def _writers_of(pid: int) -> list[int]:
     found = []
     for child in psutil.process_iter(["cmdline"]):
         cmdline = child.info["cmdline"] or []
-        if "shardkit.checkpoint.training.writer_process" in cmdline and cmdline[-1] == str(pid):
+        if "shardkit.checkpoint.training.async_save.writer_process" in cmdline and cmdline[-1] == str(pid):
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:
                     found.append(child.pid)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("writer", ["process", "thread"])
 def test_async_save_writes_the_state_at_the_call_though_training_changes_it_right_after(tmp_path, writer):
-    from shardkit.checkpoint.training.async_save import background_saver
+    from shardkit.checkpoint.training.async_save.saver import background_saver
 
     state = {"w": torch.arange(4 << 20, dtype=torch.float32, device="cuda").reshape(1024, -1),
              "b": torch.full((333,), 2.0, dtype=torch.bfloat16, device="cuda")}

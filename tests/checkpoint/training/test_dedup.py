@@ -343,9 +343,9 @@ def test_a_kill_during_dedup_saves_never_loses_the_newest_committed_step(tmp_pat
 # -- many ranks, and version 4 with index files ------------------------------------------------------
 
 def _values(step: int) -> dict[str, torch.Tensor]:
-    from tests.checkpoint.formats.native.test_indexed import _truth
+    from tests.checkpoint.formats.native.test_indexed import truth_values
 
-    values = _truth()
+    values = truth_values()
     values["model.w"] = values["model.w"] + step  # the trainable part; the rest is frozen
     return values
 
@@ -353,19 +353,19 @@ def _values(step: int) -> dict[str, torch.Tensor]:
 def _save_two_steps(root: str, mesh_shape: tuple[int, ...], kind: str, indexed: bool) -> None:
     from contextlib import nullcontext
 
-    from tests.checkpoint.formats.native.test_indexed import _sharded, always_indexed
+    from tests.checkpoint.formats.native.test_indexed import always_indexed, shard_on_mesh
 
     with always_indexed() if indexed else nullcontext():
         for step in (1, 2):
-            skc.save(_sharded(_values(step), mesh_shape, kind), f"{root}/step-{step}", chunk_bytes=1024,
+            skc.save(shard_on_mesh(_values(step), mesh_shape, kind), f"{root}/step-{step}", chunk_bytes=1024,
                      block_bytes=512, digests=True, reuse_from=f"{root}/step-1" if step == 2 else None)
 
 
 def _load_on_ranks(url: str) -> bool:
-    from tests.checkpoint.formats.native.test_indexed import _sharded
+    from tests.checkpoint.formats.native.test_indexed import shard_on_mesh
 
     expected = _values(2)
-    state = {k: torch.zeros_like(v) for k, v in _sharded(expected, (3,), "S0").items()}
+    state = {k: torch.zeros_like(v) for k, v in shard_on_mesh(expected, (3,), "S0").items()}
     skc.load(state, url)
     return all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, expected[k]) for k, v in state.items())
 

@@ -139,7 +139,7 @@ def _save_sharded(url: str, mesh_shape: tuple[int, ...], seed: int, compression)
 
 def _load_everything(urls_and_seeds, mesh_shape: tuple[int, ...]):
     """Load every checkpoint into zeroed DTensors laid out anew; return the mismatching keys per checkpoint."""
-    from shardkit.checkpoint.state.state_dict import gather_full_tensor
+    from shardkit.checkpoint.state.training_state import gather_full_tensor
 
     bad = {}
     for url, seed in urls_and_seeds:

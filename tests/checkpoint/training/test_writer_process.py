@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint.training.async_save import background_saver
+from shardkit.checkpoint.training.async_save.saver import background_saver
 from shardkit.errors import CheckpointError, ConfigurationError
 from tests.support.dist import run_on_ranks
 
@@ -173,13 +173,13 @@ def _async_repeats(url: str) -> dict:
     """Async saves of one structure; then one rank alone moves its shard to new memory."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardkit.checkpoint.training import repeat_staging
+    from shardkit.checkpoint.training.async_save import repeat_copy
     from tests.support.checkpoint_helpers import make_mesh
 
     mesh, rank = make_mesh((2,)), dist.get_rank()
     state = {"repeat-w": DTensor.from_local(torch.zeros(32, 6), mesh, [Shard(0)]), "step": 0}
-    plans, original = [], repeat_staging.plan_save
-    repeat_staging.plan_save = lambda *a, **k: plans.append(1) or original(*a, **k)
+    plans, original = [], repeat_copy.plan_save
+    repeat_copy.plan_save = lambda *a, **k: plans.append(1) or original(*a, **k)
     counts = []
     try:
         for i in range(3):
@@ -195,7 +195,7 @@ def _async_repeats(url: str) -> dict:
         skc.async_save(state, f"{url}/after").result()
         counts.append(len(plans))
     finally:
-        repeat_staging.plan_save = original
+        repeat_copy.plan_save = original
     loaded = {}
     for name in ("s0", "s1", "s2", "moved", "after"):
         out = {"repeat-w": DTensor.from_local(torch.empty(32, 6), mesh, [Shard(0)]), "step": -1}

@@ -41,7 +41,6 @@ from shardkit.checkpoint.formats.base import (
     StoredChunk,
     TensorEntry,
 )
-from shardkit.checkpoint.formats.codec import as_bytes
 from shardkit.checkpoint.formats.dcp.metadata import (
     BytesStorageMetadata,
     TensorStorageMetadata,
@@ -49,6 +48,7 @@ from shardkit.checkpoint.formats.dcp.metadata import (
     read_dcp_metadata,
 )
 from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
+from shardkit.checkpoint.formats.dtypes import as_bytes
 from shardkit.checkpoint.formats.torchsave.mapped import refusal
 from shardkit.checkpoint.formats.torchsave.reader import value_path
 from shardkit.checkpoint.formats.torchsave.writer import TensorRef, check_tensors, write_archive
@@ -257,7 +257,7 @@ class DcpReader(CheckpointReader):
         """A tensor of a DCP file saved with ``SerializationFormat.SAFETENSORS``: the items of one file
         form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
         ``FileSystemReader`` cannot read these back; we can)."""
-        from shardkit.checkpoint.formats.codec import code_to_dtype
+        from shardkit.checkpoint.formats.dtypes import code_to_dtype
         from shardkit.checkpoint.formats.hf import read_header
 
         name, base = str(info.relative_path), int(info.offset)

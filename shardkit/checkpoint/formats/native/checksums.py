@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from shardkit.checkpoint.formats.codec import block_crcs
+from shardkit.checkpoint.formats.crc32c import block_crcs
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord
 from shardkit.checkpoint.io.storage import Storage
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Collection
 
-from shardkit.checkpoint.formats.codec import SafetensorsEntry
 from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.native.manifest import Manifest
+from shardkit.checkpoint.formats.safetensors import SafetensorsEntry
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, CorruptCheckpoint

@@ -10,7 +10,7 @@ header is checked wherever data files are checked (``load``'s size check,
 ``verify``, resume): read with one bounded ranged read, compared with the
 crc32c the manifest records for it (:class:`HeaderRecord`, written since
 header checksums exist; older checkpoints have none), parsed strictly
-(:func:`~shardkit.checkpoint.formats.codec.parse_safetensors_header`: valid
+(:func:`~shardkit.checkpoint.formats.safetensors.parse_safetensors_header`: valid
 JSON, known dtypes, sizes that match shapes, entries that tile the data buffer
 to the end of the file), and every chunk the manifest names must be an entry
 with exactly its key, dtype, shape and byte range (:func:`header_problem`).
@@ -22,16 +22,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from shardkit.checkpoint.formats.codec import (
+from shardkit.checkpoint.formats.crc32c import crc32c, pack_crcs, unpack_crcs
+from shardkit.checkpoint.formats.native.fields import expect_object, int_field
+from shardkit.checkpoint.formats.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsEntry,
     SafetensorsHeader,
-    crc32c,
-    pack_crcs,
     parse_safetensors_header,
-    unpack_crcs,
 )
-from shardkit.checkpoint.formats.native.fields import expect_object, int_field
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, InvalidManifest
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardkit.checkpoint.formats.codec import crc32c, pack_crcs
+from shardkit.checkpoint.formats.crc32c import crc32c, pack_crcs
 from shardkit.checkpoint.formats.native.fields import expect_object, json_object
 from shardkit.checkpoint.formats.native.headers import header_record_json, parse_header_record
 from shardkit.checkpoint.formats.native.manifest import (

@@ -42,13 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.formats.codec import (
-    SafetensorsEntry,
-    code_to_dtype,
-    itemsize,
-    pack_crcs,
-    unpack_crcs,
-)
+from shardkit.checkpoint.formats.crc32c import pack_crcs, unpack_crcs
+from shardkit.checkpoint.formats.dtypes import code_to_dtype, itemsize
 from shardkit.checkpoint.formats.native.fields import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
@@ -78,6 +73,7 @@ from shardkit.checkpoint.formats.native.regions import (
     rule_overlapping_writers,
     rule_problem,
 )
+from shardkit.checkpoint.formats.safetensors import SafetensorsEntry
 from shardkit.checkpoint.geometry.boxes import Box, check_cover
 from shardkit.checkpoint.geometry.strips import strip_boxes
 from shardkit.errors import InvalidManifest, UnsupportedVersion

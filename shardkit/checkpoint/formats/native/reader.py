@@ -43,12 +43,9 @@ from shardkit.checkpoint.formats.base import (
     TensorEntry,
     contiguous_strides,
 )
-from shardkit.checkpoint.formats.codec import (
-    BlockCrc,
-    as_bytes,
-    code_to_dtype,
-    zstd_decompress_into,
-)
+from shardkit.checkpoint.formats.compression import zstd_decompress_into
+from shardkit.checkpoint.formats.crc32c import BlockCrc
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype
 from shardkit.checkpoint.formats.native.checksums import CHECK_SPAN, STEP_BYTES, check_chunk
 from shardkit.checkpoint.formats.native.data_files import check_data_file, stored_entries
 from shardkit.checkpoint.formats.native.index import attach_indexes, needed_indexes, read_indexes

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.formats.codec import crc32c
+from shardkit.checkpoint.formats.crc32c import crc32c
 from shardkit.checkpoint.formats.native.headers import header_record_json
 from shardkit.checkpoint.formats.native.index import index_document, index_file_name
 from shardkit.checkpoint.formats.native.manifest import INDEXED_VERSION, IndexRecord, Manifest, TensorRecord

@@ -19,13 +19,8 @@ from typing import Any, Collection, Iterable, Mapping, Protocol, Sequence, TypeV
 import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.codec import (
-    Compression,
-    as_bytes,
-    dtype_to_code,
-    itemsize,
-    zstd_compress,
-)
+from shardkit.checkpoint.formats.compression import Compression, zstd_compress
+from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code, itemsize
 from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.headers import (
     DATA_FILE_METADATA,
@@ -125,7 +120,7 @@ class WrittenFile:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "WrittenFile":
         """Inverse of :meth:`to_json` (for records sent between ranks; validated again at commit)."""
-        from shardkit.checkpoint.formats.codec import unpack_crcs
+        from shardkit.checkpoint.formats.crc32c import unpack_crcs
 
         chunks = []
         for fqn, c in doc["chunks"]:
@@ -142,7 +137,7 @@ class WrittenFile:
 class NativeWriter:
     """Streams chunks into native data files and commits the manifest.
 
-    ``compression`` (a :class:`~shardkit.checkpoint.formats.codec.Compression`) stores
+    ``compression`` (a :class:`~shardkit.checkpoint.formats.compression.Compression`) stores
     every chunk as one zstd frame (safetensors dtype ``U8``); the frames of one
     file are built before its header, so with compression a file should hold a
     bounded amount of data (the save path uses one chunk cap per file).
@@ -180,7 +175,7 @@ class NativeWriter:
         ``<key>#<strip>`` each, see ``geometry/strips.py``); a compressed chunk
         is one frame, read whole anyway, so it never is.
         """
-        from shardkit.checkpoint.formats.codec import SafetensorsStreamWriter
+        from shardkit.checkpoint.formats.safetensors import SafetensorsStreamWriter
 
         keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
         frames: list[bytes] | None = None

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.state.state_dict import get_training_state, set_training_state
+from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
 from shardkit.checkpoint.training.hot.recover import recover

@@ -16,14 +16,11 @@ from shardkit.checkpoint.formats.base import (
     plan_reads,
     read_box,
 )
-from shardkit.checkpoint.formats.codec import (
-    Compression,
-    block_crcs,
-    crc32c,
-    parse_safetensors_header,
-)
+from shardkit.checkpoint.formats.compression import Compression
+from shardkit.checkpoint.formats.crc32c import block_crcs, crc32c
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.formats.native.writer import NativeWriter, data_file_name, new_token
+from shardkit.checkpoint.formats.safetensors import parse_safetensors_header
 from shardkit.checkpoint.geometry.boxes import check_cover, shard_box, split_box
 from shardkit.checkpoint.geometry.plan import (
     ChunkIndex,

@@ -26,7 +26,7 @@ SHAPES = {"model.emb": (101, 64), "model.w": (37, 26), "model.b": (26,), "optim.
 LAYOUTS = {"fsdp4": ((4,), "S0"), "hsdp2x2": ((2, 2), "R,S0"), "tp2x2": ((2, 2), "S0,S1")}
 
 
-def _truth() -> dict[str, torch.Tensor]:
+def truth_values() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
 
@@ -51,7 +51,7 @@ def _placements(kind: str, ndim: int) -> list:
     return [p if not isinstance(p, Shard) or p.dim < ndim else Replicate() for p in out]
 
 
-def _sharded(values: dict[str, torch.Tensor], mesh_shape: tuple[int, ...], kind: str) -> dict[str, torch.Tensor]:
+def shard_on_mesh(values: dict[str, torch.Tensor], mesh_shape: tuple[int, ...], kind: str) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
@@ -63,7 +63,7 @@ def _save(url: str, mesh_shape: tuple[int, ...], kind: str, options: dict | None
           background: bool = False) -> None:
     import shardkit.checkpoint as skc
 
-    state = _sharded(_truth(), mesh_shape, kind)
+    state = shard_on_mesh(truth_values(), mesh_shape, kind)
     with always_indexed():
         if background:
             skc.async_save(state, url, storage_options=options, chunk_bytes=1024, block_bytes=512,
@@ -85,13 +85,13 @@ def _load(url: str, mesh_shape: tuple[int, ...], kind: str, options: dict | None
             names.append(name)
         return read_bytes(self, name, start, end)
 
-    targets = _sharded({k: torch.zeros(s) for k, s in SHAPES.items()}, mesh_shape, kind)
+    targets = shard_on_mesh({k: torch.zeros(s) for k, s in SHAPES.items()}, mesh_shape, kind)
     Storage.read_bytes = counted
     try:
         meta = skc.load(targets, url, storage_options=options)
     finally:
         Storage.read_bytes = read_bytes
-    truth = _truth()
+    truth = truth_values()
     same = all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, truth[k]) for k, v in targets.items())
     return same, meta["step"], sorted(names)
 
@@ -142,14 +142,14 @@ def test_focus_reads_the_records_covering_the_wanted_boxes_and_nothing_else(fsdp
     files = {c.locator.file for c in reader.tensors()["model.emb"].chunks}
     assert files and all(f.split("-")[1] == "2" for f in files)
     assert reader.tensors()["model.w"].chunks  # writer 2's records of every tensor came with its index file
-    assert torch.equal(read_box(reader, "model.emb", box), _truth()["model.emb"][60:70])
+    assert torch.equal(read_box(reader, "model.emb", box), truth_values()["model.emb"][60:70])
 
 
 def test_offline_tools_read_every_index_file(fsdp4, tmp_path):
     from shardkit.checkpoint import diff, inspect, reshard, verify
 
     report = verify(fsdp4)
-    assert report.ok and report.bytes_checked >= sum(t.numel() * 4 for t in _truth().values())
+    assert report.ok and report.bytes_checked >= sum(t.numel() * 4 for t in truth_values().values())
     described = inspect(fsdp4)
     assert described["version"] == 3 and described["layout"]["world_size"] == 4
     assert sum(t["chunks"] for t in described["tensors"]) > 8  # every writer's records, from its index file
@@ -161,7 +161,7 @@ def test_offline_tools_read_every_index_file(fsdp4, tmp_path):
     import shardkit.checkpoint as skc
 
     skc.load(loaded, fsdp4)
-    assert all(torch.equal(loaded[k], v) for k, v in _truth().items())
+    assert all(torch.equal(loaded[k], v) for k, v in truth_values().items())
 
 
 def _copy(src: str, dst: Path) -> Path:

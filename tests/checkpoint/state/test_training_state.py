@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.geometry.boxes import local_tensor
-from shardkit.checkpoint.state import state_dict as sdm
+from shardkit.checkpoint.state import training_state as sdm
 from tests.support.checkpoint_helpers import (
     build_model,
     full_state,

@@ -3,17 +3,17 @@
 Why this shape:
 
 * **Writing off the training process.**  By default a long-lived writer
-  process per training process (:mod:`~shardkit.checkpoint.training.writer_process`)
+  process per training process (:mod:`~shardkit.checkpoint.training.async_save.writer_process`)
   checksums, compresses and writes the staged bytes, so that work does not
   compete with the training step for the GIL; ``writer="thread"`` writes from
   a thread of this process instead (and a ``memory://`` URL, which only this
   process can see, always does).
 * **Flat host memory.**  The state is copied into a reused
-  :class:`~shardkit.checkpoint.training.staging.StagingPool` buffer (shared
+  :class:`~shardkit.checkpoint.training.async_save.host_buffers.StagingPool` buffer (shared
   memory for the writer process), so repeated saves allocate nothing.
 * **A repeat save only copies.**  While the state keeps its structure, the
   planning and staging layout of the last save are reused
-  (:mod:`~shardkit.checkpoint.training.repeat_staging`): the call blocks for
+  (:mod:`~shardkit.checkpoint.training.async_save.repeat_copy`): the call blocks for
   the copy, one pass over the tensors and one small all-reduce.
 * **One save in flight.**  A new save waits for the previous one, so the
   buffer is never overwritten while it is being written.
@@ -32,18 +32,18 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
-from shardkit.checkpoint.formats.codec import Compression
+from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
+from shardkit.checkpoint.training.async_save.repeat_copy import RepeatStaging
+from shardkit.checkpoint.training.async_save.writer_process import WriterProcess, writer_options
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import digest_algorithm
-from shardkit.checkpoint.training.repeat_staging import RepeatStaging
 from shardkit.checkpoint.training.save import save_options, write_and_commit
-from shardkit.checkpoint.training.staging import StagingPool
-from shardkit.checkpoint.training.writer_process import WriterProcess, writer_options
 from shardkit.errors import ConfigurationError
 from shardkit.held_groups import GroupRef, release_at_exit
 

@@ -1,4 +1,4 @@
-"""Model and optimizer <-> FQN-keyed state dicts; full <-> sharded, one tensor at a time.
+"""The training state: model and optimizer <-> one FQN-keyed dict of live tensors.
 
 ``get_training_state(model, optimizer)`` returns::
 
@@ -22,9 +22,10 @@ return types, are in :mod:`shardkit.checkpoint.state.dcp_state_dict`.
 
 The full <-> sharded conversions live in ``relayout.py`` and are re-exported
 here (:func:`full_to_local`, :func:`shard_full_tensor`, :func:`relayout_like`,
-:func:`gather_full_tensor`, :func:`shard_state`, :func:`gather_full_state`,
-:func:`get_full_state_dict`, :func:`set_full_state_dict`): plain functions, so
-the FSDP1 surface builds its optimizer-state statics on them.
+:func:`gather_full_tensor`, :func:`shard_state`, :func:`gather_full_state`):
+plain functions, so the FSDP1 surface builds its optimizer-state statics on
+them.  ``get_full_state_dict`` / ``set_full_state_dict`` are in
+:mod:`shardkit.checkpoint.state.full_state_dict`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why a process: checksumming, compression and the file writes of a save
 compete with the training step for the GIL when they run on a thread of the
 training process.  The child does that work; the training process only
-copies the state into shared memory (:mod:`~shardkit.checkpoint.training.staging`)
+copies the state into shared memory (:mod:`~shardkit.checkpoint.training.async_save.host_buffers`)
 and, on a thread, exchanges a few JSON records with the other ranks to commit.
 
 * **Spawned once, reused.**  The child is started on the first save (by the
@@ -40,11 +40,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.codec import Compression, code_to_dtype, dtype_to_code, parse_compression
+from shardkit.checkpoint.formats.compression import Compression, parse_compression
+from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
 from shardkit.checkpoint.formats.native.writer import NativeWriter, WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.training.staging import StagingPool
+from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError, error_record, from_record
 
 __all__ = ["WriterProcess", "writer_options", "main"]

@@ -28,11 +28,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardkit.checkpoint.formats.codec import Compression
+from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import flatten, keep_keys
+from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.checkpoint.training.save import SavePlan, plan_save, structure_of
-from shardkit.checkpoint.training.staging import StagingPool
 from shardkit.held_groups import GroupRef
 
 __all__ = ["RepeatStaging"]
