@@ -44,18 +44,18 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "shardkit.checkpoint.formats.native.writer", ("native",), ("manifest.json",), ("io_threads",)),
     # before trainer: a Trainer run with DeepSpeed keeps its ZeRO state (latest, global_stepN/) in checkpoint-N/
     Format("deepspeed", "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)",
-           "shardkit.checkpoint.formats.deepspeed.checkpoint", None, ("ds", "zero"), ("latest",)),
+           "shardkit.checkpoint.formats.deepspeed.reader", None, ("ds", "zero"), ("latest",)),
     # before hf: a Trainer's checkpoint-N/ holds model.safetensors too, beside the optimizer and RNG states
     Format("trainer", "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)",
-           "shardkit.checkpoint.formats.trainer.checkpoint", None, ("accelerate", "hf-trainer"), (),
+           "shardkit.checkpoint.formats.trainer.reader", None, ("accelerate", "hf-trainer"), (),
            ("torch_options",)),
-    Format("hf", "Hugging Face safetensors file or folder", "shardkit.checkpoint.formats.hf",
-           "shardkit.checkpoint.formats.hf", ("huggingface", "safetensors"),
+    Format("hf", "Hugging Face safetensors file or folder", "shardkit.checkpoint.formats.hf.reader",
+           "shardkit.checkpoint.formats.hf.reader", ("huggingface", "safetensors"),
            ("model.safetensors.index.json", "model.safetensors")),
     Format("torch", "torch.save file (weights_only)", "shardkit.checkpoint.formats.torchsave.reader",
            "shardkit.checkpoint.formats.torchsave.writer", ("pt", "torch.save"), (), ("torch_options",)),
-    Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.checkpoint",
-           "shardkit.checkpoint.formats.dcp.checkpoint", (), (".metadata",)),
+    Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.reader",
+           "shardkit.checkpoint.formats.dcp.reader", (), (".metadata",)),
 )}
 
 WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writer)

@@ -160,7 +160,7 @@ class CheckpointReader(abc.ABC):
     def declares_tied(self, fqn: str) -> bool:
         """Whether this checkpoint says ``fqn`` is tied to another key, so that whoever loads it fills
         ``fqn`` from that key even where nothing is stored under ``fqn``: by default when :meth:`aliases`
-        records it (an HF folder decides by its config, see :mod:`~shardkit.checkpoint.formats.hf`).
+        records it (an HF folder decides by its config, see :mod:`~shardkit.checkpoint.formats.hf.reader`).
         ``diff`` takes a key one side lacks as its tied partner only when that side says so."""
         return fqn in self.aliases()
 

@@ -206,14 +206,14 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
     if progress:
         progress.start(f"convert → {to}", sel.nbytes)
     if to == "hf":
-        from shardkit.checkpoint.formats.hf import write_hf
+        from shardkit.checkpoint.formats.hf.reader import write_hf
 
         assert export is not None  # planned by convert before DST was touched
         files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
                          on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage),
                          avoid=dest.avoid)
     elif to == "dcp":
-        from shardkit.checkpoint.formats.dcp.checkpoint import write_dcp
+        from shardkit.checkpoint.formats.dcp.reader import write_dcp
 
         files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes,
                           avoid=dest.avoid)

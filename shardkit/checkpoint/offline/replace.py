@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
 
 from shardkit.checkpoint.formats import COMMIT_MARKERS
-from shardkit.checkpoint.formats.hf import side_files_in
-from shardkit.checkpoint.formats.hf_layout import export_files
+from shardkit.checkpoint.formats.hf.reader import side_files_in
+from shardkit.checkpoint.formats.hf.layout import export_files
 from shardkit.checkpoint.formats.native.ownership import survey
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file

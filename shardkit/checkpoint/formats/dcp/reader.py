@@ -258,7 +258,7 @@ class DcpReader(CheckpointReader):
         form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
         ``FileSystemReader`` cannot read these back; we can)."""
         from shardkit.checkpoint.formats.codec import code_to_dtype
-        from shardkit.checkpoint.formats.hf import read_header
+        from shardkit.checkpoint.formats.hf.reader import read_header
 
         name, base = str(info.relative_path), int(info.offset)
         header = read_header(self.storage, name, base=base, where=where)

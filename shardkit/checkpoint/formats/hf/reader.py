@@ -19,7 +19,7 @@ refused up front (:func:`check_tensors`) rather than given a mangled name.
 
 Which weights a folder holds: ``model.safetensors`` when it is there, even
 beside an index, else the index and the shards it names
-(:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`) -- the order
+(:func:`~shardkit.checkpoint.formats.hf.layout.weights_file`) -- the order
 ``from_pretrained`` looks in, so shardkit and transformers always load the
 same weights; the writer's commit points follow from it (see :func:`write_hf`).
 
@@ -54,7 +54,7 @@ from shardkit.checkpoint.formats.codec import (
     itemsize,
     parse_safetensors_header,
 )
-from shardkit.checkpoint.formats.hf_layout import (
+from shardkit.checkpoint.formats.hf.layout import (
     CONFIG_NAME,
     INDEX_NAME,
     SINGLE_NAME,
@@ -288,7 +288,7 @@ def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]
 
     Replacing an export, the commit is the moment both shardkit and
     ``from_pretrained`` switch to the new one
-    (:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`): a single
+    (:func:`~shardkit.checkpoint.formats.hf.layout.weights_file`): a single
     file replaces an old ``model.safetensors`` in the one step of its move,
     and shadows an old index from then on (the caller removes it after);
     several shards commit when an old ``model.safetensors`` (in ``avoid``) is

@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader
-from shardkit.checkpoint.formats.hf import HfReader, side_files_in
+from shardkit.checkpoint.formats.dcp.reader import DcpReader
+from shardkit.checkpoint.formats.hf.reader import HfReader, side_files_in
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions, TorchSaveReader
 from shardkit.checkpoint.formats.torchsave.state import UNNAMED_HINT
