@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shardkit.checkpoint.formats.native.handler import NATIVE
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
 from shardkit.errors import ConfigurationError
 
@@ -105,7 +106,7 @@ def side_files_of(source: Any) -> "tuple[Storage | None, list[str]]":
     if names:
         return source.folder, list(names)
     storage = getattr(source, "storage", None)
-    if getattr(source, "info", None) is not None and source.info.format == "shardkit" and storage is not None:
+    if getattr(source, "info", None) is not None and source.info.format == NATIVE.name and storage is not None:
         names = storage.listdir(EXTRA_DIR)
         if names:
             return storage, [f"{EXTRA_DIR}/{n}" for n in names]

@@ -39,8 +39,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit.checkpoint.formats.hf.reader import SIDE_FILE_CAP, side_files_in
 from shardkit.checkpoint.formats.hf.layout import CONFIG_NAME, is_head, ties_word_embeddings
+from shardkit.checkpoint.formats.hf.reader import SIDE_FILE_CAP, side_files_in
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.common import copy_files, side_files_of

@@ -43,6 +43,7 @@ import torch
 from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.codec import itemsize, parse_compression
 from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.handler import NATIVE
 from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
 from shardkit.checkpoint.formats.native.writer import (
@@ -265,7 +266,7 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
     """Side files, then the manifest (the commit), then cleanup of the journal and stale files."""
     copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.is_local)
-    meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
+    meta = dict(reader.info.meta) if reader.info.format == NATIVE.name else {}
     manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.stored}, files,
                                      values=sel.values, meta=meta, writer_info=writer_info, aliases=sel.aliases)
     writer.commit(manifest, leftovers=[RESUME_DIR])
