@@ -1,7 +1,10 @@
 """The ``shardkit`` subcommands: reshard, convert, inspect, verify, diff.
 
-Each one parses its options, calls the library function of the same name in
-:mod:`shardkit.checkpoint.offline.convert`, and renders the result.  Exit code 0 means
+Each one parses its options, calls the library function of the same name
+(``reshard`` and ``convert`` through :mod:`shardkit.checkpoint.offline.scaleout`,
+which splits them across processes under torchrun; ``inspect``, ``verify`` and
+``diff`` as :mod:`shardkit.checkpoint.offline.convert` exports them), and renders
+the result.  Exit code 0 means
 success; 1 means the command found a problem (verify: damage, diff: a
 difference) or failed with a one-line error.
 """

@@ -20,9 +20,10 @@ Callers rarely build requests by hand: :func:`plan_reads` turns "fill this box
 of this tensor into this view" into requests (and proves the stored chunks
 cover it), and :func:`read_box` returns a fresh tensor for one box.
 
-The write side is format-specific (see ``formats/native.py``'s
-``NativeWriter`` and ``codec.SafetensorsStreamWriter``); what they share is the
-:class:`WriteChunk` a planner hands them.
+The write side is format-specific (see
+:class:`~shardkit.checkpoint.formats.native.writer.NativeWriter` and
+``codec.SafetensorsStreamWriter``); what they share is the :class:`WriteChunk`
+a planner hands them.
 """
 
 from __future__ import annotations

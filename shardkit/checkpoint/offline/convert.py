@@ -6,9 +6,10 @@ native, see :mod:`shardkit.checkpoint.offline.scaleout`).  The ``shardkit``
 command is a thin shell over them.
 
 Every conversion is the same pipeline: open the source (format detected),
-select/rename/cast the tensors (:mod:`offline_select`), then let the target
-writer pull boxes of rows it is about to write from a :class:`Fetcher`, which
-reads only the overlapping rows of the saved chunks.  Memory is bounded by
+select/rename/cast the tensors (:mod:`~shardkit.checkpoint.offline.select`),
+then let the target writer (the target format's handler, or the resumable
+native writer) pull boxes of rows it is about to write from a
+:class:`Fetcher`, which reads only the overlapping rows of the saved chunks.  Memory is bounded by
 ``max_memory`` — boxes are sized from it — not by the model.
 
 DST safety: a DST that is SRC, lies inside it or holds it is refused (writing

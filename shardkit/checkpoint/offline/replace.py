@@ -112,13 +112,15 @@ def _names(storage: Storage) -> set[str]:
     return names
 
 
-def _old_checkpoint(storage: Storage) -> tuple[set[str], str]:
+def _old_checkpoint(storage: Storage) -> tuple[set[str], str | None, str]:
     """The files of the checkpoint in directory ``storage`` (those the handler of the writable format whose
-    commit marker is there owns), and its identity for a resumable writer ("" when none)."""
+    commit marker is there owns), the marker among them that commits it (``None``: no checkpoint), and its
+    identity for a resumable writer ("" when none)."""
     owner = next((h for h in FORMATS.values() if h.writable and not h.single_file and h.holds(storage)), None)
     if owner is None:
-        return set(), ""
-    return owner.files_of(storage), owner.replacing_id(storage)
+        return set(), None, ""
+    old = owner.files_of(storage)
+    return old, next((n for n in owner.markers if n in old), None), owner.replacing_id(storage)
 
 
 def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any] | None,
@@ -146,8 +148,7 @@ def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any]
         parent, name = split_file(storage)
         dest = Destination(storage, fmt, before=_names(parent))
     else:
-        old, replacing = _old_checkpoint(storage)
-        marker = next((n for n in COMMIT_MARKERS if n in old), None)
+        old, marker, replacing = _old_checkpoint(storage)
         if marker is not None and not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.where(marker)}); pass --overwrite "
                                    f"to replace it")

@@ -8,8 +8,8 @@ What is checked depends on what the format records:
   the manifest records for it (where one is recorded), parses strictly and
   holds every chunk the manifest names there with its dtype, shape and byte
   range (``formats.native.headers``: what ``safe_open`` would read), and every
-  crc32c block of every chunk matches (``formats.native.check_chunk``, the
-  format's one checksum loop).  Files are read front to back in large ranged
+  crc32c block of every chunk matches (``formats.native.checksums.check_chunk``,
+  the format's one checksum loop).  Files are read front to back in large ranged
   reads, several files in parallel: this runs at disk speed.
 * DCP: coverage of each tensor by its chunks; every payload is a torch.save
   zip archive, so each record's CRC-32 is checked by streaming it through
@@ -26,6 +26,9 @@ What is checked depends on what the format records:
   the partitions were checked against ``param_shapes`` when it was opened.
 * Trainer/Accelerate folders: each part as its format is checked (DCP folders,
   torch.save files, RNG and scheduler files); safetensors weights by headers.
+
+Each format's handler does its part of the checking (``formats/<name>/handler.py``:
+``FormatHandler.verify``); coverage is checked here for all of them.
 
 Problems are collected, not raised one by one, so one run names all the
 damage; :class:`VerifyReport` ``.ok`` is False when anything is wrong.

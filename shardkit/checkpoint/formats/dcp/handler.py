@@ -8,15 +8,13 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.formats.dcp import reader
+from shardkit.checkpoint.formats.dcp import reader, writer
+from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
-from shardkit.checkpoint.formats.torchsave.writer import check_tensors
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
 
-__all__ = ["DcpHandler", "DCP", "METADATA_NAME", "verify_payloads"]
-
-METADATA_NAME = ".metadata"  # the commit marker: written last, it names every payload
+__all__ = ["DcpHandler", "DCP", "verify_payloads"]
 
 
 class DcpHandler(FormatHandler):
@@ -36,14 +34,14 @@ class DcpHandler(FormatHandler):
         return reader.open_reader(storage, **options)
 
     def check_tensors(self, tensors: Tensors) -> None:
-        check_tensors(tensors)
+        writer.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
               on_bytes: Callable[[int], None], avoid: Collection[str],
               before_commit: Callable[[], None]) -> list[str]:
         before_commit()
-        return reader.write_dcp(storage, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes,
+        return writer.write_dcp(storage, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes,
                                 avoid=avoid)
 
     def files_of(self, storage: Storage) -> set[str]:

@@ -9,7 +9,7 @@ import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
-from shardkit.checkpoint.formats.hf import reader
+from shardkit.checkpoint.formats.hf import reader, writer
 from shardkit.checkpoint.formats.hf.layout import INDEX_NAME, SINGLE_NAME, export_files
 from shardkit.checkpoint.io.storage import Storage
 
@@ -35,13 +35,13 @@ class HfHandler(FormatHandler):
         return reader.open_reader(storage, **options)
 
     def check_tensors(self, tensors: Tensors) -> None:
-        reader.check_tensors(tensors)
+        writer.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
               on_bytes: Callable[[int], None], avoid: Collection[str],
               before_commit: Callable[[], None]) -> list[str]:
-        return reader.write_hf(storage, tensors, fetch, block_bytes=block_bytes, max_shard_size=max_shard_size,
+        return writer.write_hf(storage, tensors, fetch, block_bytes=block_bytes, max_shard_size=max_shard_size,
                                on_bytes=on_bytes, before_index=before_commit, avoid=avoid)
 
     def files_of(self, storage: Storage) -> set[str]:

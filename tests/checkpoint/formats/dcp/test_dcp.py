@@ -72,7 +72,7 @@ def test_convert_writes_dcp_that_torch_dcp_load_reads_with_optimizer_state(tmp_p
 def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.formats.dcp.reader import write_dcp
+    from shardkit.checkpoint.formats.dcp.writer import write_dcp
 
     big = torch.randn(1000, 64)
     out = tmp_path / "d"

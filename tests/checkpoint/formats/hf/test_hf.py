@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from shardkit.checkpoint import convert, verify
 from shardkit.checkpoint.formats.base import read_box
 from shardkit.checkpoint.formats.hf import reader as hf
-from shardkit.checkpoint.formats.hf.reader import INDEX_NAME, HfReader, write_hf
+from shardkit.checkpoint.formats.hf.reader import INDEX_NAME, HfReader
+from shardkit.checkpoint.formats.hf.writer import write_hf
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 
