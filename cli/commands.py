@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from shardkit.checkpoint.formats import FORMATS, WRITABLE
-from shardkit.checkpoint.offline.common import (
+from shardkit.checkpoint.offline.options import (
     DEFAULT_MAX_MEMORY_TEXT,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,

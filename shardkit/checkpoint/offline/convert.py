@@ -34,20 +34,20 @@ from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.offline.common import (
-    DEFAULT_MAX_MEMORY,
-    DEFAULT_MAX_SHARD_SIZE,
-    DEFAULT_WORKERS,
-    ConvertResult,
-    parse_memory,
-    parse_size,
-)
 from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
 from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
+from shardkit.checkpoint.offline.options import (
+    DEFAULT_MAX_MEMORY,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_WORKERS,
+    parse_memory,
+    parse_size,
+)
 from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
+from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
 from shardkit.checkpoint.offline.verify import VerifyReport, verify

@@ -43,8 +43,8 @@ from shardkit.checkpoint.formats.hf.layout import CONFIG_NAME, is_head, ties_wor
 from shardkit.checkpoint.formats.hf.reader import SIDE_FILE_CAP, side_files_in
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.checkpoint.offline.common import copy_files, side_files_of
 from shardkit.checkpoint.offline.select import Selection, parse_dtype
+from shardkit.checkpoint.offline.side_files import copy_files, side_files_of
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 
 __all__ = ["HfExport", "plan_hf_export"]

@@ -57,10 +57,11 @@ from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.offline.common import ConvertResult, copy_side_files
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.progress import Progress, human_count
+from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection
+from shardkit.checkpoint.offline.side_files import copy_side_files
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR", "assign_units"]
