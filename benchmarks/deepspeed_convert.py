@@ -102,7 +102,7 @@ def main() -> None:
     for name in runs:
         print(f"  {name:10s} {med(name, 0):7.2f} s   peak RSS {med(name, 1) / MiB:8.0f} MiB   "
               f"(rounds: {', '.join(f'{s:.2f}s/{m / MiB:.0f}MiB' for s, m in runs[name])})")
-    from shardkit.checkpoint.offline.common import parse_memory
+    from shardkit.checkpoint.offline.options import parse_memory
 
     limit = parse_memory(args.budget) + 256 * MiB
     rss, secs = med("shardkit", 1), med("shardkit", 0) / med("deepspeed", 0)

@@ -1,7 +1,10 @@
 """The ``shardkit`` subcommands: reshard, convert, inspect, verify, diff.
 
-Each one parses its options, calls the library function of the same name in
-:mod:`shardkit.checkpoint.offline.convert`, and renders the result.  Exit code 0 means
+Each one parses its options, calls the library function of the same name
+(``reshard`` and ``convert`` through :mod:`shardkit.checkpoint.offline.scaleout`,
+which splits them across processes under torchrun; ``inspect``, ``verify`` and
+``diff`` as :mod:`shardkit.checkpoint.offline.convert` exports them), and renders
+the result.  Exit code 0 means
 success; 1 means the command found a problem (verify: damage, diff: a
 difference) or failed with a one-line error.
 """
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from shardkit.checkpoint.formats import FORMATS, WRITABLE
-from shardkit.checkpoint.offline.common import (
+from shardkit.checkpoint.offline.options import (
     DEFAULT_MAX_MEMORY_TEXT,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,
@@ -232,7 +235,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     """
     from shardkit.checkpoint.offline.scaleout import run_convert
 
-    ctx.obj.resumable = to == "shardkit"  # only native output resumes; hf, torch and dcp output start over
+    ctx.obj.resumable = FORMATS[to].resumable  # only native output resumes; hf, torch and dcp output start over
     so = storage_options(storage_opts)
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,

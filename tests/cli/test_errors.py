@@ -178,7 +178,7 @@ def test_a_directory_of_unrelated_files_is_refused_as_dst_unless_overwrite(tmp_p
 
 def test_a_failed_hf_export_removes_the_side_files_it_wrote_so_a_rerun_finds_dst_as_it_was(tmp_path, native,
                                                                                            monkeypatch):
-    from shardkit.checkpoint.formats.hf import INDEX_NAME
+    from shardkit.checkpoint.formats.hf.reader import INDEX_NAME
     from shardkit.checkpoint.io.storage import Storage
     from shardkit.errors import StorageError
 

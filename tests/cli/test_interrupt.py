@@ -52,7 +52,7 @@ def test_ctrl_c_during_native_output_says_a_rerun_resumes_and_the_rerun_does(hf,
 
 
 def test_ctrl_c_during_hf_output_does_not_claim_a_rerun_resumes(hf, tmp_path, monkeypatch):
-    import shardkit.checkpoint.formats.hf as hf_format
+    import shardkit.checkpoint.formats.hf.writer as hf_format
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -1,66 +1,52 @@
 """The format registry and the one door to read any checkpoint.
 
-Adding a format means one :class:`Format` entry here and the format's own
-module(s); nothing else names formats (the CLI's choices, detection, commit
-markers and the aliases a user may type all come from :data:`FORMATS`).
+Adding a format means its folder, with a :class:`~shardkit.checkpoint.formats.handler.FormatHandler`
+in ``formats/<name>/handler.py``, and one line in :data:`FORMATS`; nothing
+else names formats (the CLI's choices, detection, commit markers, the aliases
+a user may type, and what convert, verify and ``--overwrite`` do for each
+format all come from the handlers listed here).
 
-A format's *reader* module has ``detect(storage) -> bool`` and
-``open_reader(storage, **options) -> CheckpointReader``; its *writer* module has
-``check_tensors(triples)`` (what it cannot hold is refused before DST is
-touched) and its write function.  :func:`open_reader` is how everything opens
-a checkpoint: ``load``, ``reshard``, ``convert``, ``inspect``, ``verify`` and
-``diff``.
+:func:`open_reader` is how everything opens a checkpoint: ``load``,
+``reshard``, ``convert``, ``inspect``, ``verify`` and ``diff``.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.formats.dcp.handler import DCP
+from shardkit.checkpoint.formats.deepspeed.handler import DEEPSPEED
+from shardkit.checkpoint.formats.handler import FormatHandler
+from shardkit.checkpoint.formats.hf.handler import HF
+from shardkit.checkpoint.formats.native.handler import NATIVE
+from shardkit.checkpoint.formats.torchsave.handler import TORCH
+from shardkit.checkpoint.formats.trainer.handler import TRAINER
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import CheckpointNotFound, ConfigurationError, UnsupportedFormat
 
-__all__ = ["Format", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "normalize_format", "format_module", "detect_format",
-           "open_reader"]
+__all__ = ["FormatHandler", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "CHECKPOINT_FILE_PATTERNS", "NATIVE",
+           "normalize_format", "handler_for", "writer_for", "foreign_kind", "detect_format", "open_reader"]
 
-
-@dataclass(frozen=True)
-class Format:
-    """One checkpoint format: where its code is and how a user and a directory name it."""
-
-    name: str
-    description: str
-    reader: str                       # module: detect(), open_reader()
-    writer: str | None                # module: check_tensors(), the write function; None: read only
-    aliases: tuple[str, ...] = ()     # other spellings a user may type (--from/--to)
-    markers: tuple[str, ...] = ()     # files whose presence makes a directory this format's checkpoint
-    open_options: tuple[str, ...] = ()  # keyword options its open_reader takes
-
-
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("shardkit", "native: manifest.json + safetensors chunks", "shardkit.checkpoint.formats.native.reader",
-           "shardkit.checkpoint.formats.native.writer", ("native",), ("manifest.json",), ("io_threads",)),
+# detection tries them in this order (native first)
+FORMATS: dict[str, FormatHandler] = {f.name: f for f in (
+    NATIVE,
     # before trainer: a Trainer run with DeepSpeed keeps its ZeRO state (latest, global_stepN/) in checkpoint-N/
-    Format("deepspeed", "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)",
-           "shardkit.checkpoint.formats.deepspeed.checkpoint", None, ("ds", "zero"), ("latest",)),
+    DEEPSPEED,
     # before hf: a Trainer's checkpoint-N/ holds model.safetensors too, beside the optimizer and RNG states
-    Format("trainer", "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)",
-           "shardkit.checkpoint.formats.trainer.checkpoint", None, ("accelerate", "hf-trainer"), (),
-           ("torch_options",)),
-    Format("hf", "Hugging Face safetensors file or folder", "shardkit.checkpoint.formats.hf",
-           "shardkit.checkpoint.formats.hf", ("huggingface", "safetensors"),
-           ("model.safetensors.index.json", "model.safetensors")),
-    Format("torch", "torch.save file (weights_only)", "shardkit.checkpoint.formats.torchsave.reader",
-           "shardkit.checkpoint.formats.torchsave.writer", ("pt", "torch.save"), (), ("torch_options",)),
-    Format("dcp", "torch.distributed.checkpoint directory", "shardkit.checkpoint.formats.dcp.checkpoint",
-           "shardkit.checkpoint.formats.dcp.checkpoint", (), (".metadata",)),
+    TRAINER,
+    HF,
+    TORCH,
+    DCP,
 )}
 
-WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writer)
+WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writable)
 
 COMMIT_MARKERS: tuple[str, ...] = tuple(m for f in FORMATS.values() for m in f.markers)
+
+# the shapes of the files the writers create, and of storage's temporary names for files being streamed
+CHECKPOINT_FILE_PATTERNS: tuple[str, ...] = tuple(dict.fromkeys(
+    ["*.partial-*", *(p for f in FORMATS.values() for p in f.file_patterns)]))
 
 
 def normalize_format(name: str) -> str:
@@ -72,18 +58,29 @@ def normalize_format(name: str) -> str:
     raise UnsupportedFormat(f"format {name!r} is unknown; use one of {', '.join(FORMATS)}")
 
 
-def format_module(name: str, role: str = "reader") -> Any:
-    """The ``reader`` or ``writer`` module of format ``name``."""
-    fmt = FORMATS.get(name)
-    if fmt is None:
-        raise UnsupportedFormat(f"unknown checkpoint format {name!r}; known: {sorted(FORMATS)}")
-    if getattr(fmt, role) is None:
-        raise UnsupportedFormat(f"shardkit reads {name} checkpoints and does not write them; convert to one of "
-                                f"{', '.join(WRITABLE)}")
-    try:
-        return importlib.import_module(getattr(fmt, role))
-    except ImportError as exc:
-        raise UnsupportedFormat(f"format {name!r} is not available in this installation ({exc})") from None
+def handler_for(name: str) -> FormatHandler:
+    """The handler of format ``name``, in any spelling a user may type."""
+    return FORMATS[normalize_format(name)]
+
+
+def writer_for(name: str) -> FormatHandler:
+    """The handler of format ``name`` for writing; a read-only format is refused, naming the writable ones."""
+    handler = handler_for(name)
+    if not handler.writable:
+        raise UnsupportedFormat(f"shardkit reads {handler.name} checkpoints and does not write them; convert to "
+                                f"one of {', '.join(WRITABLE)}")
+    return handler
+
+
+def foreign_kind(names: Collection[str]) -> str | None:
+    """The description of the non-native format whose checkpoint files are among ``names`` (a directory's
+    foreign names), if any: what a warning about a directory shardkit will not touch names it as."""
+    for fmt in FORMATS.values():  # what makes a directory another tool's checkpoint (the registry's markers)
+        if fmt is not NATIVE and any(marker in names for marker in fmt.markers):
+            return fmt.description
+    if any(n.endswith(".distcp") for n in names):
+        return DCP.description
+    return None
 
 
 def detect_format(storage: Storage) -> str:
@@ -91,12 +88,8 @@ def detect_format(storage: Storage) -> str:
     error that says what is there (nothing, data without a commit, or other files)."""
     if not storage.exists():
         raise CheckpointNotFound(f"{storage.url}: no such file or directory")
-    for name in FORMATS:
-        try:
-            module = format_module(name)
-        except UnsupportedFormat:
-            continue
-        if module.detect(storage):
+    for name, handler in FORMATS.items():
+        if handler.detect(storage):
             return name
     if storage.is_dir():
         names = storage.listdir()
@@ -128,7 +121,7 @@ def open_reader(url: str | Storage, storage_options: Mapping[str, Any] | None = 
         if _is_set(given[key]):
             why = getattr(given[key], "refused_for", lambda n: f"{key} does not apply to a {n} checkpoint")(name)
             raise ConfigurationError(f"{storage.url}: {why}; drop it")
-    return format_module(name).open_reader(storage, **{k: v for k, v in given.items() if k in fmt.open_options})
+    return fmt.open_reader(storage, **{k: v for k, v in given.items() if k in fmt.open_options})
 
 
 def _is_set(value: Any) -> bool:

@@ -20,9 +20,10 @@ Callers rarely build requests by hand: :func:`plan_reads` turns "fill this box
 of this tensor into this view" into requests (and proves the stored chunks
 cover it), and :func:`read_box` returns a fresh tensor for one box.
 
-The write side is format-specific (see ``formats/native/writer.py``'s
-``NativeWriter`` and ``safetensors.SafetensorsStreamWriter``); what they share is the
-:class:`WriteChunk` a planner hands them.
+The write side is format-specific (see
+:class:`~shardkit.checkpoint.formats.native.writer.NativeWriter` and
+``safetensors.SafetensorsStreamWriter``); what they share is the :class:`WriteChunk`
+a planner hands them.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class CheckpointReader(abc.ABC):
     def declares_tied(self, fqn: str) -> bool:
         """Whether this checkpoint says ``fqn`` is tied to another key, so that whoever loads it fills
         ``fqn`` from that key even where nothing is stored under ``fqn``: by default when :meth:`aliases`
-        records it (an HF folder decides by its config, see :mod:`~shardkit.checkpoint.formats.hf`).
+        records it (an HF folder decides by its config, see :mod:`~shardkit.checkpoint.formats.hf.reader`).
         ``diff`` takes a key one side lacks as its tied partner only when that side says so."""
         return fqn in self.aliases()
 

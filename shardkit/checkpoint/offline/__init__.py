@@ -15,11 +15,11 @@ _EXPORTS: dict[str, str] = {
     "inspect": "shardkit.checkpoint.offline.convert",
     "verify": "shardkit.checkpoint.offline.verify",
     "diff": "shardkit.checkpoint.offline.diff",
-    "ConvertResult": "shardkit.checkpoint.offline.common",
+    "ConvertResult": "shardkit.checkpoint.offline.result",
     "VerifyReport": "shardkit.checkpoint.offline.verify",
     "DiffReport": "shardkit.checkpoint.offline.diff",
-    "DEFAULT_MAX_MEMORY": "shardkit.checkpoint.offline.common",
-    "parse_memory": "shardkit.checkpoint.offline.common",
+    "DEFAULT_MAX_MEMORY": "shardkit.checkpoint.offline.options",
+    "parse_memory": "shardkit.checkpoint.offline.options",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,9 +6,10 @@ native, see :mod:`shardkit.checkpoint.offline.scaleout`).  The ``shardkit``
 command is a thin shell over them.
 
 Every conversion is the same pipeline: open the source (format detected),
-select/rename/cast the tensors (:mod:`offline_select`), then let the target
-writer pull boxes of rows it is about to write from a :class:`Fetcher`, which
-reads only the overlapping rows of the saved chunks.  Memory is bounded by
+select/rename/cast the tensors (:mod:`~shardkit.checkpoint.offline.select`),
+then let the target writer (the target format's handler, or the resumable
+native writer) pull boxes of rows it is about to write from a
+:class:`Fetcher`, which reads only the overlapping rows of the saved chunks.  Memory is bounded by
 ``max_memory`` — boxes are sized from it — not by the model.
 
 DST safety: a DST that is SRC, lies inside it or holds it is refused (writing
@@ -27,26 +28,26 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
-from shardkit.checkpoint.formats import format_module, normalize_format, open_reader
+from shardkit.checkpoint.formats import FORMATS, NATIVE, FormatHandler, open_reader, writer_for
 from shardkit.checkpoint.formats.native.siblings import missing_references
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
-from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.checkpoint.offline.common import (
-    DEFAULT_MAX_MEMORY,
-    DEFAULT_MAX_SHARD_SIZE,
-    DEFAULT_WORKERS,
-    ConvertResult,
-    parse_memory,
-    parse_size,
-)
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
 from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
+from shardkit.checkpoint.offline.options import (
+    DEFAULT_MAX_MEMORY,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_WORKERS,
+    parse_memory,
+    parse_size,
+)
 from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
+from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
 from shardkit.checkpoint.offline.verify import VerifyReport, verify
@@ -56,11 +57,6 @@ __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "
            "DEFAULT_MAX_MEMORY", "parse_memory"]
 
 log = logging.getLogger("shardkit.checkpoint.offline.convert")
-
-def _check_output(to: str, sel: Selection) -> None:
-    """Refuse, before DST is touched, tensors the target format cannot hold (dtype, name)."""
-    format_module(to, "writer").check_tensors(sel.triples)
-
 
 def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
     """Tell the user about side files the source holds but the conversion leaves behind, and why
@@ -113,7 +109,7 @@ def _block_bytes(max_memory: int) -> int:
     return max(1 << 20, (max_memory - DIRECT_BUFFER_BYTES) // 3)
 
 
-def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | None = None,
+def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | None = None,
             exclude: Sequence[str] | None = None, rename: Sequence[str] | None = None, model_only: bool = False,
             dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
             compression: str | None = None, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
@@ -142,28 +138,30 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
 
         convert("ckpt/step-100", "hf-out", to="hf", max_shard_size="2GB", config="llama-3.2-1b/")
     """
-    to = normalize_format(to)
+    target = writer_for(to)
+    to = target.name
     budget = parse_memory(max_memory)
     shard_cap = parse_size(max_shard_size, "--max-shard-size")
-    if to != "shardkit" and (world_size not in (None, 1) or mesh):
-        raise ConfigurationError(f"--world-size/--mesh apply to shardkit output only, not --to {to}")
-    if to != "shardkit" and compression:
-        raise ConfigurationError(f"--compression applies to shardkit output only, not --to {to}")
-    if to != "hf" and config is not None:
-        raise ConfigurationError(f"--config applies to hf output only, not --to {to}")
+    if not target.takes_layout and (world_size not in (None, 1) or mesh):
+        raise ConfigurationError(f"--world-size/--mesh apply to {_formats_that('takes_layout')} output only, "
+                                 f"not --to {to}")
+    if not target.takes_layout and compression:
+        raise ConfigurationError(f"--compression applies to {_formats_that('takes_layout')} output only, not --to {to}")
+    if not target.model_export and config is not None:
+        raise ConfigurationError(f"--config applies to {_formats_that('model_export')} output only, not --to {to}")
     source, dst_storage_options = _open_distinct(
         src, dst, storage_options, dst_storage_options, src_format,
-        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or to == "hf")))
+        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or target.model_export)))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
-                     model_only=model_only or to == "hf", dtype=dtype, aliases=source.aliases())
-        _check_output(to, sel)
-        export = plan_hf_export(source, sel, config, dtype) if to == "hf" else None
+                     model_only=model_only or target.model_export, dtype=dtype, aliases=source.aliases())
+        target.check_tensors(sel.triples)
+        export = plan_hf_export(source, sel, config, dtype) if target.model_export else None
         sel = export.selection if export else sel
         _notes(source, progress, export.notes if export else ())
         started = time.perf_counter()
-        dest = prepare_dst(dst, to, dst_storage_options, overwrite)
-        if to == "shardkit":
+        dest = prepare_dst(dst, target, dst_storage_options, overwrite)
+        if target.resumable:
             mesh_t = parse_mesh(mesh) if mesh is not None else None
             result = write_native(source, sel, dest.storage, world_size=world_size or math.prod(mesh_t or (1,)),
                                   mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
@@ -171,11 +169,11 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
                                   replacing=dest.replacing, tool="convert")
         else:
             try:
-                files = _write_single(source, sel, dest, to, budget, shard_cap, progress, export)
+                files = _write_single(source, sel, dest, target, budget, shard_cap, progress, export)
             except BaseException:
                 dest.discard_created(side_files=list(export.side_files) if export else ())
                 raise
-            # hf, dcp and torch files hold the tensor data as it is: stored bytes are tensor bytes
+            # the sequentially written formats hold the tensor data as it is: stored bytes are tensor bytes
             result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped,
                                    stored_bytes=sel.nbytes)
         dest.remove_stale(result.files)
@@ -185,15 +183,21 @@ def convert(src: str, dst: str, *, to: str = "shardkit", only: Sequence[str] | N
         source.close()
 
 
+def _formats_that(capability: str) -> str:
+    """The names of the formats whose handler has ``capability`` (an option's error says where it applies)."""
+    return ", ".join(name for name, handler in FORMATS.items() if getattr(handler, capability))
+
+
 def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
     log.info("%s %s -> %s (%s): %s, %d bytes, %s in %.2f s", tool, src, result.dst, result.dst_format,
              human_count(result.tensors, "tensor"), result.bytes, human_count(len(result.files), "file"),
              time.perf_counter() - started)
 
 
-def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budget: int, shard_cap: int,
-                  progress: Progress | None, export: HfExport | None = None) -> list[str]:
-    """Write HF / DCP / torch.save output from one thread, in order; returns the names written.
+def _write_single(source: Any, sel: Selection, dest: Destination, target: FormatHandler, budget: int,
+                  shard_cap: int, progress: Progress | None, export: HfExport | None = None) -> list[str]:
+    """Write output of a format that is not resumable (HF, DCP, torch.save) from one thread, in order, through
+    its handler; returns the names written.
 
     These formats are written sequentially and start over on a rerun: their
     files are not per-rank and record no checksums a rerun could trust (only
@@ -204,25 +208,10 @@ def _write_single(source: Any, sel: Selection, dest: Destination, to: str, budge
     block = _block_bytes(budget)
     on_bytes = progress.update if progress else (lambda n: None)
     if progress:
-        progress.start(f"convert → {to}", sel.nbytes)
-    if to == "hf":
-        from shardkit.checkpoint.formats.hf import write_hf
-
-        assert export is not None  # planned by convert before DST was touched
-        files = write_hf(storage, sel.triples, fetch, block_bytes=block, max_shard_size=shard_cap,
-                         on_bytes=on_bytes, before_index=lambda: export.write_side_files(storage),
-                         avoid=dest.avoid)
-    elif to == "dcp":
-        from shardkit.checkpoint.formats.dcp.checkpoint import write_dcp
-
-        files = write_dcp(storage, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes,
-                          avoid=dest.avoid)
-    else:
-        from shardkit.checkpoint.formats.torchsave.writer import write_torch_save
-
-        parent, name = split_file(storage)
-        write_torch_save(parent, name, sel.triples, sel.values, fetch, block_bytes=block, on_bytes=on_bytes)
-        files = [name]
+        progress.start(f"convert → {target.name}", sel.nbytes)
+    files = target.write(storage, sel.triples, sel.values, fetch, block_bytes=block, max_shard_size=shard_cap,
+                         on_bytes=on_bytes, avoid=dest.avoid,
+                         before_commit=(lambda: export.write_side_files(storage)) if export else (lambda: None))
     if progress:
         progress.finish()
     return files
@@ -268,14 +257,14 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
         rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
-        _check_output("shardkit", sel)
+        NATIVE.check_tensors(sel.triples)
         _notes(source, progress)
         started = time.perf_counter()
         if agree is None:
-            dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+            dest = prepare_dst(dst, NATIVE, dst_storage_options, overwrite)
         else:  # every process checks DST (the same answer: nothing is changed yet); process 0 alone cleans up
             try:
-                dest = prepare_dst(dst, "shardkit", dst_storage_options, overwrite)
+                dest = prepare_dst(dst, NATIVE, dst_storage_options, overwrite)
             except BaseException:
                 agree(False)
                 raise
@@ -302,7 +291,7 @@ def _keys(model_keys: Sequence[str] | None) -> tuple[str, ...] | None:
 
 def _native_chunks(source: Any) -> list[Any]:
     """The chunk records of a native checkpoint's manifest (none for any other format)."""
-    if getattr(source.info, "format", "") != "shardkit":
+    if getattr(source.info, "format", "") != NATIVE.name:
         return []
     return [rec for t in source.manifest.tensors.values() for rec in t.chunks]
 

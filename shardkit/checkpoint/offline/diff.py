@@ -45,8 +45,8 @@ import torch
 
 from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.geometry.rows import iter_row_blocks, rows_per_block
-from shardkit.checkpoint.offline.common import parse_memory
 from shardkit.checkpoint.offline.fetch import Fetcher
+from shardkit.checkpoint.offline.options import parse_memory
 from shardkit.checkpoint.offline.progress import Progress
 from shardkit.checkpoint.state.aliases import alias_groups
 from shardkit.checkpoint.state.tree import from_json_value

@@ -17,8 +17,7 @@ boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
 With ``reuse=True`` each thread reads into one buffer it keeps and casts into a
 second one (both grown to the largest box), and the returned tensor is a view
 of one of them, valid until that thread's next fetch: on VMs that hand freed memory back to the host, fresh
-allocations per chunk run at page-fault speed (see
-research/baseline-measurements.md), reused ones at memory speed.  Writers
+allocations per chunk run at page-fault speed, reused ones at memory speed.  Writers
 consume each box before asking for the next, so this is safe for them.
 """
 

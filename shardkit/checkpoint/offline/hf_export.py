@@ -16,7 +16,7 @@ not give:
   the key of ``_tied_weights_keys`` in every ``*ForCausalLM``): loading ties
   it to the embedding again.  So when ``config.json`` ties word embeddings
   (``"tie_word_embeddings": true``; an absent field means the model class's
-  default, see :func:`~shardkit.checkpoint.formats.hf_layout.ties_word_embeddings`)
+  default, see :func:`~shardkit.checkpoint.formats.hf.layout.ties_word_embeddings`)
   and the checkpoint
   ties a ``lm_head.weight`` to another key, the head is left out.  Any other
   tied key, or any tie when the config does not tie or there is no config, is
@@ -39,12 +39,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit.checkpoint.formats.hf import SIDE_FILE_CAP, side_files_in
-from shardkit.checkpoint.formats.hf_layout import CONFIG_NAME, is_head, ties_word_embeddings
+from shardkit.checkpoint.formats.hf.layout import CONFIG_NAME, is_head, ties_word_embeddings
+from shardkit.checkpoint.formats.hf.reader import SIDE_FILE_CAP, side_files_in
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.checkpoint.offline.common import copy_files, side_files_of
 from shardkit.checkpoint.offline.select import Selection, parse_dtype
+from shardkit.checkpoint.offline.side_files import copy_files, side_files_of
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 
 __all__ = ["HfExport", "plan_hf_export"]

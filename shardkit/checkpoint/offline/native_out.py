@@ -44,6 +44,7 @@ from shardkit.checkpoint.formats.base import CheckpointReader, WriteChunk
 from shardkit.checkpoint.formats.compression import parse_compression
 from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.formats.native.checksums import check_chunk
+from shardkit.checkpoint.formats.native.handler import NATIVE
 from shardkit.checkpoint.formats.native.headers import check_header
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
 from shardkit.checkpoint.formats.native.writer import (
@@ -57,10 +58,11 @@ from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.offline.common import ConvertResult, copy_side_files
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.progress import Progress, human_count
+from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection
+from shardkit.checkpoint.offline.side_files import copy_side_files
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR", "assign_units"]
@@ -266,7 +268,7 @@ def commit_native(reader: CheckpointReader, sel: Selection, storage: Storage, fi
     """Side files, then the manifest (the commit), then cleanup of the journal and stale files."""
     copy_side_files(reader, storage, into=f"{EXTRA_DIR}/")
     writer = NativeWriter(storage, compression=parse_compression(compression), fsync=storage.fsync_worthwhile)
-    meta = dict(reader.info.meta) if reader.info.format == "shardkit" else {}
+    meta = dict(reader.info.meta) if reader.info.format == NATIVE.name else {}
     manifest = writer.build_manifest({t.name: (t.dtype, t.shape) for t in sel.stored}, files,
                                      values=sel.values, meta=meta, writer_info=writer_info, aliases=sel.aliases)
     writer.commit(manifest, leftovers=[RESUME_DIR])

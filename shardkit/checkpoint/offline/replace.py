@@ -29,15 +29,11 @@ before its commit, when the weight files it writes first are there too (a
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
 
-from shardkit.checkpoint.formats import COMMIT_MARKERS
-from shardkit.checkpoint.formats.hf import side_files_in
-from shardkit.checkpoint.formats.hf_layout import export_files
-from shardkit.checkpoint.formats.native.ownership import survey
+from shardkit.checkpoint.formats import CHECKPOINT_FILE_PATTERNS, COMMIT_MARKERS, FORMATS, FormatHandler
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.progress import human_count
@@ -46,10 +42,6 @@ from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 __all__ = ["Destination", "prepare_dst"]
 
 log = logging.getLogger("shardkit.checkpoint.offline.convert")
-
-_CREATED_PATTERNS = ("*.safetensors", "*.distcp", "*.partial-*", ".metadata", "manifest.json",
-                     "model.safetensors.index.json")
-
 
 @dataclass
 class Destination:
@@ -66,7 +58,7 @@ class Destination:
     """
 
     storage: Storage
-    fmt: str
+    fmt: FormatHandler
     old: set[str] = field(default_factory=set)
     replacing: str = ""
     before: set[str] = field(default_factory=set)
@@ -102,7 +94,7 @@ class Destination:
         try:
             created = sorted(n for n in _names(self.storage) - self.before
                              if n in side_files
-                             or any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in _CREATED_PATTERNS))
+                             or any(fnmatch.fnmatchcase(n.rsplit("/", 1)[-1], p) for p in CHECKPOINT_FILE_PATTERNS))
             if created:
                 self.storage.delete(created)
                 log.info("removed %s the failed run wrote at %s", human_count(len(created), "file"), self.storage.url)
@@ -120,66 +112,53 @@ def _names(storage: Storage) -> set[str]:
     return names
 
 
-def _old_checkpoint(storage: Storage) -> tuple[set[str], str]:
-    """The files of the checkpoint in directory ``storage`` (by its format), and a native one's identity."""
-    if storage.exists("manifest.json"):
-        manifest = storage.read_bytes("manifest.json")
-        found = survey(storage)  # side files under extra/ stay: the new checkpoint rewrites them in place
-        return {n for n in found.owned if not n.startswith("extra/")}, hashlib.sha256(manifest).hexdigest()[:16]
-    if storage.exists(".metadata"):
-        return {".metadata"} | {n for n in storage.listdir() if n.endswith(".distcp")}, ""
-    return export_files(storage)[0], ""  # an HF folder: the files from_pretrained loads
+def _old_checkpoint(storage: Storage) -> tuple[set[str], str | None, str]:
+    """The files of the checkpoint in directory ``storage`` (those the handler of the writable format whose
+    commit marker is there owns), the marker among them that commits it (``None``: no checkpoint), and its
+    identity for a resumable writer ("" when none)."""
+    owner = next((h for h in FORMATS.values() if h.writable and not h.single_file and h.holds(storage)), None)
+    if owner is None:
+        return set(), None, ""
+    old = owner.files_of(storage)
+    return old, next((n for n in owner.markers if n in old), None), owner.replacing_id(storage)
 
 
-def _foreign(storage: Storage, fmt: str) -> list[str]:
-    """What in directory ``storage`` no ``fmt`` writer of shardkit wrote: for native output what
-    :func:`~shardkit.checkpoint.formats.native.ownership.survey` calls foreign (an interrupted run's data
-    files and resume journal are not), for the others every name without the shape of a checkpoint file."""
-    if fmt == "shardkit":
-        return survey(storage).foreign
-    # hf writes its weights first, then copies config and tokenizer files, then commits: side files beside
-    # the weights it writes are a killed export's; without them, they are someone's own
-    side = set(side_files_in(storage)[0]) if fmt == "hf" and export_files(storage)[1] else set()
-    return [n for n in storage.listdir()
-            if n not in side and not any(fnmatch.fnmatchcase(n, p) for p in _CREATED_PATTERNS)]
-
-
-def prepare_dst(dst: str, fmt: str, storage_options: Mapping[str, Any] | None, overwrite: bool) -> Destination:
-    """Check DST for ``fmt`` output and describe what is there; nothing is deleted here.
+def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any] | None,
+                overwrite: bool) -> Destination:
+    """Check DST for output in format ``fmt`` and describe what is there; nothing is deleted here.
 
     A DST holding a checkpoint is refused unless ``overwrite``, and so is a
     directory holding anything else that is not what an interrupted run of
     the same kind left there (a user's files would silently get a checkpoint
-    written among them).  With ``overwrite`` such files are kept.  A torch file
-    DST needs no plan: its writer renames the finished file over the old one.
+    written among them).  With ``overwrite`` such files are kept.  A one-file
+    DST (torch.save) needs no plan: its writer renames the finished file over the old one.
     """
     storage = Storage(dst, storage_options)
     present = storage.exists()
-    if present and storage.is_dir() == (fmt == "torch"):
-        kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt == "torch" else \
+    if present and storage.is_dir() == fmt.single_file:
+        kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt.single_file else \
             ("a file", "a directory")
-        raise ConfigurationError(f"{dst}: is {kind}, but {fmt} output is {want}")
+        raise ConfigurationError(f"{dst}: is {kind}, but {fmt.name} output is {want}")
     if not present:
         dest = Destination(storage, fmt)
-    elif fmt == "torch":
+    elif fmt.single_file:
         if not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.url}); pass --overwrite to "
                                    f"replace it")
         parent, name = split_file(storage)
         dest = Destination(storage, fmt, before=_names(parent))
     else:
-        old, replacing = _old_checkpoint(storage)
-        marker = next((n for n in COMMIT_MARKERS if n in old), None)
+        old, marker, replacing = _old_checkpoint(storage)
         if marker is not None and not overwrite:
             raise CheckpointExists(f"{dst}: already holds a checkpoint ({storage.where(marker)}); pass --overwrite "
                                    f"to replace it")
-        if marker is None and not overwrite and (foreign := _foreign(storage, fmt)):
+        if marker is None and not overwrite and (foreign := fmt.foreign(storage, CHECKPOINT_FILE_PATTERNS)):
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise ConfigurationError(f"{dst}: not empty and not a checkpoint (it holds {shown}); write to a new or "
                                      "empty directory, or pass --overwrite to write the checkpoint beside those "
                                      "files (they are kept)")
-        leftovers = export_files(storage)[1] if fmt == "hf" else set()
+        leftovers = fmt.leftovers(storage)
         dest = Destination(storage, fmt, old if marker else set(), replacing, _names(storage), leftovers)
-    if fmt != "torch":
+    if not fmt.single_file:
         storage.makedirs()
     return dest

@@ -22,6 +22,7 @@ import datetime
 import os
 from typing import Any
 
+from shardkit.checkpoint.formats import handler_for
 from shardkit.checkpoint.offline.convert import convert, reshard
 from shardkit.errors import ConfigurationError
 from shardkit.wire.collectives import any_failed
@@ -99,9 +100,10 @@ def run_convert(src: str, dst: str, *, to: str, distributed: bool | None = None,
     rank, nprocs = scaleout_rank(distributed)
     if nprocs <= 1:
         return convert(src, dst, to=to, **kwargs)
-    if to in ("shardkit", "native"):
+    target = handler_for(to)
+    if target.resumable:
         if kwargs.pop("config", None) is not None:
-            raise ConfigurationError("--config applies to hf output only, not --to shardkit")
+            raise ConfigurationError(f"--config applies to hf output only, not --to {target.name}")
         kwargs.pop("max_shard_size", None)
         kwargs["world_size"] = kwargs.pop("world_size", None) or 1
         return run_reshard(src, dst, distributed=distributed, **kwargs)

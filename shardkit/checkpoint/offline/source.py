@@ -11,6 +11,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from shardkit.checkpoint.formats import handler_for
 from shardkit.checkpoint.io.storage import Storage
 
 if TYPE_CHECKING:
@@ -47,15 +48,16 @@ def overlap(a: Storage, b: Storage) -> bool:
 def source_fingerprint(storage: Storage, fmt: str) -> str:
     """A digest that changes whenever the checkpoint at ``storage`` changes.
 
-    A native checkpoint is pinned by its manifest (which holds every chunk's
-    crc32c), so the manifest's bytes are hashed.  Other formats record no
-    checksums, so their files' names, sizes and change stamps (mtime locally,
+    A format whose handler names a ``content_pin`` (native: the manifest,
+    which holds every chunk's crc32c) is pinned by that file's bytes.  Other
+    formats record no checksums, so their files' names, sizes and change stamps (mtime locally,
     ETag/generation on object stores) stand in: a file replaced in place with
     the same shapes but new values still changes the digest.
     """
     digest = hashlib.sha256(fmt.encode())
-    if fmt == "shardkit":
-        digest.update(storage.read_bytes("manifest.json"))
+    pin = handler_for(fmt).content_pin
+    if pin is not None:
+        digest.update(storage.read_bytes(pin))
     else:
         digest.update(json.dumps(storage.listing()).encode())
     return digest.hexdigest()[:16]

@@ -59,6 +59,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from shardkit.checkpoint.formats import foreign_kind
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import (
     DirectorySurvey,
@@ -424,7 +425,7 @@ class CheckpointManager:
             shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
             return f"no step-<N> directory; the root holds {shown}"
         surveys: list[DirectorySurvey] = [survey(self.root.child(dirs[s])) for s in sorted(dirs)]
-        return "found " + "; ".join(found.describe() for found in surveys)
+        return "found " + "; ".join(found.describe(foreign_kind(found.foreign)) for found in surveys)
 
 
 def _creatable(path: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Mapping
 
+from shardkit.checkpoint.formats import foreign_kind
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import DirectorySurvey, remove_owned, survey
 from shardkit.checkpoint.formats.native.siblings import UnknownReferences, references_of
@@ -63,8 +64,8 @@ def retain(root: Storage, committed: int, *, run: RunSteps, keep_last: int | Non
         if found.interrupted_save:
             doomed.add(s)
         elif found.foreign:
-            warn_once(f"left alone {found.describe()}: the checkpoint manager only deletes what it "
-                            f"wrote; move or delete it yourself")
+            warn_once(f"left alone {found.describe(foreign_kind(found.foreign))}: the checkpoint manager only "
+                            f"deletes what it wrote; move or delete it yourself")
     pinned = _pinned(root, {s: dirs[s] for s in on_disk}, doomed, warn_once)
     if pinned is None:
         return
@@ -78,7 +79,8 @@ def retain(root: Storage, committed: int, *, run: RunSteps, keep_last: int | Non
         log.info("%s step %d at %s", "removed superseded" if s in superseded else "retention removed", s,
                  step_store.url)
         if found.foreign:
-            warn_once(f"kept files shardkit did not write in {found.describe()} after removing step {s}")
+            warn_once(f"kept files shardkit did not write in {found.describe(foreign_kind(found.foreign))} after "
+                      f"removing step {s}")
     if recorded:  # forget what retention removed; a superseded step kept for a reference stays recorded
         left = step_dirs(root)
         write_superseded(root, {old: rec for old, rec in records.items()

@@ -68,7 +68,7 @@ def _damaged_torch_file(sources: Path, tmp_path: Path) -> tuple[str, str]:
 
 def _damaged_dcp(sources: Path, tmp_path: Path, fqn: str) -> tuple[str, str, str]:
     """A copy of the DCP directory with one byte flipped in the tensor record of ``fqn``'s payload."""
-    from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader
+    from shardkit.checkpoint.formats.dcp.reader import DcpReader
     from shardkit.checkpoint.io.storage import Storage
 
     src = tmp_path / "dcp"

@@ -9,7 +9,8 @@ a user's notes that happen to sit under a checkpoint root are never touched.
 A name is shardkit's when it has the exact shape shardkit gives its files:
 
 * ``manifest.json`` (the commit marker) and its temporary ``manifest.json.tmp-<12 hex>``;
-* ``data/<10 hex>-<writer>-<part>.safetensors`` (data files, see ``native_write.data_file_name``);
+* ``data/<10 hex>-<writer>-<part>.safetensors`` (data files, see
+  :func:`~shardkit.checkpoint.formats.native.writer.data_file_name`);
 * ``index/<10 hex>-<writer>.json`` (format version 3's index files) and their temporary
   ``...json.tmp-<12 hex>``;
 * ``.shardkit-resume/<data file>.json`` (the offline resume journal);
@@ -25,7 +26,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from shardkit.checkpoint.formats import FORMATS
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.storage import Storage
 
@@ -68,17 +68,9 @@ class DirectorySurvey:
         """Shardkit data without a commit, and nothing else: safe to delete whole."""
         return not self.committed and bool(self.owned) and not self.foreign
 
-    def foreign_kind(self) -> str | None:
-        """The other tool whose checkpoint this looks like, if any (for warnings)."""
-        for fmt in FORMATS.values():  # what makes a directory another tool's checkpoint (the registry's markers)
-            if fmt.name != "shardkit" and any(marker in self.foreign for marker in fmt.markers):
-                return fmt.description
-        if any(n.endswith(".distcp") for n in self.foreign):
-            return FORMATS["dcp"].description
-        return None
-
-    def describe(self) -> str:
-        kind = self.foreign_kind()
+    def describe(self, kind: str | None = None) -> str:
+        """The directory in a few words: ``kind`` is the other tool whose checkpoint its foreign files make it
+        (:func:`shardkit.checkpoint.formats.foreign_kind`), if any."""
         if kind:
             return f"{self.url} (a {kind}, not a shardkit checkpoint)"
         if self.foreign:

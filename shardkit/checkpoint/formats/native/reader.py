@@ -22,8 +22,8 @@ A chunk stored as column strips is, to the reader, one plain chunk per strip
 (:meth:`ChunkRecord.pieces`): a request names the strip it reads from, so a
 column cut fetches only the strips it needs.
 
-Writing lives in ``native_write.py`` (:class:`NativeWriter`, :class:`WrittenFile`
-and the file-naming helpers), re-exported here so one import serves both sides.
+Writing lives in :mod:`~shardkit.checkpoint.formats.native.writer` (:class:`NativeWriter`,
+:class:`WrittenFile` and the file-naming helpers).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats import open_reader
+from shardkit.checkpoint.formats import NATIVE, open_reader
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
@@ -138,7 +138,7 @@ def check_copy(url: str, state: dict[str, Any], structure: str) -> CheckedCopy:
                                 f"{meta['hot']['structure']}, this rank's {structure})")
     flat = flatten(state)
     local = Flat({key: local_tensor(t) for key, t in flat.tensors.items()}, flat.values, flat.slots)
-    reader = open_reader(url, format="shardkit", io_threads=DEFAULT_IO_THREADS)
+    reader = open_reader(url, format=NATIVE.name, io_threads=DEFAULT_IO_THREADS)
     try:
         plan = plan_load(reader, local, strict=True)
         reader.prepare(plan.requests)

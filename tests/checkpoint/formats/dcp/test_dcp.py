@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader, read_dcp_metadata
+from shardkit.checkpoint.formats.dcp.reader import DcpReader, read_dcp_metadata
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest, UnsafeCheckpoint
 from tests.support.formats_helpers import torch_fully_shard_dcp
@@ -72,7 +72,7 @@ def test_convert_writes_dcp_that_torch_dcp_load_reads_with_optimizer_state(tmp_p
 def test_dcp_output_tensor_larger_than_block_is_split_into_chunks(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardkit.checkpoint.formats.dcp.checkpoint import write_dcp
+    from shardkit.checkpoint.formats.dcp.writer import write_dcp
 
     big = torch.randn(1000, 64)
     out = tmp_path / "d"

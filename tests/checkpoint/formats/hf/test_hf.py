@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardkit.checkpoint import convert, verify
-from shardkit.checkpoint.formats import hf
 from shardkit.checkpoint.formats.base import read_box
-from shardkit.checkpoint.formats.hf import INDEX_NAME, HfReader, write_hf
+from shardkit.checkpoint.formats.hf import reader as hf
+from shardkit.checkpoint.formats.hf.reader import INDEX_NAME, HfReader
+from shardkit.checkpoint.formats.hf.writer import write_hf
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, UnsafeCheckpoint
 

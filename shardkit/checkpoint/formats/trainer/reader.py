@@ -37,10 +37,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
-from shardkit.checkpoint.formats.dcp.checkpoint import DcpReader
-from shardkit.checkpoint.formats.hf import HfReader, side_files_in
+from shardkit.checkpoint.formats.dcp.handler import DCP
+from shardkit.checkpoint.formats.dcp.reader import DcpReader
+from shardkit.checkpoint.formats.hf.handler import HF
+from shardkit.checkpoint.formats.hf.reader import side_files_in
+from shardkit.checkpoint.formats.torchsave.handler import TORCH
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
-from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions, TorchSaveReader
+from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.formats.torchsave.state import UNNAMED_HINT
 from shardkit.checkpoint.formats.trainer.param_order import fits, named_groupings
 from shardkit.checkpoint.formats.trainer.rng import RNG_FILE, SINGLE_PROCESS_FILE, read_rng_state, rng_files
@@ -140,13 +143,14 @@ class TrainerReader(CheckpointReader):
 
     # ----------------------------------------------------------------- parts
     def _open(self, storage: Storage, name: str) -> CheckpointReader:
-        """The reader of one part, by its name: a torch.save file, safetensors weights or a DCP folder."""
+        """The reader of one part, by its name, from the handler of the part's format: a torch.save file,
+        safetensors weights (the folder read as an HF checkpoint) or a DCP folder."""
         child = storage.child(name)
         if name.endswith((".bin", ".pt")):
-            return TorchSaveReader(child)
+            return TORCH.open_reader(child)
         if name.endswith(".safetensors") or name.endswith(".index.json"):
-            return HfReader(storage)
-        return DcpReader(child)
+            return HF.open_reader(storage)
+        return DCP.open_reader(child)
 
     def _model(self, storage: Storage, names: Sequence[str]) -> None:
         name = next((n for n in MODEL_PARTS if n in names), None)

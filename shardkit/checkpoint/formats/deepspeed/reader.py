@@ -46,7 +46,7 @@ from shardkit.checkpoint.formats.deepspeed.layout import (
     zero3_pieces,
     zero12_pieces,
 )
-from shardkit.checkpoint.formats.hf import side_files_in
+from shardkit.checkpoint.formats.hf.reader import side_files_in
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, tensors_in
 from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
 from shardkit.checkpoint.io.names import check_name

@@ -1,27 +1,20 @@
-"""Hugging Face safetensors checkpoints: one ``model.safetensors`` or shards + index.
+"""Hugging Face safetensors checkpoints read safely: one ``model.safetensors`` or shards + index.
 
 Reading parses each file's safetensors header with a ranged read and checks it
 strictly (header length cap, JSON shape, dtypes, offsets inside the file, no
 overlaps or holes) before any tensor byte is trusted; tensors are then read a
-block of rows at a time with ranged reads, never the whole file.
-
-Writing follows the conventions ``transformers``/``huggingface_hub`` use:
-shards filled greedily in key order up to ``max_shard_size`` (a tensor larger
-than the cap gets a shard of its own); one shard is ``model.safetensors`` with
-no index, as ``save_pretrained`` writes it, several are named
-``model-0000k-of-0000N.safetensors`` beside a ``model.safetensors.index.json``
-with ``metadata.total_size``; ``__metadata__ = {"format": "pt"}`` in every header.  Each shard is streamed:
-its header is computed from the plan, then rows are appended block by block.
+block of rows at a time with ranged reads, never the whole file.  Writing is
+:mod:`.writer`'s.
 
 Names: an HF key ``k`` is the model tensor ``model.k`` in shardkit's
-flattened naming; HF holds model weights only, so writing anything else is
-refused up front (:func:`check_tensors`) rather than given a mangled name.
+flattened naming.
 
 Which weights a folder holds: ``model.safetensors`` when it is there, even
 beside an index, else the index and the shards it names
-(:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`) -- the order
+(:func:`~shardkit.checkpoint.formats.hf.layout.weights_file`) -- the order
 ``from_pretrained`` looks in, so shardkit and transformers always load the
-same weights; the writer's commit points follow from it (see :func:`write_hf`).
+same weights; the writer's commit points follow from it (see
+:func:`~shardkit.checkpoint.formats.hf.writer.write_hf`).
 
 Side files (``config.json``, tokenizer files) travel with the weights when
 converting; only small config/tokenizer/text files are taken
@@ -34,8 +27,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import uuid
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -46,8 +38,8 @@ from shardkit.checkpoint.formats.base import (
     StoredChunk,
     TensorEntry,
 )
-from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, dtype_to_code, itemsize
-from shardkit.checkpoint.formats.hf_layout import (
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype
+from shardkit.checkpoint.formats.hf.layout import (
     CONFIG_NAME,
     INDEX_NAME,
     SINGLE_NAME,
@@ -55,25 +47,21 @@ from shardkit.checkpoint.formats.hf_layout import (
     ties_word_embeddings,
     weights_file,
 )
-from shardkit.checkpoint.formats.safetensors import SafetensorsStreamWriter, parse_safetensors_header
+from shardkit.checkpoint.formats.safetensors import parse_safetensors_header
 from shardkit.checkpoint.geometry.rows import (
     copy_rows_into,
-    iter_row_blocks,
     row_range,
-    rows_per_block,
 )
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import (
     CheckpointNotFound,
-    ConfigurationError,
     InvalidManifest,
     UnsafeCheckpoint,
-    UnsupportedFormat,
 )
 
-__all__ = ["HfReader", "detect", "open_reader", "write_hf", "plan_shards", "read_header",
-           "check_tensors", "side_file_problem", "side_files_in", "INDEX_NAME", "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
+__all__ = ["HfReader", "detect", "open_reader", "read_header", "side_file_problem", "side_files_in", "INDEX_NAME",
+           "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
 
 SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "merges.txt", "vocab.*")
 SIDE_FILE_CAP = 64 << 20
@@ -87,20 +75,6 @@ def read_header(storage: Storage, name: str, *, base: int = 0, where: str | None
     prefix = storage.read_bytes(name, base, base + min(size, _HEAD_GUESS))
     return parse_safetensors_header(prefix, size, where or storage.where(name),
                                     lambda n: storage.read_bytes(name, base, base + n))
-
-
-def check_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-    """Refuse, before anything is written, what an HF folder cannot hold: keys outside ``model.``
-    (HF holds model weights only, keyed without the prefix) and dtypes safetensors has no code for."""
-    for fqn, dtype, _ in tensors:
-        if not fqn.startswith("model."):
-            raise ConfigurationError(f"{fqn!r} is not a model tensor (no 'model.' prefix), so it has no HF name; "
-                                     "keep the 'model.' prefix in --rename, or exclude it")
-        try:
-            dtype_to_code(dtype)
-        except UnsupportedFormat:
-            raise UnsupportedFormat(f"{fqn!r} is {dtype}, which safetensors cannot hold; exclude it or cast it "
-                                    "with --dtype") from None
 
 
 def side_file_problem(storage: Storage, name: str) -> str | None:
@@ -237,111 +211,3 @@ class HfReader(CheckpointReader):
             self.folder.read_into(name, start + r0 * row, as_bytes(rows))
             self.stats.add(read=rows.numel() * rows.element_size(), requests=1)
             copy_rows_into(rows, entry.chunks[0].offsets, r.box, r.out)
-
-
-# --------------------------------------------------------------------------
-# writing
-
-
-def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int) -> list[list[int]]:
-    """Greedy in key order, like ``split_state_dict_into_shards_factory``: indices per shard."""
-    shards: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, (_, dtype, shape) in enumerate(tensors):
-        n = math.prod(shape) * itemsize(dtype)
-        if current and size + n > max_shard_size:
-            shards.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current or not shards:
-        shards.append(current)
-    return shards
-
-
-Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
-
-
-def write_hf(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Fetch, *,
-             block_bytes: int, max_shard_size: int, on_bytes: Callable[[int], None] = lambda n: None,
-             before_index: Callable[[], None] = lambda: None, avoid: Collection[str] = ()) -> list[str]:
-    """Write model tensors (``model.<key>`` → ``<key>``) as ``save_pretrained`` does; return the file names.
-
-    One shard is ``model.safetensors`` and no index; several are
-    ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``.
-    ``fetch(fqn, offsets, shape)`` returns a box of rows; each shard is streamed
-    (header first) a block of at most ``block_bytes`` at a time.  What makes the
-    folder a checkpoint comes last (after ``before_index``, which copies side
-    files), so a failure leaves none: the index, or the single file, written
-    under a temporary name and moved into place.  Shards never take a name in
-    ``avoid`` (the files of an export being replaced, still in use until this
-    commit): the usual ``model-0000k-of-0000N.safetensors`` then gets a short
-    suffix, and the index names the files as written.
-
-    Replacing an export, the commit is the moment both shardkit and
-    ``from_pretrained`` switch to the new one
-    (:func:`~shardkit.checkpoint.formats.hf_layout.weights_file`): a single
-    file replaces an old ``model.safetensors`` in the one step of its move,
-    and shadows an old index from then on (the caller removes it after);
-    several shards commit when an old ``model.safetensors`` (in ``avoid``) is
-    removed, right after the new index is in place -- until then it shadows
-    the new index.
-    """
-    check_tensors(tensors)
-    items = [(fqn[len("model."):], dtype, shape) for fqn, dtype, shape in tensors]
-    shards = plan_shards(items, max_shard_size)
-    if len(shards) == 1:
-        _write_single_file(dst, tensors, items, fetch, block_bytes, on_bytes, before_index)
-        return [SINGLE_NAME]
-    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    if set(names) & set(avoid):
-        suffix = uuid.uuid4().hex[:8]
-        names = [f"{n[:-len('.safetensors')]}-{suffix}.safetensors" for n in names]
-    weight_map: dict[str, str] = {}
-    for name, idx in zip(names, shards):
-        dst.write_stream(name, _shard_producer(tensors, items, idx, fetch, block_bytes, on_bytes),
-                         fsync=dst.fsync_worthwhile)  # durable before the index commits it
-        for i in idx:
-            weight_map[items[i][0]] = name
-    total = sum(math.prod(s) * itemsize(d) for _, d, s in items)
-    before_index()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    dst.put_atomic(INDEX_NAME, json.dumps(index, indent=2).encode())
-    if SINGLE_NAME in avoid:
-        dst.delete([SINGLE_NAME])  # the commit: the new index is what every reader follows now
-    return names + [INDEX_NAME]
-
-
-def _write_single_file(dst: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                       items: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Fetch, block_bytes: int,
-                       on_bytes: Callable[[int], None], before_index: Callable[[], None]) -> None:
-    """``model.safetensors``, its own commit marker: streamed to a temporary name beside it, then moved
-    into place -- a rename on local disks, a server-side copy on object stores, which replaces an old
-    ``model.safetensors`` only once complete."""
-    dst.write_then_replace(SINGLE_NAME, _shard_producer(tensors, items, list(range(len(items))), fetch,
-                                                        block_bytes, on_bytes), before_index)
-
-
-def _shard_producer(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                    items: list[tuple[str, torch.dtype, tuple[int, ...]]], idx: list[int], fetch: Fetch,
-                    block_bytes: int, on_bytes: Callable[[int], None]) -> Callable[[Any], None]:
-    """What streams the tensors ``idx`` into one safetensors file: the header from the plan, then the rows."""
-    entries = [(key, dtype_to_code(dtype), shape, math.prod(shape) * itemsize(dtype))
-               for key, dtype, shape in (items[i] for i in idx)]
-
-    def produce(out: Any) -> None:
-        stream = SafetensorsStreamWriter(out, entries, {"format": "pt"}, block_size=1 << 30)
-        for i in idx:
-            fqn, dtype, shape = tensors[i]
-            key = items[i][0]
-            if not shape:
-                stream.write(key, as_bytes(fetch(fqn, (), ()).contiguous()))
-                continue
-            for r0, r1 in iter_row_blocks(shape[0], rows_per_block(dtype, shape, block_bytes)):
-                block = fetch(fqn, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])).contiguous()
-                stream.write(key, as_bytes(block) if block.numel() else torch.empty(0, dtype=torch.uint8))
-                on_bytes(block.numel() * block.element_size())
-        stream.finish()
-
-    return produce

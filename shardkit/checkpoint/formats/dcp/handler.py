@@ -1,0 +1,74 @@
+"""The DCP format's handler: what the tools ask of a ``torch.distributed.checkpoint`` directory (see
+:class:`~shardkit.checkpoint.formats.handler.FormatHandler`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.formats.dcp import reader, writer
+from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME
+from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import ShardkitError
+
+__all__ = ["DcpHandler", "DCP", "verify_payloads"]
+
+
+class DcpHandler(FormatHandler):
+    """``.metadata`` + ``*.distcp`` payloads, each a torch.save archive whose records carry a CRC-32."""
+
+    name = "dcp"
+    description = "torch.distributed.checkpoint directory"
+    markers = (METADATA_NAME,)
+    writable = True
+    file_patterns = ("*.distcp", METADATA_NAME)
+    verify_shows_progress = True
+
+    def detect(self, storage: Storage) -> bool:
+        return reader.detect(storage)
+
+    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
+        return reader.open_reader(storage, **options)
+
+    def check_tensors(self, tensors: Tensors) -> None:
+        writer.check_tensors(tensors)
+
+    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
+              on_bytes: Callable[[int], None], avoid: Collection[str],
+              before_commit: Callable[[], None]) -> list[str]:
+        before_commit()
+        return writer.write_dcp(storage, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes,
+                                avoid=avoid)
+
+    def files_of(self, storage: Storage) -> set[str]:
+        return {METADATA_NAME} | {n for n in storage.listdir() if n.endswith(".distcp")}
+
+    def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
+               progress: Any) -> int | None:
+        return verify_payloads(reader, problems, progress)
+
+
+def verify_payloads(reader: Any, problems: list[str], progress: Any) -> int:
+    """Stream every chunk's payload record of DCP ``reader`` through its CRC-32 (or decode it where it has
+    none); append what is wrong to ``problems``; return the bytes checked."""
+    entries = reader.tensors()
+    if progress:
+        progress.start("verify", sum(c.locator.length for e in entries.values() for c in e.chunks))
+    nbytes = 0
+    for entry in entries.values():
+        for i in range(len(entry.chunks)):
+            try:
+                n = reader.check_chunk(entry, i)
+                nbytes += n
+                if progress:
+                    progress.update(n)
+            except ShardkitError as exc:
+                problems.append(str(exc))
+    return nbytes
+
+
+DCP = DcpHandler()

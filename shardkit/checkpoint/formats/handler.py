@@ -1,0 +1,97 @@
+"""What a checkpoint format does for the tools, in one place: :class:`FormatHandler`.
+
+Each format's folder provides one handler (``formats/<name>/handler.py``) and
+the registry (:mod:`shardkit.checkpoint.formats`) lists them.  The offline
+tools, the CLI and training ask a handler -- to detect and open a checkpoint,
+to refuse what the format cannot hold, to write, to name the files it owns at
+a destination, to verify -- and read its capability flags instead of
+comparing format names, so a new format is its folder and one registry line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Collection, Iterable, Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import UnsupportedFormat
+
+__all__ = ["FormatHandler", "Tensors"]
+
+Tensors = Iterable[tuple[str, torch.dtype, tuple[int, ...]]]  # (fqn, dtype, shape) of what is to be written
+
+
+class FormatHandler:
+    """One checkpoint format: how a user and a directory name it, how it is read, and -- where
+    ``writable`` -- written, replaced and verified.
+
+    The class attributes are the format's capabilities, which the tools
+    consult so that none of them has to know a format by its name.
+    """
+
+    name: str = ""
+    description: str = ""
+    aliases: tuple[str, ...] = ()       # other spellings a user may type (--from/--to)
+    markers: tuple[str, ...] = ()       # files whose presence makes a directory this format's checkpoint
+    open_options: tuple[str, ...] = ()  # keyword options its open_reader takes
+    writable: bool = False
+    resumable: bool = False     # output resumes after an interruption and may be split across processes
+    single_file: bool = False   # a destination is one file, not a directory
+    takes_layout: bool = False  # output is laid out for ranks: world_size, mesh and compression apply
+    model_export: bool = False  # output holds model weights only, with config and tokenizer files beside
+    content_pin: str | None = None       # a file whose bytes pin every byte of the checkpoint (its checksums)
+    file_patterns: tuple[str, ...] = ()  # shapes of the file names its writer creates (fnmatch)
+    verify_shows_progress: bool = False  # verify reports the bytes it reads to the progress display
+
+    def detect(self, storage: Storage) -> bool:
+        """Whether ``storage`` holds a checkpoint of this format."""
+        raise NotImplementedError
+
+    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
+        """A reader of the checkpoint at ``storage``; ``options`` are the ones named in ``open_options``."""
+        raise NotImplementedError
+
+    def check_tensors(self, tensors: Tensors) -> None:
+        """Refuse, before the destination is touched, tensors this format cannot hold (dtype, name)."""
+        raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
+
+    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
+              on_bytes: Callable[[int], None], avoid: Collection[str],
+              before_commit: Callable[[], None]) -> list[str]:
+        """Write ``tensors`` (their boxes pulled from ``fetch``) and ``values`` at ``storage`` from one thread,
+        in order, calling ``before_commit`` just before the commit; return the names written.  Never takes a
+        name in ``avoid`` (the checkpoint being replaced still uses them until this commit)."""
+        raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
+
+    def holds(self, storage: Storage) -> bool:
+        """Whether directory ``storage`` has one of this format's commit markers."""
+        return any(storage.exists(marker) for marker in self.markers)
+
+    def files_of(self, storage: Storage) -> set[str]:
+        """The files of this format's checkpoint in directory ``storage``: what ``--overwrite`` replaces
+        (removed once the new checkpoint commits)."""
+        return set()
+
+    def replacing_id(self, storage: Storage) -> str:
+        """An identity of the checkpoint at ``storage`` that a resumable writer keeps apart from ("" if none)."""
+        return ""
+
+    def leftovers(self, storage: Storage) -> set[str]:
+        """Files earlier runs of this writer left in ``storage`` that no reader loads (removed after a commit)."""
+        return set()
+
+    def foreign(self, storage: Storage, checkpoint_patterns: Collection[str]) -> list[str]:
+        """What in directory ``storage`` no run of this writer left: every name without the shape of a
+        checkpoint file (``checkpoint_patterns``)."""
+        return [n for n in storage.listdir() if not any(fnmatch.fnmatchcase(n, p) for p in checkpoint_patterns)]
+
+    def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
+               progress: Any) -> int | None:
+        """Check the data of the checkpoint at ``storage``, open as ``reader``, appending what is wrong to
+        ``problems``; return the bytes checked, or ``None`` when the format records nothing to check the data
+        against (headers only, checked when it was opened)."""
+        return None

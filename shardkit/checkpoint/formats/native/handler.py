@@ -1,0 +1,66 @@
+"""The native format's handler: what the tools ask of a shardkit checkpoint (see
+:class:`~shardkit.checkpoint.formats.handler.FormatHandler`)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.native import reader, writer
+from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
+from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, survey
+from shardkit.checkpoint.formats.native.verify import verify_data_files
+from shardkit.checkpoint.io.storage import Storage
+
+__all__ = ["NativeHandler", "NATIVE"]
+
+
+class NativeHandler(FormatHandler):
+    """manifest.json + safetensors data files: resumable, laid out for ranks, every chunk checksummed.
+
+    Its output is written by the offline tools' parallel, resumable writer
+    (``offline.native_out``), not by :meth:`write`.
+    """
+
+    name = FORMAT_NAME
+    description = "native: manifest.json + safetensors chunks"
+    aliases = ("native",)
+    markers = (MANIFEST_NAME,)
+    open_options = ("io_threads",)
+    writable = True
+    resumable = True
+    takes_layout = True
+    content_pin = MANIFEST_NAME  # it holds every chunk's crc32c
+    file_patterns = (MANIFEST_NAME,)
+    verify_shows_progress = True
+
+    def detect(self, storage: Storage) -> bool:
+        return reader.detect(storage)
+
+    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
+        return reader.open_reader(storage, **options)
+
+    def check_tensors(self, tensors: Tensors) -> None:
+        writer.check_tensors(tensors)
+
+    def files_of(self, storage: Storage) -> set[str]:
+        """What :func:`~shardkit.checkpoint.formats.native.ownership.survey` says shardkit wrote, less the side
+        files under ``extra/``: the new checkpoint rewrites those in place."""
+        return {n for n in survey(storage).owned if not n.startswith(f"{EXTRA_DIR}/")}
+
+    def replacing_id(self, storage: Storage) -> str:
+        """A digest of the manifest, so the new checkpoint plans file names the old one does not use."""
+        return hashlib.sha256(storage.read_bytes(MANIFEST_NAME)).hexdigest()[:16]
+
+    def foreign(self, storage: Storage, checkpoint_patterns: Any = ()) -> list[str]:
+        """What ``survey`` calls foreign: an interrupted run's data files and resume journal are not."""
+        return survey(storage).foreign
+
+    def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
+               progress: Any) -> int | None:
+        return verify_data_files(reader, problems, workers, progress)
+
+
+NATIVE = NativeHandler()

@@ -1,0 +1,74 @@
+"""The torch.save format's handler: what the tools ask of one ``torch.save`` file (see
+:class:`~shardkit.checkpoint.formats.handler.FormatHandler`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.torchsave import reader, writer
+from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
+from shardkit.checkpoint.io.storage import Storage, split_file
+from shardkit.errors import ShardkitError
+
+__all__ = ["TorchSaveHandler", "TORCH", "verify_archive", "verify_archives"]
+
+
+class TorchSaveHandler(FormatHandler):
+    """One zip archive read through the ``weights_only`` allowlist; the file is its own commit marker (the
+    writer renames the finished file over the old one), and every record carries a CRC-32."""
+
+    name = "torch"
+    description = "torch.save file (weights_only)"
+    aliases = ("pt", "torch.save")
+    open_options = ("torch_options",)
+    writable = True
+    single_file = True
+
+    def detect(self, storage: Storage) -> bool:
+        return reader.detect(storage)
+
+    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
+        return reader.open_reader(storage, **options)
+
+    def check_tensors(self, tensors: Tensors) -> None:
+        writer.check_tensors(tensors)
+
+    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
+              on_bytes: Callable[[int], None], avoid: Collection[str],
+              before_commit: Callable[[], None]) -> list[str]:
+        parent, name = split_file(storage)
+        before_commit()
+        writer.write_torch_save(parent, name, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes)
+        return [name]
+
+    def files_of(self, storage: Storage) -> set[str]:
+        """The file itself, by its name in its folder (replaced by the rename that commits the new one)."""
+        return {split_file(storage)[1]} if storage.exists() else set()
+
+    def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
+               progress: Any) -> int | None:
+        return verify_archives([split_file(storage)], problems)
+
+
+def verify_archive(folder: Storage, name: str, problems: list[str]) -> int:
+    """Stream every record of zip archive ``name`` in ``folder`` through its CRC-32; return the bytes checked."""
+    try:
+        return check_zip_records(folder, name, 0, folder.size(name), folder.where(name))
+    except ShardkitError as exc:
+        problems.append(str(exc))
+        return 0
+
+
+def verify_archives(files: list[tuple[Storage, str]], problems: list[str]) -> int | None:
+    """:func:`verify_archive` of each ``(folder, name)``; ``None`` when all were written without CRC-32s (every
+    one 0) and nothing is wrong: there was nothing to check the data against."""
+    checked = sum(verify_archive(folder, name, problems) for folder, name in files)
+    return checked if checked or problems else None
+
+
+TORCH = TorchSaveHandler()

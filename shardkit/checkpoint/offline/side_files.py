@@ -1,0 +1,61 @@
+"""Side files: what travels with the weights (config.json, tokenizer files) when a checkpoint is converted.
+
+An HF folder has them beside its shards; a native checkpoint made from one
+keeps them under ``extra/``, so a later export puts them back where
+``from_pretrained`` looks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardkit.checkpoint.formats.native.handler import NATIVE
+from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
+from shardkit.checkpoint.io.storage import Storage
+
+__all__ = ["side_files_of", "copy_side_files", "copy_files", "SIDE_FILE_BLOCK"]
+
+SIDE_FILE_BLOCK = 8 << 20
+
+
+def side_files_of(source: Any) -> tuple[Storage | None, list[str]]:
+    """Files that travel with the weights (config.json, tokenizer files).
+
+    An HF folder has them beside the shards; a shardkit checkpoint made from
+    one keeps them under ``extra/`` so a later ``convert --to hf`` can put them
+    back and ``from_pretrained`` finds its config.
+    """
+    names = getattr(source, "side_files", None)
+    if names:
+        return source.folder, list(names)
+    storage = getattr(source, "storage", None)
+    if getattr(source, "info", None) is not None and source.info.format == NATIVE.name and storage is not None:
+        names = storage.listdir(EXTRA_DIR)
+        if names:
+            return storage, [f"{EXTRA_DIR}/{n}" for n in names]
+    return None, []
+
+
+def copy_side_files(source: Any, dst: Storage, into: str = "", *, fsync: bool = False) -> list[str]:
+    """Copy the source's side files to ``dst`` (under ``into``, e.g. ``extra/``).
+
+    Copied in 8 MiB ranged reads, so a large file that happens to sit beside
+    the weights never has to fit the memory budget.
+    """
+    folder, names = side_files_of(source)
+    return copy_files([(folder, name, f"{into}{name.rsplit('/', 1)[-1]}") for name in names], dst, fsync=fsync)
+
+
+def copy_files(files: list[tuple[Storage, str, str]], dst: Storage, *, fsync: bool = False) -> list[str]:
+    """Copy each ``(folder, name, target)``: ``folder``'s file ``name`` to ``dst``'s ``target``, 8 MiB at a time."""
+    written = []
+    for folder, name, target in files:
+        size = folder.size(name)
+
+        def produce(f: Any, folder: Storage = folder, name: str = name, size: int = size) -> None:
+            for start in range(0, size, SIDE_FILE_BLOCK):
+                f.write(folder.read_bytes(name, start, min(size, start + SIDE_FILE_BLOCK)))
+
+        dst.write_stream(target, produce, fsync=fsync)
+        written.append(target)
+    return written
