@@ -57,7 +57,8 @@ DTYPE_CODES: dict[str, torch.dtype] = {
     "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     **{code: getattr(torch, f"float8_{name}") for code, name in (("F8_E8M0", "e8m0fnu"), ("F8_E4M3FNUZ", "e4m3fnuz"),
-                                                                  ("F8_E5M2FNUZ", "e5m2fnuz")) if hasattr(torch, f"float8_{name}")}}
+                                                                  ("F8_E5M2FNUZ", "e5m2fnuz"))
+       if hasattr(torch, f"float8_{name}")}}
 _CODE_OF = {v: k for k, v in DTYPE_CODES.items()}
 
 
