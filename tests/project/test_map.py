@@ -135,11 +135,13 @@ def _names_something(dotted: str, modules: dict[str, Path]) -> bool:
 
 
 def test_the_architecture_tree_names_every_module_and_nothing_that_is_gone():
-    assert map_violations() == []
+    found = map_violations()
+    assert found == [], "\n" + "\n".join(found)
 
 
 def test_docstrings_and_comments_name_only_modules_and_files_that_exist():
-    assert stale_references() == []
+    found = stale_references()
+    assert found == [], "\n" + "\n".join(found)
 
 
 def test_each_map_check_fails_on_a_planted_violation(tmp_path):

@@ -171,15 +171,18 @@ def private_names_in_tests(root: Path = ROOT) -> list[str]:
 
 
 def test_no_format_is_named_outside_the_formats_folder():
-    assert format_literals() == []
+    found = format_literals()
+    assert found == [], "\n" + "\n".join(found)
 
 
 def test_no_private_attribute_is_used_outside_its_module():
-    assert private_attributes() == []
+    found = private_attributes()
+    assert found == [], "\n" + "\n".join(found)
 
 
 def test_no_test_uses_a_private_name_of_shardkit():
-    assert private_names_in_tests() == []
+    found = private_names_in_tests()
+    assert found == [], "\n" + "\n".join(found)
 
 
 def test_each_name_check_fails_on_a_planted_violation(tmp_path):
@@ -203,7 +206,7 @@ def test_each_name_check_fails_on_a_planted_violation(tmp_path):
         "shardkit/checkpoint/offline/convert.py:5: ._buffer is private to another module; give it a public name in "
         "the module that owns it (or, for a third-party object, add it with its reason to THIRD_PARTY_PRIVATE)"]
     assert private_names_in_tests(tmp_path) == [
-        f"tests/checkpoint/test_x.py:2: imports _helper from shardkit.checkpoint.offline.owner; test the public "
+        "tests/checkpoint/test_x.py:2: imports _helper from shardkit.checkpoint.offline.owner; test the public "
         "behaviour, or give the name a public one in its module",
         "tests/checkpoint/test_x.py:3: uses shardkit.checkpoint.offline.convert._table; test the public behaviour, "
         "or give the name a public one in its module"]
