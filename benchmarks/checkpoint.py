@@ -404,7 +404,8 @@ def main() -> None:
         for rep in range(args.rounds):
             with open(os.path.join(results, f"shardkit-ckpt-bench-train-{rep}.json")) as f:
                 runs.append(json.load(f))
-        others += [targets.Verdict(name, ours, limit) for name, ours, limit, _ in training.report(runs, args.save_every)]
+        others += [targets.Verdict(name, ours, limit)
+                   for name, ours, limit, _ in training.report(runs, args.save_every)]
     if "replicas" in phases:
         import replicated_load  # here, not at the top: it imports this module's helpers
 

@@ -160,7 +160,8 @@ def main() -> None:
     print(f"  full save (DCP)               {dcp_s:7.2f} s  {med('dcp', 'written') / 1e9:7.3f} GB written")
     print(f"  first dedup save (+ digests)  {med('dedup', 'first_seconds'):7.2f} s")
     print(f"  dedup save after one step     {dedup:7.2f} s  {written / 1e9:7.3f} GB written")
-    print(f"  {args.digest:8s} of the whole state   {statistics.median(hashing):7.2f} s  ({DEFAULT_IO_THREADS} threads, "
+    print(f"  {args.digest:8s} of the whole state   {statistics.median(hashing):7.2f} s  "
+          f"({DEFAULT_IO_THREADS} threads, "
           f"{os.cpu_count()} cores)")
     fraction = changed / total
     targets = [

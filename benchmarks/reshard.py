@@ -223,7 +223,8 @@ def du(path: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gb", type=float, default=4.3, help="checkpoint size in GB (4 or more to measure past the page cache)")
+    ap.add_argument("--gb", type=float, default=4.3,
+                    help="checkpoint size in GB (4 or more to measure past the page cache)")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (medians are reported)")
     ap.add_argument("--max-memory", default="256MiB")

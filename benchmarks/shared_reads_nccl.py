@@ -135,7 +135,8 @@ def main() -> None:
     asked = sum(r["asked"] for r in results)
     seconds = max(r["seconds"] for r in results)
     per_rank = ", ".join(f"rank {r['rank']}: {r['asked'] / 1e6:.0f} MB" for r in results)
-    print(f"{args.ranks} {'NCCL' if args.device == 'cuda' else 'gloo'} ranks loaded {nbytes / 1e6:.0f} MB (HSDP (2, {args.ranks // 2}) on {args.device}, one "
+    print(f"{args.ranks} {'NCCL' if args.device == 'cuda' else 'gloo'} ranks loaded {nbytes / 1e6:.0f} MB "
+          f"(HSDP (2, {args.ranks // 2}) on {args.device}, one "
           f"host tensor on every rank) in {seconds:.2f} s; storage asked for {asked / 1e6:.0f} MB "
           f"({per_rank})")
     bitwise = all(r["bitwise"] for r in results)

@@ -220,8 +220,8 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     beside the source's side files (config.json, tokenizer files) or those of
     --config; with a config, tied weights are written as save_pretrained
     writes them (lm_head.weight left out when the config says
-    "tie_word_embeddings": true) and --dtype is written into config.json.  DCP output is readable by torch's dcp.load; torch output is
-    one torch.save file.  Keys use shardkit's flattened names (model.<param>,
+    "tie_word_embeddings": true) and --dtype is written into config.json.  DCP output is readable by torch's
+    dcp.load; torch output is one torch.save file.  Keys use shardkit's flattened names (model.<param>,
     optim.state.<param>.<name>).
 
     Only shardkit output resumes after an interruption and uses --workers;

@@ -100,8 +100,10 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     nn.ModuleDict}``) never become units.  Defaults are FSDP1's and live on the
     function as ``FORCE_LEAF_MODULES`` / ``EXCLUDE_WRAP_MODULES``.
     """
-    leaves = size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules  # type: ignore[attr-defined]
-    excluded = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules  # type: ignore[attr-defined]
+    leaves = (size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+              if force_leaf_modules is None else force_leaf_modules)
+    excluded = (size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+                if exclude_wrap_modules is None else exclude_wrap_modules)
     is_large = nonwrapped_numel >= min_num_params
     if recurse:
         return is_large and not isinstance(module, tuple(leaves))

@@ -6,7 +6,7 @@ its forward and backward, frees them after, and reduce-scatters gradients.
 Modules map onto files as follows:
 
 ==================  ============================================================
-``fully_shard``     the entry point, the ``FSDPModule`` methods, ``UnshardHandle``
+``fully_shard``     the entry point: checks, which modules and parameters a call manages; ``param_groups_of``
 ``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view

@@ -259,7 +259,8 @@ def _managed_params(roots: tuple[nn.Module, ...], modules: list[nn.Module],
                 here = _fqn_of(roots, m, name) or name
                 raise UnshardableParameterError(
                     f"Parameter '{_fqn_of(roots, earlier_module(), earlier_name) or here}' is shared with a "
-                    "parameter already managed by another FSDP group. For shared/tied parameters, use fully_shard([module_a, "
+                    "parameter already managed by another FSDP group. For shared/tied parameters, use "
+                    "fully_shard([module_a, "
                     f"module_b]) to place them in the same FSDP group. Here it is '{here}', already in the "
                     f"group of an earlier fully_shard({owner}) call; sharding their common parent also works"
                 )

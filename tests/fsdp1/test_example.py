@@ -70,7 +70,8 @@ def _train_one_process(example, steps: int) -> list[float]:
 
 def test_only_the_imports_differ_from_the_fsdp1_script():
     source = EXAMPLE.read_text()
-    block = source[source.index("# --- the only lines"):source.index("# ----", source.index("# --- the only lines") + 5)]
+    start = source.index("# --- the only lines")
+    block = source[start:source.index("# ----", start + 5)]
     code = re.sub(r'""".*?"""', "", source.replace(block, ""), flags=re.S)  # docstrings aside
     assert "shardkit" not in code and "torch.distributed.fsdp" not in code
     assert "from shardkit import" in block and "from shardkit.wrap import transformer_auto_wrap_policy" in block

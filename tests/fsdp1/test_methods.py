@@ -236,7 +236,8 @@ def _state_dict_types():
         model.load_state_dict(sharded)
     back = model.state_dict()
     return {
-        "default_equal": all(torch.equal(default[k], v) for k, v in expected.items()) and default.keys() == expected.keys(),
+        "default_equal": (all(torch.equal(default[k], v) for k, v in expected.items())
+                          and default.keys() == expected.keys()),
         "rank0": (list(rank0) == list(expected)) if rank == 0 else rank0 == {},
         "rank0_values": all(torch.equal(rank0[k], expected[k]) for k in rank0),
         "inside": inside, "after": after,

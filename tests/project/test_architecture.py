@@ -1,13 +1,16 @@
 """The shape of the code, checked on every run: imports go down the layers, no cycles, no private
-names across modules, no module past the size where it is two ideas.
+names imported across modules, no module past the size where it is two ideas.
 
 Every import counts, function-level ones included (a cycle hidden inside a
-function is still a cycle).  The rules are DESIGN.md's:
+function is still a cycle).  The rules are docs/architecture.md's ("The direction of imports"):
 
     cli -> checkpoint.offline | checkpoint.training -> checkpoint.formats -> checkpoint.state
-        -> checkpoint.geometry | checkpoint.io
+        -> checkpoint.geometry | checkpoint.io -> wire
+    data -> wire
 
-and ``shardkit.checkpoint`` never imports the sharding runtime.
+``shardkit.checkpoint`` never imports the sharding runtime, and the wire imports nothing of shardkit but
+the errors.  Names and the map are checked beside this file: test_names.py (format names, private
+attributes, private names in tests) and test_map.py (the doc's tree, the paths docstrings name).
 """
 
 from __future__ import annotations
@@ -97,6 +100,12 @@ def layer_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list
     return found
 
 
+def wire_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    return [f"{src}:{line} imports {dst}: shardkit.wire imports only {' and '.join(WIRE_MAY_IMPORT)}"
+            for src, targets in edges.items() if _under(src, "shardkit.wire") for dst, _, line in targets
+            if not any(_under(dst, allowed) for allowed in WIRE_MAY_IMPORT)]
+
+
 def cycles(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[list[str]]:
     """Strongly connected components of more than one module (or a module importing itself)."""
     index: dict[str, int] = {}
@@ -157,6 +166,10 @@ def test_imports_go_down_the_layers(edges):
     assert layer_violations(edges) == []
 
 
+def test_the_wire_imports_nothing_of_shardkit_but_the_errors(edges):
+    assert wire_violations(edges) == []
+
+
 def test_no_module_imports_itself_back_through_others(edges):
     assert cycles(edges) == []
 
@@ -191,16 +204,6 @@ def test_each_check_fails_on_a_planted_violation(tmp_path):
     assert private_imports(planted_edges) == [
         "shardkit.checkpoint.io.storage:1 takes _crc from shardkit.checkpoint.formats.codec"]
     assert oversized(planted, tmp_path) == [f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]
-
-
-def wire_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
-    return [f"{src}:{line} imports {dst}: shardkit.wire imports only {' and '.join(WIRE_MAY_IMPORT)}"
-            for src, targets in edges.items() if _under(src, "shardkit.wire") for dst, _, line in targets
-            if not any(_under(dst, allowed) for allowed in WIRE_MAY_IMPORT)]
-
-
-def test_the_wire_imports_nothing_of_shardkit_but_the_errors(edges):
-    assert wire_violations(edges) == []
 
 
 def test_the_wire_check_fails_on_a_planted_violation(tmp_path):

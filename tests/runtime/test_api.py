@@ -289,7 +289,8 @@ def _mixed_precision_dtypes():
     out = model(torch.randn(4, 6))
     out.sum().backward()
     return {"input": seen["input"], "weight": seen["weight"], "output": out.dtype, "reduced_in": reduced_in,
-            "shard_dtype": {p.dtype for p in model.parameters()}, "grad_dtype": {p.grad.dtype for p in model.parameters()}}
+            "shard_dtype": {p.dtype for p in model.parameters()},
+            "grad_dtype": {p.grad.dtype for p in model.parameters()}}
 
 
 def test_mixed_precision_casts_inputs_params_outputs_and_reduces_in_the_reduce_dtype():

@@ -191,7 +191,8 @@ def _train_local(model: nn.Module, steps: int = 3) -> list[dict]:
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        history.append({"grads": grads, "params": {name: p.detach().full_tensor() for name, p in model.named_parameters()}})
+        history.append({"grads": grads,
+                        "params": {name: p.detach().full_tensor() for name, p in model.named_parameters()}})
     return history
 
 

@@ -245,7 +245,8 @@ def _second_replacement_refused(fully_shard) -> dict:
     with torch.no_grad():
         model.layer1.weight = nn.Parameter(first * 2)  # a DTensor op: same mesh, placements and shape
     model.layer2.weight = nn.Parameter(torch.ones(3, 3))
-    return {"outcome": _outcome(lambda: model(torch.ones(2, 3))), "first still the original": held.sharded_param is first}
+    return {"outcome": _outcome(lambda: model(torch.ones(2, 3))),
+            "first still the original": held.sharded_param is first}
 
 
 def _second_replacement_with_torch_and_shardkit() -> dict:

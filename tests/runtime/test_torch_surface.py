@@ -357,8 +357,9 @@ def _errors_of(impl: str) -> dict[str, tuple[str, str]]:
         "symm_mem": lambda: model.set_symm_mem_for_comm(),
         "max_input_buffers=True": lambda: model.set_reduce_scatter_max_input_buffers(True),
         "max_input_buffers=0": lambda: model.set_reduce_scatter_max_input_buffers(0),
-        "process_group_memory after a custom comm": lambda: (model.set_custom_all_gather(_CountingAllGather()),
-                                                             model.set_allocate_memory_from_process_group_for_comm(True)),
+        "process_group_memory after a custom comm": lambda: (
+            model.set_custom_all_gather(_CountingAllGather()),
+            model.set_allocate_memory_from_process_group_for_comm(True)),
         "share_comm_ctx of a plain module": lambda: _share_comm_ctx(impl)([model, nn.Linear(2, 2)]),
     }
     out = {}

@@ -101,7 +101,8 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
                 except Exception as exc:  # noqa: BLE001 - this move fails; its rounds still run
                     local_errors[i] = f"rank {me} refused the listing for {moves[i].target_dir}: {exc}"
         mine = [i for i in live if me in (moves[i].src, moves[i].dst)]
-        buffer = TransferBuffer(min(round_bytes, sum(live[i] for i in mine)), dist_.device() if dist_.active else torch.device("cpu"))
+        buffer = TransferBuffer(min(round_bytes, sum(live[i] for i in mine)),
+                                dist_.device() if dist_.active else torch.device("cpu"))
         _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
         local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))

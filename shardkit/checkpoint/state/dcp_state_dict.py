@@ -239,7 +239,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
 
 
 @formerly("model_state_dict= and optim_state_dict= are keyword-only and strict is StateDictOptions(strict=...) "
-           "in options=. shardkit's former set_state_dict(model, optimizer, {'model': ..., 'optim': ...}, *, strict=True) is now "
+           "in options=. shardkit's former set_state_dict(model, optimizer, {'model': ..., 'optim': ...}, "
+           "*, strict=True) is now "
            "set_training_state.")
 def set_state_dict(model: nn.Module, optimizers: Optimizers, *, model_state_dict: dict[str, Any],
                    optim_state_dict: dict[str, Any], options: StateDictOptions | None = None) -> Any:

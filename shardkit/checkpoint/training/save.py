@@ -295,7 +295,8 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
             token = new_token()
             groups = plan.groups
             if digests or reuse_from is not None:
-                found = deduplicate(groups, storage, reuse_from, dist.rank, io_threads, digest_algorithm(digests or True))
+                found = deduplicate(groups, storage, reuse_from, dist.rank, io_threads,
+                                    digest_algorithm(digests or True))
                 groups, reused = found.groups, found.reused
             jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(groups)]
             if write_files is not None:
@@ -384,9 +385,9 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     what it needs -- by default those whose columns this layout cut (tensor
     parallelism's ``Shard(1)``); ``"all"`` for a checkpoint of whole rows that
     will be loaded under tensor parallelism (docs/format.md).
-    ``digests`` stores every chunk's digest (``True``: xxh3-128, or ``"sha256"``); ``reuse_from`` (an earlier committed checkpoint in the same
-    directory) references its chunks that are unchanged instead of writing them again (what
-    ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
+    ``digests`` stores every chunk's digest (``True``: xxh3-128, or ``"sha256"``); ``reuse_from`` (an earlier
+    committed checkpoint in the same directory) references its chunks that are unchanged instead of writing them
+    again (what ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
     """
     url = checkpoint_url(url, checkpoint_id, "save")
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)

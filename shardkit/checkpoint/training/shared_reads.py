@@ -175,7 +175,8 @@ def block_indices(shape: Sequence[int], itemsize: int, limit: int) -> list[tuple
         per = limit // row
         return [((slice(a, min(a + per, shape[0])),), (min(a + per, shape[0]) - a) * row)
                 for a in range(0, shape[0], per)]
-    return [((i, *index), nbytes) for i in range(shape[0]) for index, nbytes in block_indices(shape[1:], itemsize, limit)]
+    return [((i, *index), nbytes) for i in range(shape[0])
+            for index, nbytes in block_indices(shape[1:], itemsize, limit)]
 
 
 @dataclass

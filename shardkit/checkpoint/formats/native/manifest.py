@@ -311,8 +311,9 @@ def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
             problem = rule_problem(shape, rules[found])
         else:
             found = regions[fqn] = tuple(
-                (int_field(r[0], f"{at} region writer", 0, 1 << 31), (ints_field(r[1], f"{at} region offsets", len(shape)),
-                                                                 ints_field(r[2], f"{at} region shape", len(shape))))
+                (int_field(r[0], f"{at} region writer", 0, 1 << 31),
+                 (ints_field(r[1], f"{at} region offsets", len(shape)),
+                  ints_field(r[2], f"{at} region shape", len(shape))))
                 for r in (list_field(r, f"{at} region", 3) for r in list_field(info.get("regions"), f"{at} regions")))
             missing = {w for w, _ in found} - writers
             problem = regions_problem(shape, found) or (
@@ -334,7 +335,8 @@ def _parse_rule(info: dict, at: str) -> Rule:
     specs = []
     for spec in list_field(info.get("placements"), f"{at} placements", len(mesh)):
         spec = list_field(spec, f"{at} placement")
-        if not spec or not isinstance(spec[0], str) or spec[0] not in _SPEC_ARGS or len(spec) != 1 + _SPEC_ARGS[spec[0]]:
+        if (not spec or not isinstance(spec[0], str) or spec[0] not in _SPEC_ARGS
+                or len(spec) != 1 + _SPEC_ARGS[spec[0]]):
             raise InvalidManifest(f"{at}: placement {spec!r:.100} is not [replicate], [shard, dim] or "
                                   f"[strided, dim, split_factor]")
         specs.append((spec[0], *(int_field(v, f"{at} placement", 0 if j == 0 else 1, MAX_NDIM if j == 0 else 1 << 24)

@@ -32,7 +32,8 @@ from typing import Iterable, Mapping, Sequence
 from shardkit.checkpoint.geometry.boxes import Box, box_contains, check_cover, intersect
 from shardkit.checkpoint.geometry.placements import Spec, held_pieces
 
-__all__ = ["Rule", "Regions", "rule_regions", "derive_regions", "regions_problem", "rule_boxes", "rule_problem", "chunks_problem",
+__all__ = ["Rule", "Regions", "rule_regions", "derive_regions", "regions_problem", "rule_boxes", "rule_problem",
+           "chunks_problem",
            "coordinate_boxes",
            "by_writer", "rule_by_writer", "overlapping_writers", "rule_overlapping_writers"]
 

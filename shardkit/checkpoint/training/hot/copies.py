@@ -34,7 +34,8 @@ from shardkit.checkpoint.training.load import Checked, check_before_writing, def
 from shardkit.checkpoint.training.save import plan_save, write_and_commit
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "check_copy", "CheckedCopy", "HostCopy"]
+__all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "check_copy", "CheckedCopy",
+           "HostCopy"]
 
 _INPUT_PREFIXES = tuple(f"{k}." for k in INPUT_KEYS)
 

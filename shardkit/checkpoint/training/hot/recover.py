@@ -115,7 +115,8 @@ def _explain(entries: list[dict[str, Any]], structures: list[str], world_size: i
         log.warning("hot tier: steps %s were saved by %s ranks; this job has %d, so they are not used (a job on "
                     "another number of ranks resumes from the durable root)", ", ".join(str(s) for s, _ in other),
                     ", ".join(sorted({str(w) for _, w in other})), world_size)
-    mesh = sorted({e["step"] for e in usable if e["world_size"] == world_size and e["structure"] != structures[e["of"]]})
+    mesh = sorted({e["step"] for e in usable
+                   if e["world_size"] == world_size and e["structure"] != structures[e["of"]]})
     if mesh:
         log.warning("hot tier: steps %s were saved for another layout of the model (mesh, placements or shapes); "
                     "they are not used (such a job resumes from the durable root)", ", ".join(map(str, mesh)))

@@ -5,8 +5,8 @@ newest ``local_keep`` complete steps up to ``S`` and removes:
 
 * complete steps older than those (the marker first, so the step stops being complete at once);
 * steps without a marker older than ``S`` (saves that were killed, or whose replicas never arrived);
-* steps *above* ``S`` that no save of this manager wrote: an abandoned history (the job resumed from below them and saved ``S`` again), which
-  recovery must never prefer to this run's newer state;
+* steps *above* ``S`` that no save of this manager wrote: an abandoned history (the job resumed from below them
+  and saved ``S`` again), which recovery must never prefer to this run's newer state;
 * inside kept steps, copies of another save than the marker's (an earlier attempt at the same step),
   copies fetched from peers by a recovery that was killed, and what a killed transfer or marker write
   left (``.<copy>.partial-...``, the transport's staging directories; ``complete.json.tmp-...``).

@@ -72,11 +72,13 @@ class HotTier:
         dist = Dist(self.process_group)
         local = local_state(state)
         self._saves += 1
-        if self._incarnation is None:  # once: rank 0's clock, so a later run's saves of a step sort after an earlier one's
+        # once: rank 0's clock, so a later run's saves of a step sort after an earlier one's
+        if self._incarnation is None:
             self._incarnation = dist.broadcast_json(f"{int(time.time() * 1000) % 16**12:012x}" if dist.rank == 0
                                                     else None)
         save_id = f"{self._incarnation}{self._saves % 10**6:06d}"  # checked to agree when the ranks vote (save.py)
-        if local.structure != self._space_checked:  # the model's and optimizer's layout: it changes on every rank at once
+        # the model's and optimizer's layout: it changes on every rank at once
+        if local.structure != self._space_checked:
             self._check_space(layout, dist, local.nbytes)
             self._space_checked = local.structure
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())

@@ -84,7 +84,8 @@ def test_each_fixture_is_a_checkpoint_of_its_version_from_two_writers(version):
     assert writers == {0, 1}
     if version == 4:
         assert manifest["references"] == ["step-0000000001"]
-        assert {k for k, c in chunks.items() if all(not r["file"].startswith("../") for r in c)} == {"model.norm.weight"}
+        own = {k for k, c in chunks.items() if all(not r["file"].startswith("../") for r in c)}
+        assert own == {"model.norm.weight"}
     striped = {k for k, c in chunks.items() if any("strips" in r for r in c)}
     assert striped == (set() if version == 1 else {"model.w2.weight"})
 
@@ -114,7 +115,8 @@ def _load_fixture_at_three_ranks(url: str) -> bool:
     sd["optim.param_groups"] = None
     skc.load(sd, url)
     want = expected_state()
-    return sd.pop("optim.param_groups") == PARAM_GROUPS and all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, want[k]) for k, v in sd.items())
+    return sd.pop("optim.param_groups") == PARAM_GROUPS and all(
+        torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, want[k]) for k, v in sd.items())
 
 
 @versions
@@ -142,4 +144,5 @@ def test_an_older_version_reshards_and_converts_to_every_format_bitwise(tmp_path
     convert(str(src), str(tmp_path / "dcp"), to="dcp")
     _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "dcp")))
     convert(str(src), str(tmp_path / "hf"), to="hf")
-    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "hf")), [k for k in FIXTURE_SHAPES if k.startswith("model.")])
+    _assert_tensors_are_the_fixtures(_read_all(str(tmp_path / "hf")),
+                                     [k for k in FIXTURE_SHAPES if k.startswith("model.")])

@@ -123,7 +123,8 @@ def _rng_states(reader) -> list[dict]:
         states.append({"torch": read_box(reader, p + "torch"),
                        "python": {k: values[f"{p}python.{k}"] for k in ("version", "state", "gauss")},
                        "numpy": {"key": read_box(reader, p + "numpy.key"),
-                                 **{k: values[f"{p}numpy.{k}"] for k in ("kind", "pos", "has_gauss", "cached_gaussian")}}})
+                                 **{k: values[f"{p}numpy.{k}"]
+                                    for k in ("kind", "pos", "has_gauss", "cached_gaussian")}}})
     return states
 
 
