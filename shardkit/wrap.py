@@ -180,15 +180,15 @@ def _has_own_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-_warned: set[str] = set()
+warned_keys: set[str] = set()
 
 
 def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
     """Warn once per process and ``key`` that a request cannot be honoured as
     asked (never silently; never once per module or per call).  Shared by
     the policies here and the FSDP1 surface."""
-    if key not in _warned:
-        _warned.add(key)
+    if key not in warned_keys:
+        warned_keys.add(key)
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 

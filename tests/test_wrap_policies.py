@@ -167,7 +167,7 @@ def test_ignored_modules_are_never_units_and_not_counted():
 
 def test_container_without_forward_is_skipped_with_one_warning():
     model = Transformer(ModelArgs(n_layers=2))
-    sk_wrap._warned.clear()
+    sk_wrap.warned_keys.clear()
     policy = functools.partial(sk_wrap.lambda_auto_wrap_policy,
                                lambda_fn=lambda m: isinstance(m, (nn.ModuleList, Block)))
     with warnings.catch_warnings(record=True) as caught:

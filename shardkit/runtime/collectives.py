@@ -9,7 +9,7 @@ Note [rank-major layout]
     ``[r0: p0|p1|..][r1: p0|p1|..]..``.  Each parameter's rows are therefore
     strided across the rank blocks and must be copied out into its own
     contiguous buffer (``split_with_sizes_copy`` over the ``(W, N)`` view).
-    The reduce-scatter input uses the same layout, built by ``_chunk_cat``,
+    The reduce-scatter input uses the same layout, built by ``chunk_cat``,
     which pads each gradient's dim 0 to a multiple of ``W`` with zeros, so the
     padded rows of every sharded gradient are exactly zero.
 
@@ -47,7 +47,7 @@ __all__ = [
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_chunk_cat = getattr(torch, "_chunk_cat", None)
+chunk_cat = getattr(torch, "_chunk_cat", None)
 _split_with_sizes_copy = getattr(torch, "split_with_sizes_copy", None)
 
 _BYTE_ALIGN = 8  # segment alignment when a group mixes dtypes (viewed as bytes)
@@ -134,8 +134,8 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], shard_dims: list[int], pad
     elements), zero-padding dim 0 and casting to ``out``'s dtype."""
     rows = out.view(world, -1)
     same_dtype = all(g.dtype == grads[0].dtype for g in grads)
-    if _chunk_cat is not None and same_dtype and all(d == 0 for d in shard_dims):
-        _chunk_cat(grads, 0, world, out=rows)
+    if chunk_cat is not None and same_dtype and all(d == 0 for d in shard_dims):
+        chunk_cat(grads, 0, world, out=rows)
         return
     offset = 0
     for grad, dim, numel in zip(grads, shard_dims, padded_numels):

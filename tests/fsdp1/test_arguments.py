@@ -74,7 +74,7 @@ def test_mixed_precision_maps_root_and_inner_input_casts():
 
 
 def test_arguments_that_cannot_hold_warn_exactly_once():
-    sk_wrap._warned.clear()
+    sk_wrap.warned_keys.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -105,7 +105,7 @@ class WithBuffers(nn.Module):
 
 
 def _mixed_precision():
-    sk_wrap._warned.clear()
+    sk_wrap.warned_keys.clear()
     torch.manual_seed(0)
     model = WithBuffers()
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
@@ -242,7 +242,7 @@ def test_backward_prefetch_none_gathers_each_block_only_at_its_own_backward():
 
 
 def _use_orig_params_warnings():
-    sk_wrap._warned.clear()
+    sk_wrap.warned_keys.clear()
     counts = []
     for kwargs in ({}, {"use_orig_params": True}, {"use_orig_params": False}, {"use_orig_params": False},
                    {"limit_all_gathers": False}):

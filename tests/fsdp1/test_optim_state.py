@@ -261,7 +261,7 @@ def test_optimizer_state_keeps_its_own_dtype_through_every_static():
 
 
 def _ignored_arguments_warn_once():
-    sk_wrap._warned.clear()
+    sk_wrap.warned_keys.clear()
     model, optim = _wrapped_with_optimizer()
     train_steps(model, optim, range(1), dist.get_world_size(), rows=ROWS)
     part = dist.new_group([0])  # every rank creates it; the model is sharded over both ranks

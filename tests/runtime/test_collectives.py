@@ -80,13 +80,13 @@ def test_mixed_dtypes_and_a_dim1_shard_round_trip_through_bytes():
 def _reduce(grads, dims, world, force_fallback):
     numels = [_shards(g, world, d)[0].numel() for g, d in zip(grads, dims)]
     inp = torch.empty(world * sum(numels), dtype=torch.float64)
-    saved = C._chunk_cat
+    saved = C.chunk_cat
     if force_fallback:
-        C._chunk_cat = None
+        C.chunk_cat = None
     try:
         C.reduce_scatter_copy_in(grads, dims, numels, world, inp)
     finally:
-        C._chunk_cat = saved
+        C.chunk_cat = saved
     return inp.view(world, -1), numels
 
 

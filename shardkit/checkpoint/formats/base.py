@@ -181,7 +181,7 @@ class CheckpointReader(abc.ABC):
     def read(self, requests: Sequence[ReadRequest]) -> None:
         """Fill every request's ``out``.  Validate all requests before writing any."""
 
-    def _check_requests(self, requests: Sequence[ReadRequest]) -> list[TensorEntry]:
+    def check_requests(self, requests: Sequence[ReadRequest]) -> list[TensorEntry]:
         """The entry of every request, after checking each names a stored chunk, lies inside it and has
         an ``out`` of the right dtype and shape -- all before any ``out`` is written."""
         entries = self.tensors()

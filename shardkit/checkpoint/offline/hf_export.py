@@ -8,7 +8,7 @@ not give:
   or those a shardkit checkpoint converted from one keeps under ``extra/``)
   and from ``--config FILE_OR_DIR``: a directory gives every side file it
   holds (the same allowlist as an HF source, see
-  :func:`~shardkit.checkpoint.formats.hf.side_file_problem`) and must hold a
+  :func:`~shardkit.checkpoint.formats.hf.reader.side_file_problem`) and must hold a
   ``config.json``; a file is taken as ``config.json``.  A file ``--config``
   gives replaces the source's file of the same name; the source's others stay.
 * **Tied weights written as HF writes them.**  ``save_pretrained`` of a model

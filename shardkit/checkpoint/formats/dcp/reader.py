@@ -260,7 +260,7 @@ class DcpReader(CheckpointReader):
         return out.view(code_to_dtype(e.dtype)).reshape(e.shape)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        entries = self._check_requests(requests)
+        entries = self.check_requests(requests)
         layouts = [self._row_layout(entry, r.chunk) for r, entry in zip(requests, entries)]
         for r, entry, layout in zip(requests, entries, layouts):
             if layout is not None:  # rows are read by range: check the whole payload first (once)

@@ -375,7 +375,7 @@ class DeepSpeedReader(CheckpointReader):
         return self._aliases
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        entries = self._check_requests(requests)
+        entries = self.check_requests(requests)
         for r, entry in zip(requests, entries):  # every record the requests need is checked before any out is written
             for flat, file, _, _ in entry.chunks[0].locator:
                 file.ensure_checked(flat, f"{file.url} [{r.fqn}]")

@@ -195,7 +195,7 @@ class HfReader(CheckpointReader):
         return isinstance(config, dict) and ties_word_embeddings(config)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        checked = self._check_requests(requests)
+        checked = self.check_requests(requests)
         for r, entry in zip(requests, checked):
             if r.out.numel() == 0:
                 continue

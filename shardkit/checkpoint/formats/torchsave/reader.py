@@ -145,7 +145,7 @@ class TorchSaveReader(CheckpointReader):
         return self._values
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        self._check_requests(requests)
+        self.check_requests(requests)
         for r in requests:  # every record the requests need is checked before any out is written
             self._file.ensure_checked(self._tensors[r.fqn], f"{self.info.url} [{r.fqn}]")
         for r in requests:

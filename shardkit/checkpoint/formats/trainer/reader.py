@@ -106,7 +106,7 @@ class _InMemory(CheckpointReader):
         return {}
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        self._check_requests(requests)
+        self.check_requests(requests)
         for r in requests:
             copy_box(self._tensors[r.fqn], self._entries[r.fqn].chunks[0].offsets, r.box, r.out)
 
@@ -262,7 +262,7 @@ class TrainerReader(CheckpointReader):
         return fqn.startswith("model.") and self.parts[0].reader.declares_tied(fqn)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
-        self._check_requests(requests)
+        self.check_requests(requests)
         by_part: dict[int, tuple[_Part, list[ReadRequest]]] = {}
         for r in requests:
             part, theirs = self._route[r.fqn]
