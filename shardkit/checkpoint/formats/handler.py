@@ -11,6 +11,7 @@ comparing format names, so a new format is its folder and one registry line.
 from __future__ import annotations
 
 import fnmatch
+from types import ModuleType
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 import torch
@@ -46,17 +47,24 @@ class FormatHandler:
     file_patterns: tuple[str, ...] = ()  # shapes of the file names its writer creates (fnmatch)
     verify_shows_progress: bool = False  # verify reports the bytes it reads to the progress display
 
+    # the format's modules: its reader has detect(storage) and open_reader(storage, **options), its writer
+    # check_tensors(tensors); a handler overrides the methods below only where it does more than ask them
+    reader_module: ModuleType | None = None
+    writer_module: ModuleType | None = None
+
     def detect(self, storage: Storage) -> bool:
         """Whether ``storage`` holds a checkpoint of this format."""
-        raise NotImplementedError
+        return self.reader_module.detect(storage)
 
     def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
         """A reader of the checkpoint at ``storage``; ``options`` are the ones named in ``open_options``."""
-        raise NotImplementedError
+        return self.reader_module.open_reader(storage, **options)
 
     def check_tensors(self, tensors: Tensors) -> None:
         """Refuse, before the destination is touched, tensors this format cannot hold (dtype, name)."""
-        raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
+        if self.writer_module is None:
+            raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
+        self.writer_module.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,

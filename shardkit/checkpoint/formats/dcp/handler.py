@@ -7,10 +7,9 @@ from typing import Any, Callable, Collection, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.formats.dcp import reader, writer
 from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME
-from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
 
@@ -20,21 +19,14 @@ __all__ = ["DcpHandler", "DCP", "verify_payloads"]
 class DcpHandler(FormatHandler):
     """``.metadata`` + ``*.distcp`` payloads, each a torch.save archive whose records carry a CRC-32."""
 
+    reader_module = reader
+    writer_module = writer
     name = "dcp"
     description = "torch.distributed.checkpoint directory"
     markers = (METADATA_NAME,)
     writable = True
     file_patterns = ("*.distcp", METADATA_NAME)
     verify_shows_progress = True
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
-
-    def check_tensors(self, tensors: Tensors) -> None:
-        writer.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.formats.deepspeed import reader
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.torchsave.handler import verify_archives
@@ -18,16 +17,11 @@ class DeepSpeedHandler(FormatHandler):
     """``latest`` + ``global_stepN/*_states.pt``: every model- and optimizer-state file is a torch.save
     archive whose records carry a CRC-32 (the partitions are checked against ``param_shapes`` on open)."""
 
+    reader_module = reader
     name = "deepspeed"
     description = "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)"
     aliases = ("ds", "zero")
     markers = ("latest",)
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
 
     def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
                progress: Any) -> int | None:

@@ -7,8 +7,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.hf import reader, writer
 from shardkit.checkpoint.formats.hf.layout import INDEX_NAME, SINGLE_NAME, export_files
 from shardkit.checkpoint.io.storage import Storage
@@ -20,6 +19,8 @@ class HfHandler(FormatHandler):
     """``model.safetensors`` or an index and its shards, as ``save_pretrained`` writes them: model weights
     only, with the config and tokenizer files beside; no checksums to verify."""
 
+    reader_module = reader
+    writer_module = writer
     name = "hf"
     description = "Hugging Face safetensors file or folder"
     aliases = ("huggingface", "safetensors")
@@ -27,15 +28,6 @@ class HfHandler(FormatHandler):
     writable = True
     model_export = True
     file_patterns = ("*.safetensors", INDEX_NAME)
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
-
-    def check_tensors(self, tensors: Tensors) -> None:
-        writer.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,

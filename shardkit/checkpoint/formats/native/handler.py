@@ -6,8 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.native import reader, writer
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, survey
@@ -24,6 +23,8 @@ class NativeHandler(FormatHandler):
     (``offline.native_out``), not by :meth:`write`.
     """
 
+    reader_module = reader
+    writer_module = writer
     name = FORMAT_NAME
     description = "native: manifest.json + safetensors chunks"
     aliases = ("native",)
@@ -35,15 +36,6 @@ class NativeHandler(FormatHandler):
     content_pin = MANIFEST_NAME  # it holds every chunk's crc32c
     file_patterns = (MANIFEST_NAME,)
     verify_shows_progress = True
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
-
-    def check_tensors(self, tensors: Tensors) -> None:
-        writer.check_tensors(tensors)
 
     def files_of(self, storage: Storage) -> set[str]:
         """What :func:`~shardkit.checkpoint.formats.native.ownership.survey` says shardkit wrote, less the side

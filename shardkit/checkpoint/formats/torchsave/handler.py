@@ -7,8 +7,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats.base import CheckpointReader
-from shardkit.checkpoint.formats.handler import FormatHandler, Tensors
+from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.torchsave import reader, writer
 from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.io.storage import Storage, split_file
@@ -21,21 +20,14 @@ class TorchSaveHandler(FormatHandler):
     """One zip archive read through the ``weights_only`` allowlist; the file is its own commit marker (the
     writer renames the finished file over the old one), and every record carries a CRC-32."""
 
+    reader_module = reader
+    writer_module = writer
     name = "torch"
     description = "torch.save file (weights_only)"
     aliases = ("pt", "torch.save")
     open_options = ("torch_options",)
     writable = True
     single_file = True
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
-
-    def check_tensors(self, tensors: Tensors) -> None:
-        writer.check_tensors(tensors)
 
     def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
               values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,

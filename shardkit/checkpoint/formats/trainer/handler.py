@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.formats.dcp.handler import verify_payloads
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.torchsave.handler import verify_archives
@@ -19,16 +18,11 @@ class TrainerHandler(FormatHandler):
     """``checkpoint-N/``: model, optimizer, RNG and scheduler parts, each verified as its own format is
     (torch.save files by their CRC-32s, sharded DCP parts by theirs); safetensors weights by headers."""
 
+    reader_module = reader
     name = "trainer"
     description = "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)"
     aliases = ("accelerate", "hf-trainer")
     open_options = ("torch_options",)
-
-    def detect(self, storage: Storage) -> bool:
-        return reader.detect(storage)
-
-    def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
-        return reader.open_reader(storage, **options)
 
     def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
                progress: Any) -> int | None:
