@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "async_save": "shardkit.checkpoint.training.async_save",
     "load": "shardkit.checkpoint.training.load",
     "CheckpointManager": "shardkit.checkpoint.training.manager",
+    "load_pretrained": "shardkit.checkpoint.training.pretrained",
     "Compression": "shardkit.checkpoint.formats.compression",
     "open_reader": "shardkit.checkpoint.formats",
     "reshard": "shardkit.checkpoint.offline.convert",
