@@ -93,11 +93,15 @@ def _io_options(fn):
     return _storage("src_dst")(fn)
 
 
+_trust_pickle_option = click.option(
+    "--trust-pickle", is_flag=True,
+    help="torch.save SRC: unpickle classes outside torch.load's weights_only allowlist. UNSAFE: runs any code the "
+         "file names; only for files you trust.")
+
+
 def _torch_source(fn):
     opts = [
-        click.option("--trust-pickle", is_flag=True,
-                     help="torch.save SRC: unpickle classes outside torch.load's weights_only allowlist. UNSAFE: "
-                          "runs any code the file names; only for files you trust."),
+        _trust_pickle_option,
         click.option("--model-keys", metavar="FILE",
                      help="torch.save SRC: parameter names in model.named_parameters() order (one per line, or a "
                           "JSON list), naming an optimizer state keyed by number."),
@@ -252,9 +256,11 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 @click.option("--limit", default=0, type=int, help="Show at most this many tensors in the table (0: all).")
+@_trust_pickle_option
 @_storage("src")
 @click.pass_context
-def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opts: tuple[str, ...]) -> int:
+def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, trust_pickle: bool,
+            storage_opts: tuple[str, ...]) -> int:
     """Show a checkpoint's format, layout, metadata, tensors and totals.
 
     \b
@@ -264,7 +270,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, storage_opt
     """
     from shardkit.checkpoint.offline.convert import inspect as do_inspect
 
-    info = do_inspect(src, storage_options=storage_options(storage_opts))
+    info = do_inspect(src, storage_options=storage_options(storage_opts), trust_pickle=trust_pickle)
     if as_json:
         echo_json(info)
         return _refuse_missing_references(src, info)

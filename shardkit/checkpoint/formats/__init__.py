@@ -12,6 +12,7 @@ format all come from the handlers listed here).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Collection, Mapping
 
 from shardkit.checkpoint.formats.base import CheckpointReader
@@ -20,10 +21,12 @@ from shardkit.checkpoint.formats.deepspeed.handler import DEEPSPEED
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.hf.handler import HF
 from shardkit.checkpoint.formats.native.handler import NATIVE
+from shardkit.checkpoint.formats.torch_checkpointing.handler import TORCH_CHECKPOINTING
 from shardkit.checkpoint.formats.torchsave.handler import TORCH
+from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.formats.trainer.handler import TRAINER
 from shardkit.checkpoint.io.storage import Storage, split_file
-from shardkit.errors import CheckpointNotFound, ConfigurationError, UnsupportedFormat
+from shardkit.errors import ArgumentTypeError, CheckpointNotFound, ConfigurationError, UnsupportedFormat
 
 __all__ = ["FormatHandler", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "CHECKPOINT_FILE_PATTERNS", "NATIVE",
            "normalize_format", "handler_for", "writer_for", "foreign_kind", "detect_format", "open_reader"]
@@ -33,6 +36,8 @@ FORMATS: dict[str, FormatHandler] = {f.name: f for f in (
     NATIVE,
     # before trainer: a Trainer run with DeepSpeed keeps its ZeRO state (latest, global_stepN/) in checkpoint-N/
     DEEPSPEED,
+    # before hf: a step folder's items may be safetensors files beside its metadata.pkl
+    TORCH_CHECKPOINTING,
     # before hf: a Trainer's checkpoint-N/ holds model.safetensors too, beside the optimizer and RNG states
     TRAINER,
     HF,
@@ -105,14 +110,25 @@ def detect_format(storage: Storage) -> str:
 
 
 def open_reader(url: str | Storage, storage_options: Mapping[str, Any] | None = None, *,
-                format: str | None = None, **options: Any) -> CheckpointReader:
+                format: str | None = None, trust_pickle: bool = False, **options: Any) -> CheckpointReader:
     """Open ``url`` in ``format`` (detected when ``None``): the one way every tool opens a checkpoint.
 
     ``options`` go to the format's reader when it takes them (``io_threads``
     for native, ``torch_options`` for torch.save).  A request the format cannot
     honour (``torch_options`` asking to trust pickles for a DCP directory) is
     refused, never silently ignored; a mere hint (``io_threads``) is dropped.
+    ``trust_pickle=True`` is ``torch_options=TorchLoadOptions(trust_pickle=True)``
+    (the CLI's ``--trust-pickle``): honoured by the formats that unpickle, refused
+    by the others.  An option no format takes is a caller's typo: refused
+    (:class:`~shardkit.errors.ArgumentTypeError`, a ``TypeError`` as Python's own).
     """
+    unknown = sorted(set(options) - {o for handler in FORMATS.values() for o in handler.open_options})
+    if unknown:
+        raise ArgumentTypeError(f"open_reader() got an unexpected keyword argument {unknown[0]!r} (options a "
+                                "reader takes: trust_pickle, " + ", ".join(sorted(
+                                    {o for handler in FORMATS.values() for o in handler.open_options})) + ")")
+    if trust_pickle:
+        options["torch_options"] = replace(options.get("torch_options") or TorchLoadOptions(), trust_pickle=True)
     storage = url if isinstance(url, Storage) else Storage(url, storage_options)
     name = normalize_format(format) if format else detect_format(storage)
     fmt = FORMATS[name]

@@ -305,7 +305,18 @@ def _referenced_bytes(source: Any) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+_PART_NAMES = {"model": "model", "module": "model", "optim": "optim", "optimizer": "optim"}
+
+
+def _part_of(name: str) -> str | None:
+    """Whether tensor ``name`` is model or optimizer state: the first path part that names one decides, so
+    shardkit's ``model.*``/``optim.*``, DCP's ``optimizer.*`` and a ``Stateful`` nesting both
+    (``app.model.*``, ``app.optim.state.*``: torch's DCP recipe) are counted alike."""
+    return next((_PART_NAMES[part] for part in name.split(".") if part in _PART_NAMES), None)
+
+
+def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None,
+            trust_pickle: bool = False) -> dict[str, Any]:
     """Describe a checkpoint: format, layout, metadata, tensors (dtype/shape/bytes/chunks), totals.
 
     Returns a JSON-ready dict (the CLI's ``--json`` prints it as is).  A tied key
@@ -321,9 +332,10 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
     checkpoints whose data files it reads, with the bytes it reads from each;
     files of theirs that are gone (a step deleted or moved by hand) are listed
     per sibling under ``missing_references``: such a checkpoint cannot be
-    loaded, and the CLI's ``inspect`` exits 1 saying so.
+    loaded, and the CLI's ``inspect`` exits 1 saying so.  ``trust_pickle`` is
+    :func:`convert`'s, for a torch.save file whose classes need it.
     """
-    source = open_reader(src, storage_options)
+    source = open_reader(src, storage_options, trust_pickle=trust_pickle)
     try:
         tensors = []
         aliases = source.aliases()
@@ -345,8 +357,8 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None) -> di
                 "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
                            "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
-                           "model_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("model.")),
-                           "optim_bytes": sum(t["bytes"] for t in stored if t["name"].startswith("optim."))}
+                           "model_bytes": sum(t["bytes"] for t in stored if _part_of(t["name"]) == "model"),
+                           "optim_bytes": sum(t["bytes"] for t in stored if _part_of(t["name"]) == "optim")}
                           | ({"stored_bytes": sum(rec.nbytes for rec in chunks)} if chunks else {}),
                 **({"references": shared} if shared else {}),
                 **({"missing_references": gone} if gone else {})}

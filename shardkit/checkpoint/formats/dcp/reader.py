@@ -114,6 +114,21 @@ def shardkit_names(keys: Sequence[str], tensor_keys: Collection[str]) -> dict[st
     return out
 
 
+_PAYLOAD_NAME = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _writer_count(infos: Collection[Any]) -> int | None:
+    """How many ranks wrote the checkpoint: DCP's writer names each payload ``__<rank>_<n>.distcp``, so the
+    distinct ranks are the world that saved it (``None`` when a file is named otherwise: a custom writer)."""
+    ranks = set()
+    for info in infos:
+        m = _PAYLOAD_NAME.match(str(getattr(info, "relative_path", "")).rsplit("/", 1)[-1])
+        if m is None:
+            return None
+        ranks.add(int(m.group(1)))
+    return len(ranks) or None
+
+
 def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
     """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -171,7 +186,8 @@ class DcpReader(CheckpointReader):
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._checked = CheckedOnce()  # payloads whose CRC-32s were checked (ranged reads)
-        self.info = CheckpointInfo("dcp", url, meta={"dcp_version": self._md.version} if self._md.version else {})
+        self.info = CheckpointInfo("dcp", url, world_size=_writer_count(where.values()),
+                                   meta={"dcp_version": self._md.version} if self._md.version else {})
 
     def tensors(self) -> Mapping[str, TensorEntry]:
         return self._entries

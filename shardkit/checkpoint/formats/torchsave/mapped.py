@@ -14,6 +14,7 @@ open their files through :class:`MappedTorchFile`.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import re
@@ -56,6 +57,21 @@ def refusal(exc: BaseException) -> str | None:
     return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _unpickle(path: str, trust_pickle: bool, safe_globals: Sequence[tuple[Callable, str]]) -> Any:
+    """``torch.load`` of the mapped file.  torch allowlists ``DTensor`` (its mesh and placements) for
+    ``weights_only`` loads once ``torch.distributed.tensor`` is imported; that import is slow, so it is made
+    only for a file that turns out to hold DTensors (a sharded job's per-rank ``torch.save``)."""
+    for attempt in range(2):
+        with torch.serialization.safe_globals(list(safe_globals)):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
+            except Exception as exc:  # noqa: BLE001 - the caller reports what torch refused
+                if attempt or trust_pickle or "torch.distributed.tensor`` must be imported" not in str(exc):
+                    raise
+        importlib.import_module("torch.distributed.tensor")  # registers DTensor on the weights_only allowlist
+    raise AssertionError("unreachable")
+
+
 class MappedTorchFile:
     """A torch.save file, unpickled under an allowlist and memory-mapped.
 
@@ -92,8 +108,7 @@ class MappedTorchFile:
             if trust_pickle:
                 log.warning("%s: unpickling with trust_pickle=True: the weights_only allowlist is off and any "
                             "code the file names runs; use this only on files you trust", self.url)
-            with torch.serialization.safe_globals(list(safe_globals)):
-                self.obj: Any = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
+            self.obj: Any = _unpickle(path, trust_pickle, safe_globals)
         except BaseException as exc:
             self.close()  # a failed download, a bad file or unreadable contents leave no spool file behind
             if isinstance(exc, ShardkitError) or not isinstance(exc, Exception):

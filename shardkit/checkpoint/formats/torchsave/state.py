@@ -132,6 +132,8 @@ def _plain(value: Any, key: str, dropped: list[str] | None) -> Any:
     if isinstance(value, (list, tuple)):
         out = [_plain(v, f"{key}.{i}", dropped) for i, v in enumerate(value)]
         return [v for v in out if v is not _DROP]
+    if _is_dtensor(value):
+        return _whole_tensor(value, key)
     if dropped is not None and not isinstance(value, torch.Tensor):
         try:
             to_json_value(value, key)
@@ -140,6 +142,25 @@ def _plain(value: Any, key: str, dropped: list[str] | None) -> Any:
                            "a JSON value")
             return _DROP
     return value
+
+
+def _is_dtensor(value: Any) -> bool:
+    """A ``DTensor`` (only a trusted file can hold one: its class is outside torch's allowlist), told by its
+    interface so that reading a plain file never imports ``torch.distributed``."""
+    return isinstance(value, torch.Tensor) and hasattr(value, "placements") and hasattr(value, "to_local")
+
+
+def _whole_tensor(value: Any, key: str) -> torch.Tensor:
+    """The tensor a pickled ``DTensor`` stands for, when its local part is all of it (a mesh of one rank, or
+    replicated); a shard is one rank's part of a checkpoint that other files complete, so it is refused
+    rather than read as if it were the whole tensor."""
+    local = value.to_local()
+    if tuple(local.shape) != tuple(value.shape):
+        raise ConfigurationError(f"{key}: a DTensor holding one rank's part ({tuple(local.shape)} of "
+                                f"{tuple(value.shape)}, placements {list(map(str, value.placements))}): this file is "
+                                "one rank's share of a sharded checkpoint; open the folder that holds every rank's "
+                                "file instead (a DCP or torch_checkpointing step folder)")
+    return local.detach()
 
 
 def _is_number(x: Any) -> bool:
