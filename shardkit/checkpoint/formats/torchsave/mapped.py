@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -57,12 +57,25 @@ def refusal(exc: BaseException) -> str | None:
     return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
+@contextlib.contextmanager
+def _quiet_mesh_unpickling() -> Iterator[None]:
+    """Silence torch's warning that an unpickled ``DeviceMesh`` finds none of its process groups: a file read
+    offline always holds the mesh of a job that is gone, and only its shape and placements are used here."""
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    previous = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        mesh_log.setLevel(previous)
+
+
 def _unpickle(path: str, trust_pickle: bool, safe_globals: Sequence[tuple[Callable, str]]) -> Any:
     """``torch.load`` of the mapped file.  torch allowlists ``DTensor`` (its mesh and placements) for
     ``weights_only`` loads once ``torch.distributed.tensor`` is imported; that import is slow, so it is made
     only for a file that turns out to hold DTensors (a sharded job's per-rank ``torch.save``)."""
     for attempt in range(2):
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with torch.serialization.safe_globals(list(safe_globals)), _quiet_mesh_unpickling():
             try:
                 return torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
             except Exception as exc:  # noqa: BLE001 - the caller reports what torch refused
