@@ -1,5 +1,6 @@
 """The input state a checkpoint step holds (``data.*`` and ``rng.*``: shardkit.data), read and checked
-before a resume writes any model or optimizer tensor, so a refusal leaves the run as it was."""
+before a resume writes any model or optimizer tensor, so a refusal leaves the run as it was; and where in
+the step the model and optimizer state lie (at the top, or under a torch DCP ``AppState``'s name)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, nest
-from shardkit.errors import DataStateError, error_record, from_record
+from shardkit.errors import ConfigurationError, DataStateError, error_record, from_record
 
-__all__ = ["INPUT_KEYS", "stored_input_state", "check_input_state"]
+__all__ = ["INPUT_KEYS", "stored_input_state", "stored_step", "check_input_state"]
 
 INPUT_KEYS = ("data", "rng")  # top-level keys of resumable input state (shardkit.data), beside model and optim
 
@@ -29,15 +30,36 @@ def stored_input_state(url: str, storage_options: Mapping[str, Any] | None = Non
     tensor of the stored dtype and shape per tensor key, the stored value per
     value key (``load`` fills both in place).
     """
+    return _read_step(url, storage_options)[0]
+
+
+def stored_step(url: str, from_dcp: str | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+    """The targets of the step's input state (:func:`stored_input_state`), and the name model and optimizer
+    state lie under in it: ``from_dcp`` where the step holds keys below that name -- a torch DCP checkpoint
+    saved as the DCP tutorial does, ``dcp.save({"app": AppState(model, optimizer)})``, holds ``app.model.*``
+    and ``app.optim.*`` (``from_dcp="app"``) -- else ``None``: at the top, where the manager saves them."""
+    if from_dcp is not None and (not isinstance(from_dcp, str) or not from_dcp or "." in from_dcp
+                                 or from_dcp in ("model", "optim", *INPUT_KEYS)):
+        raise ConfigurationError(f"from_dcp must name the top-level key a torch DCP loop saved model and optimizer "
+                                 f"state under (e.g. 'app' for dcp.save({{'app': AppState(...)}})), without dots, "
+                                 f"and neither 'model', 'optim', 'data' nor 'rng'; got {from_dcp!r}")
+    inputs, roots = _read_step(url, storage_options)
+    return inputs, from_dcp if from_dcp in roots else None
+
+
+def _read_step(url: str, storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], set[str]]:
+    """The step's input-state targets (nested) and the first part of each of its keys."""
     reader = open_reader(url, storage_options)
     try:
         reader.focus({})  # dtypes and shapes only: no chunk record is needed (a version-3 reader reads no index)
         ours = tuple(f"{k}." for k in INPUT_KEYS)
-        values = {k: from_json_value(v) for k, v in reader.values().items() if k.startswith(ours)}
-        tensors = {k: torch.empty(e.shape, dtype=e.dtype) for k, e in reader.tensors().items() if k.startswith(ours)}
+        stored_values, entries = reader.values(), reader.tensors()
+        values = {k: from_json_value(v) for k, v in stored_values.items() if k.startswith(ours)}
+        tensors = {k: torch.empty(e.shape, dtype=e.dtype) for k, e in entries.items() if k.startswith(ours)}
     finally:
         reader.close()
-    return nest({**values, **tensors})
+    return nest({**values, **tensors}), {k.split(".", 1)[0] for k in (*stored_values, *entries)}
 
 
 def check_input_state(step: int, inputs: Mapping[str, Any], data: ElasticSampler | None,

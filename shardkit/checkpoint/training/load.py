@@ -45,6 +45,7 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.aliases import alias_groups, find_aliases
+from shardkit.checkpoint.state.dcp_stateful import load_into_statefuls, stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
     Flat,
     check_value_kind,
@@ -112,6 +113,9 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     ``dcp.load(state_dict, checkpoint_id=path)`` runs with the import swapped
     (DCP returns ``None``; the ``meta`` returned here is simply not used).  DCP's
     load also writes as it reads, so the one-pass default keeps its contract.
+    A top-level value that is torch's ``Stateful`` (DCP's ``AppState``) is loaded as
+    DCP loads it: into its ``state_dict()``, then handed to its ``load_state_dict()``
+    once every rank's load succeeded (:mod:`~shardkit.checkpoint.state.dcp_stateful`).
     """
     url = checkpoint_url(url, checkpoint_id, "load")
     dist = Dist(process_group)
@@ -119,13 +123,15 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     requests: list[ReadRequest] = []
     checked = Checked([], [])
     budget = 0
+    targets: Any = state_dict
     try:
         budget = default_staging_bytes() if staging_bytes is None else staging_bytes
         if budget < 0:
             raise ConfigurationError(f"staging_bytes must be >= 0, got {staging_bytes}")
         storage = Storage(url, storage_options)
         reader = open_reader(storage, format=format, io_threads=io_threads)
-        flat = flatten(state_dict)
+        targets = stateful_to_state_dict(state_dict)
+        flat = flatten(targets)
         started = time.perf_counter()
         plan = plan_load(reader, flat, strict, dtype_cast)
         requests, device_copies = plan.requests, plan.device_copies
@@ -168,6 +174,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     finally:
         reader.close()
     _agree(dist, local_exc, url, written, verify_first)
+    load_into_statefuls(state_dict, targets)
     log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
              sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
     return LoadResult(reader.info.meta, missing=plan.missing, unexpected=plan.unexpected)

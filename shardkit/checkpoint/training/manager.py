@@ -75,13 +75,14 @@ from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.hot.resume import LastLoad, resume_hot
 from shardkit.checkpoint.training.hot.save import run_hot_save
 from shardkit.checkpoint.training.hot.tier import HotTier, durable_view
-from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
+from shardkit.checkpoint.training.input_state import check_input_state, stored_step
 from shardkit.checkpoint.training.load import load
 from shardkit.checkpoint.training.retention import retain
 from shardkit.checkpoint.training.run_steps import (
     RunSteps,
     Supersession,
     committed_at,
+    dcp_steps,
     in_force,
     read_superseded,
     step_dir,
@@ -310,21 +311,22 @@ class CheckpointManager:
     # -- loading ---------------------------------------------------------
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              *, strict: bool = True, data: ElasticSampler | None = None,
-             stateful: Mapping[str, Stateful] | None = None, rng: bool = True, verify_first: bool = False) -> Any:
+             stateful: Mapping[str, Stateful] | None = None, rng: bool = True, verify_first: bool = False,
+             from_dcp: str | None = None) -> Any:
         """Load committed step ``step`` into ``model``/``optimizer`` (any world size); return its ``extra``.
 
-        ``data``, ``stateful`` and ``rng`` are restored as :meth:`load_latest` does; ``verify_first``
+        ``data``, ``stateful``, ``rng`` and ``from_dcp`` as :meth:`load_latest` takes them; ``verify_first``
         as :func:`~shardkit.checkpoint.load` takes it (``True``: a damaged step leaves every target as it was).
         """
         self.wait()
-        meta = self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first)
+        meta = self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first, from_dcp)
         self._run.resumed = step
         return meta.get("extra")
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, strict: bool = True, required: bool = False, data: ElasticSampler | None = None,
                     stateful: Mapping[str, Stateful] | None = None, rng: bool = True,
-                    verify_first: bool = False) -> tuple[int, Any] | None:
+                    verify_first: bool = False, from_dcp: str | None = None) -> tuple[int, Any] | None:
         """Load the newest committed step into ``model``/``optimizer``; ``(step, extra)`` or ``None``.
 
         ``data`` continues an :class:`~shardkit.data.ElasticSampler` with exactly
@@ -346,10 +348,16 @@ class CheckpointManager:
         step lacks a key the failed load touched (``strict=False``), it raises
         :class:`~shardkit.errors.CorruptCheckpoint`: the model is neither as it was nor any step.
         ``verify_first=True`` checks each step before writing (see ``load``).
+
+        ``from_dcp``: the name a torch DCP loop saved model and optimizer under through a ``Stateful`` (the
+        DCP tutorial's ``dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=f"{root}/step-{n}")``:
+        ``from_dcp="app"``, keys ``app.model.*``, ``app.optim.*``).  With it, the ``step-<N>`` folders torch
+        DCP committed count among the steps, and a step holding keys under that name loads model and
+        optimizer from them; any other step (this manager's own saves) loads as usual.
         """
         self.wait()
         started = time.perf_counter()
-        candidates = self._on_rank0(self._resumable_steps)
+        candidates = self._on_rank0(lambda: self._resumable_steps(dcp=from_dcp is not None))
         if self._hot is not None:
             hot = resume_hot(self._hot, model, optimizer, data=data, stateful=stateful, rng=rng,
                              at_least=candidates[-1] if candidates else 0)
@@ -362,9 +370,9 @@ class CheckpointManager:
                      self.root_url)
         if not candidates:
             return self._nothing(self._on_rank0(self._why_nothing), required)
-        loaded = load_newest_intact(
-            candidates, lambda step: self._load_step(step, model, optimizer, strict, data, stateful, rng, verify_first),
-            self.root_url, Dist(self.process_group))
+        loaded = load_newest_intact(candidates, lambda s: self._load_step(
+            s, model, optimizer, strict, data, stateful, rng, verify_first, from_dcp), self.root_url,
+            Dist(self.process_group))
         if loaded is None:
             every = f"every committed step ({', '.join(map(str, candidates))}) is damaged"
             return self._nothing(f"{every}, and this manager will not save over them without overwrite=True", required)
@@ -374,10 +382,10 @@ class CheckpointManager:
         self.last_load = LastLoad(step, "durable", time.perf_counter() - started)
         return step, meta.get("extra")
 
-    def _resumable_steps(self) -> list[int]:
-        """Committed steps, ascending, without those an ``overwrite=True`` run superseded (its step committed;
-        their removal may not have happened yet)."""
-        committed = self.steps()
+    def _resumable_steps(self, dcp: bool = False) -> list[int]:
+        """Committed steps (with ``dcp``, torch DCP's too), ascending, without those an ``overwrite=True`` run
+        superseded (its step committed; their removal may not have happened yet)."""
+        committed = sorted(set(self.steps()) | (dcp_steps(self.root, self._all_step_dirs()) if dcp else set()))
         superseded = in_force(self.root, self._all_step_dirs(), read_superseded(self.root))
         if superseded & set(committed):
             log.info("not resuming from steps %s under %s: superseded by a later run's steps (overwrite=True)",
@@ -386,22 +394,21 @@ class CheckpointManager:
 
     def _load_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool,
                    data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
-                   verify_first: bool) -> Any:
+                   verify_first: bool, from_dcp: str | None = None) -> Any:
         """Model and optimizer in place, then -- once they loaded -- data position, objects, and the RNG last."""
         url = self.url_of(step)
-        inputs = stored_input_state(url, self.storage_options)
+        inputs, under = stored_step(url, from_dcp, self.storage_options)
         restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
         check_input_state(step, inputs, data, stateful, rng=rng and "rng" in inputs, restores=restores_inputs,
                           process_group=self.process_group)
-        state = {**get_training_state(model, optimizer), **inputs}
+        training = get_training_state(model, optimizer)
+        state = {**({under: training} if under else training), **inputs}
         meta = load(state, url, strict=strict, storage_options=self.storage_options,
                     process_group=self.process_group, verify_first=verify_first)
-        set_training_state(model, optimizer, {k: v for k, v in state.items() if k in ("model", "optim")},
-                       strict=strict)
+        set_training_state(model, optimizer, training, strict=strict)
         if restores_inputs:
             load_data_state_dict({k: state[k] for k in inputs}, data, stateful, rng=rng and "rng" in state)
         return meta
-
 
     def _nothing(self, why: str | None, required: bool) -> None:
         if required:

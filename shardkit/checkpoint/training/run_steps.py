@@ -25,13 +25,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME as DCP_METADATA_NAME
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.reader import read_manifest
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
 
 __all__ = ["RunSteps", "Supersession", "SUPERSEDED_NAME", "read_superseded", "write_superseded", "in_force",
-           "step_dir", "step_dirs", "is_step_dir", "committed_at"]
+           "step_dir", "step_dirs", "is_step_dir", "committed_at", "dcp_steps"]
 
 SUPERSEDED_NAME = "superseded.json"
 
@@ -58,6 +59,13 @@ def step_of_dir(name: str) -> int | None:
 def committed_at(root: Storage, dirs: Mapping[int, str], step: int) -> bool:
     """Whether step ``step`` (a directory of ``dirs``) holds a committed checkpoint."""
     return step in dirs and root.child(dirs[step]).exists(MANIFEST_NAME)
+
+
+def dcp_steps(root: Storage, dirs: Mapping[int, str]) -> set[int]:
+    """The steps of ``dirs`` that torch DCP committed (its ``.metadata``, written last): a DCP training loop's
+    ``step-<N>``, which ``load_latest(..., from_dcp=NAME)`` resumes from.  Not a step the manager replaces or
+    deletes, nor one in a save's way: it is another tool's checkpoint (:func:`committed_at` is for ours)."""
+    return {s for s, name in dirs.items() if root.child(name).exists(DCP_METADATA_NAME)}
 
 
 def step_dirs(root: Storage) -> dict[int, str]:

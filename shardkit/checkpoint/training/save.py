@@ -58,6 +58,7 @@ from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.aliases import find_aliases
+from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
     flatten,
     keep_keys,
@@ -366,7 +367,9 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
-    ``dcp.save(state_dict, checkpoint_id=path)`` runs with the import swapped.
+    ``dcp.save(state_dict, checkpoint_id=path)`` runs with the import swapped;
+    a top-level value that is torch's ``Stateful`` (DCP's ``AppState``, a module)
+    is saved as its ``state_dict()``, as DCP saves it (:mod:`~shardkit.checkpoint.state.dcp_stateful`).
 
     ``only``/``exclude``: globs over the flattened keys (``model.*lora*``,
     ``optim.*``) choosing what is saved, e.g. a fine-tune's adapters alone
@@ -397,8 +400,8 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     storage = Storage(url, storage_options)
     plan, error = None, None
     try:
-        plan = plan_save(state_dict, dist, chunk_bytes=chunk_bytes, io_threads=io_threads, compression=comp,
-                         keys=(only, exclude))
+        plan = plan_save(stateful_to_state_dict(state_dict), dist, chunk_bytes=chunk_bytes, io_threads=io_threads,
+                         compression=comp, keys=(only, exclude))
         if not overwrite and is_committed(storage):
             raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
         log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),

@@ -37,6 +37,7 @@ from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAU
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.checkpoint.training.async_save.repeat_copy import RepeatStaging
@@ -133,8 +134,9 @@ class BackgroundSaver:
             dist = Dist(group)
             plan, error = None, None
             try:
-                plan = self.staging.plan_and_stage(state_dict, dist, pool, chunk_bytes=chunk_bytes,
-                                                   io_threads=io_threads, keys=keys, compression=compression)
+                plan = self.staging.plan_and_stage(stateful_to_state_dict(state_dict), dist, pool,
+                                                   chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
+                                                   compression=compression)
                 storage.makedirs()
             except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
                 error = exc
@@ -214,7 +216,8 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
     first call (a collective).  Staging buffers are reused from save to save,
     so host memory stays flat; a new ``async_save`` first waits for the
     previous one.  The returned future raises what the save raised.
-    ``checkpoint_id``: DCP's keyword for ``url`` (give one of them).
+    ``checkpoint_id``: DCP's keyword for ``url`` (give one of them).  A top-level ``Stateful`` value (torch's
+    protocol) is saved as its ``state_dict()``, called before this returns, as DCP's ``async_save`` calls it.
     ``digests``/``reuse_from``: as for :func:`save` (the hashing runs in the background).
     """
     url = checkpoint_url(url, checkpoint_id, "async_save")

@@ -1,0 +1,52 @@
+"""torch DCP's ``Stateful`` protocol at the top of a state dict, as ``dcp.save`` and ``dcp.load`` apply it.
+
+torch's DCP tutorial saves ``{"app": AppState(model, optimizer)}``: an object
+with ``state_dict()`` and ``load_state_dict()``
+(``torch.distributed.checkpoint.stateful.Stateful``, a runtime-checkable
+protocol that ``nn.Module`` and ``Optimizer`` match too).  For code written for
+DCP to run after the import swap, ``save``/``async_save``/``load`` treat such
+values exactly as DCP does, and only at the top level, as DCP does:
+
+* saving stores ``value.state_dict()`` under the value's key;
+* loading first calls ``state_dict()`` to get the targets, loads into them in
+  place, then calls ``load_state_dict(targets)`` -- the object decides what
+  loading means (``set_state_dict`` in the tutorial), so it runs even when
+  the targets are the object's live tensors.  Other top-level values are
+  replaced by what was loaded, as DCP replaces them.
+
+This is torch's protocol; :class:`shardkit.data.Stateful` is something else: a
+wrapper saying whether a *data* object's state is global or per rank, for
+``CheckpointManager(..., stateful=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = ["Stateful", "stateful_to_state_dict", "load_into_statefuls"]
+
+
+def stateful_to_state_dict(state_dict: Any) -> Any:
+    """A shallow copy of ``state_dict`` with ``value.state_dict()`` for each top-level ``Stateful`` value, keys in
+    sorted order (the order DCP's load calls them in); anything but a dict is returned as it is (the caller's
+    own check names it)."""
+    if not isinstance(state_dict, Mapping):
+        return state_dict
+    return {key: value.state_dict() if isinstance(value, Stateful) else value
+            for key, value in sorted(state_dict.items(), key=lambda item: str(item[0]))}
+
+
+def load_into_statefuls(state_dict: dict[str, Any], targets: Any) -> None:
+    """After ``targets`` (what :func:`stateful_to_state_dict` gave for ``state_dict``) were loaded in place: hand
+    each ``Stateful`` its loaded state through ``load_state_dict``, and put every other loaded value back in
+    ``state_dict`` (a top-level value the load replaced in ``targets``)."""
+    if targets is state_dict or not isinstance(state_dict, dict):
+        return
+    for key in sorted(state_dict, key=str):
+        value = state_dict[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(targets[key])
+        else:
+            state_dict[key] = targets[key]
