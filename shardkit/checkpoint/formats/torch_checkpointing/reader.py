@@ -115,8 +115,8 @@ class _ItemFile:
         self.size = size
         self.crc = carries_checksums(list(self.records.values()))
         pickles = [r for n, r in self.records.items() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            raise InvalidManifest(f"{where}: not a torch.save archive (no single <archive>/data.pkl record)")
+        if len(pickles) != 1 or not pickles[0].stored:
+            raise InvalidManifest(f"{where}: not a torch.save archive (no single stored <archive>/data.pkl record)")
         self.prefix = pickles[0].name[:-len("data.pkl")]
         if self.crc:
             check_record(storage, name, 0, size, pickles[0], where)
@@ -308,6 +308,12 @@ class TorchCheckpointingReader(CheckpointReader):
         if f.crc:
             self._checked.ensure((name, rec.name), lambda: check_record(self.storage, name, 0, f.size, rec,
                                                                         f"{f.where} [{ref.record}]"))
+
+    def prepare(self, requests: Sequence[ReadRequest]) -> None:
+        """Open every rank file the requests need and check each tensor against the metadata, writing no
+        ``out``: what ``load`` checks on every rank before any rank writes a target."""
+        for r, entry in zip(requests, self.check_requests(requests)):
+            self.locate(entry, r.chunk)
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         entries = self.check_requests(requests)

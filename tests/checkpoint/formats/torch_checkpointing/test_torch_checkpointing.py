@@ -30,7 +30,7 @@ pytest.importorskip("torch_checkpointing")
 import shardkit.checkpoint as skc  # noqa: E402
 from shardkit.checkpoint.formats import open_reader  # noqa: E402
 from shardkit.checkpoint.formats.base import read_box  # noqa: E402
-from shardkit.errors import InvalidManifest, UnsafeCheckpoint  # noqa: E402
+from shardkit.errors import InvalidManifest, UnsafeCheckpoint, UnsupportedVersion  # noqa: E402
 from tests.support.dist import run_on_ranks  # noqa: E402
 from tests.support.formats_helpers import flat_full_state  # noqa: E402
 from tests.support.offline_cli import run_cli  # noqa: E402
@@ -258,6 +258,21 @@ def test_an_item_file_naming_os_system_is_refused_and_nothing_runs(step, tmp_pat
     result = run_cli("verify", folder)
     assert result.exit_code != 0 and "model_1.pt" in result.stdout + result.stderr
     assert not marker.exists()
+
+
+def test_metadata_of_another_version_or_shape_is_refused_naming_the_file(step, tmp_path):
+    import pickle
+
+    folder = _copy(step, tmp_path)
+    with open(os.path.join(folder, "metadata.pkl"), "rb") as f:
+        good = pickle.loads(f.read())  # written by the test's own save: trusted
+    for bad, error in (({**good, "version": "1.0"}, UnsupportedVersion),
+                       ({**good, "world_size": 3}, InvalidManifest),
+                       ([good], InvalidManifest)):
+        with open(os.path.join(folder, "metadata.pkl"), "wb") as f:
+            f.write(pickle.dumps(bad))
+        with pytest.raises(error, match="metadata.pkl"):
+            open_reader(folder)
 
 
 def test_a_step_with_a_missing_rank_file_is_refused_naming_it(step, tmp_path):
