@@ -396,7 +396,7 @@ class CheckpointManager:
                    data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
                    verify_first: bool, from_dcp: str | None = None) -> Any:
         """Model and optimizer in place, then -- once they loaded -- data position, objects, and the RNG last."""
-        url = self.url_of(step)
+        url = self.root.child(self._all_step_dirs().get(step, step_dir(step))).url  # a DCP loop's step-100 too
         inputs, under = stored_step(url, from_dcp, self.storage_options)
         restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
         check_input_state(step, inputs, data, stateful, rng=rng and "rng" in inputs, restores=restores_inputs,
