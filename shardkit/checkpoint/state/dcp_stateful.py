@@ -30,23 +30,24 @@ __all__ = ["Stateful", "stateful_to_state_dict", "load_into_statefuls"]
 
 def stateful_to_state_dict(state_dict: Any) -> Any:
     """A shallow copy of ``state_dict`` with ``value.state_dict()`` for each top-level ``Stateful`` value, keys in
-    sorted order (the order DCP's load calls them in); anything but a dict is returned as it is (the caller's
-    own check names it)."""
-    if not isinstance(state_dict, Mapping):
+    sorted order (the order DCP's load calls them in).  A state dict without one (or anything but a dict, which
+    the caller's own check names) is returned as it is: nothing to do, and a load goes on filling it directly."""
+    if not isinstance(state_dict, Mapping) or not any(isinstance(v, Stateful) for v in state_dict.values()):
         return state_dict
     return {key: value.state_dict() if isinstance(value, Stateful) else value
             for key, value in sorted(state_dict.items(), key=lambda item: str(item[0]))}
 
 
-def load_into_statefuls(state_dict: dict[str, Any], targets: Any) -> None:
-    """After ``targets`` (what :func:`stateful_to_state_dict` gave for ``state_dict``) were loaded in place: hand
-    each ``Stateful`` its loaded state through ``load_state_dict``, and put every other loaded value back in
-    ``state_dict`` (a top-level value the load replaced in ``targets``)."""
+def load_into_statefuls(state_dict: dict[str, Any], targets: Any, *, statefuls: bool = True) -> None:
+    """After ``targets`` (what :func:`stateful_to_state_dict` gave for ``state_dict``) were loaded in place: put
+    every other loaded value back in ``state_dict`` (a top-level value the load replaced in ``targets``), and
+    with ``statefuls`` hand each ``Stateful`` its loaded state through ``load_state_dict`` -- ``False`` after
+    a failed load, whose replaced values stay visible, as a load without a ``Stateful`` leaves them."""
     if targets is state_dict or not isinstance(state_dict, dict):
         return
     for key in sorted(state_dict, key=str):
         value = state_dict[key]
-        if isinstance(value, Stateful):
-            value.load_state_dict(targets[key])
-        else:
+        if not isinstance(value, Stateful):
             state_dict[key] = targets[key]
+        elif statefuls:
+            value.load_state_dict(targets[key])

@@ -173,7 +173,11 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         local_exc = exc
     finally:
         reader.close()
-    _agree(dist, local_exc, url, written, verify_first)
+    try:
+        _agree(dist, local_exc, url, written, verify_first)
+    except BaseException:
+        load_into_statefuls(state_dict, targets, statefuls=False)
+        raise
     load_into_statefuls(state_dict, targets)
     log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
              sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
