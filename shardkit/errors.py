@@ -66,6 +66,7 @@ __all__ = [
     "MissingCredentials",
     "BucketNotFound",
     "EndpointUnreachable",
+    "CheckpointTimeout",
     "DataStateError",
     "PerRankStateError",
     "error_record",
@@ -244,6 +245,12 @@ class BucketNotFound(StorageError):
 
 class EndpointUnreachable(StorageError):
     """The storage endpoint refused the connection, did not resolve, or did not answer in time."""
+
+
+class CheckpointTimeout(CheckpointError, TimeoutError):
+    """Ranks of a checkpoint's collective did not arrive within its deadline (a rank that died, was frozen,
+    never called, or waits on slow storage).  The message names the phase, the step, the URL and the ranks
+    that did not arrive; nothing was committed, and every earlier step stays loadable."""
 
 
 # --------------------------------------------------------------------------
