@@ -23,6 +23,7 @@ from shardkit.checkpoint.offline.options import (
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,
 )
+from shardkit.cli.exit_codes import ExitCode
 from shardkit.cli.render import echo_json, human_bytes, human_count, storage_options, table
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
                          model_keys=_model_keys(model_keys))
     if result is not None:
         _report_written(ctx, result, as_json)
-    return 0
+    return ExitCode.OK
 
 
 @click.command()
@@ -249,7 +250,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
                          model_keys=_model_keys(model_keys))
     if result is not None:
         _report_written(ctx, result, as_json)
-    return 0
+    return ExitCode.OK
 
 
 @click.command()
@@ -320,14 +321,14 @@ def _refuse_missing_references(src: str, info: dict[str, Any]) -> int:
     but a checkpoint that cannot be loaded is never reported as if it were fine."""
     missing = info.get("missing_references") or {}
     if not missing:
-        return 0
+        return ExitCode.OK
     for sibling, names in missing.items():
         click.echo(f"missing: {human_count(len(names), 'data file')} of ../{sibling} that this checkpoint "
                    f"references, e.g. ../{sibling}/{names[0]}", err=True)
     steps = ", ".join(f"../{s}" for s in missing)
     click.echo(f"error: {src} cannot be loaded: data it references in {steps} is gone (deleted or moved by hand); "
                "restore it, or use another checkpoint", err=True)
-    return 1
+    return ExitCode.CHECKPOINT
 
 
 @click.command()
@@ -365,8 +366,8 @@ def verify(ctx: click.Context, src: str, workers: int, as_json: bool, storage_op
         if not as_json:
             click.echo(f"error: {src} is damaged: {human_count(len(report.problems), 'problem')}, listed above",
                        err=True)
-        return 1
-    return 0
+        return ExitCode.CHECKPOINT
+    return ExitCode.OK
 
 
 @click.command()
@@ -418,7 +419,7 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
         click.echo(f"{verdict}: {n_eq} of {human_count(len(report.tensors), 'tensor')} bitwise equal, "
                    f"max abs diff {max([t.max_abs for t in report.tensors], default=0.0):.3g}, "
                    f"{human_count(len(report.values), 'value differs', 'values differ')}")
-    return 0 if report.equal else 1
+    return ExitCode.OK if report.equal else ExitCode.CHECKPOINT
 
 
 COMMANDS = [reshard, convert, inspect, verify, diff]

@@ -19,11 +19,7 @@ import traceback
 import click
 
 from shardkit import __version__
-
-EXIT_FAILED = 1        # the command ran and found a problem (verify damage, diff difference) or a ShardkitError
-EXIT_USAGE = 2         # click's own usage errors
-EXIT_INTERNAL = 3      # an unexpected exception: a bug
-
+from shardkit.cli.exit_codes import ExitCode
 
 INTERRUPTED = "error: interrupted"
 RESUMES = ("error: interrupted; rerunning the same command resumes (the data files already written are "
@@ -129,10 +125,10 @@ def main(argv: list[str] | None = None) -> None:
             reset_logging()
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a Ctrl-C in a command into Abort
         click.echo(RESUMES if settings.resumable else INTERRUPTED, err=True)
-        sys.exit(130)
+        sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
-        sys.exit(exc.exit_code)
+        sys.exit(ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.CHECKPOINT)
     except Exception as exc:  # noqa: BLE001 - the one place that turns errors into exit codes
         from shardkit.errors import ShardkitError
 
@@ -140,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         if isinstance(exc, ShardkitError):
             click.echo(f"error: {_one_line(str(exc))}", err=True)
-            sys.exit(EXIT_FAILED)
+            sys.exit(ExitCode.CHECKPOINT)
         click.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
                    "traceback)", err=True)
-        sys.exit(EXIT_INTERNAL)
-    sys.exit(code if isinstance(code, int) else 0)
+        sys.exit(ExitCode.INTERNAL)
+    sys.exit(ExitCode(code) if isinstance(code, int) else ExitCode.OK)
 
 
 def _one_line(text: str) -> str:
