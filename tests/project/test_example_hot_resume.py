@@ -43,4 +43,4 @@ def test_a_lost_node_resumes_from_its_peer_copy_with_the_losses_of_the_uninterru
     assert got["losses"] == reference["losses"][DIE_AT:]  # bitwise: the same floats, through JSON's repr
     # the replaced node holds the steps saved since the restart, nothing of the lost one
     [run] = os.listdir(tmp_path / "lost" / "hot" / "node1")  # run-<digest of the durable root>
-    assert sorted(os.listdir(tmp_path / "lost" / "hot" / "node1" / run)) == [f"step-{STEPS:010d}"]
+    assert sorted(os.listdir(tmp_path / "lost" / "hot" / "node1" / run)) == ["root.json", f"step-{STEPS:010d}"]

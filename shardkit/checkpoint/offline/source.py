@@ -8,31 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import TYPE_CHECKING
 
 from shardkit.checkpoint.formats import handler_for
+from shardkit.checkpoint.io.location import canonical_location
 from shardkit.checkpoint.io.storage import Storage
 
 if TYPE_CHECKING:
     pass
 
 __all__ = ["canonical_location", "overlap", "source_fingerprint"]
-
-def canonical_location(storage: Storage) -> str:
-    """One spelling per place: symlinks and relative paths resolved locally, no trailing slash remotely.
-
-    Remotely the endpoint is part of the place: ``s3://ckpts/run`` on two
-    S3-compatible services are two places (a migration between them is fine).
-    """
-    if storage.paths_are_os_paths:
-        return "file://" + os.path.realpath(storage.root)
-    protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
-    opts = storage.storage_options
-    endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
-                or opts.get("project") or "")
-    return f"{protocol}://{storage.root.rstrip('/')}" + (f"@{endpoint}" if endpoint else "")
-
 
 def overlap(a: Storage, b: Storage) -> bool:
     """Whether ``a`` and ``b`` are the same place or one lies inside the other."""

@@ -3,7 +3,8 @@
 ::
 
     <local>/                             "{node}" in the template replaced by the node index
-      run-<12 hex>/                      one per durable root (a digest of its URL): runs never mix
+      run-<12 hex>/                      one per durable root (a digest of its canonical URL): runs never mix
+        root.json                        {"root": that canonical URL}: whose copies these are (``roots.py``)
         step-0000000017/
           rank-2.<save id>/              rank 2's own shards (a native checkpoint, manifest.json last)
           replica-0.<save id>/           rank 0's shards, kept here for when rank 0's node is lost
@@ -19,6 +20,16 @@ killed, the step saved again -- are never mixed; the token is rank 0's clock in 
 manager first saved, so of two complete saves of one step the later run's sorts last.  Two jobs that
 share a ``local=`` directory but not a durable root keep apart in their ``run-<digest>`` directories, so
 neither ever reads nor removes the other's copies.
+
+The digest is of the root's canonical URL (:func:`~shardkit.checkpoint.io.location.canonical_url`: absolute
+path, links resolved, fsspec's protocol name, no trailing slash), so a restart that spells the root
+``./ckpt``, ``/abs/ckpt/`` or ``file:///abs/ckpt`` finds the same copies.  (Before, the digest was of the
+URL as typed; :mod:`.roots` adopts such directories when they belong to this root.)
+
+Under torchrun with restarts, the rendezvous store torchrun shares with its workers by default makes a
+restarted attempt hang in ``init_process_group`` (torch #135712): :func:`restart_hazard` names that setting,
+and :meth:`NodeLayout.of` warns of it on the first attempt and refuses it, in seconds, on a restarted one
+that has not formed its process group yet (the manager built before ``init_process_group``).
 """
 
 from __future__ import annotations
@@ -28,17 +39,65 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import Mapping
 
+from shardkit.checkpoint.io.location import canonical_url
 from shardkit.errors import ConfigurationError
 
 __all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy",
-           "is_marker_leftover"]
+           "is_marker_leftover", "run_name", "restart_hazard"]
 
 log = logging.getLogger(__name__)
 
 COMPLETE_NAME = "complete.json"
 _COPY = re.compile(r"^(rank|replica|fetched)-(\d{1,9})\.([0-9a-f]{12}\d{6})(\.[0-9a-f]{8})?$")
 _MARKER_TMP = re.compile(r"^" + re.escape(COMPLETE_NAME) + r"\.tmp-[0-9a-f]{12}$")
+
+
+def run_name(spelling: str) -> str:
+    """``run-<12 hex>``: the directory of the run whose root is spelled ``spelling`` (already canonical, or as
+    an earlier shardkit keyed it: the URL as typed)."""
+    return "run-" + hashlib.sha256(spelling.encode("utf-8")).hexdigest()[:12]
+
+
+def restart_hazard(environ: Mapping[str, str] | None = None) -> str | None:
+    """What is wrong when this process runs under torchrun with restarts (``--max-restarts`` > 0) and the
+    rendezvous store shared with the workers (torch's default): a restarted attempt's
+    ``init_process_group`` then reads the previous attempt's addresses from that store and hangs, with no
+    output (torch #135712).  ``None`` when the launch is restartable (or not torchrun's)."""
+    env = os.environ if environ is None else environ
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    if restarts < 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
+            or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return None
+    return (f"torchrun restarts this job (--max-restarts {restarts}) but shares its rendezvous store with the "
+            f"workers, so a restarted attempt hangs in init_process_group with no output (torch #135712) and "
+            f"never reaches the hot tier's copies: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            f"torchrun's environment (e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts "
+            f"{restarts} ...)")
+
+
+_hazard_warned = False
+
+
+def _check_restartable() -> None:
+    """Warn once per job (rank 0) on the first attempt; refuse a restarted attempt that has no process group
+    yet, which would otherwise hang in ``init_process_group``."""
+    global _hazard_warned
+    problem = restart_hazard()
+    if problem is None:
+        return
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt not in ("", "0") and not (dist.is_available() and dist.is_initialized()):
+        raise ConfigurationError(f"attempt {attempt} of this job: {problem}")
+    if not _hazard_warned and os.environ.get("RANK", "0") == "0":
+        _hazard_warned = True
+        log.warning("%s", problem)
 
 
 def copy_name(kind: str, rank: int, save_id: str, token: str | None = None) -> str:
@@ -73,11 +132,15 @@ class NodeLayout:
     local_world_size: int
     replicas: int
     run: str = ""
+    root: str = ""  # the durable root's canonical URL, recorded in each run directory
+    legacy_runs: tuple[str, ...] = ()  # what an earlier shardkit named this root's run directory
 
     @classmethod
     def of(cls, template: str, world_size: int, local_world_size: int | None, replicas: int,
            root_url: str = "") -> "NodeLayout":
-        """Check the options against the job; ``local_world_size=None`` takes torchrun's LOCAL_WORLD_SIZE."""
+        """Check the options against the job; ``local_world_size=None`` takes torchrun's LOCAL_WORLD_SIZE.
+        Under torchrun, also check that a restarted attempt can form its process group (:func:`restart_hazard`)."""
+        _check_restartable()
         if not isinstance(template, (str, os.PathLike)) or not str(template):
             raise ConfigurationError(f"local= must be a local directory path, got {template!r}")
         template = os.fspath(template)
@@ -107,8 +170,9 @@ class NodeLayout:
                         "replica(s) of each rank's copy", replicas, replicas + 1, nodes, world_size,
                         local_world_size, nodes - 1)
             replicas = nodes - 1
-        return cls(template, world_size, local_world_size, replicas,
-                   "run-" + hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:12])
+        root = canonical_url(root_url) if root_url else ""
+        return cls(template, world_size, local_world_size, replicas, run_name(root), root,
+                   _legacy_runs(root_url, root) if root_url else ())
 
     @property
     def nodes(self) -> int:
@@ -132,3 +196,16 @@ class NodeLayout:
     def is_node_leader(self, rank: int) -> bool:
         """The lowest rank of its node: the one that records completion and runs retention there."""
         return rank % self.local_world_size == 0
+
+
+def _legacy_runs(typed: str, root: str) -> tuple[str, ...]:
+    """The ``run-<digest>`` names an earlier shardkit gave this root: the digest of the URL as typed (as the
+    manager kept it: no trailing slash), for the spellings of this place a user most likely typed."""
+    spellings = {typed.rstrip("/") or typed}
+    if root.startswith("file://"):
+        path = typed.removeprefix("file://")
+        spellings |= {os.path.abspath(path), root.removeprefix("file://"), root}
+        spellings |= {"file://" + os.path.abspath(path)}
+    else:
+        spellings |= {root}
+    return tuple(sorted(run_name(s) for s in spellings if run_name(s) != run_name(root)))

@@ -18,6 +18,7 @@ from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState, local_state
 from shardkit.checkpoint.training.hot.layout import NodeLayout
 from shardkit.checkpoint.training.hot.retention import check_space
+from shardkit.checkpoint.training.hot.roots import survey_node
 from shardkit.checkpoint.training.hot.save import HotSave
 from shardkit.errors import ConfigurationError, error_record, from_record
 
@@ -60,6 +61,7 @@ class HotTier:
                                          f"{dist.world_size}")
             self._layout = NodeLayout.of(self.local, dist.world_size, self.local_world_size, self.replicas,
                                          self.root_url)
+            survey_node(self._layout, dist.rank)  # adopt, record the root, warn of other roots' copies
         return self._layout
 
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,

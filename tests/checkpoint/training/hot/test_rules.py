@@ -80,7 +80,8 @@ def test_retention_keeps_local_keep_complete_steps_and_never_a_file_it_did_not_w
     (node / "step-0000000002" / "mine.txt").write_text("mine too")
     with caplog.at_level(logging.WARNING, logger="shardkit"):
         _save_steps(tmp_path, range(4, 7))
-    assert sorted(os.listdir(node)) == ["notes.txt", "step-0000000002", "step-0000000005", "step-0000000006"]
+    assert sorted(os.listdir(node)) == ["notes.txt", "root.json", "step-0000000002", "step-0000000005",
+                                    "step-0000000006"]
     assert os.listdir(node / "step-0000000002") == ["mine.txt"]
     assert "mine.txt" in caplog.text
 
@@ -145,7 +146,7 @@ def test_a_run_resumed_below_the_hot_tiers_newest_step_removes_that_abandoned_hi
     rerun = _manager(tmp_path)
     rerun.load(5, _model(-1))  # the user chose step 5: steps 6 and 7 are another history now
     rerun.save(6, _model(6), extra={"step": 6})
-    assert sorted(os.listdir(_run_dir(tmp_path))) == ["step-0000000006"]
+    assert sorted(os.listdir(_run_dir(tmp_path))) == ["root.json", "step-0000000006"]
     assert _resume(tmp_path)[:2] == (6, "local")
 
 

@@ -122,7 +122,7 @@ def test_the_saved_run_leaves_two_complete_hot_steps_per_node_and_the_durable_st
         [run] = os.listdir(os.path.join(saved, "hot", f"node{node}"))
         assert run.startswith("run-")
         node_dir = os.path.join(saved, "hot", f"node{node}", run)
-        assert sorted(os.listdir(node_dir)) == ["step-0000000008", "step-0000000009"]
+        assert sorted(os.listdir(node_dir)) == ["root.json", "step-0000000008", "step-0000000009"]
         for step in (8, 9):
             names = sorted(os.listdir(os.path.join(node_dir, f"step-000000000{step}")))
             kinds = sorted(n.split(".")[0] for n in names)
