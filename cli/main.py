@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -21,6 +24,7 @@ import click
 from shardkit import __version__
 from shardkit.cli.exit_codes import ExitCode
 
+INTERRUPT_GRACE_S = 1.0  # after Ctrl-C, how long the command may take to stop before it leaves regardless
 INTERRUPTED = "error: interrupted"
 RESUMES = ("error: interrupted; rerunning the same command resumes (the data files already written are "
            "verified and kept)")
@@ -109,6 +113,53 @@ def _register() -> None:
 _register_done = False
 
 
+class Interrupt:
+    """Ctrl-C in the ``shardkit`` process: stop within :data:`INTERRUPT_GRACE_S`, whatever is in flight.
+
+    Why: a signal reaches only the main thread, while the requests of a
+    ``reshard`` to an object store run in worker threads (and their retries
+    sleep there), and the interpreter's exit would wait for each of them.  So
+    the first Ctrl-C stops every storage retry of the process, raises
+    ``KeyboardInterrupt`` in the main thread as usual, and starts a timer; the
+    process leaves (``os._exit``, buffers flushed, the one-line message
+    printed once) as soon as :func:`main` has handled the interrupt, or when
+    the timer fires, without joining threads still inside a request.  What a
+    rerun resumes is safe: a data file is journaled only once it is whole,
+    and an upload left unfinished is never completed under its name.  Only
+    the console script installs this; in-process calls (tests, notebooks)
+    keep Python's own Ctrl-C.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._once = threading.Lock()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        from shardkit.checkpoint.io.storage import interrupt_retries
+
+        interrupt_retries()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        timer = threading.Timer(INTERRUPT_GRACE_S, self.leave)
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
+
+    def leave(self) -> None:
+        """Print the interruption line (once), flush, and end the process with exit code 130."""
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            click.echo(RESUMES if self.settings.resumable else INTERRUPTED, err=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(ExitCode.INTERRUPTED)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``shardkit``), also ``python -m shardkit``."""
     global _register_done
@@ -118,12 +169,17 @@ def main(argv: list[str] | None = None) -> None:
     args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
     debug = "--debug" in args
     settings = Settings()
+    interrupt = Interrupt(settings) if argv is None and threading.current_thread() is threading.main_thread() else None
+    if interrupt is not None:
+        interrupt.install()
     try:
         try:
             code = cli.main(args=args, prog_name="shardkit", standalone_mode=False, obj=settings)
         finally:
             reset_logging()
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a Ctrl-C in a command into Abort
+        if interrupt is not None:
+            interrupt.leave()  # without waiting for worker threads still inside a request
         click.echo(RESUMES if settings.resumable else INTERRUPTED, err=True)
         sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:

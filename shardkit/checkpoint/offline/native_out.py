@@ -55,7 +55,6 @@ from shardkit.checkpoint.formats.native.writer import (
     group_into_files,
 )
 from shardkit.checkpoint.geometry.boxes import shard_range, split_box
-from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.fetch import Fetcher
@@ -63,6 +62,7 @@ from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection
 from shardkit.checkpoint.offline.side_files import copy_side_files
+from shardkit.checkpoint.offline.stoppable import Stopped, stoppable_map
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["parse_mesh", "FileUnit", "plan_files", "write_native", "RESUME_DIR", "assign_units"]
@@ -193,7 +193,9 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
     skipped = [0]
     lock = threading.Lock()
 
-    def one(unit: FileUnit) -> WrittenFile:
+    def one(unit: FileUnit, stop: threading.Event) -> WrittenFile:
+        if stop.is_set():
+            raise Stopped(unit.name)
         kept = _verified_record(storage, unit, source_id)
         if kept is not None:
             with lock:
@@ -204,6 +206,8 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
 
         def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
             def load() -> torch.Tensor:
+                if stop.is_set():  # interrupted: abandon this file between two chunks (it is never journaled)
+                    raise Stopped(unit.name)
                 data = fetch(name, offsets, shape)
                 update(data.numel() * data.element_size())
                 return data
@@ -219,7 +223,7 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
         storage.put_atomic(_journal_name(unit), _journal_entry(wf, source_id))
         return wf
 
-    return parallel_map(one, list(units), workers), skipped[0]
+    return stoppable_map(one, list(units), workers), skipped[0]
 
 
 def _discard(storage: Storage, name: str) -> None:
