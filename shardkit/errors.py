@@ -270,8 +270,12 @@ class PerRankStateError(DataStateError):
 
 def error_record(exc: BaseException) -> dict[str, str]:
     """The wire form of an error sent to other ranks (JSON): its class name and message, so every
-    rank can raise the same kind of error without parsing text."""
-    return {"type": type(exc).__name__, "message": str(exc)}
+    rank can raise the same kind of error without parsing text; an ``OSError``'s errno travels too (a full
+    disk is ENOSPC on every rank)."""
+    record = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, OSError) and isinstance(exc.errno, int):
+        record["errno"] = exc.errno  # type: ignore[assignment]
+    return record
 
 
 def from_record(record: dict[str, str], message: str | None = None) -> ShardkitError:
@@ -286,9 +290,12 @@ def from_record(record: dict[str, str], message: str | None = None) -> ShardkitE
         cls = checkpoint_error_kind(name)
     text = message if message is not None else str(record.get("message"))
     try:
-        return cls(text)
+        error = cls(text)
     except TypeError:  # a built-in whose constructor takes more than a message (UnicodeDecodeError)
         return CheckpointError(text)
+    if isinstance(error, OSError) and isinstance(record.get("errno"), int):
+        error.errno = record["errno"]  # type: ignore[assignment]
+    return error
 
 
 _KINDS: dict[str, type[CheckpointError]] = {}

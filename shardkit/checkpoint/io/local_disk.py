@@ -7,7 +7,12 @@ Local disks are special-cased for speed and durability:
 * writes go out buffered (or ``O_DIRECT``, see ``direct_io.py``) from tensor
   memory with no copy, fsynced when the caller wants the data durable;
 * a commit is a temporary file + fsync + ``os.replace`` + directory fsync, so
-  readers see either the old file or the new one, even after a power loss.
+  readers see either the old file or the new one, even after a power loss;
+* a full disk (``ENOSPC``, or a quota: ``EDQUOT``) is not worth retrying: the file being written is
+  removed and :func:`disk_full` raises ``CheckpointOSError`` (a ``CheckpointError`` that is also the
+  ``OSError``, with its errno) naming the file, the filesystem's free space and what to do; a save
+  shares it with every rank, which then removes its own new files, so nothing is committed and no
+  partial file is left.
 
 Paths handed in are already checked by the front; ``retry`` is the front's
 bounded retry layer (``retry(what, fn)``).
@@ -23,9 +28,11 @@ from typing import Any, BinaryIO, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from shardkit.errors import CheckpointNotFound, CorruptCheckpoint
+from shardkit.errors import CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
 
-__all__ = ["LocalDisk", "fsync_directory"]
+__all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 T = TypeVar("T")
 Retry = Callable[[str, Callable[[], Any]], Any]
@@ -43,6 +50,39 @@ def fsync_directory(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the filesystem (or the user's quota on it) has no room left."""
+    return isinstance(exc, OSError) and exc.errno in _FULL
+
+
+def disk_full(exc: OSError, what: str, path: str) -> CheckpointOSError:
+    """The one error of a full disk: ``what`` failed, the errno kept, where the space ran out and how much
+    the filesystem has left, and what to do."""
+    directory = os.path.dirname(path) or "."
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    try:
+        st = os.statvfs(directory)
+        room = f"; {st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes free there"
+    except OSError:
+        room = ""
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    quota = "the disk quota is exhausted" if exc.errno == errno.EDQUOT else "no space left on device"
+    error = CheckpointOSError(f"{what} failed: {quota} ({name}) on the filesystem of {directory}{room}; the "
+                              f"partial file was removed. Free space there (or raise the quota), or save to "
+                              f"another location")
+    error.errno, error.strerror, error.filename = exc.errno, exc.strerror, path
+    return error
+
+
+def _remove(path: str) -> None:
+    """Remove what a failed write left at ``path`` (nothing there is fine)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def change_stamp(st: os.stat_result) -> str:
@@ -155,6 +195,15 @@ class LocalDisk:
     def write_stream(self, path: str, what: str, produce: Callable[[BinaryIO], T], *, fsync: bool, direct: bool,
                      root: str) -> T:
         def local() -> T:
+            try:
+                return write()
+            except BaseException as exc:
+                _remove(path)  # a new file: half of it is worth nothing (and a retry starts over)
+                if is_disk_full(exc):
+                    raise disk_full(exc, what, path) from exc  # type: ignore[arg-type]
+                raise
+
+        def write() -> T:
             from shardkit.checkpoint.io.direct_io import open_direct
 
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -182,14 +231,18 @@ class LocalDisk:
     def put_atomic(self, path: str, what: str, data: bytes, root: str) -> None:
         def local() -> None:
             directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
             try:
+                os.makedirs(directory, exist_ok=True)
                 with open(tmp, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
+            except OSError as exc:
+                if is_disk_full(exc):
+                    raise disk_full(exc, what, path) from exc
+                raise
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -201,7 +254,12 @@ class LocalDisk:
         self.retry(what, lambda: os.replace(src, dst))
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full(exc, f"creating directory {path}", path) from exc
+            raise
 
     def sync_dir(self, path: str) -> None:
         fsync_directory(path)

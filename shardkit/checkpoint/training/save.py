@@ -289,6 +289,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
     writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
                           direct_io=direct_io, column_strips=column_strips)
     files: list[WrittenFile] = []
+    jobs: list[tuple[str, Any]] = []
     reused: list[WrittenFile] = []
     started = time.perf_counter()
     if local_error is None and plan is not None:
@@ -314,7 +315,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                  f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
     mine = files + reused
     counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
-    new_names = [f.name for f in files]
+    new_names = [f.name for f in files] + ([name for name, _ in jobs] if local_error is not None else [])
     if None not in counts and sum(counts) >= index.INDEXED_FROM_CHUNKS:  # every rank decides alike
         payload: dict[str, Any] = {"error": None, "summary": None, "digest": "", "aliases": {}}
         if local_error is None and plan is not None:

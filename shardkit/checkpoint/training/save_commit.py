@@ -69,7 +69,7 @@ def commit_gathered(storage: Storage, writer: NativeWriter, plan: Any, gathered:
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
     if failed:
         rank, record = failed[0]
-        return {"type": record["type"], "message": f"save to {storage.url} failed on rank {rank}: "
+        return {**record, "message": f"save to {storage.url} failed on rank {rank}: "
                 f"{record['type']}: {record['message']}; nothing was committed"}
     try:
         _publish(storage, writer, plan, gathered, dist, meta, overwrite)
