@@ -81,6 +81,8 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectTimeou
                 "NameResolutionError", "ProxyConnectionError"}
 _NO_ANSWER = {"ReadTimeoutError", "ReadTimeout", "ServerTimeoutError", "ServiceResponseTimeoutError",
               "FSTimeoutError", "TimeoutError"}
+_CUT_SHORT = {"ServerDisconnectedError", "ClientPayloadError", "IncompleteReadError", "ResponseStreamingError",
+              "ConnectionClosedError"}
 _NO_DNS = {"gaierror", "ClientConnectorDNSError", "NameResolutionError"}
 _CONNECT_TIMEOUT = {"ConnectTimeoutError", "ConnectTimeout", "ConnectionTimeoutError", "ServiceRequestTimeoutError"}
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
@@ -112,17 +114,41 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
+def _service_code(chain: list[BaseException]) -> str:
+    """The object store's own name for the error and its HTTP status (``"SlowDown, HTTP 503"``), from the
+    botocore error in the chain (s3fs re-raises it as an ``OSError`` that keeps only the message)."""
+    for e in chain:
+        response = getattr(e, "response", None)
+        if isinstance(response, Mapping) and isinstance(response.get("Error"), Mapping):
+            code = response["Error"].get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code:
+                return f"{code}, HTTP {status}" if status else str(code)
+    return ""
+
+
 def classify(exc: BaseException) -> Failure:
     """Sort ``exc`` (whatever fsspec or the backend raised) into a :class:`Failure`."""
     chain = _chain(exc)
     names = set().union(*({c.__name__ for c in type(e).__mro__} for e in chain))
     detail = _one_line(exc)
+    if (code := _service_code(chain)) and code.split(",")[0] not in detail:
+        detail = f"{detail} ({code})"
+    elif code:
+        detail = f"{detail} (HTTP {code.partition('HTTP ')[2]})" if "HTTP " in code else detail
     if names & _CREDENTIALS:
         return Failure("credentials", detail)
     if isinstance(exc, (FileNotFoundError, NotADirectoryError)) or names & _NOT_FOUND:
         return Failure("not_found", detail)
     if names & _DENIED or (isinstance(exc, OSError) and str(exc).startswith("Forbidden")):
         return Failure("denied", detail)
+    # A connection the server reset or closed mid-answer is transient (botocore reports a reset as
+    # "Could not connect", which would read as a wrong endpoint): name what really happened.
+    if broken := [e for e in chain if type(e).__name__ in _CUT_SHORT or (
+            isinstance(e, OSError) and e.errno in (errno.ECONNRESET, errno.EPIPE))]:
+        cause = broken[-1]
+        return Failure("transient", "ServerDisconnectedError: the server closed the connection before its answer "
+                       "was complete" if type(cause).__name__ == "ServerDisconnectedError" else _one_line(cause))
     if names & _UNREACHABLE or any(isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH,
                                                                              errno.ENETUNREACH) for e in chain):
         if names & _NO_DNS:

@@ -2,7 +2,13 @@
 
 * **Reads** are ranged ``cat_file`` requests, copied into the target tensors.
 * **Writes** stream through ``open(..., "wb")`` (multipart uploads on S3);
-  closing the file completes the upload.
+  closing the file completes the upload.  A write that fails is discarded, never
+  closed: closing would complete the upload with the parts sent so far (a
+  partial object under the final name), so the multipart upload is aborted
+  instead (retried like any request) and no parts are left behind, billed.
+* **A read cut short is a failure**, retried like one: aiohttp checks every
+  answer against its ``Content-Length``, and a ranged read that comes back
+  shorter than asked for is a truncated file (``CorruptCheckpoint``).
 * **A commit is a single PUT** (``pipe_file``), never a rename, which S3/GCS
   implement as copy + delete.
 * **No stale listings.**  s3fs/gcsfs cache directory listings; every listing and
@@ -13,12 +19,13 @@
   first, so a wrong endpoint fails within the timeout.
 
 Paths handed in are already checked by the front; ``retry`` is the front's
-bounded retry layer (``retry(what, fn)``); ``root`` is the checkpoint's root,
-whose bucket is the one checked.
+bounded retry layer (``retry(what, fn, url)``, warning once per retried
+``url``); ``root`` is the checkpoint's root, whose bucket is the one checked.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -30,7 +37,8 @@ from shardkit.errors import CorruptCheckpoint
 __all__ = ["RemoteFiles", "change_stamp"]
 
 T = TypeVar("T")
-Retry = Callable[[str, Callable[[], Any]], Any]
+log = logging.getLogger(__name__)
+Retry = Callable[..., Any]  # Storage.retry(what, fn, url=None)
 
 
 def change_stamp(info: Mapping[str, Any]) -> str:
@@ -59,6 +67,13 @@ class RemoteFiles:
         self.retry = retry
         self.is_object_store = is_object_store
 
+    def url(self, path: str) -> str:
+        """``path`` as a URL (``s3://bucket/key``): what a retry's one WARNING is keyed by."""
+        try:
+            return str(self.fs.unstrip_protocol(path))
+        except Exception:  # noqa: BLE001 - any filesystem without the method: the path names it too
+            return path
+
     def fresh(self, path: str) -> None:
         """Drop what the filesystem cached about ``path`` (and its listing)."""
         try:
@@ -80,7 +95,7 @@ class RemoteFiles:
                 return bool(getattr(self.fs, method)(path))
             except FileNotFoundError:
                 return False
-        found = self.retry(what, probe)
+        found = self.retry(what, probe, self.url(path))
         if not found:
             self.raise_if_no_bucket(root, what)
         return found
@@ -93,7 +108,7 @@ class RemoteFiles:
 
     def size(self, path: str, where: str) -> int:
         self.fresh(path)
-        return int(self.retry(f"size of {where}", lambda: self.fs.size(path)))
+        return int(self.retry(f"size of {where}", lambda: self.fs.size(path), self.url(path)))
 
     def listdir(self, path: str, root: str, what: str) -> list[str]:
         self.fresh(path)
@@ -103,7 +118,7 @@ class RemoteFiles:
                 return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
             except FileNotFoundError:
                 return []
-        names = self.retry(what, ls)
+        names = self.retry(what, ls, self.url(path))
         if not names:
             self.raise_if_no_bucket(root, what)
         return sorted(set(names))
@@ -111,15 +126,15 @@ class RemoteFiles:
     def listing(self, root: str, url: str) -> list[tuple[str, int, str]]:
         """(name, size, change stamp) of the files directly under ``root`` (or of the file itself)."""
         if self.is_dir(root, root, f"checking {url}"):
-            infos = self.retry(f"listing {url}", lambda: self.fs.ls(root, detail=True))
+            infos = self.retry(f"listing {url}", lambda: self.fs.ls(root, detail=True), url)
         else:
-            infos = [self.retry(f"checking {url}", lambda: self.fs.info(root))]
+            infos = [self.retry(f"checking {url}", lambda: self.fs.info(root), url)]
         return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), change_stamp(i))
                       for i in infos if i.get("type", "file") == "file")
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, path: str, what: str, start: int | None, end: int | None) -> bytes:
-        return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end))
+        return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end), self.url(path))
 
     def prefetch(self, path: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Nothing to hint: remote reads are requests of their own."""
@@ -127,7 +142,7 @@ class RemoteFiles:
     def read_parts(self, path: str, what: str, start: int, parts: Sequence[torch.Tensor], truncated: str) -> None:
         """One ranged request for the whole span, copied into the parts."""
         n = sum(p.numel() for p in parts)
-        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n))
+        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n), self.url(path))
         if len(data) != n:
             raise CorruptCheckpoint(truncated)
         flat = np.frombuffer(data, dtype=np.uint8)
@@ -137,30 +152,59 @@ class RemoteFiles:
             pos += p.numel()
 
     def download(self, path: str, what: str, local_path: str) -> None:
-        self.retry(what, lambda: self.fs.get_file(path, local_path))
+        self.retry(what, lambda: self.fs.get_file(path, local_path), self.url(path))
 
     # -- writes --------------------------------------------------------
     def write_stream(self, path: str, what: str, produce: Callable[[BinaryIO], T], *, fsync: bool, direct: bool,
                      root: str) -> T:
-        """Streamed; ``fsync`` and ``direct`` mean nothing here."""
+        """Streamed; ``fsync`` and ``direct`` mean nothing here.  Each attempt starts from scratch; a failed
+        one is discarded (its multipart upload aborted), never completed."""
         def remote() -> T:
-            with self.fs.open(path, "wb") as f:
-                return produce(f)
+            f = self.fs.open(path, "wb")
+            try:
+                result = produce(f)
+                f.close()  # completes the upload: the object appears whole, or not at all
+            except BaseException:
+                self.discard(f, what)
+                raise
+            return result
         self.cloud.reach(self.fs, root, what)
-        return self.retry(what, remote)
+        return self.retry(what, remote, self.url(path))
+
+    def discard(self, f: Any, what: str) -> None:
+        """Throw away a write that failed: abort its multipart upload (so that no uploaded part stays
+        behind, stored and billed), retried like any request, and mark the file closed so that neither
+        ``close`` nor garbage collection completes it.  A failure to abort is logged, not raised: the
+        write's own failure is what the caller must see."""
+        upload = getattr(f, "mpu", None)
+        bucket, key = getattr(f, "bucket", None), getattr(f, "key", None)
+        try:
+            f.closed = True
+        except AttributeError:  # a file whose ``closed`` is read-only (io.BytesIO): nothing completes it
+            pass
+        if not upload or not bucket or not key:
+            return
+        f.mpu = None
+        try:
+            self.retry(f"aborting the failed upload of {what.removeprefix('writing ')}",
+                       lambda: self.fs.abort_mpu(bucket, key, upload["UploadId"]), self.url(f"{bucket}/{key}"))
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("could not abort the multipart upload %s of %s (%s); its parts stay stored until a "
+                        "bucket lifecycle rule (AbortIncompleteMultipartUpload) or an abort removes them",
+                        upload.get("UploadId"), self.url(f"{bucket}/{key}"), exc)
 
     def put_atomic(self, path: str, what: str, data: bytes, root: str) -> None:
         self.cloud.reach(self.fs, root, what)
-        self.retry(what, lambda: self.fs.pipe_file(path, data))
+        self.retry(what, lambda: self.fs.pipe_file(path, data), self.url(path))
         self.fresh(path)
 
     def replace(self, src: str, dst: str, what: str) -> None:
         """A server-side copy, which replaces the old object only once complete; then the source is removed."""
-        self.retry(what, lambda: self.fs.mv(src, dst))
+        self.retry(what, lambda: self.fs.mv(src, dst), self.url(dst))
 
     def makedirs(self, path: str) -> None:
         if not self.is_object_store:  # object stores have no directories to create
-            self.retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True))
+            self.retry(f"creating {path}", lambda: self.fs.makedirs(path, exist_ok=True), self.url(path))
 
     def sync_dir(self, path: str) -> None:
         """Nothing to sync: a remote write is durable once it returns."""
@@ -184,5 +228,5 @@ class RemoteFiles:
                 self.fs.rm(path, recursive=True)
             except FileNotFoundError:
                 pass
-        self.retry(f"deleting {path}", rm)
+        self.retry(f"deleting {path}", rm, self.url(path))
         self.fresh(path)

@@ -12,10 +12,16 @@ uploads, single-PUT commits, fresh listings).  The rules:
   also take a sibling's file (:meth:`Storage.read_path`).
 * **Commit is one atomic step.**  :meth:`Storage.put_atomic` writes a small
   object so that readers see either the old or the new one.
-* **One bounded retry layer.**  Transient failures are retried a few times
-  (``storage_options={"shardkit": {"retries": N}}``, default 3) with jittered
-  backoff, logged at DEBUG; then :class:`~shardkit.errors.StorageError` names the
-  URL.  The backend's own retries are off and its timeouts short
+* **One bounded retry layer.**  Transient failures (throttling: 503 SlowDown,
+  429; 5xx; a connection reset; an answer cut short; an answer that did not come
+  within ``timeout``) are retried up to ``storage_options={"shardkit":
+  {"retries": N}}`` times (default 3), with exponential backoff and jitter
+  (:func:`backoff_delay`: at most 0.25, 0.5, 1, 2, 2, ... s, each wait at least
+  half of that and never over 2 s, so that Ctrl-C is never held long).  The
+  first retry of a URL in a process is logged once at WARNING, every other
+  attempt at DEBUG; when the retries are spent
+  :class:`~shardkit.errors.StorageError` names the URL, the attempts and the
+  last error.  The backend's own retries are off and its timeouts short
   (``"timeout"``, default 8 s): see ``clouds.py``.  Missing files,
   permissions, missing credentials, a missing bucket and a full disk are not
   retried, and each fails with its own one-line error.
@@ -29,8 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
+import threading
 import uuid
+from collections import OrderedDict
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
@@ -46,14 +53,55 @@ from shardkit.errors import (
     UnsafeCheckpoint,
 )
 
-__all__ = ["Storage", "split_file"]
+__all__ = ["BACKOFF_BASE_S", "BACKOFF_CAP_S", "Storage", "allow_retries", "backoff_delay", "interrupt_retries",
+           "split_file"]
 
 T = TypeVar("T")
 
-_BACKOFF_S = 0.2
+BACKOFF_BASE_S = 0.25  # the nominal wait before the first retry; doubled for each further one
+BACKOFF_CAP_S = 2.0    # no wait between two attempts is longer
+_WARNED_MAX = 4096     # URLs remembered as warned about (the oldest are forgotten first)
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
 log = logging.getLogger(__name__)
+_warned: OrderedDict[str, None] = OrderedDict()
+_warned_lock = threading.Lock()
+_interrupted = threading.Event()
+
+
+def interrupt_retries() -> None:
+    """Stop every retry loop of this process at once: a wait in progress ends, and each operation
+    that would retry raises its last error instead.  For an interrupt handler (Ctrl-C) whose worker
+    threads are retrying: a signal reaches only the main thread.  :func:`allow_retries` undoes it."""
+    _interrupted.set()
+
+
+def allow_retries() -> None:
+    """Retry again after :func:`interrupt_retries`."""
+    _interrupted.clear()
+
+
+def backoff_delay(attempt: int) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (1-based): exponential, capped, jittered.
+
+    The nominal wait doubles from :data:`BACKOFF_BASE_S` up to :data:`BACKOFF_CAP_S`; the wait is drawn
+    uniformly from its upper half, so that ranks throttled together do not retry together, while no
+    wait exceeds the cap (an interrupt or a deadline is never held longer than that by a backoff).
+    """
+    nominal = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(attempt - 1, 16))
+    return nominal * random.uniform(0.5, 1.0)
+
+
+def _first_retry_of(url: str) -> bool:
+    """Whether ``url`` is retried for the first time in this process (then it is remembered)."""
+    with _warned_lock:
+        if url in _warned:
+            _warned.move_to_end(url)
+            return False
+        _warned[url] = None
+        if len(_warned) > _WARNED_MAX:
+            _warned.popitem(last=False)
+        return True
 
 
 class Storage:
@@ -126,10 +174,13 @@ class Storage:
         return other
 
     # -- retries -------------------------------------------------------
-    def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()`` with the storage rules: transient failures retried with jittered backoff (logged at
-        DEBUG), then a :class:`~shardkit.errors.StorageError` naming ``what``; "not found" raises
-        :class:`~shardkit.errors.CheckpointNotFound` (``BucketNotFound`` for a missing bucket) at once."""
+    def retry(self, what: str, fn: Callable[[], T], url: str | None = None) -> T:
+        """``fn()`` with the storage rules: transient failures retried with :func:`backoff_delay` waits,
+        then a :class:`~shardkit.errors.StorageError` naming ``what`` and the last error; "not found"
+        raises :class:`~shardkit.errors.CheckpointNotFound` (``BucketNotFound`` for a missing bucket) at
+        once.  ``url`` (default: ``what``) is what the one WARNING per retried URL is keyed by; the
+        other attempts are logged at DEBUG, so a throttled save of a thousand files warns once per
+        file, not once per request."""
         attempts = self.backend.retries + 1
         for attempt in range(1, attempts + 1):
             try:
@@ -144,12 +195,14 @@ class Storage:
                     raise self._not_found(what) from None
                 retryable = failure.kind == "transient" or (failure.kind in ("unreachable", "no_answer") and (
                     not self.is_object_store or self.backend.has_answered()))  # a never-answering endpoint fails fast
-                if attempt == attempts or not retryable:
+                if attempt == attempts or not retryable or _interrupted.is_set():
                     raise self.backend.error(failure, what, attempt) from exc
-                delay = _BACKOFF_S * 2 ** (attempt - 1) * (0.5 + random.random())
-                log.debug("%s: attempt %d of %d failed (%s); retrying in %.2f s", what, attempt, attempts,
-                          failure.detail, delay)
-                time.sleep(delay)
+                delay = backoff_delay(attempt)
+                level = logging.WARNING if _first_retry_of(f"{self.backend.key} {url or what}") else logging.DEBUG
+                log.log(level, "%s: attempt %d of %d failed (%s); retrying in %.2f s", what, attempt, attempts,
+                        failure.detail, delay)
+                if _interrupted.wait(delay):
+                    raise self.backend.error(failure, what, attempt) from exc
             else:
                 if self.is_object_store:
                     self.backend.answered()

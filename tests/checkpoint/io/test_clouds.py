@@ -267,14 +267,19 @@ def test_a_failing_request_is_retried_by_shardkit_alone_as_often_as_asked(unavai
     endpoint, requests = unavailable_s3
     url = "s3://ckpts/run"
     caplog.set_level(logging.DEBUG, logger="shardkit.checkpoint.io.storage")
-    line, _ = _timed_cli("inspect", url, *_fresh_client(endpoint),
-                         "--retries", str(retries))
+    result = run_cli("-q", "inspect", url, *_fresh_client(endpoint), "--retries", str(retries))
     attempts = retries + 1
+    *warned, line = result.stderr.splitlines()
+    assert result.exit_code == 1 and result.stdout == ""
     assert line.startswith(f"error: checking {url} failed" + (f" after {attempts} attempts: " if retries else ": "))
+    # the first retry of a URL is one WARNING (shown even under -q), the other attempts are logged at DEBUG
+    assert len(warned) == (1 if retries else 0)
+    assert all(w.startswith(f"WARNING shardkit.checkpoint.io.storage: checking {url}: attempt 1 of {attempts} failed "
+                            "(OSError: [Errno 16] Service Unavailable (503, HTTP 503)); retrying in ") for w in warned)
     assert len(requests) == attempts  # neither botocore nor s3fs retried underneath
-    logged = [r.getMessage() for r in caplog.records if r.name == "shardkit.checkpoint.io.storage"]
-    assert len(logged) == retries and all(r.levelno == logging.DEBUG for r in caplog.records
-                                          if r.name == "shardkit.checkpoint.io.storage")
+    records = [r for r in caplog.records if r.name == "shardkit.checkpoint.io.storage"]
+    logged = [r.getMessage() for r in records]
+    assert [r.levelno for r in records] == ([logging.WARNING] + [logging.DEBUG] * (retries - 1) if retries else [])
     assert all(m.startswith(f"checking {url}: attempt {i + 1} of {attempts} failed (") for i, m in enumerate(logged))
 
 
