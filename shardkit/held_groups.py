@@ -26,21 +26,35 @@ So shardkit never keeps a group alive on its own account into finalization:
 Groups that something else still holds (the program itself, or torch's own
 caches once DTensors were used) are out of shardkit's reach; docs/api.md says
 how a program avoids the same abort with them.
+
+A script whose model and ``CheckpointManager`` are module globals (no
+``main()``) may end while a background save is still running.  The
+interpreter's exit then stops ``concurrent.futures`` from starting work
+("cannot schedule new futures after interpreter shutdown") before the atexit
+functions run: the save fails, the step is lost although every rank exits 0,
+and the failure's traceback -- kept by the module-level manager -- holds the
+save's process group alive into finalization, which is the abort above.  So
+what must finish before the interpreter stops thread pools registers with
+:func:`finish_before_exit`; those functions run first in the interpreter's
+exit, before ``threading`` joins the program's threads and before
+``concurrent.futures`` refuses new work.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its pools' exit hook first, so finish_before_exit runs before it
 import logging
 import threading
 import weakref
 from typing import Any, Callable
 
-__all__ = ["GroupRef", "release_at_exit"]
+__all__ = ["GroupRef", "finish_before_exit", "release_at_exit"]
 
 log = logging.getLogger(__name__)
 
 _releases: list[Callable[[], None]] = []
+_finishers: list[Callable[[], None]] = []
 _lock = threading.Lock()
 
 
@@ -77,4 +91,27 @@ def _release_all() -> None:
             log.debug("releasing process groups at exit failed in %r", release, exc_info=True)
 
 
+def finish_before_exit(finish: Callable[[], None]) -> None:
+    """Call ``finish`` -- which waits for shardkit's own background work, such as a save in flight -- when
+    the main thread leaves the program, before ``threading`` joins the other threads and before
+    ``concurrent.futures`` stops taking work (functions registered later run first).  An exception it
+    raises is logged, not raised: the program has ended, and the work reports its failure itself."""
+    with _lock:
+        _finishers.append(finish)
+
+
+def _finish_all() -> None:
+    with _lock:
+        finishers = list(reversed(_finishers))
+    for finish in finishers:
+        try:
+            finish()
+        except Exception:  # noqa: BLE001 - one failing finisher must not keep the others from running
+            log.warning("finishing shardkit's background work at exit failed in %r", finish, exc_info=True)
+
+
 atexit.register(_release_all)
+# threading's own exit hooks run, last registered first, before the program's threads are joined and
+# before atexit; concurrent.futures (imported above) registered its pools' shutdown earlier, so this runs
+# before it.  (A CPython function without a public name; it exists since 3.9.)
+threading._register_atexit(_finish_all)

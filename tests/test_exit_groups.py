@@ -8,7 +8,9 @@ first two tests make that late free happen on purpose
 (``exit_late_collective_run.py``): on a group the program kept alive, which
 aborts -- the hazard, with torch alone -- and on ``async_save``'s own group,
 which must not.  The last one launches the example's training with background
-saves dozens of times, several at once, and wants every rank to exit 0.
+saves dozens of times, several at once, and wants every rank to exit 0.  The module-level soak does the
+same with a script that keeps its model, optimizer and async, hot-tier ``CheckpointManager`` in module
+globals (``exit_module_level_run.py``, launched by ``exit_soak.py``; ``benchmarks/exit_soak.py`` runs 100).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.conftest import free_port
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 SOAK_LAUNCHES = 30
+MODULE_LEVEL_LAUNCHES = 20
 SOAK_AT_ONCE = 4  # launches running together (8 ranks on this machine's 2 cores): they load each other
 # two steps, each saved in the background: the last save's commit is the run's last tensor collective.
 # Written from a thread: a writer process per rank would import torch again (seconds of CPU each), and
@@ -79,3 +82,40 @@ def test_thirty_launches_of_the_example_training_with_background_saves_all_exit_
     assert report["exit_codes"] == {"0": 2 * SOAK_LAUNCHES}
     committed = sorted(p.parent.parent.name for p in tmp_path.glob("launch*/step-0000000002/manifest.json"))
     assert committed == sorted(f"launch{i}" for i in range(SOAK_LAUNCHES))
+
+
+def _module_level_soak(out: Path, *script_args: str) -> dict:
+    run = subprocess.run([sys.executable, str(SUPPORT / "exit_soak.py"), str(MODULE_LEVEL_LAUNCHES), str(SOAK_AT_ONCE),
+                          str(out), *script_args], env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_twenty_launches_of_a_module_level_script_with_async_hot_tier_saves_all_exit_cleanly(tmp_path):
+    """Model, optimizer and CheckpointManager(async_save=True, local=...) are module globals, alive at exit."""
+    report = _module_level_soak(tmp_path)
+    assert report["failed"] == [], report["failed"][:3]
+    assert report["exit_codes"] == {"0": 2 * MODULE_LEVEL_LAUNCHES}
+    assert (report["aborts"], report["terminate_called"]) == (0, 0)
+    assert report["last_step_committed"] == MODULE_LEVEL_LAUNCHES
+
+
+def test_a_script_that_ends_during_its_last_background_save_still_commits_it(tmp_path):
+    """No manager.wait(), no destroy_process_group(): the save in flight is finished before thread pools stop."""
+    script = tmp_path / "ends_mid_save.py"
+    script.write_text(
+        "import threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from shardkit.held_groups import finish_before_exit\n"
+        "pool = ThreadPoolExecutor(1)\n"
+        "def save():\n"
+        "    time.sleep(0.5)\n"
+        "    with ThreadPoolExecutor(2) as inner:  # a save's parallel writes: refused once pools stopped\n"
+        "        return sum(inner.map(abs, [-1, -2]))\n"
+        "pending = pool.submit(save)\n"
+        "finish_before_exit(pending.result)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print('saved', pending.exception() or pending.result()))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "saved 3", run.stderr
