@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -40,12 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer", choices=["thread", "process"], default="thread")
     parser.add_argument("--json", action="store_true", help="also print the report as JSON")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="shardkit-exit-soak-") as scratch:
-        out = Path(args.out) if args.out else Path(scratch)
-        started = time.perf_counter()
-        report = exit_soak(args.launches, args.at_once, out,
-                           ["--writer", args.writer, *(["--bare"] if args.bare else [])])
-        seconds = time.perf_counter() - started
+    # no ``with`` or ``finally`` around the soak: each forked rank leaves through these frames, and would
+    # run them (a TemporaryDirectory would be removed under the running launches)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardkit-exit-soak-"))
+    started = time.perf_counter()
+    report = exit_soak(args.launches, args.at_once, out, ["--writer", args.writer, *(["--bare"] if args.bare else [])])
+    seconds = time.perf_counter() - started
+    if not args.out:
+        shutil.rmtree(out, ignore_errors=True)
     print(f"launches: {report['launches']} ({report['ranks']} ranks, {args.at_once} at once, writer "
           f"{args.writer}{', bare' if args.bare else ''}) in {seconds:.0f} s")
     print(f"exit codes: {report['exit_codes']}")

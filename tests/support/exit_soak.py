@@ -84,7 +84,8 @@ def exit_soak(launches: int, at_once: int, out: Path, script_args: list[str] = (
     "terminate_called": ranks whose output says "terminate called", "last_step_committed": launches whose
     last step is committed, "failed": [{"launch", "rank", "code", "log"}]}`` (a rank that outlives
     ``RANK_TIMEOUT_S`` is killed and counted with code ``"timeout"``).
-    Call it from a process that runs no other thread."""
+    Call it from a process that runs no other thread, and with no ``with`` or ``finally`` around the call:
+    each forked rank leaves up through the caller's frames, which would run them."""
     out.mkdir(parents=True, exist_ok=True)
     # Every rank starts with this launcher's heap; frozen, the collector leaves it alone in every rank
     # instead of writing to each page it visits (and so copying it).
