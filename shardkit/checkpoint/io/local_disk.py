@@ -28,9 +28,9 @@ from typing import Any, BinaryIO, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from shardkit.errors import CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
+from shardkit.errors import CheckpointError, CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
 
-__all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full"]
+__all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full", "error_from_message"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -75,6 +75,18 @@ def disk_full(exc: OSError, what: str, path: str) -> CheckpointOSError:
                               f"another location")
     error.errno, error.strerror, error.filename = exc.errno, exc.strerror, path
     return error
+
+
+def error_from_message(text: str) -> CheckpointError:
+    """The error for a failure another rank reported only in words (a directory move's outcome): a
+    ``CheckpointOSError`` with its errno when they say the disk was full (``[Errno 28]``, ``(ENOSPC)``), so
+    ``except OSError`` and ``exc.errno`` work on every rank alike; else a ``CheckpointError``."""
+    for code in _FULL:
+        if f"[Errno {code}]" in text or f"({errno.errorcode[code]})" in text:
+            error = CheckpointOSError(text)
+            error.errno = code
+            return error
+    return CheckpointError(text)
 
 
 def _remove(path: str) -> None:

@@ -62,7 +62,6 @@ def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | Non
     """Step 1 fits, step 2 does not; what each rank raised, and what is left of step 2."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
     skc.save(_state(1, 1000), os.path.join(disk, "step-1"))
     try:
         if asynchronous:
@@ -147,3 +146,53 @@ def test_reshard_into_a_full_disk_exits_with_one_enospc_line_and_no_manifest(sma
     assert not (dst / "manifest.json").exists()
     assert [f for f in _files_under(str(dst)) if ".partial-" in f or ".tmp-" in f] == []
     assert skc.verify(src).ok
+
+
+def _hot_save_until_full(root: str, disk: str) -> tuple[str, int | None, str, int | None]:
+    """Two nodes of one rank; node 1's directory is the small disk, filled after step 1 by another tenant."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(os.path.join(root, "hot"), exist_ok=True)
+        os.symlink(disk, os.path.join(root, "hot", "node1"))
+    dist.barrier()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    manager = skc.CheckpointManager(os.path.join(root, "durable"), local=os.path.join(root, "hot", "node{node}"),
+                                    local_world_size=1, replicas=1, durable_every=100)
+    manager.save(1, model)
+    manager.wait()
+    dist.barrier()
+    if rank == 1:
+        with open(os.path.join(disk, "filler"), "wb") as f:
+            try:
+                f.write(os.urandom(1 << 20))
+            except OSError:
+                pass
+    dist.barrier()
+    try:
+        manager.save(2, model)
+        manager.wait()
+    except Exception as exc:  # noqa: BLE001 - what the test inspects
+        caught = exc
+    else:
+        raise AssertionError("a hot save larger than the node's disk did not fail")
+    dist.barrier()
+    if rank == 1:
+        os.remove(os.path.join(disk, "filler"))
+    dist.barrier()
+    fresh = skc.CheckpointManager(os.path.join(root, "durable"), local=os.path.join(root, "hot", "node{node}"),
+                                  local_world_size=1, replicas=1, durable_every=100)
+    resumed = torch.nn.Linear(64, 64)
+    assert fresh.load_latest(resumed) == (1, None)
+    assert torch.equal(resumed.weight, model.weight) and torch.equal(resumed.bias, model.bias)
+    return type(caught).__name__, getattr(caught, "errno", None), str(caught), fresh.last_load.source
+
+
+def test_a_hot_save_whose_node_disk_fills_fails_on_every_rank_with_enospc(small_disk, tmp_path):
+    per_rank = run_on_ranks(2, _hot_save_until_full, str(tmp_path / "run"), str(small_disk))
+    for rank, (kind, code, message, source) in enumerate(per_rank):
+        assert (kind, code) == ("CheckpointOSError", errno.ENOSPC), (rank, kind, message)
+        assert "no space left on device" in message.lower(), message
+        assert source == "local"

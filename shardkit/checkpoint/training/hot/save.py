@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.local_disk import error_from_message
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import write_copy
@@ -84,7 +85,7 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
     if error is None:
         failed = [res for res in results if not res.ok]
         if failed:
-            error = CheckpointError(f"hot save of step {job.step}: replication failed: {failed[0].error}")
+            error = error_from_message(f"hot save of step {job.step}: replication failed: {failed[0].error}")
     votes = dist.all_gather_json({"error": None if error is None else error_record(error), "save_id": job.save_id})
     first = next(((r, v["error"]) for r, v in enumerate(votes) if v["error"] is not None), None)
     if first is None and any(v["save_id"] != job.save_id for v in votes):
