@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
+from shardkit import errors
 from shardkit.checkpoint.io.storage import (
     BACKOFF_CAP_S,
     Storage,
@@ -33,6 +34,7 @@ from shardkit.checkpoint.io.storage import (
     interrupt_retries,
 )
 from shardkit.errors import StorageError
+from tests.support.dist import run_on_ranks
 from tests.support.fault_proxy import FaultProxy, part
 
 STORAGE_LOG = "shardkit.checkpoint.io.storage"
@@ -180,17 +182,27 @@ def _expect_failure(kind: str, method: str, run, proxy: FaultProxy) -> tuple[str
     return message, seconds
 
 
+@pytest.fixture(scope="module")
+def earlier_step(s3_server, faults_bucket):
+    """A step saved (straight to moto) before the faulted saves beside it: (its URL, its state)."""
+    bucket, _ = faults_bucket
+    url, state = f"s3://{bucket}/run/step-1", _state(4)
+    skc.save(state, url, storage_options=s3_server[1])
+    return url, state
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fault_that_outlasts_the_retries_fails_naming_the_url_and_the_last_error_and_commits_nothing(
-        kind, proxied_s3):
-    proxy, root, options, direct = proxied_s3
-    before, state = _state(4), _state(5)
-    skc.save(before, f"{root}/step-1", storage_options=options)
-    url, fewer = f"{root}/step-2", _options(options, retries=2)
-    write = proxy.add(kind, method="PUT", path=r"/step-2" + FIRST_FILE, times=None, delay=DELAY.get(kind, 0.0))
-    message, _ = _expect_failure(kind, "PUT", lambda: skc.save(state, url, storage_options=fewer), proxy)
+        kind, proxied_s3, earlier_step):
+    proxy, _, options, direct = proxied_s3
+    before_url, before = earlier_step
+    run = before_url.rpartition("/")[0]
+    url, fewer = f"{run}/step-2-{kind}", _options(options, retries=2)
+    write = proxy.add(kind, method="PUT", path=rf"/step-2-{kind}" + FIRST_FILE, times=None,
+                      delay=DELAY.get(kind, 0.0))
+    message, _ = _expect_failure(kind, "PUT", lambda: skc.save(_state(5), url, storage_options=fewer), proxy)
     assert message.startswith(f"writing {url}/data/") and (kind == "slow_first_byte" or "after 3 attempts" in message)
-    written = root.removeprefix("s3://") + "/step-2/"
+    written = url.removeprefix("s3://") + "/"
     assert not direct.exists(written + "manifest.json")
     # nothing partial stored: the file the faults hit is absent, or whole where the server took the request
     # and only its answer was lost (a cut answer, one too late)
@@ -200,13 +212,13 @@ def test_a_fault_that_outlasts_the_retries_fails_naming_the_url_and_the_last_err
     proxy.rules.remove(write)
     proxy.requests.clear()
     proxy.add(kind, method="GET", path=r"/step-1" + FIRST_FILE, times=None, delay=DELAY.get(kind, 0.0))
-    message, _ = _expect_failure(kind, "GET", lambda: _load(f"{root}/step-1", before, fewer), proxy)
-    assert re.match(rf"reading (\d+ bytes at \d+ of )?{re.escape(root)}/step-1/data/[0-9a-f]+-0-0\.safetensors",
+    message, _ = _expect_failure(kind, "GET", lambda: _load(before_url, before, fewer), proxy)
+    assert re.match(rf"reading (\d+ bytes at \d+ of )?{re.escape(before_url)}/data/[0-9a-f]+-0-0\.safetensors",
                     message), message
     assert kind == "slow_first_byte" or "after 3 attempts" in message
 
     proxy.clear()
-    assert _bitwise(_load(f"{root}/step-1", before, options), before)  # the step before: whole, loadable
+    assert _bitwise(_load(before_url, before, options), before)  # the step before: whole, loadable
 
 
 # --------------------------------------------------------------------------
@@ -307,3 +319,36 @@ def test_interrupt_retries_ends_a_retrying_thread_at_once(proxied_s3):
     finally:
         allow_retries()
     assert isinstance(outcome[0], StorageError) and "(SlowDown, HTTP 503)" in str(outcome[0])
+
+
+# --------------------------------------------------------------------------
+# two ranks: a fault on one rank's file fails every rank, naming that file
+
+
+def _sharded_save_outcome(url: str, options: dict) -> tuple[str, str]:
+    """Save a Shard(0) tensor from every rank of the group: (the exception's class, its message), or ("", "")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"w": distribute_tensor(torch.arange(4096.0).reshape(64, 64), mesh, [Shard(0)])}
+    try:
+        skc.save(state, url, storage_options=options)
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+def test_a_fault_on_one_ranks_writes_fails_every_rank_naming_the_url_and_the_last_error(proxied_s3):
+    proxy, root, options, direct = proxied_s3
+    url = f"{root}/step-1"
+    proxy.add("slowdown", method="PUT", path=r"/data/[0-9a-f]+-1-\d+\.safetensors$", times=None)  # rank 1's only
+    start = time.monotonic()
+    outcomes = run_on_ranks(2, _sharded_save_outcome, url, _options(options, retries=1))
+    assert time.monotonic() - start < 30
+    for kind, message in outcomes:
+        assert issubclass(getattr(errors, kind), StorageError), (kind, message)
+        assert re.search(rf"writing {re.escape(url)}/data/[0-9a-f]+-1-\d+\.safetensors failed after 2 attempts: "
+                         r"OSError: \[Errno 16\] Please reduce your request rate\. \(SlowDown, HTTP 503\)",
+                         message), message
+    assert not direct.exists(url.removeprefix("s3://") + "/manifest.json")
