@@ -352,3 +352,23 @@ def test_a_fault_on_one_ranks_writes_fails_every_rank_naming_the_url_and_the_las
                          r"OSError: \[Errno 16\] Please reduce your request rate\. \(SlowDown, HTTP 503\)",
                          message), message
     assert not direct.exists(url.removeprefix("s3://") + "/manifest.json")
+
+
+def test_a_managed_save_that_fails_on_storage_leaves_the_latest_step_the_one_before(proxied_s3):
+    proxy, root, options, _ = proxied_s3
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    manager = skc.CheckpointManager(f"{root}/run", storage_options=_options(options, retries=1))
+    manager.save(1, model)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    proxy.add("internal", method="PUT", path=r"/step-0*2/", times=None)
+    with pytest.raises(StorageError) as info:
+        manager.save(2, model)
+    assert "failed after 2 attempts" in str(info.value) and "(InternalError, HTTP 500)" in str(info.value)
+    proxy.clear()
+    assert manager.steps() == [1]
+    fresh = torch.nn.Linear(32, 16)
+    assert manager.load_latest(fresh)[0] == 1
+    assert _bitwise(fresh.state_dict(), saved)
