@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -58,37 +59,39 @@ def _assert_enospc(exc: BaseException, *needles: str) -> None:
         assert needle in str(exc), str(exc)
 
 
-def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | None, list[str]]:
-    """Step 1 fits, step 2 does not; what each rank raised, and what is left of step 2."""
+def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | None, list[str], float]:
+    """Step 1 fits, step 2 does not; what each rank raised, what is left of step 2, and the seconds to raise."""
     import torch.distributed as dist
 
     skc.save(_state(1, 1000), os.path.join(disk, "step-1"))
+    started = time.monotonic()
     try:
         if asynchronous:
             skc.async_save(_state(2, 300_000), os.path.join(disk, "step-2")).result()
         else:
             skc.save(_state(2, 300_000), os.path.join(disk, "step-2"))
     except Exception as exc:  # noqa: BLE001 - what the test inspects
-        caught = exc
+        caught, seconds = exc, time.monotonic() - started
     else:
         raise AssertionError("a save larger than the disk did not fail")
     dist.barrier()
     loaded = {k: torch.empty_like(v) for k, v in _state(1, 1000).items()}
     skc.load(loaded, os.path.join(disk, "step-1"))
     assert all(torch.equal(loaded[k], v) for k, v in _state(1, 1000).items())  # bitwise
-    return type(caught).__name__, str(caught), getattr(caught, "errno", None), _files_under(os.path.join(disk,
-                                                                                                        "step-2"))
+    left = _files_under(os.path.join(disk, "step-2"))
+    return type(caught).__name__, str(caught), getattr(caught, "errno", None), left, seconds
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
 def test_a_save_that_fills_the_disk_fails_on_every_rank_with_enospc_and_leaves_nothing(small_disk, asynchronous):
     per_rank = run_on_ranks(2, _save_until_full, str(small_disk), asynchronous)
-    for rank, (kind, message, code, left) in enumerate(per_rank):
+    for rank, (kind, message, code, left, seconds) in enumerate(per_rank):
         assert (kind, code) == ("CheckpointOSError", errno.ENOSPC), (rank, kind, message)
         assert FULL in message and f"on the filesystem of {small_disk}/step-2" in message, message
         assert "Free space there (or raise the quota), or save to another location" in message
         assert left == [], left  # no data file, no partial file, no manifest
-    assert any("failed on rank" in message and "nothing was committed" in message for _, message, _, _ in per_rank)
+        assert seconds < 10, seconds  # a full disk is not retried: it fails at once
+    assert any("failed on rank" in message and "nothing was committed" in message for _, message, *_ in per_rank)
     assert skc.verify(str(small_disk / "step-1")).ok
 
 
