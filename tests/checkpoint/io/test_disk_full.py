@@ -59,7 +59,7 @@ def _assert_enospc(exc: BaseException, *needles: str) -> None:
         assert needle in str(exc), str(exc)
 
 
-def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | None, list[str], float]:
+def _save_until_full(disk: str, asynchronous: str | None) -> tuple[str, str, int | None, list[str], float]:
     """Step 1 fits, step 2 does not; what each rank raised, what is left of step 2, and the seconds to raise."""
     import torch.distributed as dist
 
@@ -67,7 +67,7 @@ def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | Non
     started = time.monotonic()
     try:
         if asynchronous:
-            skc.async_save(_state(2, 300_000), os.path.join(disk, "step-2")).result()
+            skc.async_save(_state(2, 300_000), os.path.join(disk, "step-2"), writer=asynchronous).result()
         else:
             skc.save(_state(2, 300_000), os.path.join(disk, "step-2"))
     except Exception as exc:  # noqa: BLE001 - what the test inspects
@@ -82,7 +82,8 @@ def _save_until_full(disk: str, asynchronous: bool) -> tuple[str, str, int | Non
     return type(caught).__name__, str(caught), getattr(caught, "errno", None), left, seconds
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+@pytest.mark.parametrize("asynchronous", [None, "thread", "process"],
+                         ids=["save", "async_save", "async_save-writer-process"])
 def test_a_save_that_fills_the_disk_fails_on_every_rank_with_enospc_and_leaves_nothing(small_disk, asynchronous):
     per_rank = run_on_ranks(2, _save_until_full, str(small_disk), asynchronous)
     for rank, (kind, message, code, left, seconds) in enumerate(per_rank):
