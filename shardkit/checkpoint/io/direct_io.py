@@ -16,6 +16,13 @@ its true size.  Durability is unchanged: ``close(fsync=True)`` still fsyncs
 
 Filesystems without ``O_DIRECT`` (tmpfs, some network filesystems) make
 :func:`open_direct` return ``None``; callers then write buffered.
+
+Failures: a write, the padded last block or the fsync may raise ``OSError``
+(``ENOSPC`` on a full disk, often only at the last block or the fsync).  The
+file object closes its descriptor and leaves the rest to its caller,
+``LocalDisk.write_stream``: ``EINVAL`` (``O_DIRECT`` accepted at open,
+refused on write) retries the file buffered; anything else removes the file,
+and a full disk becomes one ``CheckpointOSError`` naming it (``local_disk.py``).
 """
 
 from __future__ import annotations
