@@ -42,7 +42,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from shardkit.checkpoint.io.clouds import Backend, classify
+from shardkit.checkpoint.io.clouds import OWN_KEY, Backend, classify
 from shardkit.checkpoint.io.local_disk import LocalDisk
 from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
 from shardkit.checkpoint.io.remote import RemoteFiles
@@ -54,7 +54,7 @@ from shardkit.errors import (
 )
 
 __all__ = ["BACKOFF_BASE_S", "BACKOFF_CAP_S", "Storage", "allow_retries", "backoff_delay", "interrupt_retries",
-           "split_file"]
+           "split_file", "with_retries"]
 
 T = TypeVar("T")
 
@@ -90,6 +90,25 @@ def backoff_delay(attempt: int) -> float:
     """
     nominal = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(attempt - 1, 16))
     return nominal * random.uniform(0.5, 1.0)
+
+
+def with_retries(storage_options: Mapping[str, Any] | None, retries: int | None) -> dict[str, Any] | None:
+    """``storage_options`` with shardkit's ``retries`` set: what a top-level ``retries=`` argument means.
+
+    ``None`` leaves the options as they are; a different ``retries`` already inside them is a
+    :class:`~shardkit.errors.ConfigurationError` (two answers to one question).  The value is checked
+    where every option is, when the :class:`Storage` is made."""
+    if retries is None:
+        return None if storage_options is None else dict(storage_options)
+    options = dict(storage_options or {})
+    own = options.get(OWN_KEY) or {}
+    if not isinstance(own, Mapping):
+        raise ConfigurationError(f"storage option {OWN_KEY!r} must be an object like {{'retries': 3}}, got {own!r}")
+    if own.get("retries", retries) != retries:
+        raise ConfigurationError(f"retries={retries!r} and storage option {OWN_KEY}.retries={own['retries']!r} "
+                                 "disagree; give one of them")
+    options[OWN_KEY] = {**own, "retries": retries}
+    return options
 
 
 def _first_retry_of(url: str) -> bool:

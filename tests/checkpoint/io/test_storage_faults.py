@@ -32,8 +32,9 @@ from shardkit.checkpoint.io.storage import (
     allow_retries,
     backoff_delay,
     interrupt_retries,
+    with_retries,
 )
-from shardkit.errors import StorageError
+from shardkit.errors import ConfigurationError, StorageError
 from tests.support.dist import run_on_ranks
 from tests.support.fault_proxy import FaultProxy, part
 
@@ -372,3 +373,13 @@ def test_a_managed_save_that_fails_on_storage_leaves_the_latest_step_the_one_bef
     fresh = torch.nn.Linear(32, 16)
     assert manager.load_latest(fresh)[0] == 1
     assert _bitwise(fresh.state_dict(), saved)
+
+
+def test_a_top_level_retries_sets_shardkits_storage_option_and_a_different_one_inside_is_refused():
+    assert with_retries(None, None) is None
+    assert with_retries({"anon": True}, 7) == {"anon": True, "shardkit": {"retries": 7}}
+    assert with_retries({"shardkit": {"timeout": 2, "retries": 7}}, 7) == {"shardkit": {"timeout": 2, "retries": 7}}
+    assert Storage("memory://retries-top-level", with_retries({}, 0)).backend.retries == 0
+    with pytest.raises(ConfigurationError) as info:
+        with_retries({"shardkit": {"retries": 2}}, 5)
+    assert str(info.value) == "retries=5 and storage option shardkit.retries=2 disagree; give one of them"
