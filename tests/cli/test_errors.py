@@ -261,7 +261,8 @@ def test_full_disk_is_one_line_error_and_leaves_no_manifest(tmp_path, small_disk
     src = write_torch_state(tmp_path / "big.pt", flat, [])
     if small_disk is not None:
         dst = small_disk / "out"
-        _one_line_error(run_cli("-q", "reshard", str(src), str(dst), "--world-size", "2"), "No space left")
+        _one_line_error(run_cli("-q", "reshard", str(src), str(dst), "--world-size", "2"),
+                        "no space left on device (ENOSPC)")
         assert not (dst / "manifest.json").exists()
         return
     # No mount privilege: the same write path under a file-size limit (EFBIG instead of ENOSPC).

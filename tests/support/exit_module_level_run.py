@@ -3,12 +3,14 @@
     torchrun --nproc_per_node 2 tests/support/exit_module_level_run.py OUT [--bare] [--writer process|thread]
 
 The model, its optimizer and the ``CheckpointManager`` (``async_save=True``,
-``local=OUT/hot/node{node}``; written from a thread unless ``--writer process``) are globals of ``__main__``, so they -- and the
-meshes and process groups they hold -- are still alive when the interpreter
-exits, as in a notebook-style script.  By default the script ends as the docs
-ask (``manager.wait()``, a barrier, ``destroy_process_group()``); ``--bare``
-ends right after the last ``save``, leaving the background save in flight and
-the default group up, and shardkit's exit function must finish both.
+``local=OUT/hot/node{node}``; written from a thread unless ``--writer
+process``) are globals of ``__main__``, so they -- and the meshes and process
+groups they hold -- are still alive when the interpreter exits, as in a
+notebook-style script.  By default the script ends as the docs ask
+(``manager.wait()``, a barrier, ``destroy_process_group()``); ``--bare`` ends
+right after the last ``save``, leaving the background save in flight and the
+default group up: the save must still commit (see
+:func:`shardkit.held_groups.finish_before_exit`).
 Either way every rank must exit 0 (``exit_soak.py`` launches it many times).
 """
 
