@@ -176,8 +176,13 @@ class RemoteFiles:
         behind, stored and billed), retried like any request, and mark the file closed so that neither
         ``close`` nor garbage collection completes it.  A failure to abort is logged, not raised: the
         write's own failure is what the caller must see."""
-        upload = getattr(f, "mpu", None)
+        upload = getattr(f, "mpu", None)  # s3fs's multipart upload in progress
         bucket, key = getattr(f, "bucket", None), getattr(f, "key", None)
+        if upload is None and callable(getattr(f, "discard", None)):
+            try:
+                f.discard()  # gcsfs cancels its resumable upload; others drop their buffer
+            except Exception:  # noqa: BLE001 - best effort: the write's own failure is what matters
+                pass
         try:
             f.closed = True
         except AttributeError:  # a file whose ``closed`` is read-only (io.BytesIO): nothing completes it
