@@ -6,8 +6,8 @@ slow answers, one part of a multipart upload failing.  :class:`FaultProxy`
 forwards every request to the server behind it and, where a :class:`Rule`
 matches, does something else instead::
 
-    with FaultProxy("http://127.0.0.1:5000") as proxy:        # or the ``fault_proxy`` fixture
-        options = {..., "client_kwargs": {"endpoint_url": proxy.endpoint}}
+    with FaultProxy(s3_endpoint) as proxy:                  # tests: the ``proxied_s3`` fixture
+        options = options_through(proxy, s3_options)           # client_kwargs.endpoint_url -> the proxy
         rule = proxy.add("slowdown", method="PUT", path=r"/data/", times=2)
         skc.save(state, url, storage_options=options)        # the first two data PUTs get 503 SlowDown
         assert rule.hits == 2
@@ -46,7 +46,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["KINDS", "FaultProxy", "Request", "Rule", "part", "s3_error_body"]
+__all__ = ["KINDS", "FaultProxy", "Request", "Rule", "options_through", "part", "s3_error_body"]
 
 KINDS = ("slowdown", "throttle", "internal", "reset", "cut", "slow_first_byte", "latency")
 _STATUS = {"slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
@@ -60,6 +60,13 @@ def s3_error_body(code: str, message: str, resource: str) -> bytes:
     """An S3 error document as S3 sends it."""
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
             f"<Resource>{resource}</Resource><RequestId>FAULTPROXY0000001</RequestId></Error>").encode()
+
+
+def options_through(proxy: "FaultProxy", options: dict) -> dict:
+    """s3fs ``storage_options`` (such as the ``s3_server`` fixture's) sent through ``proxy`` instead, with a
+    client of their own (fsspec's instance cache would hand back a client bound to another endpoint)."""
+    return {**options, "client_kwargs": {**(options.get("client_kwargs") or {}), "endpoint_url": proxy.endpoint},
+            "skip_instance_cache": True}
 
 
 def part(n: int) -> str:

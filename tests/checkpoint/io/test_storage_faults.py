@@ -36,7 +36,7 @@ from shardkit.checkpoint.io.storage import (
 )
 from shardkit.errors import ConfigurationError, StorageError
 from tests.support.dist import run_on_ranks
-from tests.support.fault_proxy import FaultProxy, part
+from tests.support.fault_proxy import FaultProxy, options_through, part
 
 STORAGE_LOG = "shardkit.checkpoint.io.storage"
 TIMEOUT_S = 1.0
@@ -78,8 +78,7 @@ def proxied_s3(s3_server, faults_bucket):
     endpoint, options = s3_server
     bucket, direct = faults_bucket
     with FaultProxy(endpoint) as proxy:
-        through = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint},
-                   "shardkit": {"retries": 3, "timeout": TIMEOUT_S}}
+        through = {**options_through(proxy, options), "shardkit": {"retries": 3, "timeout": TIMEOUT_S}}
         yield proxy, f"s3://{bucket}/{uuid.uuid4().hex[:8]}", through, direct
 
 
