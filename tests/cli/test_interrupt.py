@@ -79,6 +79,17 @@ def test_ctrl_c_during_hf_output_does_not_claim_a_rerun_resumes(hf, tmp_path, mo
 
 STUCK_S = 20.0  # how long each later data file's write hangs in its worker (a request that does not answer)
 STOPS_WITHIN_S = 2.0
+WRITERS = 3  # with --max-memory 64MiB the plan runs 3 writer threads (4 MiB chunks): Ctrl-C lands on the main thread
+
+
+@pytest.fixture
+def hf_in_files(tmp_path):
+    """8 MiB in 1 MiB tensors: with 4 MiB files, two or more data files per output, written by worker threads."""
+    src = tmp_path / "hf8"
+    src.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(512, 512, generator=generator) for i in range(8)}, str(src / "model.safetensors"))
+    return src
 
 
 def _interrupt_while_writing(args: list[str], journal_appeared, tmp_path) -> tuple[int, float, str]:
@@ -106,10 +117,11 @@ def _interrupt_while_writing(args: list[str], journal_appeared, tmp_path) -> tup
 def _ctrl_c_stops_within_two_seconds_and_a_rerun_finishes(src, dst: str, options: list[str], journal_appeared,
                                                           command: list[str], tmp_path) -> None:
     """``options``: the storage options of DST (verify takes them too)."""
-    args = [command[0], str(src), dst, *command[1:], "--workers", "3", "--max-memory", "16MiB", "--compression",
-            "zstd", *options]
+    args = [command[0], str(src), dst, *command[1:], "--workers", str(WRITERS), "--max-memory", "64MiB",
+            "--compression", "zstd", *options]
     code, took, stderr = _interrupt_while_writing(args, journal_appeared, tmp_path)
     assert code == 130, stderr[-2000:]
+    print(f"SIGINT to exit: {took:.2f} s")
     assert took < STOPS_WITHIN_S, (took, stderr[-2000:])
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted; rerunning the same command resumes")
     rerun = run_cli(*args)
@@ -121,14 +133,14 @@ def _ctrl_c_stops_within_two_seconds_and_a_rerun_finishes(src, dst: str, options
 
 
 @pytest.mark.parametrize("command", [["reshard", "--world-size", "2"], ["convert", "--to", "shardkit"]])
-def test_ctrl_c_stops_a_local_write_within_two_seconds_and_the_rerun_resumes(hf, tmp_path, command):
+def test_ctrl_c_stops_a_local_write_within_two_seconds_and_the_rerun_resumes(hf_in_files, tmp_path, command):
     dst = tmp_path / "dst"
     _ctrl_c_stops_within_two_seconds_and_a_rerun_finishes(
-        hf, str(dst), [], lambda: any((dst / RESUME_DIR).glob("*")), command, tmp_path)
+        hf_in_files, str(dst), [], lambda: any((dst / RESUME_DIR).glob("*")), command, tmp_path)
 
 
 @pytest.mark.parametrize("command", [["reshard", "--world-size", "2"], ["convert", "--to", "shardkit"]])
-def test_ctrl_c_stops_an_s3_write_within_two_seconds_and_the_rerun_resumes(hf, tmp_path, s3_url, command):
+def test_ctrl_c_stops_an_s3_write_within_two_seconds_and_the_rerun_resumes(hf_in_files, tmp_path, s3_url, command):
     import s3fs
 
     bucket, options = s3_url
@@ -142,5 +154,5 @@ def test_ctrl_c_stops_an_s3_write_within_two_seconds_and_the_rerun_resumes(hf, t
         fs.invalidate_cache()
         return bool(fs.glob(f"{dst[len('s3://'):]}/{RESUME_DIR}/*"))
 
-    _ctrl_c_stops_within_two_seconds_and_a_rerun_finishes(hf, dst, cli_options, journal_appeared, command,
+    _ctrl_c_stops_within_two_seconds_and_a_rerun_finishes(hf_in_files, dst, cli_options, journal_appeared, command,
                                                           tmp_path)
