@@ -205,11 +205,15 @@ def write_units(reader: CheckpointReader, sel: Selection, storage: Storage, unit
             return kept
 
         def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+            counted = [False]  # a retried write loads the chunk again: the progress counts it once
+
             def load() -> torch.Tensor:
                 if stop.is_set():  # interrupted: abandon this file between two chunks (it is never journaled)
                     raise Stopped(unit.name)
                 data = fetch(name, offsets, shape)
-                update(data.numel() * data.element_size())
+                if not counted[0]:
+                    counted[0] = True
+                    update(data.numel() * data.element_size())
                 return data
             return load
 

@@ -31,3 +31,27 @@ def test_a_finished_line_is_not_closed_twice():
     progress.finish()
     progress.close()
     assert stream.getvalue().count("\n") == 1 and "done in" in stream.getvalue()
+
+
+def test_a_retried_file_write_is_counted_once(tmp_path, monkeypatch):
+    """Storage retries a failed write from scratch (the chunks are loaded again): the progress still ends at
+    the tensor data's size, not above it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from shardkit.checkpoint import reshard
+    from shardkit.checkpoint.io.storage import Storage
+
+    src = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(64, 32), "b": torch.randn(16)}, str(src))
+    write_stream = Storage.write_stream
+
+    def once_thrown_away(self, name, produce, **kwargs):
+        if name.startswith("data/"):
+            produce(io.BytesIO())  # a first attempt whose upload failed: its bytes are written again below
+        return write_stream(self, name, produce, **kwargs)
+
+    monkeypatch.setattr(Storage, "write_stream", once_thrown_away)
+    progress = Progress(stream=io.StringIO())
+    reshard(str(src), str(tmp_path / "out"), world_size=2, progress=progress)
+    assert progress.done == (64 * 32 + 16) * 4
