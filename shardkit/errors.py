@@ -67,6 +67,7 @@ __all__ = [
     "BucketNotFound",
     "EndpointUnreachable",
     "CheckpointTimeout",
+    "PeerLost",
     "DataStateError",
     "PerRankStateError",
     "error_record",
@@ -251,6 +252,13 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
     """Ranks of a checkpoint's collective did not arrive within its deadline (a rank that died, was frozen,
     never called, or waits on slow storage).  The message names the phase, the step, the URL and the ranks
     that did not arrive; nothing was committed, and every earlier step stays loadable."""
+
+
+class PeerLost(CheckpointError, ConnectionError):
+    """A rank left a checkpoint's collective after every rank had arrived at it (it died: its connections
+    reset), or the job's store became unreachable.  The message names the phase, the step, the URL and, where
+    the survivors could tell, the ranks that are gone; nothing was committed, and every earlier step stays
+    loadable."""
 
 
 # --------------------------------------------------------------------------

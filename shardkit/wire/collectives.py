@@ -6,6 +6,9 @@ each rank's length first, then every payload zero-padded to the longest (the
 gathers need equal-sized buffers).  Every function takes an explicit
 ``group`` (the default group when ``None``) and is the identity without a
 process group or in a group of one, so callers run unchanged in one process.
+Each waits for its collective through :func:`~shardkit.wire.arrival.complete`,
+so a caller that watches the collective (a checkpoint's, with a deadline) is
+released when another rank gives up on it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 from typing import Any
 
 import torch
+
+from shardkit.wire.arrival import complete
 
 __all__ = ["rank_world", "group_device", "pad_to_longest", "all_gather_bytes", "all_gather_json",
            "encode_json", "decode_json", "any_failed"]
@@ -52,7 +57,7 @@ def pad_to_longest(payload: torch.Tensor, group: Any, world: int,
 
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    complete(dist.all_gather(sizes, size, group=group, async_op=True))
     padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=device)
     if payload.numel():
         padded[:payload.numel()] = payload.to(device)
@@ -72,7 +77,7 @@ def all_gather_bytes(payload: torch.Tensor, group: Any = None) -> list[torch.Ten
 
     padded, sizes = pad_to_longest(payload, group, world, group_device(group))
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    complete(dist.all_gather(gathered, padded, group=group, async_op=True))
     return [g[:int(s.item())] for g, s in zip(gathered, sizes)]
 
 
@@ -106,5 +111,5 @@ def any_failed(failed: bool, group: Any = None) -> bool:
     import torch.distributed as dist
 
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=group_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    complete(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True))
     return bool(flag.item())

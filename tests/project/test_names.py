@@ -43,6 +43,8 @@ THIRD_PARTY_PRIVATE = {
     "_concatenate": "DeviceMesh._concatenate: joined sub-meshes, as torch's own parallelisms use",
     "_HYBRID_SHARD_ZERO2": "torch's ShardingStrategy member of that name, mapped as torch's FSDP1 maps it",
     "_getframe": "sys._getframe: the caller's frame, to tell who iterates the sampler",
+    "_get_default_store": "torch.distributed's store of the default group, where ranks check in before a "
+                          "checkpoint collective within a deadline (no public name gives it)",
 }
 
 

@@ -6,6 +6,14 @@ tensors (:mod:`shardkit.wire.collectives` holds the gather and the any-failed
 agreement that ``data/`` uses too).  Every helper works without a process group too (then it is the
 identity), so ``save``/``load`` run unchanged in a single process.
 
+Every collective has a deadline: the ranks first check in at the job's store
+(:mod:`shardkit.wire.arrival`) within the timeout of the operation they are
+part of (:mod:`~shardkit.checkpoint.io.deadline`), so a rank that died, froze or
+never called fails the others with :class:`~shardkit.errors.CheckpointTimeout`
+naming it and the ``phase`` (plan, write, commit, replicate, vote, read),
+instead of holding them in the collective; a rank that dies inside the
+collective itself fails them with :class:`~shardkit.errors.PeerLost`.
+
 All helpers take an explicit ``group``.  The background writer of
 ``async_save`` passes its own gloo group: gloo aborts when two threads issue
 collectives on one group concurrently, so the training thread keeps the
@@ -14,11 +22,14 @@ default group to itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from shardkit.errors import error_record, from_record
+from shardkit.checkpoint.io.deadline import Deadline, current_deadline, peer_lost_error, timeout_error
+from shardkit.errors import ShardkitError, error_record, from_record
+from shardkit.wire.arrival import arrive, complete, report_failure, roll_call, the_group, watched
 from shardkit.wire.collectives import (
     all_gather_json,
     any_failed,
@@ -30,6 +41,13 @@ from shardkit.wire.collectives import (
 
 __all__ = ["Dist"]
 
+T = TypeVar("T")
+_ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other, to name who is gone
+# A group whose collective a rank missed or left cannot be used again (the ranks' sequences parted): its
+# error, raised again at once by any later collective, so code that goes on to the next one to report a
+# local failure (as save does) fails at once instead of waiting out a second deadline.
+_broken: dict[Any, ShardkitError] = {}  # by process group object
+
 
 class _ThisRankAlone:
     """The stand-in group of work one rank does by itself while a process group exists (the hot tier's
@@ -40,13 +58,20 @@ _THIS_RANK_ALONE = _ThisRankAlone()
 
 
 class Dist:
-    """Rank, world size and a process group (``None`` when running without one)."""
+    """Rank, world size and a process group (``None`` when running without one).
 
-    def __init__(self, group: Any = None) -> None:
+    ``deadline``: the operation its collectives belong to (the enclosing
+    :func:`~shardkit.checkpoint.io.deadline.checkpoint_deadline`'s by default); ``phase``: the label of the
+    collectives that follow, set by the caller as the operation moves on (``dist.phase = "commit"``).
+    """
+
+    def __init__(self, group: Any = None, deadline: Deadline | None = None) -> None:
         import torch.distributed as dist
 
         self.enabled = dist.is_available() and dist.is_initialized()
         self.group = group
+        self.deadline = deadline if deadline is not None else current_deadline()
+        self.phase = "plan"
         if self.enabled:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
@@ -67,6 +92,81 @@ class Dist:
     def active(self) -> bool:
         return self.enabled and self.group_size > 1
 
+    def arrive(self, phase: str | None = None) -> int:
+        """Check in at the group's next collective and wait for every rank, within the deadline; raises
+        :class:`~shardkit.errors.CheckpointTimeout` naming the ranks that did not arrive.  Every rank of the
+        group calls it (each collective below does); a round of point-to-point transfers calls it first, on
+        every rank, whether or not it sends or receives in that round.  Returns the collective's number."""
+        phase = phase or self.phase
+        earlier = _broken.get(the_group(self.group))
+        if earlier is not None:
+            raise type(earlier)(str(earlier))
+        try:
+            found = arrive(self.group, self.deadline.timeout_s)
+        except RuntimeError as exc:  # the store itself is gone (its host died)
+            raise self._broke(peer_lost_error(self.deadline, phase, (), exc)) from exc
+        if found.missing:
+            raise self._broke(timeout_error(self.deadline, phase, found.missing))
+        return found.seq
+
+    def _broke(self, error: ShardkitError) -> ShardkitError:
+        _broken[the_group(self.group)] = error
+        return error
+
+    def collective(self, run: Callable[[], T], phase: str | None = None) -> T:
+        """``run()`` (collectives over the group) once every rank has arrived; a rank that dies inside it fails
+        the others with :class:`~shardkit.errors.PeerLost` (torch raises a bare ``RuntimeError``)."""
+        phase = phase or self.phase
+        return self._finish(self.arrive(phase), phase, run)
+
+    def _finish(self, seq: int, phase: str, run: Callable[[], T]) -> T:
+        try:
+            with watched(self.group, seq, self.deadline.timeout_s):
+                return run()
+        except ShardkitError:
+            raise
+        except RuntimeError as exc:
+            raise self._failed(seq, phase, exc) from exc
+
+    def _failed(self, seq: int, phase: str, exc: RuntimeError) -> ShardkitError:
+        """The error of collective ``seq``, which raised ``exc`` here (a peer died, or froze inside it)."""
+        gone: tuple[int, ...] = ()
+        try:  # ranks blocked on this one (not on the dead one) are released by the report
+            report_failure(self.group, seq, f"rank {self.rank}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            gone = roll_call(self.group, seq, _ROLL_CALL_S)
+        except RuntimeError:
+            pass
+        if "timed out" in str(exc).lower():  # the deadline ran out inside it: a peer froze after arriving
+            return self._broke(timeout_error(self.deadline, phase, gone))
+        return self._broke(peer_lost_error(self.deadline, phase, gone, exc))
+
+    @contextlib.contextmanager
+    def rounds(self, phase: str | None = None) -> Iterator[None]:
+        """Rounds of point-to-point transfers (:meth:`exchange`): every rank of the group checks in once,
+        before them (ranks take part in different numbers of rounds), and each transfer is waited for within
+        the deadline; a peer that dies or freezes in them fails this rank as a collective would."""
+        if not self.active:
+            yield
+            return
+        phase = phase or self.phase
+        seq = self.arrive(phase)
+        try:
+            with watched(self.group, seq, self.deadline.timeout_s):
+                yield
+        except ShardkitError:
+            raise
+        except RuntimeError as exc:
+            raise self._failed(seq, phase, exc) from exc
+
+    def exchange(self, ops: list[Any]) -> None:
+        """One round of point-to-point transfers (``torch.distributed.P2POp``s); inside :meth:`rounds`."""
+        if not ops:
+            return
+        import torch.distributed as dist
+
+        for work in dist.batch_isend_irecv(ops):
+            complete(work, pollable=False)
+
     def device(self) -> torch.device:
         """Where this group's tensors must live: the current CUDA device under NCCL, else the CPU."""
         return group_device(self.group)
@@ -75,30 +175,36 @@ class Dist:
         """Every rank's ``obj`` (JSON-serialisable), in group-rank order."""
         if not self.active:
             return [obj]
-        return all_gather_json(obj, self.group)
+        return self.collective(lambda: all_gather_json(obj, self.group))
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of group rank ``src`` on every rank."""
         if not self.active:
             return obj
+        return self.collective(lambda: self._broadcast_json(obj, src))
+
+    def _broadcast_json(self, obj: Any, src: int) -> Any:
         import torch.distributed as dist
 
         dev = self.device()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
         data = encode_json(obj) if self.group_rank == src else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-        dist.broadcast(size, src_global, group=self.group)
+        complete(dist.broadcast(size, src_global, group=self.group, async_op=True))
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
         if self.group_rank == src and data.numel():
             buf.copy_(data)
         if buf.numel():
-            dist.broadcast(buf, src_global, group=self.group)
+            complete(dist.broadcast(buf, src_global, group=self.group, async_op=True))
         return decode_json(buf)
 
     def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
         if not self.active:
             return [obj]
+        return self.collective(lambda: self._gather_json(obj, dst))
+
+    def _gather_json(self, obj: Any, dst: int) -> list[Any] | None:
         import torch.distributed as dist
 
         buf, sizes = pad_to_longest(encode_json(obj), self.group, self.group_size, self.device())
@@ -106,7 +212,7 @@ class Dist:
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
-        dist.gather(buf, bufs, dst=dst_global, group=self.group)
+        complete(dist.gather(buf, bufs, dst=dst_global, group=self.group, async_op=True))
         if bufs is None:
             return None
         return [decode_json(b[:int(s.item())]) for b, s in zip(bufs, sizes)]
@@ -144,7 +250,7 @@ class Dist:
         """True on every rank when ``failed`` is true on any rank."""
         if not self.active:
             return failed
-        return any_failed(failed, self.group)
+        return self.collective(lambda: any_failed(failed, self.group))
 
     def all_same(self, ok: bool, value: int) -> bool:
         """True on every rank when ``ok`` holds on every rank and every rank passed the same ``value``
@@ -158,11 +264,13 @@ class Dist:
             return lambda: ok
         import torch.distributed as dist
 
+        phase = self.phase
+        seq = self.arrive(phase)
         flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self.device())
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
         def answer() -> bool:
-            work.wait()
+            self._finish(seq, phase, lambda: complete(work))
             return int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
         return answer
 
@@ -170,5 +278,5 @@ class Dist:
         if self.active:
             import torch.distributed as dist
 
-            dist.barrier(group=self.group)
+            self.collective(lambda: complete(dist.barrier(group=self.group, async_op=True)))
 

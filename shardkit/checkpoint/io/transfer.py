@@ -84,6 +84,7 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
     that cannot run (the same on every rank).
     """
     dist_ = Dist(group)
+    dist_.phase = "replicate"
     _check_arguments(moves, dist_.group_size, round_bytes, commit_last)
     started = time.monotonic()
     me = dist_.group_rank
@@ -103,7 +104,8 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
         mine = [i for i in live if me in (moves[i].src, moves[i].dst)]
         buffer = TransferBuffer(min(round_bytes, sum(live[i] for i in mine)),
                                 dist_.device() if dist_.active else torch.device("cpu"))
-        _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
+        with dist_.rounds():  # every rank checks in once; each transfer is waited for within the deadline
+            _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
         local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))
         errors.update(_gather_errors(dist_, _publish(me, incoming, errors)))
@@ -238,10 +240,7 @@ def _run_rounds(dist_: Dist, moves: Sequence[DirectoryMove], live: dict[int, int
             else:
                 continue
             start += n
-        if not ops:
-            continue
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        dist_.exchange(ops)
         for i, begin, n in landing:
             if i not in failed:
                 try:

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -42,6 +43,7 @@ from shardkit.checkpoint.formats.base import (
 from shardkit.checkpoint.geometry.boxes import box_numel, local_tensor
 from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
+from shardkit.checkpoint.io.deadline import deadline_for
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.aliases import alias_groups, find_aliases
@@ -76,7 +78,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
          storage_options: Mapping[str, Any] | None = None, verify_first: bool = False,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
          process_group: Any = None, dtype_cast: bool = False,
-         staging_bytes: int | None = None) -> dict[str, Any]:
+         staging_bytes: int | None = None, timeout: float | timedelta | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
 
     Tensors (plain or DTensor, any mesh and placements) are filled in place,
@@ -116,9 +118,14 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     A top-level value that is torch's ``Stateful`` (DCP's ``AppState``) is loaded as
     DCP loads it: into its ``state_dict()``, then handed to its ``load_state_dict()``
     once every rank's load succeeded (:mod:`~shardkit.checkpoint.state.dcp_stateful`).
+
+    ``timeout`` (seconds or a ``timedelta``; default ``SHARDKIT_CHECKPOINT_TIMEOUT``, else 600 s): how long a
+    rank waits at one of the load's collectives for the others; a rank that died, froze or never called
+    fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it (:mod:`~shardkit.checkpoint.io.deadline`).
     """
     url = checkpoint_url(url, checkpoint_id, "load")
-    dist = Dist(process_group)
+    dist = Dist(process_group, deadline_for("load", url, timeout))
+    dist.phase = "read"
     local_exc: BaseException | None = None
     requests: list[ReadRequest] = []
     checked = Checked([], [])

@@ -51,20 +51,16 @@ listings sort).  The rules that make it crash-safe:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
 
-from shardkit.checkpoint.formats import foreign_kind
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
-from shardkit.checkpoint.formats.native.ownership import (
-    DirectorySurvey,
-    survey,
-)
+from shardkit.checkpoint.io.deadline import checkpoint_deadline, resolve_timeout
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
@@ -90,7 +86,7 @@ from shardkit.checkpoint.training.run_steps import (
     write_superseded,
 )
 from shardkit.checkpoint.training.save import save
-from shardkit.checkpoint.training.step_fallback import load_newest_intact
+from shardkit.checkpoint.training.step_fallback import load_newest_intact, why_nothing
 from shardkit.data import ElasticSampler, Stateful, data_state_dict, load_data_state_dict
 from shardkit.errors import (
     CheckpointExists,
@@ -117,6 +113,8 @@ class CheckpointManager:
     base is then written once).  ``overwrite``: replace steps an earlier run
     committed under the root (see the module docstring); without it such a
     step makes ``save`` raise :class:`~shardkit.errors.CheckpointExists`.
+    ``timeout`` (seconds or a ``timedelta``): how long a rank waits at a collective of a save, a load or the
+    hot tier for the others before :class:`~shardkit.errors.CheckpointTimeout` (``save``'s default).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
@@ -124,7 +122,7 @@ class CheckpointManager:
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, writer: str | None = None, local: str | None = None,
                  local_world_size: int | None = None, replicas: int = 1, local_keep: int = 2,
-                 durable_every: int = 1, **save_options: Any) -> None:
+                 durable_every: int = 1, timeout: float | timedelta | None = None, **save_options: Any) -> None:
         if not isinstance(durable_every, int) or isinstance(durable_every, bool) or durable_every < 1:
             raise ConfigurationError(f"durable_every must be a positive integer, got {durable_every!r}")
         if local is None and (local_world_size, replicas, local_keep, durable_every) != (None, 1, 2, 1):
@@ -134,6 +132,7 @@ class CheckpointManager:
                                                        local_world_size=local_world_size, replicas=replicas,
                                                        local_keep=local_keep, process_group=process_group)
         self.durable_every = durable_every
+        self.timeout = resolve_timeout(timeout)  # None: SHARDKIT_CHECKPOINT_TIMEOUT, else 600 s (io/deadline.py)
         self.last_load: LastLoad | None = None
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigurationError(f"keep_last must be a positive integer or None, got {keep_last!r}")
@@ -189,6 +188,11 @@ class CheckpointManager:
             raise ConfigurationError(f"step must be a non-negative integer, got {step!r}")
         meta = {"step": step, "extra": to_json_value(extra, "extra")}
         self.wait()
+        with checkpoint_deadline("save", self.url_of(step), step, self.timeout):
+            return self._save(step, meta, model, optimizer, data, stateful, rng)
+
+    def _save(self, step: int, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool) -> Future | None:
         durable = self._hot is None or step % self.durable_every == 0
         opts = self._durable_options(step, meta) if durable else None
         state = {**get_training_state(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
@@ -356,6 +360,12 @@ class CheckpointManager:
         optimizer from them; any other step (this manager's own saves) loads as usual.
         """
         self.wait()
+        with checkpoint_deadline("load", self.root_url, None, self.timeout):
+            return self._load_latest(model, optimizer, strict, required, data, stateful, rng, verify_first, from_dcp)
+
+    def _load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool, required: bool,
+                     data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
+                     verify_first: bool, from_dcp: str | None) -> tuple[int, Any] | None:
         started = time.perf_counter()
         candidates = self._on_rank0(lambda: self._resumable_steps(dcp=from_dcp is not None))
         if self._hot is not None:
@@ -369,7 +379,7 @@ class CheckpointManager:
             log.info("resuming from the durable root %s (the hot tier has no newer step every rank can assemble)",
                      self.root_url)
         if not candidates:
-            return self._nothing(self._on_rank0(self._why_nothing), required)
+            return self._nothing(self._on_rank0(lambda: why_nothing(self.root, self._all_step_dirs())), required)
         loaded = load_newest_intact(candidates, lambda s: self._load_step(
             s, model, optimizer, strict, data, stateful, rng, verify_first, from_dcp), self.root_url,
             Dist(self.process_group))
@@ -397,6 +407,12 @@ class CheckpointManager:
                    verify_first: bool, from_dcp: str | None = None) -> Any:
         """Model and optimizer in place, then -- once they loaded -- data position, objects, and the RNG last."""
         url = self.root.child(self._all_step_dirs().get(step, step_dir(step))).url  # a DCP loop's step-100 too
+        with checkpoint_deadline("load", url, step, self.timeout):
+            return self._load_step_at(url, step, model, optimizer, strict, data, stateful, rng, verify_first, from_dcp)
+
+    def _load_step_at(self, url: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                      strict: bool, data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
+                      verify_first: bool, from_dcp: str | None) -> Any:
         inputs, under = stored_step(url, from_dcp, self.storage_options)
         restores_inputs = data is not None or bool(stateful) or (rng and "rng" in inputs)
         check_input_state(step, inputs, data, stateful, rng=rng and "rng" in inputs, restores=restores_inputs,
@@ -417,30 +433,3 @@ class CheckpointManager:
         if why:
             log.warning("nothing to resume under %s: %s; starting from scratch", self.root_url, why)
         return None
-
-    def _why_nothing(self) -> str | None:
-        """What the root holds instead of a committed step, or ``None`` for a fresh run's empty root."""
-        if not self.root.exists():
-            if self.root.paths_are_os_paths and not _creatable(self.root.root):
-                return "the root does not exist and cannot be created here (read-only or missing parent?)"
-            return None
-        dirs = self._all_step_dirs()
-        if not dirs:
-            others = [n for n in self.root.listdir() if not n.startswith(".")]
-            if not others:
-                return None
-            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-            return f"no step-<N> directory; the root holds {shown}"
-        surveys: list[DirectorySurvey] = [survey(self.root.child(dirs[s])) for s in sorted(dirs)]
-        return "found " + "; ".join(found.describe(foreign_kind(found.foreign)) for found in surveys)
-
-
-def _creatable(path: str) -> bool:
-    """Whether a local directory could be created at ``path`` (its nearest existing ancestor is writable)."""
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        up = os.path.dirname(parent)
-        if up == parent:
-            return False
-        parent = up
-    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)

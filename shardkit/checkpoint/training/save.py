@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -55,6 +56,7 @@ from shardkit.checkpoint.formats.native.writer import (
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, is_dtensor, local_tensor, split_box
 from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, lowest_replica
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
+from shardkit.checkpoint.io.deadline import deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.aliases import find_aliases
@@ -314,6 +316,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                  sum(f.size for f in files), storage.url, time.perf_counter() - started,
                  f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
     mine = files + reused
+    dist.phase = "write"  # the ranks meet once every one of them has written its files
     counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
     new_names = [f.name for f in files] + ([name for name, _ in jobs] if local_error is not None else [])
     if None not in counts and sum(counts) >= index.INDEXED_FROM_CHUNKS:  # every rank decides alike
@@ -332,6 +335,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                                if k in chunked},
                    "aliases": plan.aliases if plan else {}}
     payload["error"] = None if local_error is None else error_record(local_error)
+    dist.phase = "commit"
     gathered = dist.gather_json(payload)
     commit_error = None
     if gathered is not None:
@@ -364,7 +368,7 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
          io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
          exclude: Sequence[str] | None = None, column_strips: str = "cut", digests: bool | str = False,
-         reuse_from: str | None = None) -> None:
+         reuse_from: str | None = None, timeout: float | timedelta | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
@@ -392,12 +396,16 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     ``digests`` stores every chunk's digest (``True``: xxh3-128, or ``"sha256"``); ``reuse_from`` (an earlier
     committed checkpoint in the same directory) references its chunks that are unchanged instead of writing them
     again (what ``CheckpointManager(dedup=True)`` does; see ``dedup.py``).
+    ``timeout`` (seconds or a ``timedelta``; default ``SHARDKIT_CHECKPOINT_TIMEOUT``, else 600 s): how long a
+    rank waits at one of the save's collectives (plan, write, commit) for the others; a rank that died, froze
+    or never called fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it, and nothing is
+    committed (:mod:`~shardkit.checkpoint.io.deadline`).
     """
     url = checkpoint_url(url, checkpoint_id, "save")
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None
-    dist = Dist(process_group)
+    dist = Dist(process_group, with_step(deadline_for("save", url, timeout), meta))
     storage = Storage(url, storage_options)
     plan, error = None, None
     try:

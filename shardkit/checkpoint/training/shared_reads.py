@@ -265,7 +265,7 @@ def exchange(plan: SharedReads, dist: Dist, prepared: PreparedExchange | None = 
         return tdist.get_global_rank(dist.group, group_rank) if dist.group is not None else group_rank
 
     failure: BaseException | None = None
-    with torch.no_grad():
+    with torch.no_grad(), dist.rounds():  # ranks take part in different numbers of rounds: one check-in
         for round_index in range(plan.rounds):
             ops, landing = [], []
             for message in prepared.outgoing.get(round_index, []):
@@ -288,8 +288,7 @@ def exchange(plan: SharedReads, dist: Dist, prepared: PreparedExchange | None = 
                     landing.append(message)
                 ops.append(tdist.P2POp(tdist.irecv, target, global_rank(message.blocks[0].reader), dist.group,
                                        message.tag))
-            for work in tdist.batch_isend_irecv(ops) if ops else ():
-                work.wait()
+            dist.exchange(ops)
             for message in landing:
                 try:
                     for block, offset in zip(message.blocks, message.offsets):

@@ -17,15 +17,19 @@ failed attempts touched and never lets it go unsaid:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Sequence
 
+from shardkit.checkpoint.formats import foreign_kind
+from shardkit.checkpoint.formats.native.ownership import DirectorySurvey, survey
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.load import LoadResult, name_some
 from shardkit.errors import CorruptCheckpoint, ShardkitError, error_record, from_record
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_newest_intact"]
+__all__ = ["load_newest_intact", "why_nothing"]
 
 
 def load_newest_intact(steps: Sequence[int], load_step: Callable[[int], LoadResult], root_url: str,
@@ -85,3 +89,31 @@ def _after_touching(exc: Exception, step: int, touching: Sequence[int], touched:
 
 def _steps(steps: Sequence[int]) -> str:
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
+def why_nothing(root: Storage, dirs: dict[int, str]) -> str | None:
+    """What ``root`` (whose ``step-<N>`` directories are ``dirs``) holds instead of a committed step, or
+    ``None`` for a fresh run's empty root: the words of a resume that finds nothing to load."""
+    if not root.exists():
+        if root.paths_are_os_paths and not _creatable(root.root):
+            return "the root does not exist and cannot be created here (read-only or missing parent?)"
+        return None
+    if not dirs:
+        others = [n for n in root.listdir() if not n.startswith(".")]
+        if not others:
+            return None
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        return f"no step-<N> directory; the root holds {shown}"
+    surveys: list[DirectorySurvey] = [survey(root.child(dirs[s])) for s in sorted(dirs)]
+    return "found " + "; ".join(found.describe(foreign_kind(found.foreign)) for found in surveys)
+
+
+def _creatable(path: str) -> bool:
+    """Whether a local directory could be created at ``path`` (its nearest existing ancestor is writable)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return False
+        parent = up
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import shardkit.checkpoint as skc
-import shardkit.checkpoint.training.manager as manager_module
+import shardkit.checkpoint.training.retention as retention_module
 from shardkit.checkpoint.training.manager import step_dir
 from shardkit.errors import CheckpointNotFound
 from tests.support.checkpoint_helpers import build_model
@@ -132,13 +132,13 @@ def test_load_latest_required_raises_when_every_step_is_damaged(tmp_path):
 
 
 def test_wait_returns_only_after_retention_has_run(tmp_path, monkeypatch):
-    slow_survey = manager_module.survey
+    slow_survey = retention_module.survey
 
     def survey_after_a_pause(storage):
         time.sleep(0.3)  # retention lags behind the commit, as on a slow object store
         return slow_survey(storage)
 
-    monkeypatch.setattr(manager_module, "survey", survey_after_a_pause)
+    monkeypatch.setattr(retention_module, "survey", survey_after_a_pause)  # where retention surveys a step
     manager = skc.CheckpointManager(str(tmp_path / "run"), keep_last=1, async_save=True)
     model = build_model("plain", seed=1)
     manager.save(1, model)

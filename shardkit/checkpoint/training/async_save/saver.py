@@ -27,14 +27,17 @@ Why this shape:
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
+from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
@@ -114,7 +117,8 @@ class BackgroundSaver:
         with self._lock:
             self.wait()
             group = self._private_group()
-            self._pending = self._executor.submit(job, group)
+            # the job's collectives keep the deadline of the operation that started it
+            self._pending = self._executor.submit(contextvars.copy_context().run, job, group)
             return self._pending
 
     def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
@@ -123,15 +127,16 @@ class BackgroundSaver:
                keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
                column_strips: str = "cut", writer: str = "process",
                child_options: Mapping[str, Any] | None = None, digests: bool | str = False,
-               reuse_from: str | None = None) -> Future:
+               reuse_from: str | None = None, deadline: Deadline | None = None) -> Future:
         """Plan and stage on this thread, write and commit in the background; ``child_options``: the
-        storage options the writer process rebuilds the storage from (see :func:`choose_writer`)."""
+        storage options the writer process rebuilds the storage from (see :func:`choose_writer`);
+        ``deadline``: of every collective, the background ones included."""
         with self._lock:
             self.wait()
             pool = self.pools[writer]
             self.pools["thread" if writer == "process" else "process"].release()  # one buffer at a time
             group = process_group if process_group is not None else self._private_group()
-            dist = Dist(group)
+            dist = Dist(group, deadline)
             plan, error = None, None
             try:
                 plan = self.staging.plan_and_stage(stateful_to_state_dict(state_dict), dist, pool,
@@ -203,7 +208,7 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
                only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
                column_strips: str = "cut", writer: str | None = None, digests: bool | str = False,
-               reuse_from: str | None = None) -> Future:
+               reuse_from: str | None = None, timeout: float | timedelta | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     ``writer``: ``"process"`` (the default wherever it can reach the storage)
@@ -219,11 +224,14 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
     ``checkpoint_id``: DCP's keyword for ``url`` (give one of them).  A top-level ``Stateful`` value (torch's
     protocol) is saved as its ``state_dict()``, called before this returns, as DCP's ``async_save`` calls it.
     ``digests``/``reuse_from``: as for :func:`save` (the hashing runs in the background).
+    ``timeout``: as for :func:`save`, for the collectives of the background write and commit too: a rank that
+    died or froze makes the future raise :class:`~shardkit.errors.CheckpointTimeout` on the others.
     """
     url = checkpoint_url(url, checkpoint_id, "async_save")
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None
+    deadline = with_step(deadline_for("async save", url, timeout), meta)
     storage = Storage(url, storage_options)
     mode, child_options = choose_writer(writer, storage, storage_options)
     return background_saver().submit(state_dict, storage, compression=comp, meta=meta,
@@ -231,4 +239,4 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
                                      block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
                                      direct_io=direct_io, keys=(only, exclude), column_strips=column_strips,
                                      writer=mode, child_options=child_options, digests=digests,
-                                     reuse_from=reuse_from)
+                                     reuse_from=reuse_from, deadline=deadline)

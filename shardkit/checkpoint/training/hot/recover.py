@@ -130,6 +130,7 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
     is damaged or does not fit: any exception marks the copy bad); ``discard`` drops an opened
     copy that another rank's failure made unusable."""
     dist = Dist(group)
+    dist.phase = "vote"  # which step every rank can assemble; then each rank reads its copy
     rank = dist.rank
     try:
         reports = hot_reports(layout, rank)

@@ -86,7 +86,9 @@ def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer
         problem = exc
     finally:
         found.done()
-    failed = Dist(tier.process_group).first_error(None if problem is None else error_record(problem))
+    resumed = Dist(tier.process_group)
+    resumed.phase = "read"
+    failed = resumed.first_error(None if problem is None else error_record(problem))
     if failed is not None:
         if problem is not None:
             raise problem

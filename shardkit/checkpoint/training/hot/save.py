@@ -81,11 +81,12 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
     moves = [DirectoryMove(src=r, source_dir=_own_copy(layout, r, job), dst=holder,
                            target_dir=_replica(layout, holder, r, job))
              for r in range(layout.world_size) for holder in layout.replica_holders(r)]
-    results = move_directories(moves, group=group) if moves else []
+    results = move_directories(moves, group=group) if moves else []  # phase "replicate"
     if error is None:
         failed = [res for res in results if not res.ok]
         if failed:
             error = error_from_message(f"hot save of step {job.step}: replication failed: {failed[0].error}")
+    dist.phase = "vote"
     votes = dist.all_gather_json({"error": None if error is None else error_record(error), "save_id": job.save_id})
     first = next(((r, v["error"]) for r, v in enumerate(votes) if v["error"] is not None), None)
     if first is None and any(v["save_id"] != job.save_id for v in votes):
