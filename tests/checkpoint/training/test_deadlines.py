@@ -297,7 +297,12 @@ def test_a_timeout_that_cannot_be_a_deadline_is_refused_naming_the_option(tmp_pa
     with pytest.raises(ConfigurationError, match="timeout"):
         skc.save({"x": torch.zeros(2)}, str(tmp_path / "a"), timeout=bad)
     with pytest.raises(ConfigurationError, match="timeout"):
+        skc.async_save({"x": torch.zeros(2)}, str(tmp_path / "b"), writer="thread", timeout=bad)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        skc.load({"x": torch.zeros(2)}, str(tmp_path / "c"), timeout=bad)
+    with pytest.raises(ConfigurationError, match="timeout"):
         skc.CheckpointManager(str(tmp_path / "m"), timeout=bad)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything is written
 
 
 def test_the_environment_sets_the_default_deadline_job_wide(monkeypatch: pytest.MonkeyPatch) -> None:
