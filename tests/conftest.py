@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests.support.s3_server import free_port, moto_server
+
 # gcsfs (2026.x) asks a gRPC control API for each bucket's type before working on it; an emulator has no
 # such API and every call would wait out a 60 s timeout.  Set before gcsfs is imported, here or in the
 # ranks that tests/support/dist.py starts (they inherit the environment).
@@ -41,12 +42,6 @@ REPO = Path(__file__).resolve().parent.parent
 # azurite's well-known development account (public, documented by Microsoft; it guards nothing)
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -85,39 +80,8 @@ def _serving(name: str, argv: list[str], ready: Callable[[], bool], log: Path) -
 @pytest.fixture(scope="session")
 def s3_server():
     """Start ``moto.server`` on loopback; yield ``(endpoint_url, storage_options)``."""
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.1)
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(key, value)
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint},
-        "use_listings_cache": False,
-        "skip_instance_cache": True,
-    }
-    yield endpoint, options
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with moto_server() as served:
+        yield served
 
 
 @pytest.fixture
