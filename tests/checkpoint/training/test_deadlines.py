@@ -10,6 +10,7 @@ committed, and that a relaunch (fresh ranks) resumes the step before, bitwise.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -175,6 +176,12 @@ def _load_latest_with_fault(root: str, kind: str, out_dir: str) -> None:
     _manager(root).load_latest(_model())
 
 
+def _save_step_2_again(root: str) -> None:
+    model = _model()
+    _train_to(model, 2)
+    skc.save(_state(model), f"{root}/step-2", meta={"step": 2})
+
+
 def _resume_bitwise(root: str, step: int, managed: bool) -> bool:
     """A relaunch: fresh ranks load the newest committed step; True where it is ``step``'s state, bitwise."""
     model = _model()
@@ -228,6 +235,16 @@ def test_a_blocking_save_fails_every_other_rank_within_the_deadline(tmp_path: Pa
     assert not (Path(root) / "step-2" / "manifest.json").exists()
     _previous_step_intact(f"{root}/step-1")
     assert run_on_ranks(WORLD, _resume_bitwise, root, 1, False) == [True] * WORLD
+    if kind == "kill":  # the files the failed step's ranks wrote are removed by the next save there
+        step2 = Path(root) / "step-2"
+        assert _files(step2), "the failed save wrote nothing: the fault came too early to leave temp files"
+        run_on_ranks(WORLD, _save_step_2_again, root)
+        assert _files(step2) == set(json.loads((step2 / "manifest.json").read_text())["files"])
+        assert run_on_ranks(WORLD, _resume_bitwise, root, 2, False) == [True] * WORLD
+
+
+def _files(step: Path) -> set[str]:
+    return {p.relative_to(step).as_posix() for p in step.rglob("*") if p.is_file() and p.name != "manifest.json"}
 
 
 def test_a_rank_killed_inside_a_collective_fails_the_others_with_peer_lost_naming_it(tmp_path: Path) -> None:
