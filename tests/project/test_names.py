@@ -22,6 +22,10 @@ FORMATS_FOLDER = "shardkit/checkpoint/formats/"
 FORMAT_KEYWORDS = ("format", "to", "fmt")
 # private attributes of objects shardkit does not own, each with the reason it is used
 THIRD_PARTY_PRIVATE = {
+    "_exit": "os._exit: the shardkit command leaves at once after Ctrl-C, without joining threads stuck in storage "
+             "requests",
+    "_register_atexit": "threading's exit hook, run before concurrent.futures stops its pools: shardkit's "
+                        "background saves finish there",
     "_local_tensor": "DTensor's local shard, read without the autograd hop of to_local()",
     "_spec": "DTensor's placement spec (mesh, placements, tensor meta), which it has no public name for",
     "_parameters": "nn.Module's own parameter registry: swapping a parameter without a setattr hook",

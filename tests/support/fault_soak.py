@@ -185,7 +185,8 @@ class SoakReport:
         for kind in KINDS:
             times = self.seconds_to_error.get(kind, [])
             spread = (f"time to error min {min(times):.2f} s, median {statistics.median(times):.2f} s, "
-                      f"max {max(times):.2f} s" if times else "no error raised (every fault retried away)")
+                      f"max {max(times):.2f} s" if times else
+                      "no error raised (every fault retried away)" if self.faults.get(kind) else "-")
             out.append(f"  {kind:<10} {self.faults.get(kind, 0):>4} faults; {spread}")
         out.append(f"hangs: {len(self.hangs)}")
         out.append(f"committed steps lost: {len(self.lost_steps)}")
