@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
@@ -38,7 +39,9 @@ __all__ = ["Arrival", "arrive", "roll_call", "group_name", "the_group", "watched
 _POLL_FIRST_S = 0.0005
 _POLL_MAX_S = 0.1
 _WORK_POLL_MAX_S = 0.01  # a collective's own completion is polled locally, its failure flag at the store pace
-_sequences: dict[Any, int] = {}  # by process group object: a group formed again under the same name starts anew
+# by process group object, held weakly: a group formed again under the same name starts anew, and a group the
+# program let go of is not kept alive into the interpreter's finalization (shardkit.held_groups says why)
+_sequences: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

@@ -23,6 +23,7 @@ default group to itself.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -46,7 +47,7 @@ _ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each ot
 # A group whose collective a rank missed or left cannot be used again (the ranks' sequences parted): its
 # error, raised again at once by any later collective, so code that goes on to the next one to report a
 # local failure (as save does) fails at once instead of waiting out a second deadline.
-_broken: dict[Any, ShardkitError] = {}  # by process group object
+_broken: weakref.WeakKeyDictionary[Any, ShardkitError] = weakref.WeakKeyDictionary()  # by group, held weakly
 
 
 class _ThisRankAlone:

@@ -49,7 +49,7 @@ from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.checkpoint.training.save import save_options, write_and_commit
 from shardkit.errors import ConfigurationError
-from shardkit.held_groups import GroupRef, release_at_exit
+from shardkit.held_groups import GroupRef, finish_before_exit, release_at_exit
 
 __all__ = ["async_save", "BackgroundSaver", "background_saver", "WRITERS"]
 
@@ -69,6 +69,7 @@ class BackgroundSaver:
         self._lock = threading.Lock()
         self._owner = os.getpid()  # a forked copy of this object must not touch the parent's group
         release_at_exit(self.release_group)
+        finish_before_exit(self.wait)  # a script that ends during its last save still commits it
 
     def _private_group(self) -> Any:
         import torch.distributed as dist
@@ -88,6 +89,7 @@ class BackgroundSaver:
         if os.getpid() != self._owner:
             return
         with self._lock:
+            self._pending = None  # a failed save's traceback holds the group through its frames
             self._destroy_group()
 
     def _destroy_group(self) -> None:
