@@ -43,6 +43,7 @@ from shardkit.data.sampler import ElasticSampler
 from shardkit.data.stateful import Stateful, select_state
 from shardkit.errors import ConfigurationError, DataStateError
 from shardkit.wire.collectives import rank_world
+from shardkit.wire.job_log import warning_once_per_job
 from shardkit.wire.rng_keys import RNG_ROOT, WORLD_SIZE, rank_key
 
 __all__ = ["data_state_dict", "load_data_state_dict", "check_data_state_dict", "nest"]
@@ -186,7 +187,8 @@ def load_data_state_dict(state: Mapping[str, Any], sampler: ElasticSampler | Non
         w.obj.load_state_dict(chosen[name])
     unused = sorted(set(data.get("objects", {})) - set(wrapped))
     if unused:
-        log.warning("the checkpoint holds input state for %s that this load did not restore", ", ".join(unused))
+        warning_once_per_job(log, "the checkpoint holds input state for %s that this load did not restore",
+                             ", ".join(unused))
     if rng_states is not None:
         restore_rng_state(rng_states, rank, world_size)
 

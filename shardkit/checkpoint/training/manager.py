@@ -94,6 +94,7 @@ from shardkit.errors import (
     ConfigurationError,
     ShardkitError,
 )
+from shardkit.wire.job_log import warning_once_per_job
 
 __all__ = ["CheckpointManager", "step_dir"]
 
@@ -431,5 +432,6 @@ class CheckpointManager:
             raise CheckpointNotFound(f"nothing to resume under {self.root_url}: "
                                      f"{why or 'no committed step-<N> directory'}")
         if why:
-            log.warning("nothing to resume under %s: %s; starting from scratch", self.root_url, why)
+            warning_once_per_job(log, "nothing to resume under %s: %s; starting from scratch", self.root_url, why,
+                                 process_group=self.process_group)
         return None

@@ -26,6 +26,7 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.load import LoadResult, name_some
 from shardkit.errors import CorruptCheckpoint, ShardkitError, error_record, from_record
+from shardkit.wire.job_log import warning_once_per_job
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def load_newest_intact(steps: Sequence[int], load_step: Callable[[int], LoadResu
         except CorruptCheckpoint as exc:
             touched.update(exc.partly_written)
             touching += [step] if exc.partly_written else []
-            log.warning("step %d under %s is damaged (%s); trying an older step%s", step, root_url, exc,
-                        ", which reloads every target" if exc.partly_written else "")
+            warning_once_per_job(log, "step %d under %s is damaged (%s); trying an older step%s", step, root_url,
+                                 exc, ", which reloads every target" if exc.partly_written else "")
             continue
         except Exception as exc:
             if touched:

@@ -43,6 +43,7 @@ from typing import Mapping
 
 from shardkit.checkpoint.io.location import canonical_url
 from shardkit.errors import ConfigurationError
+from shardkit.wire.job_log import warning_once_per_job
 
 __all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy",
            "is_marker_leftover", "run_name", "restart_hazard"]
@@ -166,9 +167,9 @@ class NodeLayout:
             raise ConfigurationError(f"replicas must be a non-negative integer, got {replicas!r}")
         nodes = world_size // local_world_size
         if replicas > nodes - 1:  # e.g. a job restarted smaller after losing a node for good: not an error
-            log.warning("replicas=%d needs %d nodes; this job has %d (%d ranks, %d per node): keeping %d "
-                        "replica(s) of each rank's copy", replicas, replicas + 1, nodes, world_size,
-                        local_world_size, nodes - 1)
+            warning_once_per_job(log, "replicas=%d needs %d nodes; this job has %d (%d ranks, %d per node): "
+                                 "keeping %d replica(s) of each rank's copy", replicas, replicas + 1, nodes,
+                                 world_size, local_world_size, nodes - 1)
             replicas = nodes - 1
         root = canonical_url(root_url) if root_url else ""
         return cls(template, world_size, local_world_size, replicas, run_name(root), root,
