@@ -24,7 +24,10 @@ package never imports the sharding runtime (data flows one way).
 
 from __future__ import annotations
 
+from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.lazy import lazy_exports
+
+check_restartable()  # a torchrun restart that would hang in init_process_group fails now, naming the fix
 
 _EXPORTS: dict[str, str] = {
     "get_training_state": "shardkit.checkpoint.state.training_state",

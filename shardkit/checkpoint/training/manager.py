@@ -73,6 +73,7 @@ from shardkit.checkpoint.training.hot.save import run_hot_save
 from shardkit.checkpoint.training.hot.tier import HotTier, durable_view
 from shardkit.checkpoint.training.input_state import check_input_state, stored_step
 from shardkit.checkpoint.training.load import load
+from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.checkpoint.training.retention import retain
 from shardkit.checkpoint.training.run_steps import (
     RunSteps,
@@ -124,6 +125,7 @@ class CheckpointManager:
                  process_group: Any = None, writer: str | None = None, local: str | None = None,
                  local_world_size: int | None = None, replicas: int = 1, local_keep: int = 2,
                  durable_every: int = 1, timeout: float | timedelta | None = None, **save_options: Any) -> None:
+        check_restartable()  # a torchrun restart that would hang says so in seconds (training/restarts.py)
         if not isinstance(durable_every, int) or isinstance(durable_every, bool) or durable_every < 1:
             raise ConfigurationError(f"durable_every must be a positive integer, got {durable_every!r}")
         if local is None and (local_world_size, replicas, local_keep, durable_every) != (None, 1, 2, 1):

@@ -27,9 +27,9 @@ path, links resolved, fsspec's protocol name, no trailing slash), so a restart t
 URL as typed; :mod:`.roots` adopts such directories when they belong to this root.)
 
 Under torchrun with restarts, the rendezvous store torchrun shares with its workers by default makes a
-restarted attempt hang in ``init_process_group`` (torch #135712): :func:`restart_hazard` names that setting,
-and :meth:`NodeLayout.of` warns of it on the first attempt and refuses it, in seconds, on a restarted one
-that has not formed its process group yet (the manager built before ``init_process_group``).
+restarted attempt hang in ``init_process_group`` (torch #135712):
+:mod:`shardkit.checkpoint.training.restarts` names that setting, and :meth:`NodeLayout.of` checks it, as
+``import shardkit.checkpoint`` and every manager do.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping
 
 from shardkit.checkpoint.io.location import canonical_url
+from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.errors import ConfigurationError
 from shardkit.wire.job_log import warning_once_per_job
 
 __all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy",
-           "is_marker_leftover", "run_name", "restart_hazard"]
+           "is_marker_leftover", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -59,46 +59,6 @@ def run_name(spelling: str) -> str:
     """``run-<12 hex>``: the directory of the run whose root is spelled ``spelling`` (already canonical, or as
     an earlier shardkit keyed it: the URL as typed)."""
     return "run-" + hashlib.sha256(spelling.encode("utf-8")).hexdigest()[:12]
-
-
-def restart_hazard(environ: Mapping[str, str] | None = None) -> str | None:
-    """What is wrong when this process runs under torchrun with restarts (``--max-restarts`` > 0) and the
-    rendezvous store shared with the workers (torch's default): a restarted attempt's
-    ``init_process_group`` then reads the previous attempt's addresses from that store and hangs, with no
-    output (torch #135712).  ``None`` when the launch is restartable (or not torchrun's)."""
-    env = os.environ if environ is None else environ
-    try:
-        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    except ValueError:
-        restarts = 0
-    if restarts < 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" \
-            or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
-        return None
-    return (f"torchrun restarts this job (--max-restarts {restarts}) but shares its rendezvous store with the "
-            f"workers, so a restarted attempt hangs in init_process_group with no output (torch #135712) and "
-            f"never reaches the hot tier's copies: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
-            f"torchrun's environment (e.g. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts "
-            f"{restarts} ...)")
-
-
-_hazard_warned = False
-
-
-def _check_restartable() -> None:
-    """Warn once per job (rank 0) on the first attempt; refuse a restarted attempt that has no process group
-    yet, which would otherwise hang in ``init_process_group``."""
-    global _hazard_warned
-    problem = restart_hazard()
-    if problem is None:
-        return
-    import torch.distributed as dist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt not in ("", "0") and not (dist.is_available() and dist.is_initialized()):
-        raise ConfigurationError(f"attempt {attempt} of this job: {problem}")
-    if not _hazard_warned and os.environ.get("RANK", "0") == "0":
-        _hazard_warned = True
-        log.warning("%s", problem)
 
 
 def copy_name(kind: str, rank: int, save_id: str, token: str | None = None) -> str:
@@ -140,8 +100,9 @@ class NodeLayout:
     def of(cls, template: str, world_size: int, local_world_size: int | None, replicas: int,
            root_url: str = "") -> "NodeLayout":
         """Check the options against the job; ``local_world_size=None`` takes torchrun's LOCAL_WORLD_SIZE.
-        Under torchrun, also check that a restarted attempt can form its process group (:func:`restart_hazard`)."""
-        _check_restartable()
+        Under torchrun, also check that a restarted attempt can form its process group
+        (:mod:`shardkit.checkpoint.training.restarts`)."""
+        check_restartable()
         if not isinstance(template, (str, os.PathLike)) or not str(template):
             raise ConfigurationError(f"local= must be a local directory path, got {template!r}")
         template = os.fspath(template)

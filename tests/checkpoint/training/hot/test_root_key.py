@@ -17,7 +17,8 @@ import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.io.location import canonical_url
-from shardkit.checkpoint.training.hot.layout import NodeLayout, restart_hazard
+from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.restarts import restart_hazard
 from tests.support.dist import run_on_ranks, run_torchrun
 
 RESTART_SCRIPT = Path(__file__).resolve().parents[3] / "support" / "hot_restart_run.py"
@@ -181,8 +182,9 @@ def test_a_torchrun_restart_that_would_hang_fails_in_seconds_naming_the_fix(tmp_
     printed = done.stdout + done.stderr
     assert done.returncode != 0, printed[-3000:]
     assert "attempt 0 rank 0: failing on purpose" in printed
-    # attempt 0 warned (rank 0 alone), attempt 1 refused before init_process_group could hang
-    assert printed.count("WARNING shardkit.checkpoint.training.hot.layout: torchrun restarts this job") == 1
+    # attempt 0 warned (rank 0 alone), attempt 1 refused at `import shardkit.checkpoint`, before
+    # init_process_group could hang
+    assert printed.count("WARNING shardkit.checkpoint.training.restarts: torchrun restarts this job") == 1
     assert "ConfigurationError: attempt 1 of this job: torchrun restarts this job (--max-restarts 1)" in printed
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in printed
     assert seconds < 60, seconds
