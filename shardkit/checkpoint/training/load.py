@@ -45,7 +45,7 @@ from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import deadline_for
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.io.storage import Storage, with_retries
 from shardkit.checkpoint.state.aliases import alias_groups, find_aliases
 from shardkit.checkpoint.state.dcp_stateful import load_into_statefuls, stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
@@ -78,7 +78,8 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
          storage_options: Mapping[str, Any] | None = None, verify_first: bool = False,
          format: str | None = None, io_threads: int = DEFAULT_IO_THREADS,
          process_group: Any = None, dtype_cast: bool = False,
-         staging_bytes: int | None = None, timeout: float | timedelta | None = None) -> dict[str, Any]:
+         staging_bytes: int | None = None, timeout: float | timedelta | None = None,
+         retries: int | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``url`` into ``state_dict`` in place, whatever its layout; return its ``meta``.
 
     Tensors (plain or DTensor, any mesh and placements) are filled in place,
@@ -122,8 +123,11 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     ``timeout`` (seconds or a ``timedelta``; default ``SHARDKIT_CHECKPOINT_TIMEOUT``, else 600 s): how long a
     rank waits at one of the load's collectives for the others; a rank that died, froze or never called
     fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it (:mod:`~shardkit.checkpoint.io.deadline`).
+    ``retries``: how often a failed storage request is retried (``storage_options={"shardkit": {"retries":
+    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.storage.with_retries`).
     """
     url = checkpoint_url(url, checkpoint_id, "load")
+    storage_options = with_retries(storage_options, retries)
     dist = Dist(process_group, deadline_for("load", url, timeout))
     dist.phase = "read"
     local_exc: BaseException | None = None

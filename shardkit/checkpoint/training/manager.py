@@ -62,7 +62,7 @@ import torch.nn as nn
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.deadline import checkpoint_deadline, resolve_timeout
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.io.storage import Storage, with_retries
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save.saver import async_save as _async_save
@@ -117,6 +117,7 @@ class CheckpointManager:
     step makes ``save`` raise :class:`~shardkit.errors.CheckpointExists`.
     ``timeout`` (seconds or a ``timedelta``): how long a rank waits at a collective of a save, a load or the
     hot tier for the others before :class:`~shardkit.errors.CheckpointTimeout` (``save``'s default).
+    ``retries``: how often a failed storage request is retried (the storage option ``shardkit.retries``).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
@@ -124,7 +125,8 @@ class CheckpointManager:
                  compression: Any = None, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, writer: str | None = None, local: str | None = None,
                  local_world_size: int | None = None, replicas: int = 1, local_keep: int = 2,
-                 durable_every: int = 1, timeout: float | timedelta | None = None, **save_options: Any) -> None:
+                 durable_every: int = 1, timeout: float | timedelta | None = None, retries: int | None = None,
+                 **save_options: Any) -> None:
         check_restartable()  # a torchrun restart that would hang says so in seconds (training/restarts.py)
         if not isinstance(durable_every, int) or isinstance(durable_every, bool) or durable_every < 1:
             raise ConfigurationError(f"durable_every must be a positive integer, got {durable_every!r}")
@@ -149,7 +151,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.dedup = digest_algorithm(dedup) if dedup else None
         self.compression = compression
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = with_retries(storage_options, retries) or {}
         self.process_group = process_group
         self.save_options = save_options
         self._run = RunSteps(overwrite=bool(overwrite))  # which steps under the root are this run's

@@ -58,7 +58,7 @@ from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, low
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.deadline import deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.io.storage import Storage, with_retries
 from shardkit.checkpoint.state.aliases import find_aliases
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
@@ -368,7 +368,8 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, block_bytes: int = DEFAULT_BLOCK_BYTES,
          io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None, only: Sequence[str] | None = None,
          exclude: Sequence[str] | None = None, column_strips: str = "cut", digests: bool | str = False,
-         reuse_from: str | None = None, timeout: float | timedelta | None = None) -> None:
+         reuse_from: str | None = None, timeout: float | timedelta | None = None,
+         retries: int | None = None) -> None:
     """Save ``state_dict`` as a native checkpoint at ``url`` (collective when a process group exists).
 
     ``checkpoint_id``: DCP's keyword for ``url`` (give one of them), so
@@ -400,8 +401,11 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     rank waits at one of the save's collectives (plan, write, commit) for the others; a rank that died, froze
     or never called fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it, and nothing is
     committed (:mod:`~shardkit.checkpoint.io.deadline`).
+    ``retries``: how often a failed storage request is retried (``storage_options={"shardkit": {"retries":
+    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.storage.with_retries`).
     """
     url = checkpoint_url(url, checkpoint_id, "save")
+    storage_options = with_retries(storage_options, retries)
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None

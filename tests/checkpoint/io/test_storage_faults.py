@@ -382,3 +382,23 @@ def test_a_top_level_retries_sets_shardkits_storage_option_and_a_different_one_i
     with pytest.raises(ConfigurationError) as info:
         with_retries({"shardkit": {"retries": 2}}, 5)
     assert str(info.value) == "retries=5 and storage option shardkit.retries=2 disagree; give one of them"
+
+
+def test_retries_on_save_load_and_the_manager_bounds_the_attempts_on_the_wire(proxied_s3, tmp_path):
+    """``retries=`` on ``save``, ``load`` and ``CheckpointManager`` is the storage option: with 0 a throttled
+    write fails at its first answer; with 1 the same fault is retried once and the step loads bitwise."""
+    proxy, root, through, _ = proxied_s3
+    options = {k: v for k, v in through.items() if k != "shardkit"}
+    state = _state(3)
+    proxy.add("slowdown", method="PUT", path=r"/data/", times=1)
+    with pytest.raises(StorageError, match="SlowDown"):
+        skc.save(state, f"{root}/no-retries", storage_options=options, retries=0)
+    proxy.clear()
+    proxy.add("slowdown", method="PUT", path=r"/data/", times=1)
+    skc.save(state, f"{root}/one-retry", storage_options=options, retries=1)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    proxy.add("slowdown", method="GET", path=r"/data/", times=1)
+    skc.load(target, f"{root}/one-retry", storage_options=options, retries=1)
+    assert _bitwise(target, state)
+    manager = skc.CheckpointManager(f"{root}/managed", storage_options=options, retries=0)
+    assert manager.storage_options["shardkit"] == {"retries": 0}

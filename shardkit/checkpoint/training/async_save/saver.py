@@ -39,7 +39,7 @@ from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAU
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.io.storage import Storage, with_retries
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
@@ -210,7 +210,8 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
                io_threads: int = DEFAULT_IO_THREADS, process_group: Any = None,
                only: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
                column_strips: str = "cut", writer: str | None = None, digests: bool | str = False,
-               reuse_from: str | None = None, timeout: float | timedelta | None = None) -> Future:
+               reuse_from: str | None = None, timeout: float | timedelta | None = None,
+               retries: int | None = None) -> Future:
     """Like :func:`save`, but return once the state is copied to host memory.
 
     ``writer``: ``"process"`` (the default wherever it can reach the storage)
@@ -233,6 +234,7 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
     comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
     digests = digest_algorithm(digests) if digests or reuse_from else False
     meta = to_json_value(dict(meta), "meta") if meta else None
+    storage_options = with_retries(storage_options, retries)
     deadline = with_step(deadline_for("async save", url, timeout), meta)
     storage = Storage(url, storage_options)
     mode, child_options = choose_writer(writer, storage, storage_options)
