@@ -117,7 +117,7 @@ class CheckpointManager:
     step makes ``save`` raise :class:`~shardkit.errors.CheckpointExists`.
     ``timeout`` (seconds or a ``timedelta``): how long a rank waits at a collective of a save, a load or the
     hot tier for the others before :class:`~shardkit.errors.CheckpointTimeout` (``save``'s default).
-    ``retries``: how often a failed storage request is retried (the storage option ``shardkit.retries``).
+    ``retries``: how often a failed storage request is retried (the storage option ``{"shardkit": {"retries": N}}``).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = None, async_save: bool = False,
