@@ -39,10 +39,13 @@ demo: $(STAMP)
 
 # ruff: unused names and import order; the suite includes tests/project/test_architecture.py (import layers,
 # cycles, private names, module size).  Either failing fails the build.
+# The suite runs in two pytest-xdist workers, a test file to a worker (its module fixtures run once): most of
+# its time is waiting (process start-up, ranks in collectives, deadlines, servers), so two workers on two
+# cores halve it.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory -j2 test-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # the test extra (pip) and azurite (npm) download and unpack at the same time
 test-deps: $(TEST_STAMP) azurite
