@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.support.s3_server import free_port, moto_server
+from tests.support.s3_server import free_port, moto_server, stop_server
 
 # gcsfs (2026.x) asks a gRPC control API for each bucket's type before working on it; an emulator has no
 # such API and every call would wait out a 60 s timeout.  Set before gcsfs is imported, here or in the
@@ -69,12 +69,7 @@ def _serving(name: str, argv: list[str], ready: Callable[[], bool], log: Path) -
             time.sleep(0.1)
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="session")

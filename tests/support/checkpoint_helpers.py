@@ -53,6 +53,16 @@ def build_model(kind: str, seed: int, mesh_shape: tuple[int, ...] | None = None,
     return model
 
 
+def stepped_linear(step: int) -> nn.Module:
+    """A small ``nn.Linear`` whose weights say which step saved them (weight ``step``, bias ``-step``)."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+        model.bias.fill_(-float(step))
+    return model
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 

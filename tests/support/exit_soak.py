@@ -32,6 +32,7 @@ import time
 import traceback
 import types
 from pathlib import Path
+from typing import Callable
 
 import torch  # noqa: F401 - imported once here, inherited by every forked rank
 import torch._dynamo  # noqa: F401 - likewise: every rank's first DTensor would import it (two seconds of CPU)
@@ -77,23 +78,21 @@ def threads_running() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def exit_soak(launches: int, at_once: int, out: Path, script_args: list[str] = (),
-              script: Path = SCRIPT) -> dict:
-    """Launch ``script`` ``launches`` times on two ranks, ``at_once`` launches together; return
-    ``{"launches", "ranks", "exit_codes": {code: ranks}, "aborts": ranks killed by SIGABRT,
-    "terminate_called": ranks whose output says "terminate called", "last_step_committed": launches whose
-    last step is committed, "failed": [{"launch", "rank", "code", "log"}]}`` (a rank that outlives
-    ``RANK_TIMEOUT_S`` is killed and counted with code ``"timeout"``).
-    Call it from a process that runs no other thread, and with no ``with`` or ``finally`` around the call:
-    each forked rank leaves up through the caller's frames, which would run them."""
+def fork_launches(launches: int, at_once: int, out: Path,
+                  start_rank: Callable[[int, int, int], None]) -> tuple[dict[str, int], list[dict]]:
+    """Fork two ranks per launch, ``at_once`` launches together, each child calling ``start_rank(launch,
+    rank, port)`` (which must not return: it leaves through ``SystemExit``); wait for all of them.  Returns
+    ``({exit code: ranks}, [{"launch", "rank", "code", "log"} of each rank that did not exit 0])``; a rank that
+    outlives ``RANK_TIMEOUT_S`` is killed and counted with code ``"timeout"``.  Call it from a process that
+    runs no other thread, with no ``with`` or ``finally`` around the call (each child leaves up through the
+    caller's frames).  The inherited heap is frozen first: the collector leaves it alone in every rank
+    instead of writing to each page it visits (and so copying it)."""
     out.mkdir(parents=True, exist_ok=True)
-    # Every rank starts with this launcher's heap; frozen, the collector leaves it alone in every rank
-    # instead of writing to each page it visits (and so copying it).
     gc.freeze()
     waiting = list(range(launches))
     running: dict[int, tuple[int, int, float]] = {}  # pid -> (launch, rank, deadline)
     codes: dict[str, int] = {}
-    failed = []
+    failed: list[dict] = []
     while waiting or running:
         while waiting and len(running) < at_once * RANKS:
             launch, port = waiting.pop(0), free_port()
@@ -105,7 +104,7 @@ def exit_soak(launches: int, at_once: int, out: Path, script_args: list[str] = (
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    run_rank(script, launch, rank, port, out, list(script_args))
+                    start_rank(launch, rank, port)
                 running[pid] = (launch, rank, time.monotonic() + RANK_TIMEOUT_S)
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
@@ -123,12 +122,23 @@ def exit_soak(launches: int, at_once: int, out: Path, script_args: list[str] = (
         codes[code] = codes.get(code, 0) + 1
         if code != "0":
             failed.append({"launch": launch, "rank": rank, "code": code})
+    for entry in failed:
+        entry["log"] = (out / f"launch{entry['launch']}-rank{entry['rank']}.log").read_text(errors="replace")[-2000:]
+    return codes, failed
+
+
+def exit_soak(launches: int, at_once: int, out: Path, script_args: list[str] = (),
+              script: Path = SCRIPT) -> dict:
+    """Launch ``script`` ``launches`` times on two ranks, ``at_once`` launches together; return
+    ``{"launches", "ranks", "exit_codes": {code: ranks}, "aborts": ranks killed by SIGABRT,
+    "terminate_called": ranks whose output says "terminate called", "last_step_committed": launches whose
+    last step is committed, "failed": [{"launch", "rank", "code", "log"}]}`` (see :func:`fork_launches`)."""
+    codes, failed = fork_launches(launches, at_once, out, lambda launch, rank, port: run_rank(
+        script, launch, rank, port, out, list(script_args)))
     terminate_called = 0
     for launch in range(launches):
         for rank in range(RANKS):
             terminate_called += ABORT_LINE in (out / f"launch{launch}-rank{rank}.log").read_text(errors="replace")
-    for entry in failed:
-        entry["log"] = (out / f"launch{entry['launch']}-rank{entry['rank']}.log").read_text(errors="replace")[-2000:]
     last = f"step-{LAST_STEP:010d}"
     committed = sum((out / f"launch{launch}" / "ckpt" / last / "manifest.json").exists() for launch in range(launches))
     return {"launches": launches, "ranks": launches * RANKS, "exit_codes": codes,

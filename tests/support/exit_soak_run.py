@@ -23,14 +23,10 @@ Prints one JSON line: ``{"launches": n, "exit_codes": {code: ranks}, "failed": [
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import os
-import signal
-import socket
 import sys
-import time
 from pathlib import Path
 
 import torch  # noqa: F401 - imported once here, inherited by every forked rank
@@ -39,8 +35,8 @@ import torch._dynamo  # noqa: F401 - likewise: every rank's first DTensor would 
 import shardkit.checkpoint.training.manager  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parents[2]
-RANKS = 2
-RANK_TIMEOUT_S = 120.0
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's tests package, for the shared launch loop
+from tests.support.exit_soak import RANKS, fork_launches  # noqa: E402
 
 
 def load_train_module():
@@ -48,12 +44,6 @@ def load_train_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_rank(train, launch: int, rank: int, port: int, out: Path, train_args: list[str]) -> None:
@@ -67,51 +57,10 @@ def run_rank(train, launch: int, rank: int, port: int, out: Path, train_args: li
     raise SystemExit(0)  # up through the launcher's frames: the interpreter's own exit, finalization included
 
 
-def threads_running() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def soak(launches: int, at_once: int, out: Path, train_args: list[str]) -> dict:
     train = load_train_module()
-    # Every rank starts with this launcher's heap (torch's modules, hundreds of thousands of objects); the
-    # collector would walk it again in every rank, writing to each page it visits and so copying it.  Frozen,
-    # it is left alone; what a rank creates itself (its groups, threads, tensors) is collected as usual.
-    gc.freeze()
-    waiting = list(range(launches))
-    running: dict[int, tuple[int, int, float]] = {}  # pid -> (launch, rank, deadline)
-    codes: dict[str, int] = {}
-    failed = []
-    while waiting or running:
-        while waiting and len(running) < at_once * RANKS:
-            launch, port = waiting.pop(0), free_port()
-            if threads_running() != 1:
-                raise SystemExit(f"the launcher runs {threads_running()} threads: forking it would copy a "
-                                 f"process whose other threads are gone in the child")
-            for rank in range(RANKS):
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    run_rank(train, launch, rank, port, out, train_args)
-                running[pid] = (launch, rank, time.monotonic() + RANK_TIMEOUT_S)
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            for pid, (launch, rank, deadline) in list(running.items()):
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    del running[pid]
-                    codes["timeout"] = codes.get("timeout", 0) + 1
-                    failed.append({"launch": launch, "rank": rank, "code": "timeout"})
-            time.sleep(0.05)
-            continue
-        launch, rank, _ = running.pop(pid)
-        code = str(os.waitstatus_to_exitcode(status))
-        codes[code] = codes.get(code, 0) + 1
-        if code != "0":
-            failed.append({"launch": launch, "rank": rank, "code": code})
-    for entry in failed:
-        entry["log"] = (out / f"launch{entry['launch']}-rank{entry['rank']}.log").read_text()[-2000:]
+    codes, failed = fork_launches(launches, at_once, out, lambda launch, rank, port: run_rank(
+        train, launch, rank, port, out, train_args))
     return {"launches": launches, "exit_codes": codes, "failed": failed}
 
 

@@ -49,8 +49,14 @@ def moto_server() -> Iterator[tuple[str, dict[str, Any]]]:
             os.environ.setdefault(key, value)
         yield endpoint, s3_options(endpoint)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """End a server the suite started: asked first, killed after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -13,24 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.io.location import canonical_url
 from shardkit.checkpoint.training.hot.layout import NodeLayout
 from shardkit.checkpoint.training.restarts import restart_hazard
+from tests.support.checkpoint_helpers import stepped_linear
 from tests.support.dist import run_on_ranks, run_torchrun
 
 RESTART_SCRIPT = Path(__file__).resolve().parents[3] / "support" / "hot_restart_run.py"
-
-
-def _model(step: int) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Linear(16, 8)
-    with torch.no_grad():
-        model.weight.fill_(float(step))
-        model.bias.fill_(-float(step))
-    return model
 
 
 def _manager(root_url: str, local: str) -> skc.CheckpointManager:
@@ -40,13 +31,13 @@ def _manager(root_url: str, local: str) -> skc.CheckpointManager:
 def _save_steps(root_url: str, local: str, steps) -> None:
     manager = _manager(root_url, local)
     for step in steps:
-        manager.save(step, _model(step), extra={"step": step})
+        manager.save(step, stepped_linear(step), extra={"step": step})
     manager.wait()
 
 
 def _resume(root_url: str, local: str) -> tuple[int, str]:
     manager = _manager(root_url, local)
-    model = _model(-1)
+    model = stepped_linear(-1)
     step, extra = manager.load_latest(model, required=True)
     assert extra == {"step": step}
     assert torch.equal(model.weight, torch.full((8, 16), float(step)))
@@ -108,10 +99,10 @@ def test_hot_copies_of_another_root_are_named_in_one_warning_with_what_to_do(tmp
     [theirs] = os.listdir(tmp_path / "hot" / "node0")
     with caplog.at_level(logging.WARNING, logger="shardkit"):
         other = _manager(str(tmp_path / "b"), local)
-        assert other.load_latest(_model(-1)) is None
-        other.save(1, _model(1))
+        assert other.load_latest(stepped_linear(-1)) is None
+        other.save(1, stepped_linear(1))
         other.wait()
-        assert _manager(str(tmp_path / "b"), local).load_latest(_model(-1))[0] == 1
+        assert _manager(str(tmp_path / "b"), local).load_latest(stepped_linear(-1))[0] == 1
     warnings = [r.getMessage() for r in caplog.records if "other durable roots" in r.getMessage()]
     assert len(warnings) == 1, warnings
     [message] = warnings
@@ -130,7 +121,7 @@ def test_copies_of_a_root_not_recorded_are_named_as_such(tmp_path, caplog):
     [theirs] = os.listdir(tmp_path / "hot" / "node0")
     os.remove(tmp_path / "hot" / "node0" / theirs / "root.json")
     with caplog.at_level(logging.WARNING, logger="shardkit"):
-        assert _manager(str(tmp_path / "b"), local).load_latest(_model(-1)) is None
+        assert _manager(str(tmp_path / "b"), local).load_latest(stepped_linear(-1)) is None
     assert f"{theirs} (root not recorded: written by an earlier shardkit; step(s) 1, 2)" in caplog.text
 
 
@@ -149,11 +140,11 @@ def _warnings_on_each_rank(root: str) -> int:
     try:
         local = os.path.join(root, "hot", "node{node}")
         earlier = skc.CheckpointManager(os.path.join(root, "a"), local=local, local_world_size=2, replicas=0)
-        earlier.save(1, _model(1))
+        earlier.save(1, stepped_linear(1))
         earlier.wait()
         dist.barrier()
         manager = skc.CheckpointManager(os.path.join(root, "b"), local=local, local_world_size=2, replicas=0)
-        assert manager.load_latest(_model(-1)) is None
+        assert manager.load_latest(stepped_linear(-1)) is None
     finally:
         logging.getLogger("shardkit").removeHandler(handler)
     return sum("other durable roots" in m for m in seen)

@@ -9,22 +9,13 @@ import shutil
 
 import pytest
 import torch
-import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.training.hot.layout import NodeLayout
 from shardkit.checkpoint.training.hot.retention import check_space
 from shardkit.data import Stateful
 from shardkit.errors import ConfigurationError, DataStateError
-
-
-def _model(step: int) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Linear(16, 8)
-    with torch.no_grad():
-        model.weight.fill_(float(step))
-        model.bias.fill_(-float(step))
-    return model
+from tests.support.checkpoint_helpers import stepped_linear
 
 
 def _manager(root, **options) -> skc.CheckpointManager:
@@ -36,14 +27,14 @@ def _manager(root, **options) -> skc.CheckpointManager:
 def _save_steps(root, steps, **options) -> None:
     manager = _manager(root, **options)
     for step in steps:
-        manager.save(step, _model(step), extra={"step": step})
+        manager.save(step, stepped_linear(step), extra={"step": step})
     manager.wait()
 
 
 def _resume(root, **options) -> tuple[int, str, float]:
     """Resume a fresh model; check it holds the recovered step's values; (step, source, seconds)."""
     manager = _manager(root, **options)
-    model = _model(-1)
+    model = stepped_linear(-1)
     step, extra = manager.load_latest(model, required=True)
     assert extra == {"step": step}
     assert torch.equal(model.weight, torch.full((8, 16), float(step)))
@@ -144,8 +135,8 @@ def test_node_arithmetic_refuses_ranks_per_node_that_do_not_divide_the_world_and
 def test_a_run_resumed_below_the_hot_tiers_newest_step_removes_that_abandoned_history_at_its_next_save(tmp_path):
     _save_steps(tmp_path, range(1, 8))  # hot 6 and 7, durable 5
     rerun = _manager(tmp_path)
-    rerun.load(5, _model(-1))  # the user chose step 5: steps 6 and 7 are another history now
-    rerun.save(6, _model(6), extra={"step": 6})
+    rerun.load(5, stepped_linear(-1))  # the user chose step 5: steps 6 and 7 are another history now
+    rerun.save(6, stepped_linear(6), extra={"step": 6})
     assert sorted(os.listdir(_run_dir(tmp_path))) == ["root.json", "step-0000000006"]
     assert _resume(tmp_path)[:2] == (6, "local")
 
@@ -166,10 +157,10 @@ class _Leftover:
 def test_input_state_that_changes_size_between_background_saves_is_saved_as_it_was(tmp_path):
     manager = _manager(tmp_path, async_save=True)
     for step, tokens in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [7.0]), (3, [5.0, 6.0])):
-        manager.save(step, _model(step), extra={"step": step}, stateful={"loader": Stateful(_Leftover(tokens))})
+        manager.save(step, stepped_linear(step), extra={"step": step}, stateful={"loader": Stateful(_Leftover(tokens))})
     manager.wait()
     resumed = _Leftover([])
-    model = _model(-1)
+    model = stepped_linear(-1)
     assert _manager(tmp_path).load_latest(model, stateful={"loader": Stateful(resumed)}) == (3, {"step": 3})
     assert torch.equal(resumed.tokens, torch.tensor([5.0, 6.0]))
 
@@ -178,7 +169,7 @@ def test_a_sampler_or_object_the_copy_lacks_is_refused_and_the_hot_steps_stay(tm
     _save_steps(tmp_path, range(1, 4))
     before = sorted(os.listdir(_run_dir(tmp_path)))
     with pytest.raises(DataStateError, match="loader"):
-        _manager(tmp_path).load_latest(_model(-1), stateful={"loader": Stateful(_Leftover([]))})
+        _manager(tmp_path).load_latest(stepped_linear(-1), stateful={"loader": Stateful(_Leftover([]))})
     assert sorted(os.listdir(_run_dir(tmp_path))) == before
 
 
@@ -186,9 +177,9 @@ def test_two_runs_sharing_a_local_directory_never_read_or_remove_each_others_cop
     _save_steps(tmp_path / "a", range(1, 4), local=str(tmp_path / "shared" / "node{node}"))
     other = skc.CheckpointManager(str(tmp_path / "b" / "durable"), local=str(tmp_path / "shared" / "node{node}"),
                                   replicas=0)
-    assert other.load_latest(_model(-1)) is None
-    other.save(1, _model(100))
+    assert other.load_latest(stepped_linear(-1)) is None
+    other.save(1, stepped_linear(100))
     mine = _manager(tmp_path / "a", local=str(tmp_path / "shared" / "node{node}"))
-    model = _model(-1)
+    model = stepped_linear(-1)
     assert mine.load_latest(model) == (3, {"step": 3}) and mine.last_load.source == "local"
     assert torch.equal(model.weight, torch.full((8, 16), 3.0))
