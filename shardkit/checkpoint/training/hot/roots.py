@@ -23,9 +23,10 @@ import json
 import logging
 import os
 import re
-import uuid
 
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.errors import ShardkitError
 
 __all__ = ["ROOT_NAME", "recorded_root", "survey_node"]
 
@@ -39,64 +40,57 @@ _warned: set[str] = set()  # node directories warned about in this process
 
 def recorded_root(run_dir: str) -> str | None:
     """The canonical root URL ``run_dir`` recorded (``None``: none recorded, or unreadable)."""
+    storage = Storage(run_dir)
     try:
-        with open(os.path.join(run_dir, ROOT_NAME), encoding="utf-8") as f:
-            root = json.load(f).get("root")
-    except (OSError, ValueError, AttributeError):
+        if not storage.exists(ROOT_NAME):
+            return None
+        root = json.loads(storage.read_bytes(ROOT_NAME)).get("root")
+    except (ShardkitError, OSError, ValueError, AttributeError):
         return None
     return root if isinstance(root, str) else None
 
 
 def _record(run_dir: str, root: str) -> None:
-    """Write ``root.json`` once (temporary name, then rename: a reader sees it whole or not at all)."""
+    """Write ``root.json`` once, atomically (a reader sees it whole or not at all)."""
     if recorded_root(run_dir) == root:
         return
-    os.makedirs(run_dir, exist_ok=True)
-    tmp = os.path.join(run_dir, f".{ROOT_NAME}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"root": root}, f)
-        os.replace(tmp, os.path.join(run_dir, ROOT_NAME))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    storage = Storage(run_dir)
+    storage.makedirs()
+    storage.put_atomic(ROOT_NAME, json.dumps({"root": root}).encode("utf-8"))
 
 
-def _adopt(parent: str, layout: NodeLayout) -> None:
+def _adopt(parent: Storage, layout: NodeLayout) -> None:
     """Rename this root's directory as an earlier shardkit named it, when there is one and ours is not there."""
-    ours = os.path.join(parent, layout.run)
     for name in layout.legacy_runs:
-        old = os.path.join(parent, name)
-        if not os.path.isdir(old) or recorded_root(old) is not None or os.path.exists(ours):
+        if not parent.is_dir(name) or recorded_root(parent.path(name)) is not None or parent.exists(layout.run):
             continue
         try:
-            os.rename(old, ours)
-        except OSError:  # another rank of this node renamed it first (or the disk refused: reported below)
+            parent.replace(name, layout.run)
+        except (ShardkitError, OSError):  # another rank of this node renamed it first (or the disk refused)
             continue
         log.info("hot tier: adopted %s (named by an earlier shardkit after the root as typed) as %s for %s",
-                 old, ours, layout.root)
+                 parent.path(name), parent.path(layout.run), layout.root)
 
 
-def _steps(run_dir: str) -> list[int]:
+def _steps(run_dir: Storage) -> list[int]:
     try:
-        names = os.listdir(run_dir)
-    except OSError:
+        names = run_dir.listdir()
+    except (ShardkitError, OSError):
         return []
     return sorted(int(m.group(1)) for n in names if (m := _STEP.match(n)))
 
 
-def _others(parent: str, layout: NodeLayout) -> list[tuple[str, str | None, list[int]]]:
+def _others(parent: Storage, layout: NodeLayout) -> list[tuple[str, str | None, list[int]]]:
     """(directory, recorded root, steps) of every other run's directory in ``parent`` that holds steps."""
     try:
-        names = sorted(os.listdir(parent))
-    except OSError:
+        names = sorted(parent.listdir())
+    except (ShardkitError, OSError):
         return []
     found = []
     for name in names:
-        path = os.path.join(parent, name)
-        if name == layout.run or not _RUN.match(name) or not (steps := _steps(path)):
+        if name == layout.run or not _RUN.match(name) or not (steps := _steps(parent.child(name))):
             continue
-        found.append((path, recorded_root(path), steps))
+        found.append((parent.path(name), recorded_root(parent.path(name)), steps))
     return found
 
 
@@ -122,11 +116,11 @@ def survey_node(layout: NodeLayout, rank: int) -> None:
     if not layout.root:
         return
     node_dir = layout.node_dir(rank)
-    parent = os.path.dirname(node_dir)
+    parent = Storage(os.path.dirname(node_dir))
     _adopt(parent, layout)
     try:
         _record(node_dir, layout.root)
-    except OSError as exc:
+    except (ShardkitError, OSError) as exc:
         log.debug("hot tier: could not record the root in %s: %s", node_dir, exc)
     if not layout.is_node_leader(rank) or node_dir in _warned:
         return
