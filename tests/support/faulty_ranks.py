@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -95,8 +96,13 @@ def run_with_a_fault(world_size: int, fn: Callable[..., Any], *args: Any, out_di
 
 
 def mark(out_dir: str | os.PathLike, name: str) -> None:
-    """Record ``time.time()`` under ``name`` (a rank about to die or freeze says when)."""
-    Path(out_dir, f"{name}.time").write_text(repr(time.time()))
+    """Record ``time.time()`` under ``name`` (a rank about to die or freeze says when).  Written whole, then
+    renamed: several of the rank's writer threads may strike at once, and the first one's kill must never
+    leave another's truncated file behind."""
+    final = Path(out_dir, f"{name}.time")
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(repr(time.time()))
+    os.replace(tmp, final)
 
 
 def marked(out_dir: str | os.PathLike, name: str) -> float:
