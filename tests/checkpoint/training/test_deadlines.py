@@ -223,6 +223,15 @@ def _previous_step_intact(url: str) -> None:
     assert result.exit_code == 0, result.stdout + result.stderr
 
 
+def _nothing_lost(root: str, failed: Path | None, previous: str, hot: bool = False) -> None:
+    """The failed step was not committed (``failed``, when the fault struck a save), ``shardkit verify`` passes
+    on the step before, and fresh ranks resume that step bitwise."""
+    if failed is not None:
+        assert not (failed / "manifest.json").exists()
+    _previous_step_intact(previous)
+    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, hot) == [True] * WORLD
+
+
 @pytest.mark.parametrize("kind", ["stop", "kill", "raise", "absent"])
 def test_a_blocking_save_fails_every_other_rank_within_the_deadline(tmp_path: Path, kind: str) -> None:
     root, out = str(tmp_path / "ckpt"), tmp_path / "outcomes"
@@ -232,9 +241,7 @@ def test_a_blocking_save_fails_every_other_rank_within_the_deadline(tmp_path: Pa
     took = _survivors_raised(outcomes, out, f"save of step 2 to {root}/step-2", f"rank {FAULTY} did not arrive",
                              phase, "within 10 s", "nothing was committed")
     assert min(took) >= TIMEOUT_S - 1.0 or kind == "raise"  # they waited for the deadline, not less
-    assert not (Path(root) / "step-2" / "manifest.json").exists()
-    _previous_step_intact(f"{root}/step-1")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, False) == [True] * WORLD
+    _nothing_lost(root, Path(root) / "step-2", f"{root}/step-1")
     if kind == "kill":  # the files the failed step's ranks wrote are removed by the next save there
         step2 = Path(root) / "step-2"
         assert _files(step2), "the failed save wrote nothing: the fault came too early to leave temp files"
@@ -261,9 +268,7 @@ def test_a_rank_killed_inside_a_collective_fails_the_others_with_peer_lost_namin
         for word in (f"save of step 2 to {root}/step-2", f"rank {FAULTY} left the collective", "nothing was committed"):
             assert word in outcome["message"], (word, outcome["message"])
         assert outcome["at"] - fault <= TIMEOUT_S + SLACK_S
-    assert not (Path(root) / "step-2" / "manifest.json").exists()
-    _previous_step_intact(f"{root}/step-1")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, False) == [True] * WORLD
+    _nothing_lost(root, Path(root) / "step-2", f"{root}/step-1")
 
 
 def test_an_async_saves_background_write_fails_every_other_rank_within_the_deadline(tmp_path: Path) -> None:
@@ -272,9 +277,7 @@ def test_an_async_saves_background_write_fails_every_other_rank_within_the_deadl
                                 timeout=LAUNCH_TIMEOUT_S, faulty=FAULTY)
     _survivors_raised(outcomes, out, f"async save of step 2 to {root}/step-2", f"rank {FAULTY} did not arrive",
                       "'write'", "nothing was committed")
-    assert not (Path(root) / "step-2" / "manifest.json").exists()
-    _previous_step_intact(f"{root}/step-1")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, False) == [True] * WORLD
+    _nothing_lost(root, Path(root) / "step-2", f"{root}/step-1")
 
 
 def test_a_load_fails_every_other_rank_within_the_deadline_when_a_rank_freezes(tmp_path: Path) -> None:
@@ -283,8 +286,7 @@ def test_a_load_fails_every_other_rank_within_the_deadline_when_a_rank_freezes(t
                                 timeout=LAUNCH_TIMEOUT_S, faulty=FAULTY)
     _survivors_raised(outcomes, out, f"load from {root}/step-1", f"rank {FAULTY} did not arrive", "'read'",
                       "within 10 s")
-    _previous_step_intact(f"{root}/step-1")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, False) == [True] * WORLD
+    _nothing_lost(root, None, f"{root}/step-1")
 
 
 def test_a_manager_save_with_the_hot_tier_fails_every_other_rank_within_the_deadline(tmp_path: Path) -> None:
@@ -293,9 +295,7 @@ def test_a_manager_save_with_the_hot_tier_fails_every_other_rank_within_the_dead
                                 timeout=LAUNCH_TIMEOUT_S, faulty=FAULTY)
     _survivors_raised(outcomes, out, "save of step 2 to ", step_dir(2), f"rank {FAULTY} did not arrive",
                       "'replicate'", "nothing was committed")
-    assert not (Path(root) / "durable" / step_dir(2) / "manifest.json").exists()
-    _previous_step_intact(f"{root}/durable/{step_dir(1)}")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, True) == [True] * WORLD
+    _nothing_lost(root, Path(root) / "durable" / step_dir(2), f"{root}/durable/{step_dir(1)}", hot=True)
 
 
 def test_load_latest_fails_every_other_rank_within_the_deadline_when_a_rank_freezes(tmp_path: Path) -> None:
@@ -303,8 +303,7 @@ def test_load_latest_fails_every_other_rank_within_the_deadline_when_a_rank_free
     outcomes = run_with_a_fault(WORLD, _load_latest_with_fault, root, "stop", str(out), out_dir=out,
                                 timeout=LAUNCH_TIMEOUT_S, faulty=FAULTY)
     _survivors_raised(outcomes, out, "load from ", "durable", f"rank {FAULTY} did not arrive", "'vote'")
-    _previous_step_intact(f"{root}/durable/{step_dir(1)}")
-    assert run_on_ranks(WORLD, _resume_bitwise, root, 1, True) == [True] * WORLD
+    _nothing_lost(root, None, f"{root}/durable/{step_dir(1)}", hot=True)
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), "10", True])
