@@ -70,6 +70,7 @@ __all__ = [
     "PeerLost",
     "DataStateError",
     "PerRankStateError",
+    "IntegrationUnavailable",
     "error_record",
     "from_record",
     "checkpoint_error_kind",
@@ -274,6 +275,15 @@ class DataStateError(ShardkitError, ValueError):
 class PerRankStateError(DataStateError):
     """A per-rank object's state was saved at another world size and no ``reshard``
     function says how the new ranks should take it."""
+
+
+# --------------------------------------------------------------------------
+# Framework integrations (shardkit.integrations)
+
+
+class IntegrationUnavailable(ShardkitError, ImportError):
+    """A framework integration was imported without its framework installed; the message names the
+    extra to install (``pip install 'shardkit[lightning]'``)."""
 
 
 def error_record(exc: BaseException) -> dict[str, str]:

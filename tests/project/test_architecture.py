@@ -7,6 +7,7 @@ function is still a cycle).  The rules are docs/architecture.md's ("The directio
     cli -> checkpoint.offline | checkpoint.training -> checkpoint.formats -> checkpoint.state
         -> checkpoint.geometry | checkpoint.io -> wire
     data -> wire
+    integrations -> checkpoint | runtime | data   (nothing imports integrations)
 
 ``shardkit.checkpoint`` never imports the sharding runtime, and the wire imports nothing of shardkit but
 the errors.  Names and the map are checked beside this file: test_names.py (format names, private
@@ -37,7 +38,11 @@ INDEPENDENT = [("shardkit.checkpoint.geometry", "shardkit.checkpoint.io"),
                ("shardkit.checkpoint.training", "shardkit.checkpoint.offline")]
 FORBIDDEN = [("shardkit.checkpoint", "shardkit.runtime"), ("shardkit.checkpoint", "shardkit.fsdp1"),
              ("shardkit.checkpoint", "shardkit.cli"), ("shardkit.data", "shardkit.checkpoint"),
-             ("shardkit.data", "shardkit.runtime")]
+             ("shardkit.data", "shardkit.runtime"),
+             # the framework integrations sit on top of the public API: nothing below imports them
+             ("shardkit.checkpoint", "shardkit.integrations"), ("shardkit.runtime", "shardkit.integrations"),
+             ("shardkit.data", "shardkit.integrations"), ("shardkit.fsdp1", "shardkit.integrations"),
+             ("shardkit.cli", "shardkit.integrations")]
 # shardkit.wire sits below data/ and checkpoint/ (both may import it): of shardkit it imports itself and the errors
 WIRE_MAY_IMPORT = ("shardkit.wire", "shardkit.errors")
 

@@ -1,0 +1,1 @@
+"""shardkit as the checkpoint engine of lightning."""
