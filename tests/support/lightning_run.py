@@ -1,0 +1,242 @@
+"""Lightning runs for tests/integrations/test_lightning.py, launched under torchrun (``Trainer.fit`` on gloo).
+
+``python -m torch.distributed.run --nproc_per_node W tests/support/lightning_run.py WORKDIR OUT CASE...``
+runs each case in order in the same processes (one launch, several ``Trainer``s) and rank 0 writes OUT:
+``{case: {...}}`` with, per fit, the records of every step (the global batch's sample indices and the
+global-mean loss as ``float.hex``) and what the case observed on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
+import shardkit  # noqa: E402
+from shardkit.data import ElasticLoader, ElasticSampler  # noqa: E402
+from shardkit.integrations.lightning import ShardkitFabricStrategy, ShardkitStrategy  # noqa: E402
+
+NUM_SAMPLES, GLOBAL_BATCH, SEED = 48, 12, 5  # 4 global batches an epoch
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Samples(torch.utils.data.Dataset):
+    """A seeded regression set; each item carries its index so the test sees the batches."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(11)
+        self.x = torch.randn(NUM_SAMPLES, 8, generator=gen)
+        self.y = torch.randn(NUM_SAMPLES, 1, generator=gen)
+
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def shard(net: nn.Module, mesh, engine: str) -> nn.Module:
+    fully_shard = shardkit.fully_shard if engine == "shardkit" else torch.distributed.fsdp.fully_shard
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def global_record(indices: torch.Tensor, loss: torch.Tensor) -> list:
+    """(the global batch's sample indices, the global-mean loss as float.hex), the same on every rank."""
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, indices.tolist())
+    return [[i for part in parts for i in part], mean.item().hex()]
+
+
+class Regression(L.LightningModule):
+    """The tiny model every fit trains; its data position rides in the checkpoint through its hooks."""
+
+    def __init__(self, engine: str = "shardkit") -> None:
+        super().__init__()
+        self.net = mlp()
+        self.engine = engine
+        self.records: list = []
+        self.sampler: ElasticSampler | None = None
+        self.sampler_state = None
+
+    def configure_model(self) -> None:
+        shard(self.net, self.device_mesh["data_parallel"], self.engine)
+
+    def training_step(self, batch, batch_idx):
+        index, x, y = batch
+        loss = F.mse_loss(self.net(x), y)  # equal shares, and gradients are averaged: the global batch's mean
+        record = global_record(index, loss)
+        self.records.append(record)
+        self.log("train_loss", float.fromhex(record[1]), on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        self.sampler = ElasticSampler(NUM_SAMPLES, global_batch_size=GLOBAL_BATCH, seed=SEED)
+        if self.sampler_state is not None:
+            self.sampler.load_state_dict(self.sampler_state)
+        return ElasticLoader(Samples(), batch_sampler=self.sampler)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["sampler"] = self.sampler.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.sampler_state = checkpoint["sampler"]
+
+
+def fit(engine: str, dirpath: str, epochs: int, *, ckpt_path=None, strategy=None, top_k: int = 1,
+        model: Regression | None = None, **checkpoint_kw) -> Regression:
+    if strategy is None:
+        strategy = (ShardkitStrategy() if engine == "shardkit"
+                    else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1))
+    model = model or Regression(engine)
+    callback = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=top_k, save_last=True,
+                               **checkpoint_kw)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[callback])
+    trainer.fit(model, ckpt_path=ckpt_path)
+    model.trainer_seen = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                          "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                          "best": callback.best_model_path, "last": callback.last_model_path}
+    return model
+
+
+def listing(path: str) -> list[str]:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def case_resume(work: Path, engine: str) -> dict:
+    """Two epochs straight; one epoch, stop, then fit(ckpt_path="last") for the second."""
+    straight = fit(engine, str(work / f"{engine}-straight"), 2)
+    first = fit(engine, str(work / f"{engine}-stopped"), 1)
+    resumed = fit(engine, str(work / f"{engine}-stopped"), 2, ckpt_path="last")
+    return {"straight": straight.records, "first": first.records, "resumed": resumed.records,
+            "seen": resumed.trainer_seen, "files": listing(str(work / f"{engine}-stopped"))}
+
+
+def case_dcp_into_shardkit(work: Path) -> dict:
+    """Lightning's own DCP 'last.ckpt' (written by case_resume's reference run) resumed by ShardkitStrategy."""
+    resumed = fit("shardkit", str(work / "dcp-into-shardkit"), 2,
+                  ckpt_path=str(work / "reference-stopped" / "last.ckpt"))
+    return {"resumed": resumed.records, "seen": resumed.trainer_seen}
+
+
+def case_top_k(work: Path) -> dict:
+    """save_top_k=2 over 4 epochs (the loss falls every epoch): the two newest stay, with last."""
+    dirpath = str(work / "top-k")
+    model = fit("shardkit", dirpath, 4, top_k=2)
+    return {"files": listing(dirpath), "seen": model.trainer_seen}
+
+
+def case_path_and_memory(work: Path) -> dict:
+    """trainer.save_checkpoint to memory:// (async), then fit(ckpt_path=<that URL>) and a local path."""
+    model = fit("shardkit", str(work / "path-a"), 1, strategy=ShardkitStrategy(async_save=True))
+    trainer = model.trainer
+    url = "memory://lightning/epoch1"
+    trainer.save_checkpoint(url)
+    trainer.strategy.store.wait()
+    fs = fsspec.filesystem("memory")
+    stored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/lightning/epoch1", detail=False))
+    from_memory = fit("shardkit", str(work / "path-b"), 2, ckpt_path=url)
+    from_path = fit("shardkit", str(work / "path-c"), 2, ckpt_path=str(work / "path-a" / "last.ckpt"))
+    return {"first": model.records, "memory_files": stored, "from_memory": from_memory.records,
+            "from_path": from_path.records, "seen": from_memory.trainer_seen}
+
+
+def case_managed(work: Path) -> dict:
+    """keep_last=2 with the hot tier (local=): 3 epochs; then fit(ckpt_path="last") resumes from the hot tier."""
+    dirpath, hot = str(work / "managed"), str(work / "hot" / "node{node}")
+    strategy = ShardkitStrategy(keep_last=2, local=hot)
+    fit("shardkit", dirpath, 3, strategy=strategy, top_k=1)
+    after_fit = listing(dirpath)
+    hot_files = sorted(str(p.relative_to(work / "hot")) for p in (work / "hot").rglob("manifest.json"))
+    strategy = ShardkitStrategy(keep_last=2, local=hot)
+    resumed = fit("shardkit", dirpath, 4, strategy=strategy, ckpt_path="last")
+    last = strategy.store.last_load(str(Path(dirpath) / "last.ckpt"))
+    return {"files": after_fit, "hot": hot_files, "resumed": resumed.records, "seen": resumed.trainer_seen,
+            "source": None if last is None else last.source}
+
+
+def case_fabric(work: Path) -> dict:
+    """fabric.save/fabric.load round trip: local shards and optimizer state bitwise, other values back."""
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD,
+                      strategy=ShardkitFabricStrategy(lambda m, mesh: shard(m, mesh["data_parallel"], "shardkit")))
+    fabric.launch()
+    model = fabric.setup_module(mlp())
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    data = Samples()
+    for step in range(2):
+        loss = F.mse_loss(model(data.x[step * 4:(step + 1) * 4]), data.y[step * 4:(step + 1) * 4])
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    path = str(work / "fabric" / "ckpt")
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2, "note": {"lr": (1e-2, None)}})
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].to_local().clone() for s in opt.optimizer.state.values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fresh_opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": fresh_opt, "step": 0}
+    remainder = fabric.load(path, state)
+    after = {k: v.to_local() for k, v in model.state_dict().items()}
+    fresh_moments = [s["exp_avg"].to_local() for s in fresh_opt.optimizer.state.values()]
+    return {"weights_equal": all(torch.equal(before[k], after[k]) for k in before),
+            "moments_equal": len(moments) == len(fresh_moments) and all(
+                torch.equal(a, b) for a, b in zip(moments, fresh_moments)),
+            "step": state["step"], "remainder": repr(remainder)}
+
+
+CASES = {
+    "resume": lambda work: case_resume(work, "shardkit"),
+    "reference": lambda work: case_resume(work, "reference"),
+    "dcp_into_shardkit": case_dcp_into_shardkit,
+    "top_k": case_top_k,
+    "path_and_memory": case_path_and_memory,
+    "managed": case_managed,
+    "fabric": case_fabric,
+    "resume_other_size": lambda work: {"resumed": fit(
+        "shardkit", str(work / "other-size"), 2, ckpt_path=str(work / "shardkit-stopped" / "last.ckpt")).records},
+}
+
+
+def main() -> None:
+    work, out, cases = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    results = {}
+    for case in cases:
+        results[case] = CASES[case](work)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
