@@ -68,11 +68,25 @@ class TrainState(Stateful):
         self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
 
 
+class PrefixAdapter:
+    """A state-dict adapter as torchtitan's models have (``to_hf``/``from_hf``): HF names are
+    ``model.<fqn>`` here, as Llama's are ``model.layers...`` for torchtitan's ``layers...``."""
+
+    hf_assets_path = None
+    fqn_to_index_mapping = None
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
+
+
 class Run:
     """One trainer: its components and its checkpointer, built as ``Trainer.__init__`` builds them."""
 
     def __init__(self, checkpoint_config: Any, dump_folder: str, *, seed: int = 0, steps: int = STEPS,
-                 sd_adapter: Any = None) -> None:
+                 sd_adapter: Any = None, checkpoint_dataloader: bool = True) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -97,8 +111,8 @@ class Run:
                                                   batch_size=GLOBAL_BATCH // world)
         self.train_state = TrainState()
         self.checkpointer = checkpoint_config.build(
-            dataloader=self.dataloader, model_parts=self.model_parts, optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state},
+            dataloader=self.dataloader if checkpoint_dataloader else None, model_parts=self.model_parts,
+            optimizers=self.optimizers, lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state},
             sd_adapter=sd_adapter, base_folder=dump_folder)
         self._batches = None
 

@@ -34,12 +34,13 @@ import torch.distributed as dist
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import NATIVE
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import CheckpointNotFound, ConfigurationError, CorruptCheckpoint
+from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict
 from shardkit.integrations.requirements import import_framework
 from shardkit.integrations.torchtitan import hf, steps
 from shardkit.integrations.torchtitan.state import (
     DATALOADER_KEY,
     MODEL_KEY,
+    flat_keys,
     model_state,
     restore_dataloader,
     saved_names,
@@ -251,21 +252,23 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
             if name not in self.states:
                 raise ConfigurationError(f"checkpoint.exclude_from_loading names {name!r}, which is not one of "
                                          f"the states ({', '.join(sorted(self.states))})")
-        fmt, meta = _agreed(steps.describe(url, self._options()))
+        fmt, meta, stored = _agreed(steps.describe(url, self._options()))
         model_only = model_only or bool(meta.get("model_only"))
         native = fmt == NATIVE.name
         # another engine's step (torchtitan's DCP) keeps its data position as pickle bytes: not read
         exclude = self.exclude_from_loading if native else (*self.exclude_from_loading, DATALOADER_KEY)
         state = training_state(self.states, model_only=model_only, exclude=exclude, for_save=False)
+        missing = sorted(set(flat_keys(state)) - set(stored))
+        if missing:  # checked before any target is written
+            raise IncompatibleStateDict(f"{url} ({fmt}) lacks {len(missing)} key(s) this job loads: "
+                                        f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}; "
+                                        "exclude_from_loading names the states to leave out")
+        # strict=False: what the job leaves out (excluded states, all but the model) stays in the step
         result = skc.load(state, url, storage_options=self._options(), verify_first=self.config.verify_first,
-                          strict=native)
-        if not native:
-            missing = [k for k in result.missing]
-            if missing:
-                raise CorruptCheckpoint(f"{url} ({fmt}) lacks {len(missing)} key(s) this job needs: "
-                                        f"{', '.join(missing[:5])}")
-            log.info("loaded a %s step from %s; not read from it: %s", fmt, url,
-                     ", ".join(result.unexpected[:8]) or "nothing")
+                          strict=False, dtype_cast=True)  # a bf16 export loads into an fp32 model, as with DCP
+        if result.unexpected:
+            log.info("%s: not loaded from the step: %s%s", url, ", ".join(result.unexpected[:8]),
+                     ", ..." if len(result.unexpected) > 8 else "")
         dataloader = self.states.get(DATALOADER_KEY)
         saved = saved_names(self.states)[DATALOADER_KEY] if DATALOADER_KEY in self.states else None
         if saved in state and dataloader is not None:

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardkit.checkpoint.state.tree import to_json_value
+from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
+from shardkit.checkpoint.state.tree import flatten, to_json_value
 from shardkit.errors import DataStateError
 
-__all__ = ["MODEL_KEY", "OPTIM_KEY", "DATALOADER_KEY", "saved_names", "training_state", "model_state",
+__all__ = ["MODEL_KEY", "OPTIM_KEY", "DATALOADER_KEY", "saved_names", "training_state", "flat_keys", "model_state",
            "dataloader_text", "restore_dataloader", "cast_floating"]
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ def training_state(states: Mapping[str, Any], *, model_only: bool, exclude: tupl
         else:
             out[names[name]] = value
     return out
+
+
+def flat_keys(state: dict[str, Any]) -> list[str]:
+    """The checkpoint keys a load of ``state`` (:func:`training_state`) fills, as shardkit flattens them."""
+    flat = flatten(stateful_to_state_dict(state))
+    return [*flat.tensors, *flat.values]
 
 
 def _position(dataloader: Any) -> tuple[Any, int | None]:

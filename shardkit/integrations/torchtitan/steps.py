@@ -55,15 +55,18 @@ def format_of(url: str, storage_options: Mapping[str, Any] | None = None) -> str
         return None
 
 
-def describe(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str | None, dict[str, Any]]:
-    """(format, the ``meta`` a shardkit save stored) of the checkpoint at ``url``; ``meta`` is empty for
-    another engine's checkpoint (a torchtitan DCP step), and the format ``None`` when nothing is committed."""
+def describe(url: str, storage_options: Mapping[str, Any] | None = None
+             ) -> tuple[str | None, dict[str, Any], list[str]]:
+    """(format, the ``meta`` a shardkit save stored, every stored key) of the checkpoint at ``url``; ``meta``
+    is empty for another engine's checkpoint (a torchtitan DCP step), the format ``None`` when nothing is
+    committed there."""
     fmt = format_of(url, storage_options)
     if fmt is None:
-        return None, {}
+        return None, {}, []
     reader = open_reader(url, storage_options, format=fmt)
     try:
-        return fmt, dict(reader.info.meta or {})
+        reader.focus({})  # dtypes and shapes only: no chunk record is read
+        return fmt, dict(reader.info.meta or {}), sorted({*reader.tensors(), *reader.values()})
     finally:
         reader.close()
 
