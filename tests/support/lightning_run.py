@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -137,6 +138,9 @@ def case_resume(work: Path, engine: str) -> dict:
     """Two epochs straight; one epoch, stop, then fit(ckpt_path="last") for the second."""
     straight = fit(engine, str(work / f"{engine}-straight"), 2)
     first = fit(engine, str(work / f"{engine}-stopped"), 1)
+    if dist.get_rank() == 0:  # the epoch-1 checkpoint as it was, for the cases that resume it elsewhere
+        shutil.copytree(work / f"{engine}-stopped" / "last.ckpt", work / f"{engine}-epoch1")
+    dist.barrier()
     resumed = fit(engine, str(work / f"{engine}-stopped"), 2, ckpt_path="last")
     return {"straight": straight.records, "first": first.records, "resumed": resumed.records,
             "seen": resumed.trainer_seen, "files": listing(str(work / f"{engine}-stopped"))}
@@ -145,7 +149,7 @@ def case_resume(work: Path, engine: str) -> dict:
 def case_dcp_into_shardkit(work: Path) -> dict:
     """Lightning's own DCP 'last.ckpt' (written by case_resume's reference run) resumed by ShardkitStrategy."""
     resumed = fit("shardkit", str(work / "dcp-into-shardkit"), 2,
-                  ckpt_path=str(work / "reference-stopped" / "last.ckpt"))
+                  ckpt_path=str(work / "reference-epoch1"))
     return {"resumed": resumed.records, "seen": resumed.trainer_seen}
 
 
@@ -153,22 +157,23 @@ def case_top_k(work: Path) -> dict:
     """save_top_k=2 over 4 epochs (the loss falls every epoch): the two newest stay, with last."""
     dirpath = str(work / "top-k")
     model = fit("shardkit", dirpath, 4, top_k=2)
-    return {"files": listing(dirpath), "seen": model.trainer_seen}
+    return {"files": listing(dirpath), "seen": model.trainer_seen, "records": model.records}
 
 
-def case_path_and_memory(work: Path) -> dict:
-    """trainer.save_checkpoint to memory:// (async), then fit(ckpt_path=<that URL>) and a local path."""
+def case_path_and_url(work: Path, url: str) -> dict:
+    """trainer.save_checkpoint to a URL (async save), then fit(ckpt_path=<that URL>) and fit(ckpt_path=<a path>).
+
+    ``memory://`` is one process's own store: it holds a whole checkpoint only at world size 1.
+    """
     model = fit("shardkit", str(work / "path-a"), 1, strategy=ShardkitStrategy(async_save=True))
-    trainer = model.trainer
-    url = "memory://lightning/epoch1"
-    trainer.save_checkpoint(url)
-    trainer.strategy.store.wait()
-    fs = fsspec.filesystem("memory")
-    stored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/lightning/epoch1", detail=False))
-    from_memory = fit("shardkit", str(work / "path-b"), 2, ckpt_path=url)
+    model.trainer.save_checkpoint(url)
+    model.trainer.strategy.store.wait()
+    fs, root = fsspec.core.url_to_fs(url)
+    stored = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    from_url = fit("shardkit", str(work / "path-b"), 2, ckpt_path=url)
     from_path = fit("shardkit", str(work / "path-c"), 2, ckpt_path=str(work / "path-a" / "last.ckpt"))
-    return {"first": model.records, "memory_files": stored, "from_memory": from_memory.records,
-            "from_path": from_path.records, "seen": from_memory.trainer_seen}
+    return {"first": model.records, "url_files": stored, "from_url": from_url.records,
+            "from_path": from_path.records, "seen": from_url.trainer_seen}
 
 
 def case_managed(work: Path) -> dict:
@@ -221,11 +226,12 @@ CASES = {
     "reference": lambda work: case_resume(work, "reference"),
     "dcp_into_shardkit": case_dcp_into_shardkit,
     "top_k": case_top_k,
-    "path_and_memory": case_path_and_memory,
+    "path_and_url": lambda work: case_path_and_url(work, (work / "saved-by-url").as_uri()),
+    "memory": lambda work: case_path_and_url(work, "memory://lightning/epoch1"),
     "managed": case_managed,
     "fabric": case_fabric,
     "resume_other_size": lambda work: {"resumed": fit(
-        "shardkit", str(work / "other-size"), 2, ckpt_path=str(work / "shardkit-stopped" / "last.ckpt")).records},
+        "shardkit", str(work / "other-size"), 2, ckpt_path=str(work / "shardkit-epoch1")).records},
 }
 
 

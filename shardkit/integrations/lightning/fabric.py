@@ -29,7 +29,6 @@ from shardkit.integrations.lightning.store import CheckpointStore
 from shardkit.integrations.requirements import import_framework
 
 fabric_strategies = import_framework("lightning.fabric.strategies", "lightning")
-fabric_strategy = import_framework("lightning.fabric.strategies.strategy", "lightning")
 
 __all__ = ["ShardkitFabricStrategy"]
 
@@ -56,7 +55,9 @@ class _NoSync(AbstractContextManager):
         self._set(self.enabled)
 
 
-class _BackwardSync(fabric_strategy._BackwardSyncControl):
+class _BackwardSync:
+    """What Fabric's ``no_backward_sync`` asks the strategy for (Lightning's ``_BackwardSyncControl`` interface)."""
+
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return _NoSync(module, enabled)
 

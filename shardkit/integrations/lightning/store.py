@@ -38,7 +38,7 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict, UnsafeCheckpoint
 from shardkit.integrations.lightning.state import META_KEY, decode_rest, encode_rest
 
-__all__ = ["CheckpointStore"]
+__all__ = ["CheckpointStore", "lightning_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -135,28 +135,27 @@ class CheckpointStore:
         options = {**self.storage_options, **(storage_options or {})}
         storage = Storage(url, options or None)
         if storage.exists(MANIFEST):
-            meta = self._load_tensors(url, model, model_key, optimizers, strict, options, fmt=None)
+            meta = self._load_tensors(url, model, model_key, optimizers, strict, options)
             if META_KEY not in meta:
                 raise IncompatibleStateDict(f"{url} is a shardkit checkpoint without Lightning's loop state "
                                             f"(manifest meta has no {META_KEY!r} entry): it was not written by "
                                             f"ShardkitStrategy; load it with shardkit.checkpoint.load instead")
             return decode_rest(meta[META_KEY], where=url)
         if storage.exists(DCP_METADATA):
-            self._load_tensors(url, model, model_key, optimizers, strict, options, fmt="dcp")
-            return _lightning_meta(storage, url)
+            self._load_tensors(url, model, model_key, optimizers, strict, options)  # the format is detected
+            return lightning_meta(storage, url)
         if storage.fs.isfile(storage.root):
             return self._load_pointer(url, model, list(optimizers.values()), strict, options)
         raise CheckpointNotFound(f"no checkpoint at {url}: neither a shardkit checkpoint ({MANIFEST}), a Lightning "
                                  f"distributed checkpoint ({DCP_METADATA} and {LIGHTNING_META}) nor a pointer file")
 
     def _load_tensors(self, url: str, model: nn.Module, model_key: str,
-                      optimizers: Mapping[str, torch.optim.Optimizer], strict: bool, options: Mapping[str, Any],
-                      fmt: str | None) -> dict[str, Any]:
+                      optimizers: Mapping[str, torch.optim.Optimizer], strict: bool,
+                      options: Mapping[str, Any]) -> dict[str, Any]:
         targets: dict[str, Any] = {model_key: skc.get_training_state(model)["model"]}
         targets.update({key: skc.get_training_state(model, o)["optim"] for key, o in optimizers.items()})
         # without optimizers (validate, test) the stored optimizer states are not wanted: only the model's keys
-        meta = skc.load(targets, url, strict=strict and bool(optimizers), storage_options=options or None,
-                        format=fmt)
+        meta = skc.load(targets, url, strict=strict and bool(optimizers), storage_options=options or None)
         for key, optimizer in optimizers.items():
             skc.set_training_state(model, optimizer, {"model": targets[model_key], "optim": targets[key]},
                                    strict=strict)
@@ -209,7 +208,7 @@ class CheckpointStore:
         log.info("removed %s", url)
 
 
-def _lightning_meta(storage: Storage, url: str) -> dict[str, Any]:
+def lightning_meta(storage: Storage, url: str) -> dict[str, Any]:
     """The loop state Lightning's ModelParallelStrategy keeps in ``meta.pt``, read without running pickle code."""
     if not storage.exists(LIGHTNING_META):
         raise CheckpointNotFound(f"{url} is a DCP folder without Lightning's {LIGHTNING_META}: not a checkpoint "
