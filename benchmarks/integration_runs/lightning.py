@@ -117,6 +117,8 @@ def _ranks(engine: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    # run as a script, this file's folder is sys.path[0], where its own name would hide the lightning package
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     if len(sys.argv) == 3:
         _ranks(sys.argv[1], Path(sys.argv[2]))
     else:
