@@ -121,3 +121,54 @@ def test_the_replacements_keep_accelerates_signatures():
 
     for name in NAMES:
         assert inspect.signature(REPLACEMENTS[name]) == inspect.signature(ORIGINALS[name]), name
+
+
+def _recorder(calls: list):
+    return lambda *args: calls.append(args) or "accelerate's"
+
+
+@pytest.mark.parametrize("version, kind, use_dcp", [(2, "FULL_STATE_DICT", True), (1, "SHARDED_STATE_DICT", True),
+                                                    (2, "SHARDED_STATE_DICT", False)])
+def test_what_shardkit_does_not_write_goes_to_accelerates_own_functions_unchanged(monkeypatch, tmp_path, version,
+                                                                                  kind, use_dcp):
+    """Full state-dict files, FSDP1 and ``use_dcp=False`` per-rank files stay Accelerate's, and so does
+    loading a folder that holds no shardkit checkpoint (a DCP folder from before the switch)."""
+    from torch.distributed.fsdp import StateDictType
+
+    from shardkit.integrations.accelerate import engine
+
+    calls: list = []
+    for name in NAMES:
+        monkeypatch.setitem(ORIGINALS, name, _recorder(calls))
+    plugin = types.SimpleNamespace(fsdp_version=version, state_dict_type=getattr(StateDictType, kind))
+    model, out = object(), str(tmp_path)
+    assert engine.save_fsdp_model(plugin, "acc", model, out, 0, False, use_dcp) == "accelerate's"
+    assert engine.save_fsdp_optimizer(plugin, "acc", "opt", model, out, 0, use_dcp) == "accelerate's"
+    assert engine.load_fsdp_model(plugin, "acc", model, out, 0, False, use_dcp) == "accelerate's"
+    assert engine.load_fsdp_optimizer(plugin, "acc", "opt", model, out, 0, False, use_dcp) == "accelerate's"
+    assert calls == [(plugin, "acc", model, out, 0, False, use_dcp), (plugin, "acc", "opt", model, out, 0, use_dcp),
+                     (plugin, "acc", model, out, 0, False, use_dcp),
+                     (plugin, "acc", "opt", model, out, 0, False, use_dcp)]
+
+
+def test_a_shardkit_folder_is_refused_for_an_fsdp1_model_naming_it(tmp_path):
+    import torch
+
+    import shardkit.checkpoint as skc
+    from shardkit.errors import ConfigurationError
+    from shardkit.integrations.accelerate import engine
+
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    skc.save({"model": {"weight": torch.zeros(2)}}, str(folder))
+    plugin = types.SimpleNamespace(fsdp_version=1)
+    with pytest.raises(ConfigurationError, match=f"{folder} is a shardkit checkpoint.*FSDP1.*fsdp_version=2"):
+        engine.load_fsdp_model(plugin, None, torch.nn.Linear(2, 2), str(tmp_path))
+
+
+def test_without_accelerate_the_import_names_the_extra():
+    import subprocess
+
+    code = "import sys; sys.modules['accelerate'] = None; import shardkit.integrations.accelerate"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "IntegrationUnavailable" in done.stderr and "pip install 'shardkit[accelerate]'" in done.stderr

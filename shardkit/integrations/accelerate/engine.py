@@ -10,11 +10,12 @@ directory -- but each folder is a native shardkit checkpoint: the model as
 ...}, "param_groups": [...]}}`` (shardkit's FQN-keyed form, so both load at
 any world size), with checksums, no pickle, and an atomic commit.
 
-What shardkit writes: FSDP2 with ``SHARDED_STATE_DICT`` (the DCP path).
-What it reads: any folder holding a native checkpoint, under FSDP2.  Everything
-else -- FSDP1, ``FULL_STATE_DICT`` files, ``use_dcp=False`` per-rank files,
-PEFT adapters saved alone, and the DCP folders written before the switch --
-goes to Accelerate's own function, unchanged.
+What shardkit writes: FSDP2 with ``SHARDED_STATE_DICT`` (the DCP path).  What
+it reads: any folder holding a native checkpoint, into an FSDP2 model (an FSDP1
+model is refused, naming the folder).  Everything else -- FSDP1,
+``FULL_STATE_DICT`` files, ``use_dcp=False`` per-rank files, PEFT adapters
+saved alone, and the DCP folders written before the switch -- goes to
+Accelerate's own function, unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shardkit.checkpoint.state_dict import (
     live_model_state,
     live_optimizer_state,
 )
+from shardkit.errors import ConfigurationError
 from shardkit.integrations.requirements import import_framework
 
 __all__ = ["NAMES", "ORIGINALS", "REPLACEMENTS", "EngineOptions", "OPTIONS", "save_fsdp_model", "load_fsdp_model",
@@ -117,6 +119,19 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, _optimizer_module.AcceleratedOptimizer) else optimizer
 
 
+def _check_loadable(path: str, fsdp_plugin: Any, *, adapter_alone: bool) -> None:
+    """A shardkit folder loads into an FSDP2 model (Accelerate's own loaders read only DCP or torch.save
+    files, so they would fail on it with a message about a missing ``.metadata``): say so, naming it."""
+    if fsdp_plugin.fsdp_version != 2:
+        raise ConfigurationError(f"{path} is a shardkit checkpoint, which loads into FSDP2 models; this accelerator "
+                                 f"uses FSDP{fsdp_plugin.fsdp_version}: set fsdp_version=2, or convert the folder "
+                                 "with `shardkit convert`")
+    if adapter_alone:
+        raise ConfigurationError(f"{path} is a shardkit checkpoint of the whole model; Accelerate was asked for a "
+                                 "PEFT adapter alone (adapter_only=True), which shardkit does not write: load it "
+                                 "with adapter_only=False")
+
+
 def _no_missing_keys() -> Any:
     """What ``load_state_dict`` returns when every key matched (the Trainer reads it after a load)."""
     return torch.nn.modules.module._IncompatibleKeys([], [])
@@ -141,9 +156,10 @@ def load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0, a
     into the FSDP2 model at any world size; anything else (a DCP folder, a full state dict file) by
     Accelerate's own function."""
     path = model_folder(input_dir, model_index)
-    if fsdp_plugin.fsdp_version != 2 or _adapter_alone(model, adapter_only) or not holds_shardkit(path):
+    if not holds_shardkit(path):
         return ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir, model_index,
                                             adapter_only, use_dcp)
+    _check_loadable(path, fsdp_plugin, adapter_alone=_adapter_alone(model, adapter_only))
     logger.info("loading model %d from %s through shardkit", model_index, path)
     state = {"model": live_model_state(model)}
     skc.load(state, path, **OPTIONS.for_load())
@@ -169,9 +185,10 @@ def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, o
     """Accelerate's ``load_fsdp_optimizer``: a shardkit checkpoint in ``input_dir/optimizer_<i>`` loads into
     the optimizer of the FSDP2 model at any world size; anything else by Accelerate's own function."""
     path = optimizer_folder(input_dir, optimizer_index)
-    if fsdp_plugin.fsdp_version != 2 or not holds_shardkit(path):
+    if not holds_shardkit(path):
         return ORIGINALS["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model, input_dir,
                                                 optimizer_index, adapter_only, use_dcp)
+    _check_loadable(path, fsdp_plugin, adapter_alone=False)
     logger.info("loading optimizer %d from %s through shardkit", optimizer_index, path)
     inner = _torch_optimizer(optimizer)
     state = {"optim": live_optimizer_state(model, inner)}
