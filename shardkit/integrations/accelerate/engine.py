@@ -2,7 +2,7 @@
 
 ``Accelerator.save_state``/``load_state`` and the Trainer's checkpoints call
 ``save_fsdp_model``, ``save_fsdp_optimizer``, ``load_fsdp_model`` and
-``load_fsdp_optimizer`` (``accelerate/utils/fsdp_utils.py``).  The functions
+``load_fsdp_optimizer`` (module ``accelerate.utils.fsdp_utils``).  The functions
 here have the same signatures and write the same folders --
 ``pytorch_model_fsdp_<i>/`` and ``optimizer_<i>/`` in the checkpoint
 directory -- but each folder is a native shardkit checkpoint: the model as
