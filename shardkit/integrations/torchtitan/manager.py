@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -61,13 +61,23 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _agreed(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank: one listing decides which step every rank loads."""
+def _agreed(probe: Callable[[], Any]) -> Any:
+    """``probe()`` as rank 0 found it, on every rank: one listing of the folder (not one per rank, which on
+    an object store is a request per rank) decides which step every rank loads.  What rank 0 raised, every
+    rank raises."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
+        return probe()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(probe(), None)]
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast for it
+            box = [(None, exc)]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
 
 
 class ShardkitCheckpointManager(_base.BaseCheckpointManager):
@@ -215,15 +225,15 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
 
     # -- loading -------------------------------------------------------
     def _load(self, step: int = -1) -> bool:
-        folder_exists = _agreed(Storage(self.folder, self._options()).is_dir())
+        folder_exists = _agreed(lambda: Storage(self.folder, self._options()).is_dir())
         if step != -1 and not folder_exists:
             raise CheckpointNotFound(f"--checkpoint.load_step={step} not found because checkpoint.folder "
                                      f"{self.folder} does not exist")
-        load_step = _agreed(self._find_load_step()) if folder_exists and step == -1 else step
+        load_step = _agreed(self._find_load_step) if folder_exists and step == -1 else step
         if load_step == -1:
             return self._initial_load()
         url = self._create_checkpoint_id(load_step)
-        if step != -1 and _agreed(steps.format_of(url, self._options())) is None:
+        if step != -1 and _agreed(lambda: steps.format_of(url, self._options())) is None:
             raise CheckpointNotFound(f"--checkpoint.load_step={step} not found at {url}: no committed checkpoint "
                                      "there (missing, or an interrupted save)")
         self._load_step(url, model_only=load_step == 0)
@@ -237,7 +247,7 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
         if not path:
             log.info("No checkpoint was provided, this is a fresh start.")
             return False
-        if _agreed(steps.format_of(path, self._options())) is None:
+        if _agreed(lambda: steps.format_of(path, self._options())) is None:
             raise CheckpointNotFound(f"checkpoint.initial_load_path {path} holds no committed checkpoint")
         if from_hf:
             log.info("loading Hugging Face weights from %s", path)
@@ -252,7 +262,7 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
             if name not in self.states:
                 raise ConfigurationError(f"checkpoint.exclude_from_loading names {name!r}, which is not one of "
                                          f"the states ({', '.join(sorted(self.states))})")
-        fmt, meta, stored = _agreed(steps.describe(url, self._options()))
+        fmt, meta, stored = _agreed(lambda: steps.describe(url, self._options()))
         model_only = model_only or bool(meta.get("model_only"))
         native = fmt == NATIVE.name
         # another engine's step (torchtitan's DCP) keeps its data position as pickle bytes: not read
