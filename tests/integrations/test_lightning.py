@@ -37,7 +37,8 @@ from tests.support.dist import run_torchrun  # noqa: E402
 from tests.support.framework_helpers import FRAMEWORK_MODULE_TIMEOUT, FRAMEWORK_RUN_S  # noqa: E402
 
 SCRIPT = Path(__file__).parents[1] / "support" / "lightning_run.py"
-TWO_RANK_CASES = ("resume", "reference", "dcp_into_shardkit", "top_k", "path_and_url", "managed", "fabric")
+TWO_RANK_CASES = ("resume", "reference", "dcp_into_shardkit", "top_k", "mid_epoch", "path_and_url", "managed",
+                  "fabric")
 ONE_RANK_CASES = ("resume_other_size", "memory")
 EPOCH = 4  # global batches an epoch
 
@@ -97,6 +98,13 @@ class TestTrainerFit:
         resumed = r["dcp_into_shardkit"]["resumed"]
         assert resumed == r["reference"]["straight"][EPOCH:]
         assert resumed == r["resume"]["straight"][EPOCH:]  # torch's and shardkit's fully_shard train alike
+
+    def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch_of_the_epoch_bitwise(self, runs):
+        _, r = runs
+        straight, case = r["resume"]["straight"], r["mid_epoch"]
+        assert case["first"] == straight[:6]  # every_n_train_steps=2, stopped by max_steps=6: epoch 1, batch 2
+        assert case["resumed"] == straight[6:]  # the loop's progress and the sampler's position came back
+        assert (case["seen"]["global_step"], case["seen"]["epoch"]) == (2 * EPOCH, 2)
 
     def test_save_top_k_removes_the_worse_checkpoints_and_keeps_last(self, runs):
         work, r = runs

@@ -113,14 +113,15 @@ class Regression(L.LightningModule):
 
 
 def fit(engine: str, dirpath: str, epochs: int, *, ckpt_path=None, strategy=None, top_k: int = 1,
-        model: Regression | None = None, **checkpoint_kw) -> Regression:
+        model: Regression | None = None, max_steps: int = -1, **checkpoint_kw) -> Regression:
     if strategy is None:
         strategy = (ShardkitStrategy() if engine == "shardkit"
                     else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1))
     model = model or Regression(engine)
-    callback = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=top_k, save_last=True,
-                               **checkpoint_kw)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, logger=False,
+    callback = ModelCheckpoint(**{"dirpath": dirpath, "monitor": "train_loss", "save_top_k": top_k,
+                                  "save_last": True, **checkpoint_kw})
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, max_steps=max_steps,
+                        logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[callback])
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -151,6 +152,14 @@ def case_dcp_into_shardkit(work: Path) -> dict:
     resumed = fit("shardkit", str(work / "dcp-into-shardkit"), 2,
                   ckpt_path=str(work / "reference-epoch1"))
     return {"resumed": resumed.records, "seen": resumed.trainer_seen}
+
+
+def case_mid_epoch(work: Path) -> dict:
+    """A checkpoint every 2 steps, stopped at step 6 (the middle of epoch 1), resumed with ckpt_path="last"."""
+    dirpath = str(work / "mid-epoch")
+    first = fit("shardkit", dirpath, 2, max_steps=6, monitor=None, every_n_train_steps=2)
+    resumed = fit("shardkit", dirpath, 2, ckpt_path="last", monitor=None, every_n_train_steps=2)
+    return {"first": first.records, "resumed": resumed.records, "seen": resumed.trainer_seen}
 
 
 def case_top_k(work: Path) -> dict:
@@ -226,6 +235,7 @@ CASES = {
     "reference": lambda work: case_resume(work, "reference"),
     "dcp_into_shardkit": case_dcp_into_shardkit,
     "top_k": case_top_k,
+    "mid_epoch": case_mid_epoch,
     "path_and_url": lambda work: case_path_and_url(work, (work / "saved-by-url").as_uri()),
     "memory": lambda work: case_path_and_url(work, "memory://lightning/epoch1"),
     "managed": case_managed,
