@@ -301,3 +301,39 @@ def test_a_wrong_state_is_named(tmp_path):
     with pytest.raises(IncompatibleStateDict, match="lacks .* key"):
         other.load()
     other.close()
+
+
+def test_without_torchtitan_the_import_names_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torchtitan'] = None\n"
+            "from shardkit.errors import IntegrationUnavailable\n"
+            "try:\n    from shardkit.integrations.torchtitan import ShardkitCheckpointManager\n"
+            "except IntegrationUnavailable as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'shardkit[torchtitan]'" in done.stdout, done.stderr
+
+
+def test_an_async_save_waits_for_the_one_before_it(tmp_path):
+    run = _run(tmp_path, interval=1, async_mode="async")
+    run.checkpointer.save(1)
+    first = run.checkpointer.save_future
+    assert first is not None and run.checkpointer.staging_future is not None
+    run.checkpointer.save(2)
+    assert first.done() and run.checkpointer.save_future is not first
+    run.checkpointer.maybe_wait_for_staging()
+    assert run.checkpointer.staging_future is None
+    run.close()
+    assert run.checkpointer.save_future is None and committed_steps(str(tmp_path / "ckpt")) == [1, 2]
+
+
+def test_step_0_is_a_seed_checkpoint_of_the_model_alone(tmp_path):
+    seed = _run(tmp_path, last_save_model_only=True)
+    seed.checkpointer.save(curr_step=0, last_step=True)  # what torchtitan.train does for create_seed_checkpoint
+    seed.close()
+    run = Run(shardkit_config(), str(tmp_path), seed=5)
+    assert run.checkpointer.load() is True and run.train_state.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(run.model_parts[0].parameters(), seed.model_parts[0].parameters()))
+    assert not run.optimizers.optimizers[0].state  # nothing but the model was loaded
+    run.close()
