@@ -337,3 +337,10 @@ def test_step_0_is_a_seed_checkpoint_of_the_model_alone(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(run.model_parts[0].parameters(), seed.model_parts[0].parameters()))
     assert not run.optimizers.optimizers[0].state  # nothing but the model was loaded
     run.close()
+
+
+def test_quantized_hf_initial_loads_are_refused_naming_the_manager_that_reads_them(tmp_path):
+    config = shardkit_config(initial_load_path="/models/fp4", initial_load_in_hf=True,
+                             initial_load_in_hf_quantized=True)
+    with pytest.raises(ConfigurationError, match="/models/fp4.*torchtitan's CheckpointManager"):
+        Run(config, str(tmp_path))

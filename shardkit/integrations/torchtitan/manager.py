@@ -15,7 +15,7 @@ It keeps torchtitan's contract: ``<dump_folder>/<folder>/step-N``, ``interval``,
 (seed checkpoint).  What changes is the engine: each step is a shardkit
 checkpoint (checksummed, committed by its manifest, any fsspec URL, loadable at
 another world size), a step without a commit is never resumed, and torchtitan's
-own DCP steps still load.
+own DCP steps load too (their data loader position, pickle bytes, is not read).
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
         if config.last_save_in_hf and sd_adapter is None:
             raise ConfigurationError("checkpoint.last_save_in_hf is True, but the model has no state-dict adapter "
                                      f"to name its weights for Hugging Face (saving under {self.folder})")
+        if config.initial_load_in_hf_quantized:
+            raise ConfigurationError("checkpoint.initial_load_in_hf_quantized: packed quantized Hugging Face "
+                                     f"weights ({config.initial_load_path}) need the model's own DCP storage "
+                                     "reader; load them with torchtitan's CheckpointManager")
         self.async_mode = config.async_mode
         self.staging_future: Future | None = None
         self.purge_queue: queue.Queue[str | None] = queue.Queue()
