@@ -100,6 +100,20 @@ def test_override_imports_swaps_the_dcp_config_for_shardkits_keeping_every_optio
     assert Config._owner is ShardkitCheckpointManager  # what Trainer's config.checkpoint.build(...) constructs
 
 
+def test_set_in_a_config_registry_function_its_options_take_torchtitans_command_line_flags():
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    ConfigManager()  # registers torchtitan's tyro rules, as torchtitan.train does
+    default = _TrainerLike(checkpoint=Config(enable=True))  # what a config_registry function returns
+    parsed = tyro.cli(_TrainerLike, default=default, registry=custom_registry,
+                      args=["--checkpoint.interval", "5", "--checkpoint.keep-latest-k", "3",
+                            "--checkpoint.async-mode", "async", "--checkpoint.compression", "zstd"])
+    assert type(parsed.checkpoint) is Config
+    assert (parsed.checkpoint.interval, parsed.checkpoint.keep_latest_k, parsed.checkpoint.async_mode,
+            parsed.checkpoint.compression) == (5, 3, "async", "zstd")
+
+
 def test_a_disabled_manager_does_nothing():
     run = Run(Config(enable=False), "/nonexistent")
     assert isinstance(run.checkpointer, ShardkitCheckpointManager)
