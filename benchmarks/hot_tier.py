@@ -22,11 +22,15 @@ rotates from round to round); every figure is a median over the rounds of the sl
    durable root through the hot manager (both node directories moved away: ``"durable"``), the durable
    manager's load (no ``local=``), and torch DCP's ``dcp.load`` of the same state from the same disk;
    beside them the floor, the durable step's files read cold by the 4 ranks (a quarter each, nothing
-   checked).  Before the durable, DCP and raw loads the files are evicted from the page cache:
+   checked), and the floors of the hot recoveries (:mod:`peers_hot_floors`), in the same rounds: each rank
+   reading its own copy's files from its node's directory (``raw-local``), and node 0's ranks sending the
+   bytes of node 1's ranks to them over gloo, one pair per lost rank (``raw-peer``).  Before the durable,
+   DCP and raw-disk loads the files are evicted from the page cache:
    ``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)`` on every file after
    ``sync`` (the report says which).  Every recovery starts after a 4 s pause, so the VM has handed
    freed memory back (what a restarted process sees).
-   Targets: local <= 0.5x and peer <= 0.7x the durable manager's load.
+   Targets: local <= 0.5x and peer <= 0.7x the durable manager's load; local <= 1.5x ``raw-local`` and
+   peer <= 1.5x ``raw-peer`` (their floors).
 4. **Work lost per failure**, computed from the medians above for a run that fails every M steps (a node
    lost) and steps of ``T`` seconds without saving (the compute step measured alone, and ``--step-s``).
    One save (blocking ``b``, background ``B``, compute ``rho`` times slower while it runs) at the start of
@@ -40,6 +44,7 @@ rotates from round to round); every figure is a median over the rounds of the sl
 
     python benchmarks/hot_tier.py                 # ~0.8 GB, 5 rounds
     python benchmarks/hot_tier.py --quick         # a small state, 2 rounds (a smoke run)
+    python benchmarks/hot_tier.py --sizes 5MB --rounds 1   # the smallest smoke run
 """
 
 from __future__ import annotations
@@ -60,14 +65,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers_hot_floors as floors  # noqa: E402 - beside this file
+
 import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
 from shardkit import fully_shard  # noqa: E402
 from shardkit.checkpoint.state.tree import flatten  # noqa: E402
 
 SAVES = ("copy", "hot", "hot+durable", "durable")
-LOADS = ("local", "peer", "hot->durable", "durable", "dcp", "raw-disk")
+LOADS = ("local", "peer", "hot->durable", "durable", "dcp", "raw-disk", "raw-local", "raw-peer")
 DURABLE_EVERY, COLD_SLEEP_S, MATMUL = 10, 4.0, 512
 LOCAL_TARGET, PEER_TARGET, BLOCKING_TARGET = 0.5, 0.7, 1.2
+FLOOR_TARGET = 1.5  # local and peer recovery / their raw floors
 
 
 # -- the state and the compute step -----------------------------------------
@@ -189,6 +198,7 @@ def worker(args: argparse.Namespace) -> None:
     model, opt = build(args)
     tensors = local_tensors(model, opt)
     buffers = [torch.empty_like(t) for t in tensors]
+    wire = floors.peer_buffer(sum(t.numel() * t.element_size() for t in tensors))  # the peer floor's bytes
     step = compute_step(args.compute_iters)
     hot_template = os.path.join(args.shm, "node{node}")
     node_dirs = [hot_template.format(node=n) for n in range(2)]
@@ -223,23 +233,29 @@ def worker(args: argparse.Namespace) -> None:
         return timed_save(lambda: hot.save(n, model, opt), step)
 
     def load_arm(arm: str) -> dict[str, Any]:
-        for t in tensors if arm != "raw-disk" else []:
+        for t in tensors if not arm.startswith("raw") else []:
             t.zero_()
         how, aside = None, {"peer": node_dirs[1:], "hot->durable": node_dirs}.get(arm, [])
         if rank == 0:
-            if arm not in ("local", "peer"):
+            if arm not in ("local", "peer", "raw-local", "raw-peer"):
                 how = evict([{"hot->durable": hot_root, "dcp": dcp_dir}.get(arm, durable_root)])
             move_aside(aside)
         time.sleep(COLD_SLEEP_S)
         dist.barrier()
         t0 = time.perf_counter()
-        source = {"dcp": "dcp", "raw-disk": "raw"}.get(arm)
+        source = "raw" if arm.startswith("raw") else {"dcp": "dcp"}.get(arm)
         if arm == "dcp":
             state = skc.get_training_state(model, opt)
             dcp.load(state, checkpoint_id=dcp_dir)
             skc.set_training_state(model, opt, state)
         elif arm == "raw-disk":
             read_share(durable_root, rank, dist.get_world_size())
+        elif arm == "raw-local":
+            got = floors.read_files(floors.own_copy_files(hot_template.format(node=rank // 2), rank))
+            if got < wire.numel():
+                raise SystemExit(f"raw-local: rank {rank} read {got} bytes of its local copy, holds {wire.numel()}")
+        elif arm == "raw-peer":
+            floors.peer_transfer(wire, [2, 3], local_world_size=2)
         else:
             manager = hot_manager() if arm != "durable" else skc.CheckpointManager(durable_root, keep_last=2)
             manager.load_latest(model, opt, required=True)
@@ -249,7 +265,7 @@ def worker(args: argparse.Namespace) -> None:
             move_aside(aside, back=True)
         want = {"local": "local", "peer": "peer", "hot->durable": "durable", "durable": "durable"}.get(arm, source)
         tensors[:] = local_tensors(model, opt)  # the same tensors unless a load replaced some: zero those next
-        intact = arm == "raw-disk" or all(torch.equal(t, b) for t, b in zip(tensors, buffers))
+        intact = arm.startswith("raw") or all(torch.equal(t, b) for t, b in zip(tensors, buffers))
         if source != want or not intact:
             raise SystemExit(f"{arm}: recovered from {source!r} (want {want!r}) or the state differs")
         dist.barrier()
@@ -348,6 +364,14 @@ def report(out: dict[str, Any], fail_every: list[int],
             targets.append((f"recovery {label} <= {limit}x the durable manager's load",
                             med(f"load/{arm}") / durable, limit, met))
     print(f"  {'durable manager load_latest':34s} {durable:9.3f} s")
+    for arm, label, floor, floor_label in (("local", "from the local tier", "raw-local", "raw read of own local copy"),
+                                           ("peer", "from peers (node 1 wiped)", "raw-peer",
+                                            "raw gloo transfer, same pairs")):
+        if f"load/{floor}" not in rounds[0]:
+            continue  # results kept before the floors were measured
+        met = _row(label, med(f"load/{arm}"), floor_label, med(f"load/{floor}"), FLOOR_TARGET)
+        targets.append((f"recovery {label} <= {FLOOR_TARGET}x its floor ({floor})",
+                        med(f"load/{arm}") / med(f"load/{floor}"), FLOOR_TARGET, met))
     _work_lost(rounds, alone, med, fail_every, step_times)
     return targets
 
@@ -393,6 +417,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small state and 2 rounds (a smoke run)")
     parser.add_argument("--gb", type=float, default=0.8, help="state in all (weights + AdamW), GB")
+    parser.add_argument("--sizes", default=None, help="the state in all as a size, e.g. 5MB (one size; "
+                        "instead of --gb)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compute-iters", type=int, default=12, help="512x512 matmuls in one compute step")
     parser.add_argument("--fail-every", default="100,1000", help="M: steps between failures, comma-separated")
@@ -418,13 +444,17 @@ def main() -> None:
     targets = report(out, [int(m) for m in args.fail_every.split(",")], [float(t) for t in args.step_s.split(",") if t])
     print("\ntargets")
     for name, ratio, limit, met in targets:
-        print(f"  {name:62s} {ratio:6.2f}x (<= {limit:.1f}x)  {'MET' if met else 'MISSED'}")
+        print(f"  {name:72s} {ratio:6.2f}x (<= {limit:.1f}x)  {'MET' if met else 'MISSED'}")
 
 
 def run_job(args: argparse.Namespace) -> dict[str, Any]:
     """The 4-rank job under torchrun; its results (kept in ``--json`` when given)."""
     if args.quick:
         args.gb, args.rounds = 0.02, 2
+    elif args.sizes:
+        import peers_systems
+
+        args.gb = peers_systems.parse_size(args.sizes) / 1e9
     dim = 2048 if args.gb >= 0.2 else 512
     layers = max(1, round(args.gb * 1e9 / (12 * dim * dim) + 0.499))  # rounded up: at least --gb
     work = tempfile.mkdtemp(prefix="shardkit-hot-bench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
