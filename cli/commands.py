@@ -240,7 +240,7 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
     """
     from shardkit.checkpoint.offline.scaleout import run_convert
 
-    ctx.obj.resumable = FORMATS[to].resumable  # only native output resumes; hf, torch and dcp output start over
+    ctx.obj.resumable = FORMATS[to].resumes()  # only native output resumes; hf, torch and dcp output start over
     so = storage_options(storage_opts)
     result = run_convert(src, dst, to=to, only=only, exclude=exclude, rename=rename, model_only=model_only,
                          dtype=dtype, max_shard_size=max_shard_size, compression=compression, overwrite=overwrite,

@@ -56,6 +56,7 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointExists",
     "CorruptCheckpoint",
+    "UnknownReferences",
     "ChecksumMismatch",
     "InvalidManifest",
     "UnsafeCheckpoint",
@@ -205,6 +206,11 @@ class CheckpointExists(CheckpointError, FileExistsError):
 
 class CorruptCheckpoint(CheckpointError):
     """Stored data does not match what the manifest promises (truncated, damaged, holes)."""
+
+
+class UnknownReferences(ShardkitError):
+    """A sibling checkpoint's manifest could not be read, so what it references is unknown (a dedup step's
+    files are then all kept)."""
 
 
 class ChecksumMismatch(CorruptCheckpoint):

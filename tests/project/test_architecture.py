@@ -43,6 +43,8 @@ FORBIDDEN = [("shardkit.checkpoint", "shardkit.runtime"), ("shardkit.checkpoint"
              ("shardkit.checkpoint", "shardkit.integrations"), ("shardkit.runtime", "shardkit.integrations"),
              ("shardkit.data", "shardkit.integrations"), ("shardkit.fsdp1", "shardkit.integrations"),
              ("shardkit.cli", "shardkit.integrations")]
+# a folder reached from outside its parent only through its package: the names its __init__ gives
+FACADES = {"shardkit.checkpoint.formats.native": "shardkit.checkpoint.formats"}
 # shardkit.wire sits below data/ and checkpoint/ (both may import it): of shardkit it imports itself and the errors
 WIRE_MAY_IMPORT = ("shardkit.wire", "shardkit.errors")
 
@@ -111,6 +113,13 @@ def wire_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[
             if not any(_under(dst, allowed) for allowed in WIRE_MAY_IMPORT)]
 
 
+def facade_violations(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    """Imports of a module behind a facade (``formats/native/*``) from outside the facade's parent."""
+    return [f"{src}:{line} imports {dst}: outside {parent}, use {package} (its __init__)"
+            for package, parent in FACADES.items() for src, targets in edges.items() if not _under(src, parent)
+            for dst, _, line in targets if dst != package and _under(dst, package)]
+
+
 def cycles(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[list[str]]:
     """Strongly connected components of more than one module (or a module importing itself)."""
     index: dict[str, int] = {}
@@ -175,6 +184,10 @@ def test_the_wire_imports_nothing_of_shardkit_but_the_errors(edges):
     assert wire_violations(edges) == []
 
 
+def test_the_native_format_is_reached_only_through_its_package(edges):
+    assert facade_violations(edges) == []
+
+
 def test_no_module_imports_itself_back_through_others(edges):
     assert cycles(edges) == []
 
@@ -209,6 +222,23 @@ def test_each_check_fails_on_a_planted_violation(tmp_path):
     assert private_imports(planted_edges) == [
         "shardkit.checkpoint.io.storage:1 takes _crc from shardkit.checkpoint.formats.codec"]
     assert oversized(planted, tmp_path) == [f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]
+
+
+def test_the_facade_check_fails_on_a_planted_violation(tmp_path):
+    pkg = tmp_path / "shardkit"
+    for folder in ("checkpoint/formats/native", "checkpoint/training"):
+        (pkg / folder).mkdir(parents=True)
+    for init in ("", "checkpoint/", "checkpoint/formats/", "checkpoint/formats/native/", "checkpoint/training/"):
+        (pkg / f"{init}__init__.py").write_text("")
+    (pkg / "checkpoint" / "formats" / "native" / "writer.py").write_text("X = 1\n")
+    (pkg / "checkpoint" / "formats" / "registry.py").write_text(
+        "from shardkit.checkpoint.formats.native import writer\n")
+    (pkg / "checkpoint" / "training" / "save.py").write_text(
+        "from shardkit.checkpoint.formats.native import X\nfrom shardkit.checkpoint.formats.native.writer import X\n")
+    (tmp_path / "cli").mkdir()
+    assert facade_violations(graph(module_files(tmp_path))) == [
+        "shardkit.checkpoint.training.save:2 imports shardkit.checkpoint.formats.native.writer: outside "
+        "shardkit.checkpoint.formats, use shardkit.checkpoint.formats.native (its __init__)"]
 
 
 def test_the_wire_check_fails_on_a_planted_violation(tmp_path):

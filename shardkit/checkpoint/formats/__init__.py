@@ -20,15 +20,17 @@ from shardkit.checkpoint.formats.dcp.handler import DCP
 from shardkit.checkpoint.formats.deepspeed.handler import DEEPSPEED
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.hf.handler import HF
-from shardkit.checkpoint.formats.native.handler import NATIVE
+from shardkit.checkpoint.formats.native import NATIVE, referenced_by_siblings
 from shardkit.checkpoint.formats.torch_checkpointing.handler import TORCH_CHECKPOINTING
 from shardkit.checkpoint.formats.torchsave.handler import TORCH
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.formats.trainer.handler import TRAINER
+from shardkit.checkpoint.formats.write_job import Scaleout, WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import ArgumentTypeError, CheckpointNotFound, ConfigurationError, UnsupportedFormat
 
-__all__ = ["FormatHandler", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "CHECKPOINT_FILE_PATTERNS", "NATIVE",
+__all__ = ["FormatHandler", "FORMATS", "WRITABLE", "COMMIT_MARKERS", "CHECKPOINT_FILE_PATTERNS", "CHECKPOINT_FOLDERS",
+           "NATIVE", "WriteJob", "Written", "Scaleout", "referenced_by_siblings",
            "normalize_format", "handler_for", "writer_for", "foreign_kind", "detect_format", "open_reader"]
 
 # detection tries them in this order (native first)
@@ -48,6 +50,9 @@ FORMATS: dict[str, FormatHandler] = {f.name: f for f in (
 WRITABLE: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.writable)
 
 COMMIT_MARKERS: tuple[str, ...] = tuple(m for f in FORMATS.values() for m in f.markers)
+
+# the folders inside a checkpoint directory that hold its data files (native's data/)
+CHECKPOINT_FOLDERS: tuple[str, ...] = tuple(dict.fromkeys(d for f in FORMATS.values() for d in f.data_folders))
 
 # the shapes of the files the writers create, and of storage's temporary names for files being streamed
 CHECKPOINT_FILE_PATTERNS: tuple[str, ...] = tuple(dict.fromkeys(

@@ -4,19 +4,22 @@ Each format's folder provides one handler (``formats/<name>/handler.py``) and
 the registry (:mod:`shardkit.checkpoint.formats`) lists them.  The offline
 tools, the CLI and training ask a handler -- to detect and open a checkpoint,
 to refuse what the format cannot hold, to write, to name the files it owns at
-a destination, to verify -- and read its capability flags instead of
-comparing format names, so a new format is its folder and one registry line.
+a destination, to verify -- instead of comparing format names, so a new format
+is its folder and one registry line.  What differs between formats is a method
+a handler overrides (``write``: one thread in order, or native's parallel,
+resumable writer), not a flag a tool branches on.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from types import ModuleType
-from typing import Any, Callable, Collection, Iterable, Mapping
+from typing import Any, Collection, Iterable
 
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader
+from shardkit.checkpoint.formats.write_job import WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import UnsupportedFormat
 
@@ -39,12 +42,12 @@ class FormatHandler:
     markers: tuple[str, ...] = ()       # files whose presence makes a directory this format's checkpoint
     open_options: tuple[str, ...] = ()  # keyword options its open_reader takes
     writable: bool = False
-    resumable: bool = False     # output resumes after an interruption and may be split across processes
+    write_options: tuple[str, ...] = ()  # options of a conversion only this format's output takes (--mesh, ...)
     single_file: bool = False   # a destination is one file, not a directory
-    takes_layout: bool = False  # output is laid out for ranks: world_size, mesh and compression apply
     model_export: bool = False  # output holds model weights only, with config and tokenizer files beside
     content_pin: str | None = None       # a file whose bytes pin every byte of the checkpoint (its checksums)
     file_patterns: tuple[str, ...] = ()  # shapes of the file names its writer creates (fnmatch)
+    data_folders: tuple[str, ...] = ()   # folders of a checkpoint directory its writer puts files in
     verify_shows_progress: bool = False  # verify reports the bytes it reads to the progress display
 
     # the format's modules: its reader has detect(storage) and open_reader(storage, **options), its writer
@@ -66,14 +69,40 @@ class FormatHandler:
             raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
         self.writer_module.check_tensors(tensors)
 
-    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
-              on_bytes: Callable[[int], None], avoid: Collection[str],
-              before_commit: Callable[[], None]) -> list[str]:
-        """Write ``tensors`` (their boxes pulled from ``fetch``) and ``values`` at ``storage`` from one thread,
-        in order, calling ``before_commit`` just before the commit; return the names written.  Never takes a
-        name in ``avoid`` (the checkpoint being replaced still uses them until this commit)."""
+    def write(self, storage: Storage, job: WriteJob) -> Written | None:
+        """Write ``job`` at ``storage``; return what was written (``None`` in a process of a scale-out that
+        leaves the commit to process 0).
+
+        The default is the sequential writers' way: from one thread, in order,
+        starting over on a rerun (their files record no checksums a rerun could
+        trust); on a failure the files this run created are removed
+        (``job.discard``).  In a scale-out, process 0 writes alone: the files are
+        not per rank.
+        """
+        if job.scaleout.rank != 0:
+            return None
+        if job.progress:
+            job.progress.start(f"{job.tool} → {self.name}", job.nbytes)
+        try:
+            files = self.write_files(storage, job)
+        except BaseException:
+            job.discard()
+            raise
+        if job.progress:
+            job.progress.finish()
+        # the sequentially written formats hold the tensor data as it is: stored bytes are tensor bytes
+        return Written(files, job.nbytes, job.nbytes)
+
+    def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
+        """The sequential writer: ``job``'s tensors (their boxes pulled from ``job.fetch``) and values at
+        ``storage``, calling ``job.before_commit`` just before the commit; return the names written.  Never
+        takes a name in ``job.avoid`` (the checkpoint being replaced still uses them until this commit)."""
         raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
+
+    def resumes(self) -> bool:
+        """Whether an interrupted :meth:`write` resumes on a rerun of the same command (its finished files
+        kept), and so may be split over processes."""
+        return False
 
     def holds(self, storage: Storage) -> bool:
         """Whether directory ``storage`` has one of this format's commit markers."""

@@ -7,8 +7,8 @@ command is a thin shell over them.
 
 Every conversion is the same pipeline: open the source (format detected),
 select/rename/cast the tensors (:mod:`~shardkit.checkpoint.offline.select`),
-then let the target writer (the target format's handler, or the resumable
-native writer) pull boxes of rows it is about to write from a
+then let the target format's handler write them (one :class:`~shardkit.checkpoint.formats.write_job.WriteJob`,
+one ``write``), pulling boxes of rows it is about to write from a
 :class:`Fetcher`, which reads only the overlapping rows of the saved chunks.  Memory is bounded by
 ``max_memory`` — boxes are sized from it — not by the model.
 
@@ -29,26 +29,28 @@ import time
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats import FORMATS, NATIVE, FormatHandler, open_reader, writer_for
-from shardkit.checkpoint.formats.native.siblings import missing_references
+from shardkit.checkpoint.formats.native import missing_references
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
+from shardkit.checkpoint.formats.write_job import Scaleout, WriteJob
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
-from shardkit.checkpoint.offline.native_out import parse_mesh, write_native
 from shardkit.checkpoint.offline.options import (
     DEFAULT_MAX_MEMORY,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_WORKERS,
     parse_memory,
+    parse_mesh,
     parse_size,
 )
 from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
+from shardkit.checkpoint.offline.side_files import copy_side_files
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
 from shardkit.checkpoint.offline.verify import VerifyReport, verify
 from shardkit.errors import CheckpointError, ConfigurationError
@@ -56,7 +58,8 @@ from shardkit.errors import CheckpointError, ConfigurationError
 __all__ = ["reshard", "convert", "inspect", "verify", "diff", "ConvertResult", "VerifyReport", "DiffReport",
            "DEFAULT_MAX_MEMORY", "parse_memory"]
 
-log = logging.getLogger("shardkit.checkpoint.offline.convert")
+log = logging.getLogger(__name__)
+
 
 def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> None:
     """Tell the user about side files the source holds but the conversion leaves behind, and why
@@ -142,13 +145,12 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
     to = target.name
     budget = parse_memory(max_memory)
     shard_cap = parse_size(max_shard_size, "--max-shard-size")
-    if not target.takes_layout and (world_size not in (None, 1) or mesh):
-        raise ConfigurationError(f"--world-size/--mesh apply to {_formats_that('takes_layout')} output only, "
-                                 f"not --to {to}")
-    if not target.takes_layout and compression:
-        raise ConfigurationError(f"--compression applies to {_formats_that('takes_layout')} output only, not --to {to}")
-    if not target.model_export and config is not None:
-        raise ConfigurationError(f"--config applies to {_formats_that('model_export')} output only, not --to {to}")
+    for option, value in (("world_size", world_size not in (None, 1)), ("mesh", mesh), ("compression", compression),
+                          ("config", config is not None)):
+        if value and option not in target.write_options:
+            flag = "--world-size/--mesh" if option in ("world_size", "mesh") else f"--{option}"
+            raise ConfigurationError(f"{flag} {'apply' if '/' in flag else 'applies'} to {_formats_taking(option)} "
+                                     f"output only, not --to {to}")
     source, dst_storage_options = _open_distinct(
         src, dst, storage_options, dst_storage_options, src_format,
         TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or target.model_export)))
@@ -161,21 +163,11 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         _notes(source, progress, export.notes if export else ())
         started = time.perf_counter()
         dest = prepare_dst(dst, target, dst_storage_options, overwrite)
-        if target.resumable:
-            mesh_t = parse_mesh(mesh) if mesh is not None else None
-            result = write_native(source, sel, dest.storage, world_size=world_size or math.prod(mesh_t or (1,)),
-                                  mesh=mesh_t, source_id=source_id(src, storage_options, source.info.format),
-                                  compression=compression, budget=budget, workers=workers, progress=progress,
-                                  replacing=dest.replacing, tool="convert")
-        else:
-            try:
-                files = _write_single(source, sel, dest, target, budget, shard_cap, progress, export)
-            except BaseException:
-                dest.discard_created(side_files=list(export.side_files) if export else ())
-                raise
-            # the sequentially written formats hold the tensor data as it is: stored bytes are tensor bytes
-            result = ConvertResult(source.info.format, to, dst, len(sel.tensors), sel.nbytes, files, sel.dropped,
-                                   stored_bytes=sel.nbytes)
+        mesh_t = parse_mesh(mesh) if mesh is not None else None
+        result = _write(source, sel, dest, target, "convert", budget=budget, workers=workers, progress=progress,
+                        block_bytes=_block_bytes(budget), max_shard_size=shard_cap, export=export,
+                        world_size=world_size or math.prod(mesh_t or (1,)), mesh=mesh_t, compression=compression,
+                        source_id=source_id(src, storage_options, source.info.format))
         dest.remove_stale(result.files)
         _log_written("convert", src, result, started)
         return result
@@ -183,9 +175,9 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         source.close()
 
 
-def _formats_that(capability: str) -> str:
-    """The names of the formats whose handler has ``capability`` (an option's error says where it applies)."""
-    return ", ".join(name for name, handler in FORMATS.items() if getattr(handler, capability))
+def _formats_taking(option: str) -> str:
+    """The names of the formats whose output takes ``option`` (an option's error says where it applies)."""
+    return ", ".join(name for name, handler in FORMATS.items() if option in handler.write_options)
 
 
 def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> None:
@@ -194,27 +186,30 @@ def _log_written(tool: str, src: str, result: ConvertResult, started: float) -> 
              time.perf_counter() - started)
 
 
-def _write_single(source: Any, sel: Selection, dest: Destination, target: FormatHandler, budget: int,
-                  shard_cap: int, progress: Progress | None, export: HfExport | None = None) -> list[str]:
-    """Write output of a format that is not resumable (HF, DCP, torch.save) from one thread, in order, through
-    its handler; returns the names written.
+def _write(source: Any, sel: Selection, dest: Destination, target: FormatHandler, tool: str, *,
+           export: HfExport | None = None, scaleout: Scaleout = Scaleout(), **options: Any) -> ConvertResult | None:
+    """Write ``sel`` from ``source`` at ``dest`` through ``target``'s handler: the one way any format is written
+    (``options``: the :class:`~shardkit.checkpoint.formats.write_job.WriteJob` fields of the command).
 
-    These formats are written sequentially and start over on a rerun: their
-    files are not per-rank and record no checksums a rerun could trust (only
-    native output resumes and parallelises; see docs/cli.md).
+    A format that does not resume (HF, DCP, torch.save) is written in order and
+    its files are removed on a failure; native output resumes and parallelises
+    (see docs/cli.md).  ``None`` in a scale-out process that left the commit to process 0.
     """
     storage = dest.storage
-    fetch = Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales)
-    block = _block_bytes(budget)
-    on_bytes = progress.update if progress else (lambda n: None)
-    if progress:
-        progress.start(f"convert → {target.name}", sel.nbytes)
-    files = target.write(storage, sel.triples, sel.values, fetch, block_bytes=block, max_shard_size=shard_cap,
-                         on_bytes=on_bytes, avoid=dest.avoid,
-                         before_commit=(lambda: export.write_side_files(storage)) if export else (lambda: None))
-    if progress:
-        progress.finish()
-    return files
+    job = WriteJob(
+        tensors=tuple(sel.triples), values=sel.values, aliases=sel.aliases, tool=tool,
+        fetch=Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales),
+        selection=tuple((t.name, t.source, str(t.dtype), tuple(t.shape)) for t in sel.tensors),
+        meta=dict(source.info.meta) if source.info.format == target.name else {},
+        avoid=frozenset(dest.avoid), replacing=dest.replacing, scaleout=scaleout,
+        before_commit=(lambda: export.write_side_files(storage)) if export else (lambda: None),
+        discard=lambda: dest.discard_created(side_files=list(export.side_files) if export else ()),
+        copy_side_files=lambda into: copy_side_files(source, storage, into=into), **options)
+    written = target.write(storage, job)
+    if written is None:
+        return None
+    return ConvertResult(source.info.format, target.name, storage.url, len(sel.tensors), written.nbytes,
+                         written.files, sel.dropped, written.kept_bytes, written.stored_bytes)
 
 
 def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[int, ...] | str | None = None,
@@ -270,10 +265,9 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
                 raise
             if not agree(True):
                 raise CheckpointError(f"{dst}: a process could not prepare DST; see its error")
-        result = write_native(source, sel, dest.storage, world_size=ws, mesh=mesh_t, compression=compression,
-                              source_id=source_id(src, storage_options, source.info.format),
-                              budget=budget, workers=workers, progress=progress, rank=rank, nprocs=nprocs,
-                              agree=agree, replacing=dest.replacing, tool="reshard")
+        result = _write(source, sel, dest, NATIVE, "reshard", world_size=ws, mesh=mesh_t, compression=compression,
+                        source_id=source_id(src, storage_options, source.info.format), budget=budget,
+                        workers=workers, progress=progress, scaleout=Scaleout(rank, nprocs, agree))
         if result is not None:
             dest.remove_stale(result.files)
             _log_written("reshard", src, result, started)

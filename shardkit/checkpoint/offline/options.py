@@ -6,10 +6,12 @@ from here, so ``--help`` and the library cannot drift apart.
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardkit.errors import ConfigurationError
 
-__all__ = ["parse_size", "parse_memory", "DEFAULT_MAX_MEMORY", "DEFAULT_MAX_MEMORY_TEXT", "DEFAULT_WORKERS",
-           "DEFAULT_MAX_SHARD_SIZE", "MIN_MEMORY"]
+__all__ = ["parse_mesh", "parse_size", "parse_memory", "DEFAULT_MAX_MEMORY", "DEFAULT_MAX_MEMORY_TEXT",
+           "DEFAULT_WORKERS", "DEFAULT_MAX_SHARD_SIZE", "MIN_MEMORY"]
 
 DEFAULT_MAX_MEMORY_TEXT = "256MiB"
 DEFAULT_MAX_MEMORY = 256 * 2 ** 20
@@ -58,3 +60,19 @@ def parse_memory(value: int | str | None) -> int:
     if n < MIN_MEMORY:
         raise ConfigurationError(f"--max-memory {value!r} is below the 16 MiB minimum")
     return n
+
+
+def parse_mesh(value: Any) -> tuple[int, ...]:
+    """``"2x4"``, ``(2, 4)`` or ``8`` → a mesh shape of one or two positive sizes."""
+    try:
+        if isinstance(value, str):
+            dims = tuple(int(x) for x in value.lower().split("x"))
+        elif isinstance(value, int):
+            dims = (value,)
+        else:
+            dims = tuple(int(x) for x in value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"--mesh {value!r}: write e.g. 8 or 2x4 (replicas x shards)") from None
+    if not 1 <= len(dims) <= 2 or min(dims) < 1:
+        raise ConfigurationError(f"--mesh {value!r}: one or two positive sizes, e.g. 8 or 2x4")
+    return dims

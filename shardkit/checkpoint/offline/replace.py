@@ -33,15 +33,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Sequence
 
-from shardkit.checkpoint.formats import CHECKPOINT_FILE_PATTERNS, COMMIT_MARKERS, FORMATS, FormatHandler
-from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
+from shardkit.checkpoint.formats import (
+    CHECKPOINT_FILE_PATTERNS,
+    CHECKPOINT_FOLDERS,
+    COMMIT_MARKERS,
+    FORMATS,
+    FormatHandler,
+    referenced_by_siblings,
+)
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.progress import human_count
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
 __all__ = ["Destination", "prepare_dst"]
 
-log = logging.getLogger("shardkit.checkpoint.offline.convert")
+log = logging.getLogger(__name__)
 
 @dataclass
 class Destination:
@@ -79,12 +85,14 @@ class Destination:
             shared = referenced_by_siblings(self.storage)  # a dedup step beside this one may read them
             stale = [n for n in stale if n not in shared]
             self.storage.delete(stale)
-            if any(n.startswith("data/") for n in stale) and not self.storage.listdir("data"):
-                self.storage.delete_tree("data")  # an empty local directory left by the old native layout
+            for folder in CHECKPOINT_FOLDERS:  # an empty local directory the old checkpoint's files were in
+                if any(n.startswith(f"{folder}/") for n in stale) and not self.storage.listdir(folder):
+                    self.storage.delete_tree(folder)
         except ShardkitError as exc:  # the new checkpoint is committed; leftovers are harmless (and unknown
             # references -- a damaged sibling manifest -- keep everything)
             log.warning("could not remove %s of the replaced checkpoint at %s: %s",
                         human_count(len(stale), "file"), self.storage.url, exc)
+            return
         log.info("removed %s of the replaced checkpoint at %s", human_count(len(stale), "file"), self.storage.url)
 
     def discard_created(self, side_files: Collection[str] = ()) -> None:
@@ -103,12 +111,12 @@ class Destination:
 
 
 def _names(storage: Storage) -> set[str]:
-    """Names directly in ``storage`` and in its ``data/`` folder."""
+    """Names directly in ``storage`` and in the folders a format keeps its data files in (native's ``data/``)."""
     names = set()
     for name in storage.listdir():
         names.add(name)
-        if name == "data":
-            names |= {f"data/{n}" for n in storage.listdir("data")}
+        if name in CHECKPOINT_FOLDERS:
+            names |= {f"{name}/{n}" for n in storage.listdir(name)}
     return names
 
 

@@ -5,7 +5,7 @@ One process is the default.  Under ``torchrun ... -m shardkit reshard ...``
 explicitly with ``--distributed``) every process plans the same output
 layout (the plan is deterministic), takes its share of the output files --
 work units balanced by bytes, largest first to the least loaded process
-(:func:`~shardkit.checkpoint.offline.native_out.assign_units`) -- and writes them,
+(:func:`~shardkit.checkpoint.formats.native.resumable.assign_units`) -- and writes them,
 journaling each file's records on DST.  After a barrier, process 0 collects
 the journaled records and commits the manifest.  Only barriers travel over
 torch.distributed (gloo); the records travel through DST itself, so nothing
@@ -101,7 +101,7 @@ def run_convert(src: str, dst: str, *, to: str, distributed: bool | None = None,
     if nprocs <= 1:
         return convert(src, dst, to=to, **kwargs)
     target = handler_for(to)
-    if target.resumable:
+    if target.resumes():
         if kwargs.pop("config", None) is not None:
             raise ConfigurationError(f"--config applies to hf output only, not --to {target.name}")
         kwargs.pop("max_shard_size", None)

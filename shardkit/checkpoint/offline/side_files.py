@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checkpoint.formats.native.handler import NATIVE
-from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["side_files_of", "copy_side_files", "copy_files", "SIDE_FILE_BLOCK"]
@@ -21,18 +19,14 @@ SIDE_FILE_BLOCK = 8 << 20
 def side_files_of(source: Any) -> tuple[Storage | None, list[str]]:
     """Files that travel with the weights (config.json, tokenizer files).
 
-    An HF folder has them beside the shards; a shardkit checkpoint made from
-    one keeps them under ``extra/`` so a later ``convert --to hf`` can put them
-    back and ``from_pretrained`` finds its config.
+    A reader that carries them names them (``side_files``, relative to its
+    ``folder``): an HF folder has them beside the shards; a shardkit checkpoint
+    made from one keeps them under ``extra/`` so a later ``convert --to hf``
+    can put them back and ``from_pretrained`` finds its config.
     """
     names = getattr(source, "side_files", None)
     if names:
         return source.folder, list(names)
-    storage = getattr(source, "storage", None)
-    if getattr(source, "info", None) is not None and source.info.format == NATIVE.name and storage is not None:
-        names = storage.listdir(EXTRA_DIR)
-        if names:
-            return storage, [f"{EXTRA_DIR}/{n}" for n in names]
     return None, []
 
 

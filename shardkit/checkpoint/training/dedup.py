@@ -39,10 +39,14 @@ import xxhash
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code
-from shardkit.checkpoint.formats.native.manifest import ChunkRecord, FileRecord
-from shardkit.checkpoint.formats.native.reader import NativeReader
-from shardkit.checkpoint.formats.native.references import DIGEST_ALGORITHMS, rebase_reference
-from shardkit.checkpoint.formats.native.writer import WrittenFile
+from shardkit.checkpoint.formats.native import (
+    DIGEST_ALGORITHMS,
+    ChunkRecord,
+    FileRecord,
+    NativeReader,
+    WrittenFile,
+    rebase_reference,
+)
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, ShardkitError

@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.formats.native import MANIFEST_NAME
 from shardkit.checkpoint.io.deadline import checkpoint_deadline, resolve_timeout
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage, with_retries

@@ -12,9 +12,7 @@ import logging
 from typing import Callable, Mapping
 
 from shardkit.checkpoint.formats import foreign_kind
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
-from shardkit.checkpoint.formats.native.ownership import DirectorySurvey, remove_owned, survey
-from shardkit.checkpoint.formats.native.siblings import UnknownReferences, references_of
+from shardkit.checkpoint.formats.native import MANIFEST_NAME, DirectorySurvey, references_of, remove_owned, survey
 from shardkit.checkpoint.io.names import is_sibling_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.run_steps import (
@@ -26,6 +24,7 @@ from shardkit.checkpoint.training.run_steps import (
     step_dirs,
     write_superseded,
 )
+from shardkit.errors import UnknownReferences
 
 __all__ = ["retain"]
 

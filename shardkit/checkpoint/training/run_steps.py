@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME as DCP_METADATA_NAME
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
-from shardkit.checkpoint.formats.native.reader import read_manifest
+from shardkit.checkpoint.formats.native import MANIFEST_NAME, read_manifest
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
 

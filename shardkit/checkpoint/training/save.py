@@ -41,9 +41,7 @@ from shardkit.checkpoint.formats.base import (
 )
 from shardkit.checkpoint.formats.compression import Compression, parse_compression
 from shardkit.checkpoint.formats.dtypes import dtype_to_code
-from shardkit.checkpoint.formats.native import index
-from shardkit.checkpoint.formats.native.reader import is_committed
-from shardkit.checkpoint.formats.native.writer import (
+from shardkit.checkpoint.formats.native import (
     COLUMN_STRIPS,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -51,6 +49,8 @@ from shardkit.checkpoint.formats.native.writer import (
     WrittenFile,
     data_file_name,
     group_into_files,
+    is_committed,
+    is_indexed,
     new_token,
 )
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, is_dtensor, local_tensor, split_box
@@ -319,7 +319,7 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
     dist.phase = "write"  # the ranks meet once every one of them has written its files
     counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
     new_names = [f.name for f in files] + ([name for name, _ in jobs] if local_error is not None else [])
-    if None not in counts and sum(counts) >= index.INDEXED_FROM_CHUNKS:  # every rank decides alike
+    if None not in counts and is_indexed(sum(counts)):  # every rank decides alike
         payload: dict[str, Any] = {"error": None, "summary": None, "digest": "", "aliases": {}}
         if local_error is None and plan is not None:
             try:

@@ -1,6 +1,6 @@
 """Step 3 of a save: what each rank reports once its data files are written, and rank 0's commit of it.
 
-Small saves (fewer than :data:`~shardkit.checkpoint.formats.native.index.INDEXED_FROM_CHUNKS`
+Small saves (fewer than :data:`~shardkit.checkpoint.formats.native.INDEXED_FROM_CHUNKS`
 chunk records in all, counted by every rank alike) send their chunk records
 to rank 0, which builds one ``manifest.json`` holding them (version 1 or 2).
 Large ones commit version 3 the way that scales: each writer writes its own
@@ -17,15 +17,16 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
-from shardkit.checkpoint.formats.native.reader import is_committed
-from shardkit.checkpoint.formats.native.summaries import (
+from shardkit.checkpoint.formats.native import (
     Layout,
+    NativeWriter,
     WriterSummary,
+    WrittenFile,
     claims_of,
+    is_committed,
     manifest_from_summaries,
     write_index,
 )
-from shardkit.checkpoint.formats.native.writer import NativeWriter, WrittenFile
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointError, CheckpointExists, ShardkitError, error_record

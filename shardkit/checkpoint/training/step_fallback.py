@@ -21,7 +21,7 @@ import os
 from typing import Callable, Sequence
 
 from shardkit.checkpoint.formats import foreign_kind
-from shardkit.checkpoint.formats.native.ownership import DirectorySurvey, survey
+from shardkit.checkpoint.formats.native import DirectorySurvey, survey
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.load import LoadResult, name_some

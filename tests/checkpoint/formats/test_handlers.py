@@ -4,13 +4,13 @@ new writable format is its handler plus one registry entry -- convert needs noth
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Collection, Mapping
+from typing import Any
 
 import pytest
 import torch
 
 from shardkit.checkpoint import convert
-from shardkit.checkpoint.formats import FORMATS, WRITABLE, FormatHandler
+from shardkit.checkpoint.formats import FORMATS, WRITABLE, FormatHandler, WriteJob
 from shardkit.checkpoint.io.storage import Storage
 from tests.support.offline_helpers import write_torch_state
 
@@ -77,12 +77,9 @@ class ToyHandler(FormatHandler):
     def check_tensors(self, tensors: Any) -> None:
         pass
 
-    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
-              on_bytes: Callable[[int], None], avoid: Collection[str],
-              before_commit: Callable[[], None]) -> list[str]:
-        doc = {fqn: fetch(fqn, (0,) * len(shape), shape).tolist() for fqn, _, shape in tensors}
-        before_commit()
+    def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
+        doc = {fqn: job.fetch(fqn, (0,) * len(shape), shape).tolist() for fqn, _, shape in job.tensors}
+        job.before_commit()
         storage.put_atomic("toy.json", json.dumps(doc).encode())
         return ["toy.json"]
 

@@ -28,8 +28,8 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint import diff, reshard, verify
+from shardkit.checkpoint.formats.native.ownership import RESUME_DIR
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.offline.native_out import RESUME_DIR
 from shardkit.errors import (
     BucketNotFound,
     ConfigurationError,

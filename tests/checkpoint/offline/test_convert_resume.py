@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shardkit.checkpoint.offline.native_out as offline_native
+import shardkit.checkpoint.formats.native.resumable as native_resumable
 from shardkit.checkpoint import diff, reshard, verify
 from tests.support.offline_helpers import write_torch_state
 
@@ -22,7 +22,7 @@ def _interrupt_before_commit(monkeypatch):
     """Make the next reshard stop after every data file is written and journaled, before its manifest."""
     def stop(*args, **kwargs):
         raise _Interrupted()
-    monkeypatch.setattr(offline_native, "commit_native", stop)
+    monkeypatch.setattr(native_resumable, "commit_resumable", stop)
 
 
 def _hf_weights(value: float) -> dict[str, torch.Tensor]:

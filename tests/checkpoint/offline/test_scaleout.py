@@ -8,7 +8,7 @@ import json
 import torch
 
 from shardkit.checkpoint import diff, reshard, verify
-from shardkit.checkpoint.offline.native_out import FileUnit, assign_units
+from shardkit.checkpoint.formats.native.resumable import FileUnit, assign_units
 from tests.support.dist import run_torchrun
 from tests.support.offline_cli import run_cli
 from tests.support.offline_helpers import write_torch_state

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Mapping
-
-import torch
+from typing import Any
 
 from shardkit.checkpoint.formats.dcp import reader, writer
 from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.formats.handler import FormatHandler
+from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
 
@@ -28,13 +27,10 @@ class DcpHandler(FormatHandler):
     file_patterns = ("*.distcp", METADATA_NAME)
     verify_shows_progress = True
 
-    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
-              on_bytes: Callable[[int], None], avoid: Collection[str],
-              before_commit: Callable[[], None]) -> list[str]:
-        before_commit()
-        return writer.write_dcp(storage, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes,
-                                avoid=avoid)
+    def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
+        job.before_commit()
+        return writer.write_dcp(storage, list(job.tensors), job.values, job.fetch, block_bytes=job.block_bytes,
+                                on_bytes=job.on_bytes, avoid=job.avoid)
 
     def files_of(self, storage: Storage) -> set[str]:
         return {METADATA_NAME} | {n for n in storage.listdir() if n.endswith(".distcp")}

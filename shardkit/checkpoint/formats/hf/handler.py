@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Mapping
-
-import torch
+from typing import Collection
 
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.hf import reader, writer
 from shardkit.checkpoint.formats.hf.layout import INDEX_NAME, SINGLE_NAME, export_files
+from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["HfHandler", "HF"]
@@ -27,14 +26,13 @@ class HfHandler(FormatHandler):
     markers = (INDEX_NAME, SINGLE_NAME)
     writable = True
     model_export = True
+    write_options = ("config",)  # its config and tokenizer files beside the weights
     file_patterns = ("*.safetensors", INDEX_NAME)
 
-    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
-              on_bytes: Callable[[int], None], avoid: Collection[str],
-              before_commit: Callable[[], None]) -> list[str]:
-        return writer.write_hf(storage, tensors, fetch, block_bytes=block_bytes, max_shard_size=max_shard_size,
-                               on_bytes=on_bytes, before_index=before_commit, avoid=avoid)
+    def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
+        return writer.write_hf(storage, list(job.tensors), job.fetch, block_bytes=job.block_bytes,
+                               max_shard_size=job.max_shard_size, on_bytes=job.on_bytes,
+                               before_index=job.before_commit, avoid=job.avoid)
 
     def files_of(self, storage: Storage) -> set[str]:
         """The weight files ``from_pretrained`` loads (:func:`~shardkit.checkpoint.formats.hf.layout.export_files`)."""

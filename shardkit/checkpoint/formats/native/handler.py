@@ -9,8 +9,10 @@ from typing import Any
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.native import reader, writer
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
-from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, survey
+from shardkit.checkpoint.formats.native.ownership import DATA_DIR, EXTRA_DIR, survey
+from shardkit.checkpoint.formats.native.resumable import write_resumable
 from shardkit.checkpoint.formats.native.verify import verify_data_files
+from shardkit.checkpoint.formats.write_job import WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["NativeHandler", "NATIVE"]
@@ -19,8 +21,8 @@ __all__ = ["NativeHandler", "NATIVE"]
 class NativeHandler(FormatHandler):
     """manifest.json + safetensors data files: resumable, laid out for ranks, every chunk checksummed.
 
-    Its output is written by the offline tools' parallel, resumable writer
-    (``offline.native_out``), not by :meth:`write`.
+    Its :meth:`write` is the parallel, resumable writer for N ranks
+    (:mod:`~shardkit.checkpoint.formats.native.resumable`).
     """
 
     reader_module = reader
@@ -31,11 +33,19 @@ class NativeHandler(FormatHandler):
     markers = (MANIFEST_NAME,)
     open_options = ("io_threads",)
     writable = True
-    resumable = True
-    takes_layout = True
+    write_options = ("world_size", "mesh", "compression")  # output laid out for ranks, optionally compressed
     content_pin = MANIFEST_NAME  # it holds every chunk's crc32c
     file_patterns = (MANIFEST_NAME,)
+    data_folders = (DATA_DIR,)
     verify_shows_progress = True
+
+    def write(self, storage: Storage, job: WriteJob) -> Written | None:
+        """Data files for ``job.world_size`` ranks, written by ``job.workers`` threads (or split over the
+        processes of ``job.scaleout``), each journaled as it lands so a rerun resumes; then the manifest."""
+        return write_resumable(storage, job, self.name)
+
+    def resumes(self) -> bool:
+        return True
 
     def files_of(self, storage: Storage) -> set[str]:
         """What :func:`~shardkit.checkpoint.formats.native.ownership.survey` says shardkit wrote, less the side

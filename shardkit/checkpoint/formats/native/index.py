@@ -54,12 +54,17 @@ from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, CorruptCheckpoint, InvalidManifest
 
-__all__ = ["INDEX_DIR", "INDEX_FORMAT", "INDEXED_FROM_CHUNKS", "index_file_name", "index_document",
+__all__ = ["INDEX_DIR", "INDEX_FORMAT", "INDEXED_FROM_CHUNKS", "is_indexed", "index_file_name", "index_document",
            "split_into_indexes",
            "read_indexes", "attach_indexes", "needed_indexes", "dump_indexed_manifest"]
 
 INDEX_FORMAT = "shardkit-index"
 INDEXED_FROM_CHUNKS = 4096  # chunk records from which a manifest moves them into index files
+
+
+def is_indexed(chunk_records: int) -> bool:
+    """Whether a checkpoint of ``chunk_records`` chunk records keeps them in index files (version 3)."""
+    return chunk_records >= INDEXED_FROM_CHUNKS
 
 
 def index_file_name(token: str, writer: int) -> str:

@@ -55,6 +55,7 @@ from shardkit.checkpoint.formats.native.manifest import (
     Manifest,
     parse_manifest,
 )
+from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
 from shardkit.checkpoint.formats.native.request_plans import RequestPlan, batches, plan_request
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.plan import merge_ranges
@@ -133,6 +134,16 @@ class NativeReader(CheckpointReader):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
+
+    @property
+    def folder(self) -> Storage:
+        """The checkpoint's directory, where its side files are."""
+        return self.storage
+
+    @property
+    def side_files(self) -> list[str]:
+        """Files that travel with the weights (config.json, tokenizer files), kept under ``extra/``."""
+        return [f"{EXTRA_DIR}/{n}" for n in self.storage.listdir(EXTRA_DIR)]
 
     def _use(self, manifest: Manifest) -> None:
         self._manifest = manifest

@@ -17,13 +17,9 @@ from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NA
 from shardkit.checkpoint.formats.native.reader import read_manifest
 from shardkit.checkpoint.io.names import is_sibling_name, split_reference
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import CheckpointNotFound, ShardkitError
+from shardkit.errors import CheckpointNotFound, ShardkitError, UnknownReferences
 
-__all__ = ["references_of", "referenced_by_siblings", "missing_references", "UnknownReferences"]
-
-
-class UnknownReferences(ShardkitError):
-    """A sibling checkpoint's manifest could not be read, so what it references is unknown."""
+__all__ = ["references_of", "referenced_by_siblings", "missing_references"]
 
 
 def references_of(storage: Storage) -> tuple[str, ...]:

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Mapping
-
-import torch
+from typing import Any
 
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.torchsave import reader, writer
 from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
+from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import ShardkitError
 
@@ -29,13 +28,11 @@ class TorchSaveHandler(FormatHandler):
     writable = True
     single_file = True
 
-    def write(self, storage: Storage, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              values: Mapping[str, Any], fetch: Any, *, block_bytes: int, max_shard_size: int,
-              on_bytes: Callable[[int], None], avoid: Collection[str],
-              before_commit: Callable[[], None]) -> list[str]:
+    def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
         parent, name = split_file(storage)
-        before_commit()
-        writer.write_torch_save(parent, name, tensors, values, fetch, block_bytes=block_bytes, on_bytes=on_bytes)
+        job.before_commit()
+        writer.write_torch_save(parent, name, list(job.tensors), job.values, job.fetch,
+                                block_bytes=job.block_bytes, on_bytes=job.on_bytes)
         return [name]
 
     def files_of(self, storage: Storage) -> set[str]:

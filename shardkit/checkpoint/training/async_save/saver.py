@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.compression import Compression
-from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
+from shardkit.checkpoint.formats.native import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist

@@ -42,7 +42,7 @@ import torch
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import Compression, parse_compression
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
-from shardkit.checkpoint.formats.native.writer import NativeWriter, WrittenFile
+from shardkit.checkpoint.formats.native import NativeWriter, WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool

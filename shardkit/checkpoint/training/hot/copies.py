@@ -21,8 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.checkpoint.formats import NATIVE, open_reader
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
-from shardkit.checkpoint.formats.native.writer import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
+from shardkit.checkpoint.formats.native import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, MANIFEST_NAME
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.dist import Dist
