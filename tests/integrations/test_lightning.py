@@ -16,6 +16,7 @@ import io
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,32 @@ from tests.support.framework_helpers import FRAMEWORK_MODULE_TIMEOUT, FRAMEWORK_
 
 SCRIPT = Path(__file__).parents[1] / "support" / "lightning_run.py"
 TWO_RANK_CASES = ("resume", "reference", "dcp_into_shardkit", "top_k", "mid_epoch", "path_and_url", "managed",
-                  "fabric")
+                  "dedup", "s3", "fabric")
 ONE_RANK_CASES = ("resume_other_size", "memory")
 EPOCH = 4  # global batches an epoch
 
 
-def _launch(ranks: int, work: Path, out: Path, cases: tuple[str, ...]) -> dict:
-    done = run_torchrun(SCRIPT, ranks, [str(work), str(out), *cases], timeout=FRAMEWORK_RUN_S)
+def _launch(ranks: int, work: Path, out: Path, cases: tuple[str, ...], env: dict[str, str] | None = None) -> dict:
+    done = run_torchrun(SCRIPT, ranks, [str(work), str(out), *cases], timeout=FRAMEWORK_RUN_S, env=env)
     assert done.returncode == 0, f"{SCRIPT.name} {cases} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, dict]:
-    """Every case's fits: 2 ranks, then 1 rank resuming the 2-rank checkpoint (about 60 s on 2 busy cores)."""
+def runs(tmp_path_factory, s3_server) -> tuple[Path, dict]:
+    """Every case's fits: 2 ranks, then 1 rank resuming the 2-rank checkpoint (about 60 s on 2 busy cores).
+
+    The S3 case writes to the local S3 server: through the strategy's ``storage_options``, and through the
+    environment for Lightning's own ``ModelCheckpoint`` file operations."""
+    import s3fs
+
+    endpoint, options = s3_server
+    bucket = f"lightning-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    env = {"S3_URL": f"s3://{bucket}/run", "S3_OPTIONS": json.dumps(options), "AWS_ENDPOINT_URL": endpoint,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     work = tmp_path_factory.mktemp("lightning")
-    results = _launch(2, work, work / "two.json", TWO_RANK_CASES)
+    results = _launch(2, work, work / "two.json", TWO_RANK_CASES, env)
     results.update(_launch(1, work, work / "one.json", ONE_RANK_CASES))
     return work, results
 
@@ -140,6 +151,21 @@ class TestTrainerFit:
         assert case["source"] == "local"  # every rank read its own node-local copy
         # the resumed fourth epoch is the uninterrupted 4-epoch run's (top_k case), bitwise
         assert case["resumed"] == r["top_k"]["records"][3 * EPOCH:]
+
+    def test_a_bucket_holds_the_checkpoints_top_k_removes_there_and_fit_resumes_from_an_s3_url(self, runs):
+        _, r = runs
+        case, straight = r["s3"], r["resume"]["straight"]
+        assert case["after_first"] == ["epoch=0-step=4.ckpt", "last.ckpt"]
+        assert case["after"] == ["epoch=1-step=8.ckpt", "last.ckpt"]  # epoch 0 removed in the bucket
+        assert case["first"] == straight[:EPOCH] and case["resumed"] == straight[EPOCH:]
+
+    def test_dedup_writes_a_frozen_layer_once(self, runs):
+        _, r = runs
+        case = r["dedup"]
+        assert case["files"] == ["epoch=1-step=8.ckpt", "last.ckpt", "step-0000000004", "step-0000000008"]
+        first, second = case["bytes"]
+        # Linear(8, 32) is frozen: 288 of the 387 weights, with no Adam state; step 8 references them in step 4
+        assert second < first / 4, case["bytes"]
 
     def test_fabric_save_and_load_round_trip_bitwise_on_two_ranks(self, runs):
         _, r = runs

@@ -199,6 +199,37 @@ def case_managed(work: Path) -> dict:
             "source": None if last is None else last.source}
 
 
+def case_s3(work: Path) -> dict:
+    """ModelCheckpoint's folder in a bucket (S3_URL, S3_OPTIONS): one epoch, then fit(ckpt_path=<s3 URL>) for the
+    second; top-k removes the bucket's epoch-0 checkpoint."""
+    url, options = os.environ["S3_URL"], json.loads(os.environ["S3_OPTIONS"])
+    fs, root = fsspec.core.url_to_fs(url, **options)
+
+    def names() -> list[str]:
+        fs.invalidate_cache()
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+
+    first = fit("shardkit", url, 1, strategy=ShardkitStrategy(storage_options=options))
+    after_first = names()
+    resumed = fit("shardkit", url, 2, strategy=ShardkitStrategy(storage_options=options),
+                  ckpt_path=f"{url}/last.ckpt")
+    return {"first": first.records, "resumed": resumed.records, "after_first": after_first, "after": names()}
+
+
+def case_dedup(work: Path) -> dict:
+    """dedup=True with the first layer frozen: a later step references the frozen weights instead of writing them."""
+    dirpath = str(work / "dedup")
+    model = Regression()
+    model.net[0].requires_grad_(False)
+    fit("shardkit", dirpath, 2, model=model, strategy=ShardkitStrategy(keep_last=2, dedup=True))
+
+    def stored(step: str) -> int:
+        return sum(f.stat().st_size for f in (Path(dirpath) / step / "data").iterdir())
+
+    return {"files": listing(dirpath), "bytes": [stored("step-0000000004"), stored("step-0000000008")],
+            "records": model.records}
+
+
 def case_fabric(work: Path) -> dict:
     """fabric.save/fabric.load round trip: local shards and optimizer state bitwise, other values back."""
     fabric = L.Fabric(accelerator="cpu", devices=WORLD,
@@ -240,6 +271,8 @@ CASES = {
     "memory": lambda work: case_path_and_url(work, "memory://lightning/epoch1"),
     "managed": case_managed,
     "fabric": case_fabric,
+    "s3": case_s3,
+    "dedup": case_dedup,
     "resume_other_size": lambda work: {"resumed": fit(
         "shardkit", str(work / "other-size"), 2, ckpt_path=str(work / "shardkit-epoch1")).records},
 }

@@ -79,6 +79,12 @@ class CheckpointStore:
         self._saved_step: dict[str, int] = {}  # per manager root: the step this process last saved there
         self._pending: tuple[str, Future] | None = None
 
+    def set_ranks_per_node(self, ranks: int) -> None:
+        """The hot tier's ranks per node, when not given: the strategy's devices per node (Lightning's own
+        launcher does not set torchrun's ``LOCAL_WORLD_SIZE``, which the manager would read)."""
+        if self.manager_options.get("local") is not None and self.manager_options.get("local_world_size") is None:
+            self.manager_options["local_world_size"] = ranks
+
     # -- saving ------------------------------------------------------------
     def save(self, url: str, tensors: dict[str, Any], rest: dict[str, Any], *, step: int, model: nn.Module,
              optimizers: Sequence[torch.optim.Optimizer], storage_options: Mapping[str, Any] | None = None) -> None:

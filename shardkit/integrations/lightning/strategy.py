@@ -75,6 +75,7 @@ class ShardkitStrategy(strategies.ModelParallelStrategy):
             self._tensor_parallel_size = 1
         if self._data_parallel_size == "auto":
             self._data_parallel_size = max(1, world // int(self._tensor_parallel_size))
+        self.store.set_ranks_per_node(self.num_processes)
         super().setup_environment()
 
     # -- the state dicts Lightning asks for: live and sharded, never gathered --
