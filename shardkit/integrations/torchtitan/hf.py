@@ -27,18 +27,15 @@ import torch.distributed as dist
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import handler_for
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import error_record, from_record
 from shardkit.integrations.torchtitan.state import MODEL_KEY, cast_floating
+from shardkit.wire.collectives import all_gather_json
 
 __all__ = ["HF_FORMAT", "export_hf", "load_hf"]
 
 log = logging.getLogger(__name__)
 
 HF_FORMAT = handler_for("safetensors").name  # the registry's name of the Hugging Face format
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _rank() -> int:
@@ -61,13 +58,16 @@ def export_hf(model_state: Mapping[str, Any], url: str, sd_adapter: Any, dtype: 
             skc.convert(staging, url, to=HF_FORMAT, overwrite=True, config=config,
                         storage_options=dict(storage_options or {}) or None)
             log.info("exported the model as a Hugging Face folder at %s (%s)", url, dtype)
-        except BaseException as exc:  # noqa: BLE001 - every rank must reach the barrier, then rank 0 raises
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then raises it
             error = exc
         finally:
             Storage(staging, storage_options).delete_tree()
-    _barrier()
+    reported = all_gather_json(error_record(error) if error is not None else None)[0]
     if error is not None:
         raise error
+    if reported is not None:
+        raise from_record(reported, f"exporting {url} as a Hugging Face folder failed on rank 0: "
+                                    f"{reported['message']}")
 
 
 def load_hf(model_wrapper: Any, url: str, sd_adapter: Any,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import NATIVE
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict
+from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict, error_record, from_record
 from shardkit.integrations.requirements import import_framework
 from shardkit.integrations.torchtitan import hf, steps
 from shardkit.integrations.torchtitan.state import (
@@ -46,6 +46,7 @@ from shardkit.integrations.torchtitan.state import (
     saved_names,
     training_state,
 )
+from shardkit.wire.collectives import all_gather_json
 
 _base = import_framework("torchtitan.components.checkpointer.base", "torchtitan")
 _titan_config = import_framework("torchtitan.config", "torchtitan")
@@ -62,22 +63,23 @@ def _rank() -> int:
 
 
 def _agreed(probe: Callable[[], Any]) -> Any:
-    """``probe()`` as rank 0 found it, on every rank: one listing of the folder (not one per rank, which on
-    an object store is a request per rank) decides which step every rank loads.  What rank 0 raised, every
-    rank raises."""
+    """``probe()`` (JSON) as rank 0 found it, on every rank: one listing of the folder (not one per rank,
+    which on an object store is a request per rank) decides which step every rank loads.  What rank 0
+    raised, every rank raises, as the same shardkit error class."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return probe()
-    box: list[Any] = [None]
+    answer, failure = None, None
     if dist.get_rank() == 0:
         try:
-            box = [(probe(), None)]
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast for it
-            box = [(None, exc)]
-    dist.broadcast_object_list(box, src=0)
-    value, error = box[0]
-    if error is not None:
-        raise error
-    return value
+            answer = {"value": probe()}
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather for it
+            answer, failure = {"error": error_record(exc)}, exc
+    first = all_gather_json(answer)[0]
+    if failure is not None:
+        raise failure
+    if "error" in first:
+        raise from_record(first["error"])
+    return first["value"]
 
 
 class ShardkitCheckpointManager(_base.BaseCheckpointManager):

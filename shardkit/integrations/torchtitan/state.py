@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import flatten, to_json_value
 from shardkit.errors import DataStateError
+from shardkit.wire.collectives import all_gather_json
 
 __all__ = ["MODEL_KEY", "OPTIM_KEY", "DATALOADER_KEY", "saved_names", "training_state", "flat_keys", "model_state",
            "dataloader_text", "restore_dataloader", "cast_floating"]
@@ -102,11 +103,7 @@ def dataloader_text(dataloader: Any) -> str:
     """Every rank's data position as one JSON text (collective when a process group exists)."""
     position, width = _position(dataloader)
     mine = json.dumps(to_json_value(position, DATALOADER_KEY))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    else:
-        every = [mine]
+    every = all_gather_json(mine) if dist.is_available() and dist.is_initialized() else [mine]
     return json.dumps({"world_size": len(every), "dp_world_size": width, "ranks": every})
 
 
