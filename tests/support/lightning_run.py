@@ -186,9 +186,10 @@ def case_path_and_url(work: Path, url: str) -> dict:
 
 
 def case_managed(work: Path) -> dict:
-    """keep_last=2 with the hot tier (local=): 3 epochs; then fit(ckpt_path="last") resumes from the hot tier."""
+    """keep_last=2 with the hot tier (local=), saved in the background: 3 epochs; then fit(ckpt_path="last")
+    resumes from the hot tier."""
     dirpath, hot = str(work / "managed"), str(work / "hot" / "node{node}")
-    strategy = ShardkitStrategy(keep_last=2, local=hot)
+    strategy = ShardkitStrategy(keep_last=2, local=hot, async_save=True)
     fit("shardkit", dirpath, 3, strategy=strategy, top_k=1)
     after_fit = listing(dirpath)
     hot_files = sorted(str(p.relative_to(work / "hot")) for p in (work / "hot").rglob("manifest.json"))

@@ -80,6 +80,7 @@ class ShardkitFabricStrategy(fabric_strategies.ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._backward_sync_control = _BackwardSync()
         self.store = CheckpointStore(async_save=async_save, compression=compression, storage_options=storage_options)
+        self.store.agree = self.broadcast
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes

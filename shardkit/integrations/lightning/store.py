@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,9 @@ class CheckpointStore:
         self._managers: dict[str, skc.CheckpointManager] = {}
         self._saved_step: dict[str, int] = {}  # per manager root: the step this process last saved there
         self._pending: tuple[str, Future] | None = None
+        self._pointer: Future | None = None  # rank 0: the pointer file written once its background step commits
+        self.agree: Callable[[Any], Any] = lambda value: value  # rank 0's value on every rank (the strategy's
+        # broadcast): decisions read from storage must not differ between ranks
 
     def set_ranks_per_node(self, ranks: int) -> None:
         """The hot tier's ranks per node, when not given: the strategy's devices per node (Lightning's own
@@ -108,13 +111,22 @@ class CheckpointStore:
                                      f"step, and this run has {len(optimizers)}; leave those options unset")
         root, name = _split_url(url)
         manager = self._manager(root, options)
+        committed = None
         if self._saved_step.get(manager.root_url) != step:  # ModelCheckpoint's top-k and last share one step
-            manager.save(step, model, optimizers[0] if optimizers else None)
+            committed = manager.save(step, model, optimizers[0] if optimizers else None)  # a Future when async
             self._saved_step[manager.root_url] = step
-        if _rank() == 0:
-            pointer = json.dumps({"format": POINTER_FORMAT, "step": step, META_KEY: text}).encode()
+        if _rank() != 0:
+            return
+        pointer = json.dumps({"format": POINTER_FORMAT, "step": step, META_KEY: text}).encode()
+
+        def write() -> None:
             Storage(root, options or None).write_then_replace(name, lambda out: out.write(pointer))
-        log.info("%s points at step %d under %s", url, step, manager.root_url)
+            log.info("%s points at step %d under %s", url, step, manager.root_url)
+
+        if committed is None:
+            write()
+        else:  # a pointer never names a step before it committed
+            self._pointer = _after(committed, write)
 
     def _manager(self, root: str, options: Mapping[str, Any]) -> skc.CheckpointManager:
         if root not in self._managers:
@@ -130,6 +142,9 @@ class CheckpointStore:
             log.info("background save to %s committed", pending[0])
         for manager in self._managers.values():
             manager.wait()
+        pointer, self._pointer = self._pointer, None
+        if pointer is not None:
+            pointer.result()
 
     # -- loading -----------------------------------------------------------
     def load(self, url: str, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer], *,
@@ -183,7 +198,7 @@ class CheckpointStore:
                                      f"{len(optimizers)}")
         manager = self._manager(root, options)
         optimizer = optimizers[0] if optimizers else None
-        newest = max(manager.steps(), default=-1)
+        newest = self.agree(max(manager.steps(), default=-1) if _rank() == 0 else None)
         resumed = manager.load_latest(model, optimizer, strict=strict) if step >= newest else None
         if resumed is None or resumed[0] != step:  # an older pointer (a top-k "best"), or the hot tier lacked it
             manager.load(step, model, optimizer, strict=strict)
@@ -212,6 +227,24 @@ class CheckpointStore:
                 storage.delete([MANIFEST])  # it stops being a checkpoint before any data goes
             storage.delete_tree()
         log.info("removed %s", url)
+
+
+def _after(future: Future, action: Callable[[], None]) -> Future:
+    """A future of ``action()``, run once ``future`` succeeded (skipped when it failed: its error is raised
+    by whoever waits on ``future``)."""
+    done: Future = Future()
+    done.set_running_or_notify_cancel()
+
+    def run(finished: Future) -> None:
+        try:
+            if finished.exception() is None:
+                action()
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(exc)
+
+    future.add_done_callback(run)
+    return done
 
 
 def lightning_meta(storage: Storage, url: str) -> dict[str, Any]:

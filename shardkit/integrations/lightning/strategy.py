@@ -68,6 +68,7 @@ class ShardkitStrategy(strategies.ModelParallelStrategy):
                          timeout=timeout)
         self.store = CheckpointStore(async_save=async_save, keep_last=keep_last, dedup=dedup, local=local,
                                      compression=compression, storage_options=storage_options, **hot_tier)
+        self.store.agree = self.broadcast
 
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
