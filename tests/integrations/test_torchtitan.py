@@ -7,9 +7,11 @@ the trainer's own pieces, built and stepped as ``Trainer`` does.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +19,9 @@ import torch
 pytest.importorskip("torchtitan.components.checkpointer")
 
 from shardkit.checkpoint.formats import open_reader  # noqa: E402
+from shardkit.integrations.torchtitan.steps import format_of  # noqa: E402
 from tests.support import torchtitan_ranks as ranks  # noqa: E402
-from tests.support.dist import run_on_ranks  # noqa: E402
+from tests.support.dist import run_on_ranks, run_torchrun  # noqa: E402
 from tests.support.torchtitan_seam import PrefixAdapter  # noqa: E402
 
 
@@ -64,6 +67,22 @@ def test_a_crashed_save_is_never_resumed_and_goes_with_retention(tmp_path):
     # the step-8 leftover lies above every commit (it could be a save in flight) and stays
     assert per_rank[0]["listing"] == ["step-4", "step-6", "step-8"]
     assert _verify(str(tmp_path / "run" / "ckpt" / "step-6")).returncode == 0
+
+
+def test_a_save_killed_half_way_by_sigkill_is_never_resumed(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "support" / "torchtitan_crash_run.py"
+    results = {}
+    for phase in ("full", "crash", "resume"):
+        done = run_torchrun(script, 2, [str(tmp_path), phase, str(tmp_path / f"{phase}.json")], timeout=300)
+        assert (done.returncode != 0) == (phase == "crash"), done.stderr[-3000:]
+        if phase == "crash":
+            step_6 = tmp_path / "run" / "ckpt" / "step-6"
+            assert os.listdir(step_6 / "data") and format_of(str(step_6)) is None  # data, no commit
+        else:
+            results[phase] = json.loads((tmp_path / f"{phase}.json").read_text())
+    assert results["resume"]["restored_from"] == 4
+    assert results["resume"]["losses"] == results["full"]["losses"][4:]
+    assert _verify(str(tmp_path / "run" / "ckpt" / "step-6")).returncode == 0  # saved again, whole
 
 
 def test_load_step_resumes_the_step_asked_for_not_the_newest(tmp_path):
