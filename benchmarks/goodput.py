@@ -1,12 +1,15 @@
 """Goodput: the training time each checkpointing system costs, and the work a failure loses.
 
-One 2-rank ``torchrun`` job (gloo, CPU) trains a small Transformer (``tests/support/models.py``; AdamW;
-its size from ``--sizes``: weights + two moments) for ``--steps`` steps per arm, ``--rounds`` times, the
-arms in an order that rotates from round to round.  The model is held twice: under ``shardkit.fully_shard``
-for the shardkit arms and the shardkit baseline, under torch's ``fully_shard`` for DCP, torch_checkpointing
-and the torch baseline (:mod:`peers_systems` configures the systems and says why).  Arms:
+One ``--ranks``-rank ``torchrun`` job (gloo, CPU; 2 by default) trains a small Transformer
+(``tests/support/models.py``; AdamW; its size from ``--sizes``: weights + two moments) for ``--steps`` steps
+per arm, ``--rounds`` times, the arms in an order that rotates from round to round. The model is held twice:
+under ``shardkit.fully_shard`` for the shardkit arms and the shardkit baseline, under torch's ``fully_shard``
+for DCP, torch_checkpointing and the torch baseline (:mod:`peers_systems` configures the systems and says
+why). Arms:
 
-* ``none/shardkit``, ``none/torch``: no checkpoint (each runtime's baseline);
+* ``none/shardkit``, ``none/torch``: no checkpoint (each runtime's baseline), run next to every arm of
+  that runtime (before it in even rounds, after it in odd ones), so each arm has a baseline measured
+  in the same minute: this machine's load drifts;
 * ``shardkit-async``: ``shardkit.checkpoint.async_save`` every ``--every`` steps;
 * ``shardkit-hot``: ``CheckpointManager(async_save=True, local=/dev/shm/..., local_world_size=1,
   replicas=1, durable_every=--every)`` -- ``save`` every step: the hot tier (node-local copy + a replica
@@ -20,14 +23,14 @@ the steady state of a long run (torch_checkpointing's first async save spawns it
 Every save is handed the state dict taken at that step (``get_training_state`` / ``get_state_dict``); a save
 starts only after the previous one of the arm committed (waited for where it is still running, on the
 clock), and the arm's wall time includes the wait for its last save.  The overhead of an arm is (wall time
-- its runtime's baseline) / the baseline, medians over the rounds.  After each arm, untimed for goodput but
+- its paired baseline) / that baseline, the median over the rounds.  After each arm, untimed for goodput but
 timed as "resume": the state is snapshotted, zeroed, loaded back from the arm's last checkpoint (the last
 step is always a save) with the system's own load, and compared bitwise with the snapshot.
 
 Work lost per failure, one failure every ``--fail-every`` steps: a failure at a random moment redoes on
 average half the interval between saves plus the lag from a save's start to its commit (measured, median),
 then pays the resume (measured); per ``--fail-every`` steps the arm also pays its overhead (taken as 0 where
-the measured one is negative: noise).  Each runtime first trains 4 steps, untimed, before any arm.
+the measured one is negative: noise).  Each runtime first trains 12 steps, untimed, before any arm.
 
 Targets: the overhead of ``shardkit-async`` <= 0.5x ``dcp-async``'s and <= 1.0x torch_checkpointing's.
 
@@ -58,7 +61,7 @@ sys.path.insert(0, HERE)
 import checkpoint_targets as targets  # noqa: E402 - beside this file
 import peers_systems as ps  # noqa: E402
 
-ARMS = ("none/shardkit", "none/torch", "shardkit-async", "shardkit-hot", "dcp-async", "torch_checkpointing-async")
+ARMS = ("shardkit-async", "shardkit-hot", "dcp-async", "torch_checkpointing-async")  # each paired with its baseline
 RUNTIME = {"none/shardkit": "shardkit", "shardkit-async": "shardkit", "shardkit-hot": "shardkit"}
 SYSTEM = {"shardkit-async": "shardkit", "shardkit-hot": "shardkit", "dcp-async": "dcp",
           "torch_checkpointing-async": "torch_checkpointing"}
@@ -256,14 +259,17 @@ def worker(args: argparse.Namespace) -> None:
     margs = model_args(args.size)
     models = {rt: build(margs, rt) for rt in ("shardkit", "torch")}
     for model, opt in models.values():  # untimed: each runtime's first steps (lazy set-up) before any arm
-        for tokens in batches_for(model, args.batch):
+        for tokens in batches_for(model, args.batch) * 3:
             train_step(model, opt, tokens, contextlib.nullcontext())
     nbytes = sum(ps.local(t).numel() * 4 for t in models["shardkit"][0].parameters()) * 3 * dist.get_world_size()
     rounds = []
     for r in range(args.rounds):
         row = {}
         for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
-            row[arm] = run_arm(arm, *models[RUNTIME.get(arm, "torch")], args, args.dir, group)
+            baseline = f"none/{RUNTIME.get(arm, 'torch')}"
+            for one in (baseline, arm) if r % 2 == 0 else (arm, baseline):
+                row[one] = run_arm(one, *models[RUNTIME.get(arm, "torch")], args, args.dir, group)
+            row[arm]["baseline"] = row.pop(baseline)["wall"]
         rounds.append(row)
         if dist.get_rank() == 0:
             print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
@@ -284,23 +290,21 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
     def med(arm: str, key: str) -> float:
         return statistics.median(r[arm][key] for r in rounds)
 
-    base = {rt: med(f"none/{rt}", "wall") for rt in ("shardkit", "torch")}
-    print(f"\n{size}: {res['state_bytes'] / 1e6:.1f} MB of state (Transformer {res['model']}), 2 ranks, "
-          f"{args.steps} steps per arm, {len(rounds)} rounds, medians; baseline wall: shardkit runtime "
-          f"{base['shardkit']:.2f} s, torch runtime {base['torch']:.2f} s")
-    print(f"  {'arm':28s} {'wall s':>7s} {'overhead':>9s} {'saves':>5s} {'lag s':>6s} {'resume s':>8s} "
-          f"{'lost/failure s':>14s} {'lost per ' + str(args.fail_every) + ' steps s':>20s}  resume bitwise")
+    print(f"\n{size}: {res['state_bytes'] / 1e6:.1f} MB of state (Transformer {res['model']}), {args.ranks} ranks, "
+          f"{args.steps} steps per arm, {len(rounds)} rounds, medians; overhead: the median over the rounds of "
+          f"(wall / its paired baseline's wall - 1)")
+    print(f"  {'arm':28s} {'wall s':>7s} {'base s':>7s} {'overhead':>9s} {'saves':>5s} {'lag s':>6s} {'resume s':>8s} "
+          f"{'lost/failure s':>14s} {'lost per ' + str(args.fail_every) + ' steps s':>20s}  resumes bitwise")
     overhead = {}
-    for arm in ARMS[2:]:
-        rt = RUNTIME.get(arm, "torch")
-        wall = med(arm, "wall")
-        overhead[arm] = (wall - base[rt]) / base[rt]
+    for arm in ARMS:
+        wall, base = med(arm, "wall"), med(arm, "baseline")
+        overhead[arm] = statistics.median(r[arm]["wall"] / r[arm]["baseline"] - 1 for r in rounds)
         step_s = wall / args.steps
         interval = 1 if arm == "shardkit-hot" else args.every
         lost = interval * step_s / 2 + med(arm, "lag")
-        per_period = max(0.0, overhead[arm]) * base[rt] / args.steps * args.fail_every + lost + med(arm, "resume")
-        print(f"  {arm:28s} {wall:7.2f} {100 * overhead[arm]:8.1f}% {rounds[0][arm]['saves']:5d} "
-              f"{med(arm, 'lag'):6.3f} {med(arm, 'resume'):8.3f} {lost:14.3f} {per_period:20.3f}  yes")
+        per_period = max(0.0, overhead[arm]) * base / args.steps * args.fail_every + lost + med(arm, "resume")
+        print(f"  {arm:28s} {wall:7.2f} {base:7.2f} {100 * overhead[arm]:8.1f}% {rounds[0][arm]['saves']:5d} "
+              f"{med(arm, 'lag'):6.3f} {med(arm, 'resume'):8.3f} {lost:14.3f} {per_period:20.3f}  all {len(rounds)}")
     verdicts = []
     for peer, limit in (("dcp-async", DCP_LIMIT), ("torch_checkpointing-async", TC_LIMIT)):
         for arm in ("shardkit-async", "shardkit-hot"):
@@ -324,6 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="50MB", help="state sizes (weights + AdamW), comma-separated")
     parser.add_argument("--rounds", type=int, default=targets.MIN_ROUNDS)
+    parser.add_argument("--ranks", type=int, default=2, choices=(2, 3, 4), help="ranks of the training job")
     parser.add_argument("--steps", type=int, default=60, help="training steps per arm (a multiple of --every)")
     parser.add_argument("--every", type=int, default=10, help="steps between (durable) saves")
     parser.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per rank and step")
@@ -346,8 +351,9 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix="shardkit-goodput-", dir=os.environ.get("TMPDIR", "/var/tmp"))
         shm = tempfile.mkdtemp(prefix="shardkit-goodput-", dir="/dev/shm")
         try:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            os.path.abspath(__file__), "--worker", "--size-bytes", str(ps.parse_size(size)),
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
+                            "--size-bytes", str(ps.parse_size(size)),
                             "--dir", work, "--shm", shm, "--rounds", str(args.rounds), "--steps", str(args.steps),
                             "--every", str(args.every), "--batch", str(args.batch)],
                            check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
