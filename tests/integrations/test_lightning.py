@@ -227,3 +227,16 @@ def test_a_lightning_meta_pt_that_needs_pickle_is_refused_naming_the_file(tmp_pa
 
     with pytest.raises(UnsafeCheckpoint, match="meta.pt"):
         lightning_meta(Storage(str(folder)), str(folder))
+
+
+def test_without_lightning_the_import_names_the_extra_to_install(monkeypatch):
+    import importlib
+
+    from shardkit.errors import IntegrationUnavailable
+
+    ours = ("lightning.", "shardkit.integrations.lightning")
+    for name in [m for m in sys.modules if m == "lightning" or m.startswith(ours)]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lightning", None)  # what an environment without it gives
+    with pytest.raises(IntegrationUnavailable, match=r"pip install 'shardkit\[lightning\]'"):
+        importlib.import_module("shardkit.integrations.lightning")
