@@ -32,6 +32,7 @@ from shardkit.errors import (  # noqa: E402
     UnsafeCheckpoint,
 )
 from shardkit.integrations.lightning import ShardkitStrategy  # noqa: E402
+from shardkit.integrations.lightning.sizes import mesh_sizes  # noqa: E402
 from shardkit.integrations.lightning.state import decode_rest, encode_rest  # noqa: E402
 from shardkit.integrations.lightning.store import CheckpointStore  # noqa: E402
 from tests.support.dist import run_torchrun  # noqa: E402
@@ -200,6 +201,13 @@ def test_hot_tier_options_without_local_are_refused():
         ShardkitStrategy(replicas=2)
     with pytest.raises(ConfigurationError, match="unknown checkpoint option"):
         CheckpointStore(keep_lats=2)
+
+
+def test_auto_sizes_shard_over_every_process_and_a_tensor_size_must_divide_them():
+    assert mesh_sizes("auto", 1, 4) == (4, 1) and mesh_sizes("auto", "auto", 2) == (2, 1)
+    assert mesh_sizes("auto", 2, 4) == (2, 2) and mesh_sizes(1, 2, 2) == (1, 2)
+    with pytest.raises(ConfigurationError, match="tensor_parallel_size=3 does not divide the 4 processes"):
+        mesh_sizes("auto", 3, 4)
 
 
 def test_loading_a_path_that_holds_no_checkpoint_names_it(tmp_path):

@@ -12,6 +12,8 @@
                also reads Lightning's own DCP folders
 ``state``      Lightning's checkpoint dict split into sharded tensors and the
                loop's state as JSON (no pickle)
+``sizes``      what ``"auto"`` data- and tensor-parallel sizes resolve to (FSDP
+               over every process by default)
 =============  ================================================================
 
 Importing this package imports Lightning; without it,

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
+from shardkit.integrations.lightning.sizes import mesh_sizes
 from shardkit.integrations.lightning.store import CheckpointStore
 from shardkit.integrations.requirements import import_framework
 
@@ -83,11 +84,8 @@ class ShardkitFabricStrategy(fabric_strategies.ModelParallelStrategy):
         self.store.agree = self.broadcast
 
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        if self._tensor_parallel_size == "auto":
-            self._tensor_parallel_size = 1
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = max(1, world // int(self._tensor_parallel_size))
+        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], storage_options: Any | None = None,

@@ -28,6 +28,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 import shardkit.checkpoint as skc
+from shardkit.integrations.lightning.sizes import mesh_sizes
 from shardkit.integrations.lightning.state import optimizer_key, split_checkpoint
 from shardkit.integrations.lightning.store import CheckpointStore
 from shardkit.integrations.requirements import import_framework
@@ -71,11 +72,8 @@ class ShardkitStrategy(strategies.ModelParallelStrategy):
         self.store.agree = self.broadcast
 
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        if self._tensor_parallel_size == "auto":
-            self._tensor_parallel_size = 1
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = max(1, world // int(self._tensor_parallel_size))
+        self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         self.store.set_ranks_per_node(self.num_processes)
         super().setup_environment()
 
