@@ -33,7 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import shardkit.checkpoint as skc
+from shardkit.checkpoint import (  # resolved now, not inside the first timed save or resume
+    CheckpointManager,
+    get_training_state,
+    load,
+    save,
+    set_training_state,
+)
+from shardkit.checkpoint import (
+    async_save as save_in_background,
+)
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict, UnsafeCheckpoint
 from shardkit.integrations.lightning.state import META_KEY, decode_rest, encode_rest
@@ -75,7 +84,7 @@ class CheckpointStore:
         self.managed = keep_last is not None or bool(dedup) or local is not None
         self.manager_options = dict(keep_last=keep_last, dedup=dedup, local=local, async_save=async_save,
                                     compression=compression, **hot_tier)
-        self._managers: dict[str, skc.CheckpointManager] = {}
+        self._managers: dict[str, CheckpointManager] = {}
         self._saved_step: dict[str, int] = {}  # per manager root: the step this process last saved there
         self._pending: tuple[str, Future] | None = None
         self._pointer: Future | None = None  # rank 0: the pointer file written once its background step commits
@@ -100,9 +109,9 @@ class CheckpointStore:
             return
         kwargs = dict(compression=self.compression, storage_options=options or None, meta={META_KEY: text})
         if self.async_save:
-            self._pending = (url, skc.async_save(tensors, url, **kwargs))
+            self._pending = (url, save_in_background(tensors, url, **kwargs))
         else:
-            skc.save(tensors, url, **kwargs)
+            save(tensors, url, **kwargs)
 
     def _save_managed(self, url: str, text: str, step: int, model: nn.Module,
                       optimizers: Sequence[torch.optim.Optimizer], options: dict[str, Any]) -> None:
@@ -128,10 +137,10 @@ class CheckpointStore:
         else:  # a pointer never names a step before it committed
             self._pointer = _after(committed, write)
 
-    def _manager(self, root: str, options: Mapping[str, Any]) -> skc.CheckpointManager:
+    def _manager(self, root: str, options: Mapping[str, Any]) -> CheckpointManager:
         if root not in self._managers:
             opts = self.manager_options if self.managed else {}
-            self._managers[root] = skc.CheckpointManager(root, storage_options=dict(options) or None, **opts)
+            self._managers[root] = CheckpointManager(root, storage_options=dict(options) or None, **opts)
         return self._managers[root]
 
     def wait(self) -> None:
@@ -173,12 +182,12 @@ class CheckpointStore:
     def _load_tensors(self, url: str, model: nn.Module, model_key: str,
                       optimizers: Mapping[str, torch.optim.Optimizer], strict: bool,
                       options: Mapping[str, Any]) -> dict[str, Any]:
-        targets: dict[str, Any] = {model_key: skc.get_training_state(model)["model"]}
-        targets.update({key: skc.get_training_state(model, o)["optim"] for key, o in optimizers.items()})
+        targets: dict[str, Any] = {model_key: get_training_state(model)["model"]}
+        targets.update({key: get_training_state(model, o)["optim"] for key, o in optimizers.items()})
         # without optimizers (validate, test) the stored optimizer states are not wanted: only the model's keys
-        meta = skc.load(targets, url, strict=strict and bool(optimizers), storage_options=options or None)
+        meta = load(targets, url, strict=strict and bool(optimizers), storage_options=options or None)
         for key, optimizer in optimizers.items():
-            skc.set_training_state(model, optimizer, {"model": targets[model_key], "optim": targets[key]},
+            set_training_state(model, optimizer, {"model": targets[model_key], "optim": targets[key]},
                                    strict=strict)
         return meta
 
