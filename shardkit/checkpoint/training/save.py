@@ -27,7 +27,6 @@ plain in one process).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -39,10 +38,9 @@ import torch
 from shardkit.checkpoint.formats.base import (
     WriteChunk,
 )
-from shardkit.checkpoint.formats.compression import Compression, parse_compression
+from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.formats.dtypes import dtype_to_code
 from shardkit.checkpoint.formats.native import (
-    COLUMN_STRIPS,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_BYTES,
     NativeWriter,
@@ -54,7 +52,7 @@ from shardkit.checkpoint.formats.native import (
     new_token,
 )
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, is_dtensor, local_tensor, split_box
-from shardkit.checkpoint.geometry.placements import layout_of, local_pieces, lowest_replica
+from shardkit.checkpoint.geometry.placements import local_pieces, lowest_replica
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.deadline import deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
@@ -64,16 +62,17 @@ from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
     flatten,
     keep_keys,
-    to_json_value,
 )
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import deduplicate, digest_algorithm, with_digests
+from shardkit.checkpoint.training.rank_report import FilesReport, RankReport, SummaryReport, report_from_json
 from shardkit.checkpoint.training.save_commit import commit_gathered, state_digest, summary_of
+from shardkit.checkpoint.training.save_options import SaveOptions
+from shardkit.checkpoint.training.save_plan import SavePlan, layouts_of
 from shardkit.checkpoint.training.writer_assignment import WriterAssignments, writer_assignments
 from shardkit.errors import (
     CheckpointError,
     CheckpointExists,
-    ConfigurationError,
     ShardkitError,
     UnsupportedFormat,
     error_record,
@@ -83,56 +82,7 @@ from shardkit.held_groups import GroupRef
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "plan_save", "layouts_of", "write_and_commit", "save_options", "structure_of",
-           "check_storable"]
-
-
-class SavePlan:
-    """What one rank writes: its chunks grouped into files, and the tensors' global metadata.
-
-    ``layouts`` says how the job held its tensors (see :func:`layouts_of`), for the manifest.
-    ``regions`` (key -> the global boxes this rank stores, before they are cut into chunks) and
-    ``coords`` (this rank's coordinate on each layout's mesh, ``None`` off it) are what a writer of a
-    version-3 checkpoint tells rank 0 (:mod:`~.save_commit`).
-    """
-
-    def __init__(self, groups: list[list[WriteChunk]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 values: dict[str, Any], layouts: list[dict[str, Any]] | None = None,
-                 aliases: dict[str, str] | None = None, regions: Mapping[str, Sequence[Box]] | None = None,
-                 coords: Sequence[tuple[int, ...] | None] = ()) -> None:
-        self.groups = groups
-        self.tensors = tensors
-        self.values = values
-        self.layouts = layouts or []
-        self.aliases = aliases or {}  # tied key -> the key its data is written under
-        self.regions = dict(regions or {})
-        self.coords = list(coords) or [None] * len(self.layouts)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for g in self.groups for c in g)
-
-    @property
-    def mesh(self) -> dict[str, Any] | None:
-        """The widest mesh any tensor lives on (the job's mesh; sub-meshes are slices of it) with the
-        placements of its first tensor: the manifest's ``writer.mesh``."""
-        return self.layouts[0]["mesh"] | {"placements": self.layouts[0]["placements"]} if self.layouts else None
-
-
-def layouts_of(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """How the job held its tensors: ``[{"mesh": {"shape", "dim_names"}, "placements": [...],
-    "specs": [...], "tensors": [fqn, ...]}, ...]``, one entry per distinct mesh and placements, widest mesh first.
-    Plain tensors are not listed (every rank holds them whole)."""
-    groups: dict[str, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
-        layout = layout_of(tensor)
-        if layout is None:
-            continue
-        entry = groups.setdefault(repr((layout["shape"], layout["dim_names"], layout["placements"])), {
-            "mesh": {"shape": layout["shape"], "dim_names": layout["dim_names"]}, "placements": layout["placements"],
-            "specs": layout["specs"], "tensors": []})
-        entry["tensors"].append(key)
-    return sorted(groups.values(), key=lambda e: (-len(e["mesh"]["shape"]), -math.prod(e["mesh"]["shape"])))
+__all__ = ["save", "SavePlan", "SaveOptions", "plan_save", "write_and_commit", "structure_of", "check_storable"]
 
 
 class _LastPlan:
@@ -277,19 +227,17 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
 FileJobs = list[tuple[str, list[WriteChunk]]]
 
 
-def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist, *,
-                     compression: Compression | None, block_bytes: int, fsync: bool, io_threads: int,
-                     meta: Mapping[str, Any] | None, overwrite: bool, direct_io: bool = True,
-                     column_strips: str = "cut", digests: bool | str = False, reuse_from: str | None = None,
-                     write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
+def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist,
+                     options: SaveOptions, write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
 
     ``write_files`` writes ``[(file name, chunks), ...]`` and returns the files' records (the
     ``async_save`` writer process); by default this process writes them, one I/O thread per file.
-    ``digests``/``reuse_from``: see :mod:`~shardkit.checkpoint.training.dedup`.
+    ``options.digests``/``options.reuse_from``: see :mod:`~shardkit.checkpoint.training.dedup`.
     """
-    writer = NativeWriter(storage, compression=compression, block_bytes=block_bytes, fsync=fsync,
-                          direct_io=direct_io, column_strips=column_strips)
+    digests, reuse_from, io_threads = options.digests, options.reuse_from, options.io_threads
+    writer = NativeWriter(storage, compression=options.compression, block_bytes=options.block_bytes,
+                          fsync=options.fsync, direct_io=options.direct_io, column_strips=options.column_strips)
     files: list[WrittenFile] = []
     jobs: list[tuple[str, Any]] = []
     reused: list[WrittenFile] = []
@@ -319,27 +267,29 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
     dist.phase = "write"  # the ranks meet once every one of them has written its files
     counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
     new_names = [f.name for f in files] + ([name for name, _ in jobs] if local_error is not None else [])
+    error = None if local_error is None else error_record(local_error)
+    report: RankReport
     if None not in counts and is_indexed(sum(counts)):  # every rank decides alike
-        payload: dict[str, Any] = {"error": None, "summary": None, "digest": "", "aliases": {}}
+        report = SummaryReport(error=error)
         if local_error is None and plan is not None:
             try:
                 summary, written = summary_of(storage, plan, dist.rank, token, mine)
                 new_names += written
-                payload.update(summary=summary.to_json(), digest=state_digest(plan), aliases=plan.aliases)
+                report = SummaryReport(summary, state_digest(plan), plan.aliases)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 local_error = exc
+                report = SummaryReport(error=error_record(exc))
     else:
         chunked = {fqn for f in files for fqn, _ in f.chunks}
-        payload = {"files": [f.to_json() for f in mine],
-                   "tensors": {k: [dtype_to_code(d), list(s)] for k, (d, s) in (plan.tensors.items() if plan else ())
-                               if k in chunked},
-                   "aliases": plan.aliases if plan else {}}
-    payload["error"] = None if local_error is None else error_record(local_error)
+        report = FilesReport(tuple(mine), {k: (dtype_to_code(d), tuple(s)) for k, (d, s)
+                                           in (plan.tensors.items() if plan else ()) if k in chunked},
+                             plan.aliases if plan else {}, error)
     dist.phase = "commit"
-    gathered = dist.gather_json(payload)
+    gathered = dist.gather_json(report.to_json())
     commit_error = None
     if gathered is not None:
-        commit_error = commit_gathered(storage, writer, plan, gathered, dist, meta, overwrite)
+        commit_error = commit_gathered(storage, writer, plan, [report_from_json(g) for g in gathered], dist,
+                                       options.meta, options.overwrite)
     commit_error = dist.broadcast_json(commit_error)
     if commit_error is not None or local_error is not None:
         try:  # nothing will reference this rank's new files: remove them (never anything older)
@@ -350,15 +300,6 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
         raise local_error
     if commit_error is not None:
         raise from_record(commit_error)
-
-
-def save_options(compression: Any, chunk_bytes: int, block_bytes: int,
-                 column_strips: str = "cut") -> Compression | None:
-    if chunk_bytes < 1024 or block_bytes < 8 or block_bytes % 8:
-        raise ConfigurationError("chunk_bytes must be >= 1024 and block_bytes a positive multiple of 8")
-    if column_strips not in COLUMN_STRIPS:
-        raise ConfigurationError(f"column_strips must be one of {', '.join(COLUMN_STRIPS)}, got {column_strips!r}")
-    return parse_compression(compression)
 
 
 def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: str | os.PathLike | None = None,
@@ -406,15 +347,16 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     """
     url = checkpoint_url(url, checkpoint_id, "save")
     storage_options = with_retries(storage_options, retries)
-    comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
-    digests = digest_algorithm(digests) if digests or reuse_from else False
-    meta = to_json_value(dict(meta), "meta") if meta else None
-    dist = Dist(process_group, with_step(deadline_for("save", url, timeout), meta))
+    options = SaveOptions.checked(compression=compression, meta=meta, overwrite=overwrite, fsync=fsync,
+                                  direct_io=direct_io, chunk_bytes=chunk_bytes, block_bytes=block_bytes,
+                                  io_threads=io_threads, column_strips=column_strips, digests=digests,
+                                  reuse_from=reuse_from, only=only, exclude=exclude)
+    dist = Dist(process_group, with_step(deadline_for("save", url, timeout), options.meta))
     storage = Storage(url, storage_options)
     plan, error = None, None
     try:
-        plan = plan_save(stateful_to_state_dict(state_dict), dist, chunk_bytes=chunk_bytes, io_threads=io_threads,
-                         compression=comp, keys=(only, exclude))
+        plan = plan_save(stateful_to_state_dict(state_dict), dist, chunk_bytes=options.chunk_bytes,
+                         io_threads=options.io_threads, compression=options.compression, keys=options.keys)
         if not overwrite and is_committed(storage):
             raise CheckpointExists(f"{url} already holds a committed checkpoint; pass overwrite=True or pick a new URL")
         log.debug("rank %d plans %d data files (%d chunks) for %s", dist.rank, len(plan.groups),
@@ -422,8 +364,4 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         storage.makedirs()
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the collective
         error = exc
-    write_and_commit(storage, plan, error, dist, compression=comp, block_bytes=block_bytes, fsync=fsync,
-                     io_threads=io_threads, meta=meta, overwrite=overwrite, direct_io=direct_io,
-                     column_strips=column_strips, digests=digests, reuse_from=reuse_from)
-
-
+    write_and_commit(storage, plan, error, dist, options)

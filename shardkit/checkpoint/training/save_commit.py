@@ -14,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
+from shardkit.checkpoint.formats.dtypes import dtype_to_code
 from shardkit.checkpoint.formats.native import (
-    Layout,
     NativeWriter,
     WriterSummary,
     WrittenFile,
@@ -29,20 +28,16 @@ from shardkit.checkpoint.formats.native import (
 )
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.training.rank_report import FilesReport, RankReport, SummaryReport
+from shardkit.checkpoint.training.save_plan import SavePlan, layout_rules
 from shardkit.errors import CheckpointError, CheckpointExists, ShardkitError, error_record
 
 log = logging.getLogger(__name__)
 
-__all__ = ["layout_rules", "state_digest", "summary_of", "commit_gathered"]
+__all__ = ["state_digest", "summary_of", "commit_gathered"]
 
 
-def layout_rules(layouts: Sequence[Mapping[str, Any]]) -> list[Layout]:
-    """A save plan's layouts (:func:`~.save.layouts_of`) as (mesh shape, specs, fqns)."""
-    return [(tuple(int(n) for n in layout["mesh"]["shape"]), tuple(tuple(s) for s in layout["specs"]),
-             tuple(layout["tensors"])) for layout in layouts]
-
-
-def state_digest(plan: Any) -> str:
+def state_digest(plan: SavePlan) -> str:
     """A digest of what every rank must agree on: each tensor's key, dtype and shape, the tied keys and
     the layouts.  Sent instead of the tensors themselves, which would make rank 0's part grow with
     tensors times ranks."""
@@ -51,7 +46,7 @@ def state_digest(plan: Any) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
 
-def summary_of(storage: Storage, plan: Any, rank: int, token: str, files: Sequence[WrittenFile]
+def summary_of(storage: Storage, plan: SavePlan, rank: int, token: str, files: Sequence[WrittenFile]
                ) -> tuple[WriterSummary, list[str]]:
     """This writer's part of a version-3 save: its index file written (when it stored anything), and the
     summary rank 0 commits from; with the names of the files it wrote."""
@@ -64,16 +59,17 @@ def summary_of(storage: Storage, plan: Any, rank: int, token: str, files: Sequen
     return WriterSummary(rank, name, record, {f.name: f.size for f in files}, claims, listed), [name]
 
 
-def commit_gathered(storage: Storage, writer: NativeWriter, plan: Any, gathered: list[dict], dist: Dist,
-                    meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
-    """On rank 0: build, validate and publish the manifest; return an error record or ``None``."""
-    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+def commit_gathered(storage: Storage, writer: NativeWriter, plan: SavePlan | None, reports: Sequence[RankReport],
+                    dist: Dist, meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
+    """On rank 0: build, validate and publish the manifest from every rank's report; return an error record
+    or ``None``."""
+    failed = [(r, report.error) for r, report in enumerate(reports) if report.error is not None]
     if failed:
         rank, record = failed[0]
         return {**record, "message": f"save to {storage.url} failed on rank {rank}: "
                 f"{record['type']}: {record['message']}; nothing was committed"}
     try:
-        _publish(storage, writer, plan, gathered, dist, meta, overwrite)
+        _publish(storage, writer, plan, reports, dist, meta, overwrite)
         return None
     except Exception as exc:  # noqa: BLE001 - turned into a record every rank raises
         if not isinstance(exc, ShardkitError):
@@ -81,45 +77,70 @@ def commit_gathered(storage: Storage, writer: NativeWriter, plan: Any, gathered:
         return error_record(exc)
 
 
-def _publish(storage: Storage, writer: NativeWriter, plan: Any, gathered: list[dict], dist: Dist,
-             meta: Mapping[str, Any] | None, overwrite: bool) -> None:
+Commit = Callable[[], None]
+
+
+def _from_files(storage: Storage, writer: NativeWriter, plan: SavePlan, reports: Sequence[FilesReport],
+                writer_info: dict[str, Any], meta: Mapping[str, Any] | None) -> Commit:
+    """A small save: every rank's chunk records in one manifest, once the ranks agree on every tensor."""
+    tensors = dict(plan.tensors)
+    for report in reports:
+        for key, (dtype, shape) in report.dtypes_and_shapes().items():
+            seen = tensors.setdefault(key, (dtype, shape))
+            if (seen[0], tuple(seen[1])) != (dtype, shape):
+                raise CheckpointError(f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} "
+                                      f"{list(seen[1])} vs {dtype_to_code(dtype)} {list(shape)}")
+    _check_aliases(storage, plan, reports)
+    files = [f for report in reports for f in report.files]
+    manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
+                                     aliases=plan.aliases)
+    return lambda: writer.commit(manifest)
+
+
+def _from_summaries(storage: Storage, writer: NativeWriter, plan: SavePlan, reports: Sequence[SummaryReport],
+                    writer_info: dict[str, Any], meta: Mapping[str, Any] | None) -> Commit:
+    """A version-3 save: the manifest from the writers' summaries, once every rank's state digest is rank 0's."""
+    _check_aliases(storage, plan, reports)
+    digest = state_digest(plan)
+    differ = next((r for r, report in enumerate(reports) if report.digest != digest), None)
+    if differ is not None:
+        raise CheckpointError(f"save to {storage.url}: ranks disagree about the tensors they save: rank "
+                              f"{differ}'s keys, dtypes, shapes or layouts differ from rank 0's; every rank "
+                              f"must save the same state dict")
+    summaries = [report.summary for report in reports]
+    if any(summary is None for summary in summaries):
+        raise CheckpointError(f"save to {storage.url}: a rank sent no summary of what it wrote")
+    manifest, kept = manifest_from_summaries(
+        {k: (dtype_to_code(d), tuple(s)) for k, (d, s) in plan.tensors.items()}, layout_rules(plan.layouts),
+        summaries, values=plan.values, meta=meta, writer_info=writer_info, aliases=plan.aliases,
+        where=f"save to {storage.url}")
+    return lambda: writer.commit_indexed(manifest, kept)
+
+
+_BUILDERS: dict[type, Callable[..., Commit]] = {FilesReport: _from_files, SummaryReport: _from_summaries}
+
+
+def _check_aliases(storage: Storage, plan: SavePlan, reports: Sequence[RankReport]) -> None:
+    for r, report in enumerate(reports):
+        if report.aliases != plan.aliases:
+            raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
+                                  f"{plan.aliases}, rank {r} {dict(report.aliases)}; every rank must tie the same "
+                                  f"keys")
+
+
+def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, reports: Sequence[RankReport],
+             dist: Dist, meta: Mapping[str, Any] | None, overwrite: bool) -> None:
     """Rank 0's part once every rank wrote its files: check that the ranks agree, then commit."""
     if plan is None:
         raise CheckpointError(f"save to {storage.url}: rank 0 has no plan")
-    tensors = dict(plan.tensors)
-    for g in gathered:
-        for key, (code, shape) in g.get("tensors", {}).items():
-            seen = tensors.setdefault(key, (code_to_dtype(code), tuple(shape)))
-            if (seen[0], tuple(seen[1])) != (code_to_dtype(code), tuple(shape)):
-                raise CheckpointError(f"save to {storage.url}: ranks disagree about {key!r}: {seen[0]} "
-                                      f"{list(seen[1])} vs {code} {shape}")
-    for r, g in enumerate(gathered):
-        if g["aliases"] != plan.aliases:
-            raise CheckpointError(f"save to {storage.url}: ranks disagree about tied tensors: rank 0 has "
-                                  f"{plan.aliases}, rank {r} {g['aliases']}; every rank must tie the same keys")
+    forms = {type(report) for report in reports}
+    if len(forms) != 1:
+        raise CheckpointError(f"save to {storage.url}: ranks reported in different forms "
+                              f"({', '.join(sorted(form.kind for form in forms))}); nothing was committed")
     writer_info = {"world_size": dist.world_size, "mesh": plan.mesh, "layouts": plan.layouts}
-    if "summary" in gathered[0]:
-        digest = state_digest(plan)
-        differ = next((r for r, g in enumerate(gathered) if g["digest"] != digest), None)
-        if differ is not None:
-            raise CheckpointError(f"save to {storage.url}: ranks disagree about the tensors they save: rank "
-                                  f"{differ}'s keys, dtypes, shapes or layouts differ from rank 0's; every rank "
-                                  f"must save the same state dict")
-        summaries = [WriterSummary.from_json(g["summary"]) for g in gathered]
-        manifest, kept = manifest_from_summaries(
-            {k: (dtype_to_code(d), tuple(s)) for k, (d, s) in tensors.items()}, layout_rules(plan.layouts),
-            summaries, values=plan.values, meta=meta, writer_info=writer_info, aliases=plan.aliases,
-            where=f"save to {storage.url}")
-    else:
-        files = [WrittenFile.from_json(f) for g in gathered for f in g["files"]]
-        manifest = writer.build_manifest(tensors, files, values=plan.values, meta=meta, writer_info=writer_info,
-                                         aliases=plan.aliases)
+    commit = _BUILDERS[forms.pop()](storage, writer, plan, reports, writer_info, meta)
     if not overwrite and is_committed(storage):
         raise CheckpointExists(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to "
                                f"replace it")
-    if "summary" in gathered[0]:
-        writer.commit_indexed(manifest, kept)
-    else:
-        writer.commit(manifest)
-    log.info("committed %s: %d files from %d ranks", storage.url,
-             sum(len(g["summary"]["files"]) if "summary" in g else len(g["files"]) for g in gathered), len(gathered))
+    commit()
+    log.info("committed %s: %d files from %d ranks", storage.url, sum(r.file_count for r in reports), len(reports))

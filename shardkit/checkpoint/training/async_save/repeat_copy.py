@@ -32,7 +32,8 @@ from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import flatten, keep_keys
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
-from shardkit.checkpoint.training.save import SavePlan, plan_save, structure_of
+from shardkit.checkpoint.training.save import plan_save, structure_of
+from shardkit.checkpoint.training.save_plan import SavePlan
 from shardkit.held_groups import GroupRef
 
 __all__ = ["RepeatStaging"]

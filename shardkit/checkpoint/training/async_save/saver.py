@@ -32,24 +32,25 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.formats.native import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage, with_retries
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
-from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.checkpoint.training.async_save.repeat_copy import RepeatStaging
 from shardkit.checkpoint.training.async_save.writer_process import WriterProcess, writer_options
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
-from shardkit.checkpoint.training.dedup import digest_algorithm
-from shardkit.checkpoint.training.save import save_options, write_and_commit
+from shardkit.checkpoint.training.save import write_and_commit
+from shardkit.checkpoint.training.save_options import SaveOptions
 from shardkit.errors import ConfigurationError
 from shardkit.held_groups import GroupRef, finish_before_exit, release_at_exit
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["async_save", "BackgroundSaver", "background_saver", "WRITERS"]
 
@@ -123,13 +124,9 @@ class BackgroundSaver:
             self._pending = self._executor.submit(contextvars.copy_context().run, job, group)
             return self._pending
 
-    def submit(self, state_dict: dict[str, Any], storage: Storage, *, compression: Compression | None,
-               meta: Mapping[str, Any] | None, overwrite: bool, fsync: bool, chunk_bytes: int, block_bytes: int,
-               io_threads: int, process_group: Any = None, direct_io: bool = True,
-               keys: tuple[Sequence[str] | None, Sequence[str] | None] = (None, None),
-               column_strips: str = "cut", writer: str = "process",
-               child_options: Mapping[str, Any] | None = None, digests: bool | str = False,
-               reuse_from: str | None = None, deadline: Deadline | None = None) -> Future:
+    def submit(self, state_dict: dict[str, Any], storage: Storage, options: SaveOptions, *,
+               process_group: ProcessGroup | None = None, writer: str = "process",
+               child_options: Mapping[str, Any] | None = None, deadline: Deadline | None = None) -> Future:
         """Plan and stage on this thread, write and commit in the background; ``child_options``: the
         storage options the writer process rebuilds the storage from (see :func:`choose_writer`);
         ``deadline``: of every collective, the background ones included."""
@@ -142,25 +139,21 @@ class BackgroundSaver:
             plan, error = None, None
             try:
                 plan = self.staging.plan_and_stage(stateful_to_state_dict(state_dict), dist, pool,
-                                                   chunk_bytes=chunk_bytes, io_threads=io_threads, keys=keys,
-                                                   compression=compression)
+                                                   chunk_bytes=options.chunk_bytes, io_threads=options.io_threads,
+                                                   keys=options.keys, compression=options.compression)
                 storage.makedirs()
             except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
                 error = exc
-            options = dict(compression=compression, block_bytes=block_bytes, fsync=fsync, direct_io=direct_io,
-                           column_strips=column_strips)
             write_files = None
             if writer == "process" and plan is not None:
                 write_files = lambda jobs: self.writer_process.write_files(  # noqa: E731
-                    storage, dict(child_options or {}), jobs, pool, writer=dist.rank, io_threads=io_threads,
-                    **options)
-            meta_copy = dict(meta) if meta else None
+                    storage, dict(child_options or {}), jobs, pool, writer=dist.rank, io_threads=options.io_threads,
+                    compression=options.compression, block_bytes=options.block_bytes, fsync=options.fsync,
+                    direct_io=options.direct_io, column_strips=options.column_strips)
 
             def write_in_background() -> None:
                 pool.wait_copied()
-                write_and_commit(storage, plan, error, dist, io_threads=io_threads, meta=meta_copy,
-                                 overwrite=overwrite, write_files=write_files, digests=digests,
-                                 reuse_from=reuse_from, **options)
+                write_and_commit(storage, plan, error, dist, options, write_files=write_files)
 
             self._pending = self._executor.submit(write_in_background)
             return self._pending
@@ -231,16 +224,13 @@ def async_save(state_dict: dict[str, Any], url: str | None = None, *,
     died or froze makes the future raise :class:`~shardkit.errors.CheckpointTimeout` on the others.
     """
     url = checkpoint_url(url, checkpoint_id, "async_save")
-    comp = save_options(compression, chunk_bytes, block_bytes, column_strips)
-    digests = digest_algorithm(digests) if digests or reuse_from else False
-    meta = to_json_value(dict(meta), "meta") if meta else None
+    options = SaveOptions.checked(compression=compression, meta=meta, overwrite=overwrite, fsync=fsync,
+                                  direct_io=direct_io, chunk_bytes=chunk_bytes, block_bytes=block_bytes,
+                                  io_threads=io_threads, column_strips=column_strips, digests=digests,
+                                  reuse_from=reuse_from, only=only, exclude=exclude)
     storage_options = with_retries(storage_options, retries)
-    deadline = with_step(deadline_for("async save", url, timeout), meta)
+    deadline = with_step(deadline_for("async save", url, timeout), options.meta)
     storage = Storage(url, storage_options)
     mode, child_options = choose_writer(writer, storage, storage_options)
-    return background_saver().submit(state_dict, storage, compression=comp, meta=meta,
-                                     overwrite=overwrite, fsync=fsync, chunk_bytes=chunk_bytes,
-                                     block_bytes=block_bytes, io_threads=io_threads, process_group=process_group,
-                                     direct_io=direct_io, keys=(only, exclude), column_strips=column_strips,
-                                     writer=mode, child_options=child_options, digests=digests,
-                                     reuse_from=reuse_from, deadline=deadline)
+    return background_saver().submit(state_dict, storage, options, process_group=process_group, writer=mode,
+                                     child_options=child_options, deadline=deadline)

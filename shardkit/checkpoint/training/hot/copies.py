@@ -31,6 +31,7 @@ from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.input_state import INPUT_KEYS
 from shardkit.checkpoint.training.load import Checked, check_before_writing, default_staging_bytes, plan_load
 from shardkit.checkpoint.training.save import plan_save, write_and_commit
+from shardkit.checkpoint.training.save_options import SaveOptions
 from shardkit.errors import CorruptCheckpoint
 
 __all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "check_copy", "CheckedCopy",
@@ -80,8 +81,9 @@ def write_copy(url: str, tensors: Mapping[str, torch.Tensor], values: Mapping[st
     plan = plan_save(state, alone, chunk_bytes=DEFAULT_CHUNK_BYTES, io_threads=DEFAULT_IO_THREADS, compression=None)
     storage = Storage(url)
     storage.makedirs()
-    write_and_commit(storage, plan, None, alone, compression=None, block_bytes=DEFAULT_BLOCK_BYTES, fsync=True,
-                     io_threads=DEFAULT_IO_THREADS, meta={**meta, "hot": dict(hot)}, overwrite=False)
+    write_and_commit(storage, plan, None, alone, SaveOptions(meta={**meta, "hot": dict(hot)}, overwrite=False,
+                                                             block_bytes=DEFAULT_BLOCK_BYTES,
+                                                             io_threads=DEFAULT_IO_THREADS))
     return plan.nbytes
 
 
