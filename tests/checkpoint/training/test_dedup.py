@@ -195,7 +195,7 @@ def test_load_fails_before_writing_any_target_when_a_referenced_file_is_missing(
 
 def test_saving_a_referenced_step_again_keeps_the_files_its_sibling_reads(tmp_path):
     manager = three_steps(tmp_path)
-    manager.dedup = False
+    manager.durable.dedup = None
     manager.save(1, at_step(FineTune(), 1), rng=False)  # a full rewrite of step 1 under new file names
     assert skc.verify(manager.url_of(3)).ok
     assert same(loaded(manager.url_of(3)), at_step(FineTune(), 3))

@@ -157,7 +157,7 @@ def test_retention_never_deletes_an_earlier_runs_steps_this_manager_did_not_resu
 def test_a_kill_after_an_overwrite_commit_never_resumes_the_steps_it_superseded(tmp_path, monkeypatch):
     earlier_run(tmp_path, steps=(1, 2, 3))
     manager = skc.CheckpointManager(str(tmp_path), overwrite=True)
-    monkeypatch.setattr(manager, "_retain", lambda committed: None)  # killed right after the commit
+    monkeypatch.setattr(manager.durable, "committed", lambda plan, pending: None)  # killed right after the commit
     manager.save(1, at_step(FineTune(), 11), rng=False)
     assert manager.steps() == [1, 2, 3]
     model = FineTune()
@@ -175,7 +175,7 @@ def test_an_overwrite_save_killed_before_its_commit_leaves_the_earlier_run_resum
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr("shardkit.checkpoint.training.manager.save", killed)
+    monkeypatch.setattr("shardkit.checkpoint.training.durable_tier.save", killed)
     with pytest.raises(KeyboardInterrupt):
         manager.save(1, at_step(FineTune(), 11), rng=False)
     model = FineTune()
@@ -217,7 +217,7 @@ def _rank_zero_cannot_list(root: str) -> str:
     if dist.get_rank() == 0:
         def unreachable():
             raise StorageError(f"listing {root} failed after 4 attempts")
-        manager._all_step_dirs = unreachable
+        manager.durable.step_dirs = unreachable
     return _what_saving_step_one_raises(manager)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -20,11 +20,14 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
+from shardkit.checkpoint.training.hot.layout import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
-from shardkit.checkpoint.training.hot.tier import HotTier
 from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
 from shardkit.errors import error_record, from_record
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["LastLoad", "resume_hot"]
 
@@ -50,7 +53,8 @@ class _Opened:
     restores_inputs: bool
 
 
-def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
+               optimizer: torch.optim.Optimizer | None, *,
                data: ElasticSampler | None, stateful: Mapping[str, Stateful] | None, rng: bool,
                at_least: int) -> tuple[int, Any, str] | None:
     """Load the newest hot step at or above ``at_least`` that every rank can assemble from verified copies;
@@ -63,14 +67,14 @@ def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer
         state = {**get_training_state(model, optimizer), **inputs}
         return _Opened(check_copy(path, state, structure), state, inputs, restores)
 
-    found = recover(tier.layout(), structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
-                    group=tier.process_group)
+    found = recover(layout, structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
+                    group=group)
     if found is None:
         return None
     opened = found.opened
     try:  # a sampler or objects that do not fit what was saved: refused on every rank, as a durable resume does
         check_input_state(found.step, opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs,
-                          restores=opened.restores_inputs, process_group=tier.process_group)
+                          restores=opened.restores_inputs, process_group=group)
     except BaseException:
         opened.copy.discard()
         found.done()
@@ -86,7 +90,7 @@ def resume_hot(tier: HotTier, model: nn.Module, optimizer: torch.optim.Optimizer
         problem = exc
     finally:
         found.done()
-    resumed = Dist(tier.process_group)
+    resumed = Dist(group)
     resumed.phase = "read"
     failed = resumed.first_error(None if problem is None else error_record(problem))
     if failed is not None:

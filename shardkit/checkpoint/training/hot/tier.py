@@ -1,7 +1,8 @@
-"""``HotTier``: what :class:`~shardkit.checkpoint.training.manager.CheckpointManager` holds when given
-``local=``.  It turns the manager's options into a :class:`~.layout.NodeLayout`, names every save, checks
-once per state structure that each node's directory can hold what it is asked to keep, copies the state
-to host for a background save, and loads a recovered copy into the targets.
+"""``HotTier``: the manager's node-local tier (a :class:`~shardkit.checkpoint.training.tiers.Tier`), what
+:class:`~shardkit.checkpoint.training.manager.CheckpointManager` holds when given ``local=``.  It turns
+the manager's options into a :class:`~.layout.NodeLayout`, names every save, checks once per state
+structure that each node's directory can hold what it is asked to keep, copies the state to host for a
+background save (which the durable save of the same step shares), and resumes from recovered copies.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState, local_state
 from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.resume import resume_hot
 from shardkit.checkpoint.training.hot.retention import check_space
 from shardkit.checkpoint.training.hot.roots import survey_node
-from shardkit.checkpoint.training.hot.save import HotSave
+from shardkit.checkpoint.training.hot.save import HotSave, run_hot_save
+from shardkit.checkpoint.training.tiers import LoadTargets, Resumed, Staged
 from shardkit.errors import ConfigurationError, error_record, from_record
 
 __all__ = ["HotTier", "durable_view"]
@@ -86,6 +89,28 @@ class HotTier:
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())
         tensors = self._host.copy(local) if to_host or on_device else local.tensors
         return HotSave(step, save_id, tensors, local.values, local.structure, meta, self.local_keep), local
+
+    def plan(self, step: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Every step goes to the hot tier."""
+        return step, meta
+
+    def stage(self, plan: tuple[int, dict[str, Any]], state: dict[str, Any], *, background: bool) -> Staged:
+        """The hot save of ``state`` (:meth:`prepare`: a host copy in a ``background`` save, which the tiers
+        after this one save too, through :func:`durable_view`)."""
+        step, meta = plan
+        job, local = self.prepare(step, state, meta, to_host=background)
+        layout = self.layout()
+        return Staged(lambda group: run_hot_save(layout, job, group),
+                      (lambda: durable_view(local, job.tensors)) if background else (lambda: state))
+
+    def committed(self, plan: tuple[int, dict[str, Any]], pending: int | None) -> None:
+        """Nothing to do: each node's retention ran with the save (``local_keep``)."""
+
+    def resume(self, targets: LoadTargets, candidates: list[int]) -> Resumed | None:
+        """The newest hot step at or above the newest durable candidate that every rank can assemble."""
+        found = resume_hot(self.layout(), self.process_group, targets.model, targets.optimizer, data=targets.data,
+                           stateful=targets.stateful, rng=targets.rng, at_least=candidates[-1] if candidates else 0)
+        return None if found is None else Resumed(*found)
 
     def _check_space(self, layout: NodeLayout, dist: Dist, nbytes: int) -> None:
         """Every node's leader checks its directory for ``local_keep`` + 1 steps of its ranks' copies and the
