@@ -39,8 +39,8 @@ from tests.support.dist import run_torchrun  # noqa: E402
 from tests.support.framework_helpers import FRAMEWORK_MODULE_TIMEOUT, FRAMEWORK_RUN_S  # noqa: E402
 
 SCRIPT = Path(__file__).parents[1] / "support" / "lightning_run.py"
-TWO_RANK_CASES = ("resume", "reference", "dcp_into_shardkit", "top_k", "mid_epoch", "path_and_url", "managed",
-                  "dedup", "s3", "fabric")
+TWO_RANK_CASES = ("resume", "reference", "dcp_into_shardkit", "top_k", "mid_epoch", "link", "path_and_url",
+                  "managed", "dedup", "s3", "fabric")
 ONE_RANK_CASES = ("resume_other_size", "memory")
 EPOCH = 4  # global batches an epoch
 
@@ -125,6 +125,14 @@ class TestTrainerFit:
         assert r["top_k"]["seen"]["best"].endswith("epoch=3-step=16.ckpt")
         for name in r["top_k"]["files"]:
             assert (work / "top-k" / name / "manifest.json").is_file()
+
+    def test_save_last_link_points_at_the_newest_top_k_folder_and_resumes_through_the_link(self, runs):
+        _, r = runs
+        case, straight = r["link"], r["top_k"]["records"]  # top_k: the same model trained 4 epochs straight
+        assert case["link"] == {"is_link": True, "target": "epoch=1-step=8.ckpt"}
+        assert case["resumed"] == straight[2 * EPOCH:3 * EPOCH]
+        # epoch 1's folder was removed when epoch 2's became the best; the link moved to it, nothing else went
+        assert case["files"] == ["epoch=2-step=12.ckpt", "last.ckpt"] and case["final_target"] == "epoch=2-step=12.ckpt"
 
     def test_trainer_save_checkpoint_to_a_url_in_the_background_and_fit_from_it_or_a_path(self, runs):
         _, r = runs

@@ -119,7 +119,7 @@ def fit(engine: str, dirpath: str, epochs: int, *, ckpt_path=None, strategy=None
                     else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1))
     model = model or Regression(engine)
     callback = ModelCheckpoint(**{"dirpath": dirpath, "monitor": "train_loss", "save_top_k": top_k,
-                                  "save_last": True, **checkpoint_kw})
+                                  "save_last": True, **checkpoint_kw})  # save_last="link" in checkpoint_kw too
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=epochs, max_steps=max_steps,
                         logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
@@ -160,6 +160,16 @@ def case_mid_epoch(work: Path) -> dict:
     first = fit("shardkit", dirpath, 2, max_steps=6, monitor=None, every_n_train_steps=2)
     resumed = fit("shardkit", dirpath, 2, ckpt_path="last", monitor=None, every_n_train_steps=2)
     return {"first": first.records, "resumed": resumed.records, "seen": resumed.trainer_seen}
+
+
+def case_link(work: Path) -> dict:
+    """save_last="link": last.ckpt is a link to the newest top-k checkpoint; fit(ckpt_path="last") follows it."""
+    dirpath = work / "link"
+    first = fit("shardkit", str(dirpath), 2, save_last="link")
+    link = {"is_link": (dirpath / "last.ckpt").is_symlink(), "target": os.readlink(dirpath / "last.ckpt")}
+    resumed = fit("shardkit", str(dirpath), 3, save_last="link", ckpt_path="last")
+    return {"first": first.records, "resumed": resumed.records, "link": link, "files": listing(str(dirpath)),
+            "final_target": os.readlink(dirpath / "last.ckpt")}
 
 
 def case_top_k(work: Path) -> dict:
@@ -268,6 +278,7 @@ CASES = {
     "dcp_into_shardkit": case_dcp_into_shardkit,
     "top_k": case_top_k,
     "mid_epoch": case_mid_epoch,
+    "link": case_link,
     "path_and_url": lambda work: case_path_and_url(work, (work / "saved-by-url").as_uri()),
     "memory": lambda work: case_path_and_url(work, "memory://lightning/epoch1"),
     "managed": case_managed,

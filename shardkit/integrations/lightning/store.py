@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
@@ -228,7 +229,9 @@ class CheckpointStore:
         if _rank() != 0:
             return
         storage = Storage(url, self.storage_options or None)
-        if storage.fs.isfile(storage.root):
+        if storage.is_local and os.path.islink(storage.root):  # save_last="link": the link goes, not its target
+            os.unlink(storage.root)
+        elif storage.fs.isfile(storage.root):
             parent, name = _split_url(url)
             Storage(parent, self.storage_options or None).delete([name])
         elif storage.exists(""):
