@@ -4,7 +4,9 @@ module's.
 A format is named in ``shardkit/checkpoint/formats/`` only: everything else asks the registry
 (``shardkit.checkpoint.formats.FORMATS``), so a new format touches its own folder and the registry and nothing
 else.  A ``_name`` is a module's own: another module, or a test, that reaches for it is tied to code that may
-change under it without notice (docs/architecture.md, "The direction of imports").
+change under it without notice (docs/architecture.md, "The direction of imports").  And the checkpoint code
+leaves the process through ``io/`` only: an ``os``/``shutil``/``open`` call that touches a file outside
+``shardkit/checkpoint/io/`` is one of the exceptions :data:`OUTSIDE_IO` names with its reason.
 """
 
 from __future__ import annotations
@@ -50,6 +52,46 @@ THIRD_PARTY_PRIVATE = {
     "_get_default_store": "torch.distributed's store of the default group, where ranks check in before a "
                           "checkpoint collective within a deadline (no public name gives it)",
 }
+
+
+# files of shardkit/checkpoint/ outside io/ that touch the filesystem themselves, each with its reason
+# (docs/architecture.md, "io/"); everything else goes through Storage
+OUTSIDE_IO = {
+    "shardkit/checkpoint/training/async_save/host_buffers.py":
+        "the staging buffer's shared-memory file (/dev/shm), which the writer process maps: memory, not storage",
+    "shardkit/checkpoint/training/async_save/writer_process.py":
+        "the writer process's end of the shared-memory buffer and its pipe to the training process",
+    "shardkit/checkpoint/training/async_save/saver.py":
+        "os.register_at_fork: a forked child forgets its parent's background saver",
+    "shardkit/checkpoint/training/load.py": "/proc/meminfo: the host memory a load plans its buffers within",
+    "shardkit/checkpoint/training/step_fallback.py":
+        "whether the nearest existing parent of a missing root is writable, for the words of a warning",
+    "shardkit/checkpoint/formats/torchsave/mapped.py":
+        "torch.load(mmap=True) maps a local file by path: the temporary copy of a remote file it maps",
+    "shardkit/checkpoint/formats/torchsave/state.py": "read_model_keys: a user's list of parameter names, by path",
+}
+# os and shutil functions that only compute with names, never touch a file
+PURE_OS = {"path.join", "path.basename", "path.dirname", "path.abspath", "fspath", "environ.get", "path.expanduser",
+           "path.splitext", "path.normpath", "path.relpath", "path.split", "getpid", "cpu_count"}
+
+
+def file_calls_outside_io(root: Path = ROOT, allowed: dict[str, str] = OUTSIDE_IO) -> list[str]:
+    """``os.*``/``shutil.*``/``open`` calls that touch files in shardkit/checkpoint/ outside io/ and the
+    named exceptions."""
+    found = []
+    for path in sorted((root / "shardkit" / "checkpoint").rglob("*.py")):
+        where = _relative(path, root)
+        if where.startswith("shardkit/checkpoint/io/") or where in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), where)):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _dotted(node.func)
+            if name == "open" or (name and name.split(".")[0] in ("os", "shutil")
+                                  and name.split(".", 1)[-1] not in PURE_OS):
+                found.append(f"{where}:{node.lineno}: {name}() outside shardkit/checkpoint/io/; go through "
+                             "Storage (or add the file with its reason to OUTSIDE_IO)")
+    return sorted(found, key=_by_file_and_line)
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -195,6 +237,24 @@ def test_no_private_attribute_is_used_outside_its_module():
 def test_no_test_uses_a_private_name_of_shardkit():
     found = private_names_in_tests()
     assert found == [], "\n" + "\n".join(found)
+
+
+def test_the_checkpoint_code_touches_files_through_io_only():
+    found = file_calls_outside_io()
+    assert found == [], "\n" + "\n".join(found)
+
+
+def test_the_io_check_fails_on_a_planted_violation(tmp_path):
+    hot = tmp_path / "shardkit" / "checkpoint" / "training" / "hot"
+    io = tmp_path / "shardkit" / "checkpoint" / "io"
+    for folder in (hot, io):
+        folder.mkdir(parents=True)
+    (hot / "retention.py").write_text("import os, shutil\n\ndef f(p):\n    os.path.join(p, 'x')\n"
+                                      "    shutil.rmtree(p)\n    return open(os.path.join(p, 'y')).read()\n")
+    (io / "local_disk.py").write_text("import os\nos.unlink('x')\n")
+    assert file_calls_outside_io(tmp_path) == [
+        f"shardkit/checkpoint/training/hot/retention.py:{line}: {name}() outside shardkit/checkpoint/io/; go through "
+        "Storage (or add the file with its reason to OUTSIDE_IO)" for line, name in ((5, "shutil.rmtree"), (6, "open"))]
 
 
 def test_each_name_check_fails_on_a_planted_violation(tmp_path):

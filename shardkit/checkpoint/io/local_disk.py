@@ -286,3 +286,21 @@ class LocalDisk:
 
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    def remove_empty_dir(self, path: str) -> bool:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def tree_bytes(self, path: str) -> int:
+        total = 0
+        for root, _, files in os.walk(path):  # a file removed meanwhile is not counted
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files if os.path.exists(os.path.join(root, f)))
+        return total
+
+    def free_bytes(self, path: str) -> int:
+        return shutil.disk_usage(path).free

@@ -26,6 +26,7 @@ bounded retry layer (``retry(what, fn, url)``, warning once per retried
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -234,4 +235,21 @@ class RemoteFiles:
             except FileNotFoundError:
                 pass
         self.retry(f"deleting {path}", rm, self.url(path))
+
+    def remove_empty_dir(self, path: str) -> bool:
+        """Object stores have no empty directories; a filesystem's is removed when nothing is in it."""
+        if self.listdir(path, path, f"listing {path}"):
+            return False
+        if not self.is_object_store:
+            self.delete_tree(path)
+        return True
+
+    def tree_bytes(self, path: str) -> int:
+        try:
+            return int(self.retry(f"sizing {path}", lambda: self.fs.du(path, total=True), self.url(path)))
+        except FileNotFoundError:
+            return 0
+
+    def free_bytes(self, path: str) -> int:
+        return sys.maxsize
         self.fresh(path)

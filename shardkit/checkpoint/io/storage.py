@@ -391,6 +391,19 @@ class Storage:
         """Remove a directory and everything under it (missing is fine)."""
         self.disk.delete_tree(self._path_or_root(name))
 
+    def remove_empty_dir(self, name: str = "") -> bool:
+        """Remove directory ``name`` (default: this URL) if it is empty; whether it is gone."""
+        return self.disk.remove_empty_dir(self._path_or_root(name))
+
+    # -- space ---------------------------------------------------------
+    def tree_bytes(self, name: str = "") -> int:
+        """Bytes the files under directory ``name`` (default: this URL) take now (0 when it is missing)."""
+        return self.disk.tree_bytes(self._path_or_root(name))
+
+    def free_bytes(self) -> int:
+        """Bytes free on the filesystem this URL is on (an object store: unbounded, ``sys.maxsize``)."""
+        return self.disk.free_bytes(self.root)
+
 
 def split_file(storage: Storage) -> tuple[Storage, str]:
     """(storage of the parent directory, file name) for a storage that points at one file."""

@@ -39,13 +39,14 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardkit.checkpoint.io.location import canonical_url
 from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.errors import ConfigurationError
 from shardkit.wire.job_log import warning_once_per_job
 
-__all__ = ["NodeLayout", "COMPLETE_NAME", "copy_name", "parse_copy_name", "is_partial_copy",
+__all__ = ["NodeLayout", "COMPLETE_NAME", "CopyName", "copy_name", "parse_copy_name", "is_partial_copy",
            "is_marker_leftover", "run_name"]
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,21 @@ def run_name(spelling: str) -> str:
     return "run-" + hashlib.sha256(spelling.encode("utf-8")).hexdigest()[:12]
 
 
+class CopyName(NamedTuple):
+    """What a copy directory's name says: ``rank-2.<save id>[.<token>]``."""
+
+    kind: str      # rank (a rank's own copy), replica (another node's rank's) or fetched (by a recovery)
+    rank: int      # whose shards it holds
+    save_id: str   # the save that wrote it
+    token: str | None = None  # a fetched copy's: which recovery fetched it
+
+    def __str__(self) -> str:
+        return f"{self.kind}-{self.rank}.{self.save_id}" + (f".{self.token}" if self.token else "")
+
+
 def copy_name(kind: str, rank: int, save_id: str, token: str | None = None) -> str:
     """``rank-2.<save id>``: the directory name of one copy (``kind``: rank, replica or fetched)."""
-    return f"{kind}-{rank}.{save_id}" + (f".{token}" if token else "")
+    return str(CopyName(kind, rank, save_id, token))
 
 
 def is_marker_leftover(name: str) -> bool:
@@ -78,10 +91,12 @@ def is_partial_copy(name: str) -> bool:
     return bool(marker) and head.startswith(".") and parse_copy_name(head[1:]) is not None
 
 
-def parse_copy_name(name: str) -> tuple[str, int, str] | None:
-    """``(kind, rank, save id)`` of a copy directory name, or ``None`` for any other name."""
+def parse_copy_name(name: str) -> CopyName | None:
+    """What a copy directory's name says, or ``None`` for any other name: the one place names are read."""
     found = _COPY.match(name)
-    return (found.group(1), int(found.group(2)), found.group(3)) if found else None
+    if not found:
+        return None
+    return CopyName(found.group(1), int(found.group(2)), found.group(3), found.group(4)[1:] if found.group(4) else None)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import copy_meta
 from shardkit.checkpoint.training.hot.layout import NodeLayout, copy_name, parse_copy_name
@@ -64,22 +65,21 @@ def hot_reports(layout: NodeLayout, rank: int) -> list[dict[str, Any]]:
     node_dir = layout.node_dir(rank)
     kept = {("rank", rank)} | {("replica", q) for q in layout.replicated_here(rank)}
     reports = []
-    if not os.path.isdir(node_dir):
-        return reports
-    for step_name in sorted(os.listdir(node_dir)):
-        step_path = os.path.join(node_dir, step_name)
-        if not os.path.isdir(step_path) or step_of_dir(step_name) is None:
+    node = Storage(node_dir)
+    for step_name in node.listdir():
+        if step_of_dir(step_name) is None or not node.is_dir(step_name):
             continue
-        for name in sorted(os.listdir(step_path)):
+        step = node.child(step_name)
+        for name in step.listdir():
             parsed = parse_copy_name(name)
-            if parsed is None or (parsed[0], parsed[1]) not in kept:
+            if parsed is None or (parsed.kind, parsed.rank) not in kept:
                 continue
-            path = os.path.join(step_path, name)
-            entry: dict[str, Any] = {"path": path, "holder": rank, "of": parsed[1], "save_id": parsed[2]}
+            path = step.child(name).url
+            entry: dict[str, Any] = {"path": path, "holder": rank, "of": parsed.rank, "save_id": parsed.save_id}
             try:
                 hot = copy_meta(path)["hot"]
                 entry.update(step=hot["step"], world_size=hot["world_size"], structure=hot["structure"])
-                if hot["rank"] != parsed[1] or hot["save_id"] != parsed[2]:
+                if hot["rank"] != parsed.rank or hot["save_id"] != parsed.save_id:
                     entry["bad"] = f"its manifest says rank {hot['rank']}, save {hot['save_id']}"
             except ShardkitError as exc:
                 entry["bad"] = str(exc)

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 
 from shardkit.checkpoint.formats.native import remove_owned, survey
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, is_marker_leftover, is_partial_copy, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_of_dir
-from shardkit.errors import ConfigurationError
+from shardkit.errors import ConfigurationError, ShardkitError
 
 __all__ = ["retain_local", "read_marker", "check_space", "remove_copy", "held_bytes"]
 
@@ -37,18 +35,17 @@ log = logging.getLogger(__name__)
 def read_marker(step_dir: str) -> str | None:
     """The save id ``complete.json`` records in ``step_dir``, or ``None`` (absent or unreadable)."""
     try:
-        with open(os.path.join(step_dir, COMPLETE_NAME), "rb") as f:
-            found = json.loads(f.read().decode("utf-8"))
+        found = json.loads(Storage(step_dir).read_bytes(COMPLETE_NAME).decode("utf-8"))
         return found["save_id"] if isinstance(found.get("save_id"), str) else None
-    except (OSError, ValueError, KeyError, AttributeError):
+    except (ShardkitError, OSError, ValueError, KeyError, AttributeError):
         return None
 
 
 def remove_copy(path: str) -> None:
     """Remove one copy directory's shardkit files (manifest first); foreign files stay, with a warning."""
-    if not os.path.isdir(path):
-        return
     storage = Storage(path)
+    if not storage.is_dir():
+        return
     found = survey(storage)
     if found.foreign:
         log.warning("leaving %s in place: it holds files the hot tier did not write (%s)", path,
@@ -56,90 +53,72 @@ def remove_copy(path: str) -> None:
     remove_owned(storage, found)
 
 
-def _remove_step(step_dir: str, why: str) -> None:
-    log.info("hot tier: removing %s (%s)", step_dir, why)
-    marker = os.path.join(step_dir, COMPLETE_NAME)
-    if os.path.exists(marker):
-        os.unlink(marker)
-    for name in sorted(os.listdir(step_dir)):
+def _remove_step(step: Storage, why: str) -> None:
+    log.info("hot tier: removing %s (%s)", step.url, why)
+    step.delete([COMPLETE_NAME])  # first: the step stops being complete at once
+    for name in step.listdir():
         if parse_copy_name(name) is not None:
-            remove_copy(os.path.join(step_dir, name))
+            remove_copy(step.child(name).url)
         elif is_marker_leftover(name):
-            os.unlink(os.path.join(step_dir, name))
+            step.delete([name])
         elif is_partial_copy(name):
-            shutil.rmtree(os.path.join(step_dir, name), ignore_errors=True)
-    _rmdir_if_empty(step_dir)
-
-
-def _rmdir_if_empty(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        left = [n for n in os.listdir(path)] if os.path.isdir(path) else []
+            step.delete_tree(name)
+    if not step.remove_empty_dir():
+        left = step.listdir()
         if left:
-            log.warning("hot tier: %s keeps files it did not write: %s", path, ", ".join(left[:3]))
+            log.warning("hot tier: %s keeps files it did not write: %s", step.url, ", ".join(left[:3]))
 
 
-def _steps(node_dir: str) -> dict[int, str]:
-    if not os.path.isdir(node_dir):
-        return {}
-    found = {}
-    for name in os.listdir(node_dir):
-        step = step_of_dir(name)
-        if step is not None and os.path.isdir(os.path.join(node_dir, name)):
-            found[step] = os.path.join(node_dir, name)
-    return found
+def _steps(node_dir: str) -> dict[int, Storage]:
+    node = Storage(node_dir)
+    return {step: node.child(name) for name in node.listdir()
+            if (step := step_of_dir(name)) is not None and node.is_dir(name)}
 
 
 def retain_local(node_dir: str, step: int, save_id: str, local_keep: int) -> None:
     """Retention after ``step`` (save ``save_id``) completed on this node (see the module docstring)."""
     steps = _steps(node_dir)
-    complete = sorted((s for s, path in steps.items() if s <= step and read_marker(path) is not None), reverse=True)
+    complete = sorted((s for s, d in steps.items() if s <= step and read_marker(d.url) is not None), reverse=True)
     kept = set(complete[:max(local_keep, 1)]) | {step}
     incarnation = save_id[:12]  # this manager's saves: one above ``step`` is the next save, under way
-    for s, path in sorted(steps.items()):
-        if s > step and not _abandoned(path, incarnation):
+    for s, d in sorted(steps.items()):
+        if s > step and not _abandoned(d, incarnation):
             continue
         if s > step:
-            _remove_step(path, f"above step {step}, which this run saved after resuming from below it")
+            _remove_step(d, f"above step {step}, which this run saved after resuming from below it")
         elif s not in kept:
-            _remove_step(path, "older than the newest complete steps kept" if s in complete else "never completed")
+            _remove_step(d, "older than the newest complete steps kept" if s in complete else "never completed")
         else:
-            marker = save_id if s == step else read_marker(path)
-            for name in os.listdir(path):
+            marker = save_id if s == step else read_marker(d.url)
+            for name in d.listdir():
                 parsed = parse_copy_name(name)
-                if parsed is not None and (parsed[0] == "fetched" or parsed[2] != marker):
-                    remove_copy(os.path.join(path, name))
+                if parsed is not None and (parsed.kind == "fetched" or parsed.save_id != marker):
+                    remove_copy(d.child(name).url)
                 elif is_marker_leftover(name):
-                    os.unlink(os.path.join(path, name))
+                    d.delete([name])
                 elif is_partial_copy(name) and not name[1:].split(".partial-")[0].endswith(save_id):
-                    shutil.rmtree(os.path.join(path, name), ignore_errors=True)  # a killed transfer's leftovers
+                    d.delete_tree(name)  # a killed transfer's leftovers
 
 
-def _abandoned(step_dir: str, incarnation: str) -> bool:
+def _abandoned(step: Storage, incarnation: str) -> bool:
     """Whether a step above the one just completed is an earlier run's: it holds copies, none of them this
     manager's.  An empty one may be this manager's next save, whose ranks are creating it right now."""
-    names = [parse_copy_name(n) for n in os.listdir(step_dir)]
-    copies = [parsed for parsed in names if parsed is not None]
-    return bool(copies) and not any(parsed[2].startswith(incarnation) for parsed in copies)
+    copies = [parsed for n in step.listdir() if (parsed := parse_copy_name(n)) is not None]
+    return bool(copies) and not any(parsed.save_id.startswith(incarnation) for parsed in copies)
 
 
 def held_bytes(node_dir: str) -> int:
     """Bytes the hot tier's step directories take in ``node_dir`` now."""
-    total = 0
-    for path in _steps(node_dir).values():
-        for root, _, files in os.walk(path):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files if os.path.exists(os.path.join(root, f)))
-    return total
+    return sum(d.tree_bytes() for d in _steps(node_dir).values())
 
 
 def check_space(node_dir: str, step_bytes: int, local_keep: int) -> None:
     """Refuse, before the first hot save, a node directory that cannot hold ``local_keep`` complete steps plus
     the one being written (``step_bytes`` each: this node's own copies and the replicas it keeps)."""
-    os.makedirs(node_dir, exist_ok=True)
+    node = Storage(node_dir)
+    node.makedirs()
     needed = (local_keep + 1) * step_bytes
-    usage = shutil.disk_usage(node_dir)
-    available = usage.free + held_bytes(node_dir)
+    available = node.free_bytes() + held_bytes(node_dir)
     if available < needed:
         raise ConfigurationError(
             f"the hot tier's directory {node_dir} cannot hold local_keep={local_keep} steps: each step takes "
