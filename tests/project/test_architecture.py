@@ -17,12 +17,14 @@ attributes, private names in tests) and test_map.py (the doc's tree, the paths d
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_LINES = 450
+MAX_LINES = 600   # past this a module is two ideas: the check fails
+WARN_LINES = 400  # past this it is worth a look: the check warns, so nothing is squeezed to fit the limit
 
 # layer of each checkpoint folder: a module may import its own layer or lower ones, never higher
 LAYERS = {
@@ -166,9 +168,9 @@ def private_imports(edges: dict[str, list[tuple[str, list[str], int]]]) -> list[
             for n in names if n.startswith("_") and not n.startswith("__")]
 
 
-def oversized(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+def oversized(modules: dict[str, Path], root: Path = ROOT, limit: int = MAX_LINES) -> list[str]:
     return [f"{path.relative_to(root)}: {n} lines" for path in modules.values()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+            if (n := len(path.read_text().splitlines())) > limit]
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +199,9 @@ def test_no_private_name_is_used_outside_its_module(edges):
 
 
 def test_no_module_grows_past_the_size_of_one_idea():
+    large = oversized(module_files(), limit=WARN_LINES)
+    if large:
+        warnings.warn(f"modules over {WARN_LINES} lines (the limit is {MAX_LINES}): " + "; ".join(large), stacklevel=1)
     assert oversized(module_files()) == []
 
 
@@ -213,6 +218,7 @@ def test_each_check_fails_on_a_planted_violation(tmp_path):
         "def f():\n    import shardkit.checkpoint.formats.reader\n    import shardkit.runtime\n")
     (pkg / "checkpoint" / "formats" / "reader.py").write_text(
         "import shardkit.checkpoint.formats.codec\n" + "x = 1\n" * (MAX_LINES + 1))  # cycle, size
+    (pkg / "checkpoint" / "formats" / "base.py").write_text("x = 1\n" * (WARN_LINES + 1))  # only worth a look
     (tmp_path / "cli").mkdir()
     planted = module_files(tmp_path)
     planted_edges = graph(planted)
@@ -222,6 +228,9 @@ def test_each_check_fails_on_a_planted_violation(tmp_path):
     assert private_imports(planted_edges) == [
         "shardkit.checkpoint.io.storage:1 takes _crc from shardkit.checkpoint.formats.codec"]
     assert oversized(planted, tmp_path) == [f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]
+    assert sorted(oversized(planted, tmp_path, limit=WARN_LINES)) == [
+        f"shardkit/checkpoint/formats/base.py: {WARN_LINES + 1} lines",
+        f"shardkit/checkpoint/formats/reader.py: {MAX_LINES + 2} lines"]
 
 
 def test_the_facade_check_fails_on_a_planted_violation(tmp_path):

@@ -210,7 +210,6 @@ class CheckpointReader(abc.ABC):
         for r in requests:
             self.read([ReadRequest(r.fqn, r.chunk, r.box, torch.empty_like(r.out))])
 
-
     def close(self) -> None:  # noqa: B027 - optional for formats without resources
         pass
 

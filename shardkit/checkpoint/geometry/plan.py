@@ -81,7 +81,6 @@ def plan_box(index: ChunkIndex, box: Box, what: str) -> list[Piece]:
     return pieces
 
 
-
 def byte_runs(chunk_box: Box, sub: Box, itemsize: int) -> np.ndarray:
     """Byte ranges ``[[start, end), ...]`` of the chunk that hold ``sub`` (both global boxes).
 

@@ -49,6 +49,7 @@ __all__ = ["Destination", "prepare_dst"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Destination:
     """Where an offline run writes, and what was there before it.

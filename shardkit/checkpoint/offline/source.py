@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["canonical_location", "overlap", "source_fingerprint"]
 
+
 def overlap(a: Storage, b: Storage) -> bool:
     """Whether ``a`` and ``b`` are the same place or one lies inside the other."""
     x, y = canonical_location(a), canonical_location(b)

@@ -24,7 +24,6 @@ from shardkit.checkpoint.io.rounds import ROUND_BYTES, aligned, nbytes_of
 __all__ = ["read_requests"]
 
 
-
 def read_requests(reader: CheckpointReader, requests: Sequence[ReadRequest], round_bytes: int = ROUND_BYTES) -> None:
     """``reader.read(requests)``, where requests whose ``out`` is device memory go through host rounds."""
     host = [r for r in requests if r.out.device.type == "cpu"]

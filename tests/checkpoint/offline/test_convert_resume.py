@@ -94,7 +94,6 @@ def test_a_journaled_file_damaged_before_the_rerun_is_written_again(tmp_path, mo
     assert verify(str(dst)).ok and diff(str(src), str(dst)).equal
 
 
-
 def test_a_journaled_file_whose_header_was_damaged_is_written_again(tmp_path, monkeypatch):
     from safetensors import safe_open
 

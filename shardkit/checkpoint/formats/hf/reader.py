@@ -68,6 +68,8 @@ SIDE_FILE_CAP = 64 << 20
 # what a Trainer or DeepSpeed run keeps beside its weights that matches the patterns but is no model's file
 TRAINING_RUN_FILES = ("trainer_state.json", "zero_to_fp32.py", "zero_to_torch.py")
 _HEAD_GUESS = 1 << 16
+
+
 def read_header(storage: Storage, name: str, *, base: int = 0, where: str | None = None) -> Any:
     """Parse and strictly validate the safetensors header of the blob starting at byte ``base`` of
     ``name`` (0 for a safetensors file; DCP's safetensors payloads start later), with ranged reads."""

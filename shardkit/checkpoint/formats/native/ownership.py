@@ -43,7 +43,6 @@ _INDEX_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}\.json(\.tmp-[0-9a-f]{12})?$")
 _PATTERNS = {DATA_DIR: _DATA_NAME, INDEX_DIR: _INDEX_NAME, RESUME_DIR: _JOURNAL_NAME}
 
 
-
 def is_native_file_name(name: str) -> bool:
     """Whether ``name`` (relative to a checkpoint directory) has the shape of a shardkit data or index file."""
     head, _, tail = name.partition("/")

@@ -46,7 +46,6 @@ from shardkit.errors import CheckpointNotFound
 __all__ = ["TorchSaveReader", "TorchLoadOptions", "detect", "open_reader", "value_path", "STORAGE_TYPES"]
 
 
-
 STORAGE_TYPES = {
     torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
     torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
