@@ -89,6 +89,11 @@ class TestTrainerFit:
         assert [float.fromhex(loss) for _, loss in other] == pytest.approx(
             [float.fromhex(loss) for _, loss in straight], abs=1e-6, rel=0)
 
+    def test_validate_with_ckpt_path_loads_the_model_alone_into_a_fresh_one(self, runs):
+        _, r = runs
+        in_memory, from_file = r["resume"]["validate"]
+        assert from_file == in_memory  # the trained model's validation loss, bitwise, without its optimizer
+
     def test_the_saved_folder_passes_shardkit_verify(self, runs):
         work, r = runs
         assert r["resume"]["files"] == ["epoch=1-step=8.ckpt", "last.ckpt"]

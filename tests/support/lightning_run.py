@@ -82,9 +82,12 @@ class Regression(L.LightningModule):
         self.records: list = []
         self.sampler: ElasticSampler | None = None
         self.sampler_state = None
+        self.sharded = False
 
     def configure_model(self) -> None:
-        shard(self.net, self.device_mesh["data_parallel"], self.engine)
+        if not self.sharded:  # a later validate() calls it again on the same module
+            shard(self.net, self.device_mesh["data_parallel"], self.engine)
+            self.sharded = True
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
@@ -93,6 +96,10 @@ class Regression(L.LightningModule):
         self.records.append(record)
         self.log("train_loss", float.fromhex(record[1]), on_step=False, on_epoch=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        index, x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -143,8 +150,17 @@ def case_resume(work: Path, engine: str) -> dict:
         shutil.copytree(work / f"{engine}-stopped" / "last.ckpt", work / f"{engine}-epoch1")
     dist.barrier()
     resumed = fit(engine, str(work / f"{engine}-stopped"), 2, ckpt_path="last")
+    # trainer.validate(ckpt_path=...) loads the model alone (no optimizer) into a fresh one
+    loader = ElasticLoader(Samples(), batch_sampler=ElasticSampler(NUM_SAMPLES, global_batch_size=GLOBAL_BATCH))
+    in_memory = straight.trainer.validate(straight, dataloaders=loader, verbose=False)
+    validator = L.Trainer(accelerator="cpu", devices=WORLD, strategy=straight.trainer.strategy.__class__(
+        **({} if engine == "shardkit" else {"data_parallel_size": WORLD, "tensor_parallel_size": 1})),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    from_file = validator.validate(Regression(engine), dataloaders=loader, verbose=False,
+                                   ckpt_path=str(work / f"{engine}-straight" / "last.ckpt"))
     return {"straight": straight.records, "first": first.records, "resumed": resumed.records,
-            "seen": resumed.trainer_seen, "files": listing(str(work / f"{engine}-stopped"))}
+            "seen": resumed.trainer_seen, "files": listing(str(work / f"{engine}-stopped")),
+            "validate": [in_memory[0]["val_loss"], from_file[0]["val_loss"]]}
 
 
 def case_dcp_into_shardkit(work: Path) -> dict:

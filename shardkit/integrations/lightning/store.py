@@ -209,6 +209,7 @@ class CheckpointStore:
         manager = self._manager(root, options)
         optimizer = optimizers[0] if optimizers else None
         newest = self.agree(max(manager.steps(), default=-1) if _rank() == 0 else None)
+        strict = strict and optimizer is not None  # validate/test: the step's optimizer state is not wanted
         resumed = manager.load_latest(model, optimizer, strict=strict) if step >= newest else None
         if resumed is None or resumed[0] != step:  # an older pointer (a top-k "best"), or the hot tier lacked it
             manager.load(step, model, optimizer, strict=strict)
