@@ -34,9 +34,12 @@ from typing import Any, Iterator
 __all__ = ["Arrival", "arrive", "roll_call", "group_name", "the_group", "watched", "complete", "report_failure"]
 
 # Waiters poll (store.wait's timeouts log a C++ warning every time, and hold off Ctrl-C), backing off from
-# half a millisecond: what a poll adds to a collective stays below what the rank waited anyway, and a
-# thousand waiting ranks ask the store at most ten times a second each.
+# half a millisecond by a quarter each time: a poll oversleeps the moment the others arrived by at most a
+# quarter of what the rank had waited (doubling let it oversleep by as much again: 60 ms became up to
+# 127 ms, on every save and load), and a thousand waiting ranks ask the store at most ten times a second each
+# once the wait is long.
 _POLL_FIRST_S = 0.0005
+_POLL_GROWTH = 1.25
 _POLL_MAX_S = 0.1
 _WORK_POLL_MAX_S = 0.01  # a collective's own completion is polled locally, its failure flag at the store pace
 # by process group object, held weakly: a group formed again under the same name starts anew, and a group the
@@ -98,7 +101,7 @@ def arrive(group: Any, timeout_s: float) -> Arrival:
             if left <= 0:
                 return _who_is_missing(store, base, group, size, seq)
             time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+            pause = min(pause * _POLL_GROWTH, _POLL_MAX_S)
     if me == 0 and seq > 0:  # every rank has left collective seq - 1 behind: its keys are spent
         store.delete_key(f"{base}{seq - 1}/n")
         store.delete_key(f"{base}{seq - 1}/done")
@@ -179,11 +182,11 @@ def complete(work: Any, pollable: bool = True) -> None:
         if now - asked >= ask_every:
             if store.check([key]):
                 raise RuntimeError(f"another rank's part of this collective failed: {store.get(key).decode()}")
-            asked, ask_every = now, min(ask_every * 2, _POLL_MAX_S)
+            asked, ask_every = now, min(ask_every * _POLL_GROWTH, _POLL_MAX_S)
         if now >= deadline:
             raise RuntimeError("timed out inside the collective (a rank froze after arriving)")
         time.sleep(pause)
-        pause = min(pause * 2, _WORK_POLL_MAX_S)
+        pause = min(pause * _POLL_GROWTH, _WORK_POLL_MAX_S)
     work.wait()
 
 

@@ -1,0 +1,44 @@
+"""Arrival at a collective: a waiting rank leaves soon after the last one arrives, and names one that never does."""
+
+from __future__ import annotations
+
+import time
+
+from shardkit.wire.arrival import arrive
+from tests.support.dist import run_on_ranks
+
+LATE_S = 0.15  # doubling from 0.5 ms left rank 0 here 0.23-0.25 s, a quarter at a time 0.175 s
+
+
+def _arrive_with_rank_1_late(late_s: float) -> tuple[float, tuple[int, ...]]:
+    import torch.distributed as dist
+
+    arrive(None, 30.0)  # both ranks line up first, so the timed wait is rank 1's lateness alone
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+    start = time.monotonic()
+    arrival = arrive(None, 30.0)
+    return time.monotonic() - start, arrival.missing
+
+
+def _arrive_without_rank_1(timeout_s: float) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    import torch.distributed as dist
+
+    arrive(None, 30.0)
+    if dist.get_rank() == 1:
+        return -1, (), ()
+    arrival = arrive(None, timeout_s)
+    return arrival.seq, arrival.missing, arrival.behind
+
+
+def test_a_waiting_rank_leaves_within_a_quarter_of_its_wait_after_the_last_arrives():
+    # polls back off by a quarter, so rank 0 oversleeps rank 1's arrival by at most LATE_S / 4 (plus the
+    # store's round trip and the scheduler): doubling let it oversleep by up to LATE_S
+    waited = [run_on_ranks(2, _arrive_with_rank_1_late, LATE_S)[0] for _ in range(3)]
+    assert all(missing == () for _, missing in waited)
+    assert min(seconds for seconds, _ in waited) < LATE_S * 1.25 + 0.01, waited
+
+
+def test_a_rank_that_never_arrives_is_named_with_the_collective_it_last_reached():
+    seq, missing, behind = run_on_ranks(2, _arrive_without_rank_1, 0.3)[0]
+    assert (missing, behind) == ((1,), (seq - 1,))
