@@ -229,6 +229,17 @@ def test_loading_a_path_that_holds_no_checkpoint_names_it(tmp_path):
         CheckpointStore().load(str(tmp_path / "empty"), torch.nn.Linear(2, 2), {})
 
 
+def test_removing_a_folder_neither_engine_wrote_leaves_it_as_it_was(tmp_path, caplog):
+    # ModelCheckpoint's top-k names a path to remove; a folder there that is not a checkpoint is someone else's
+    foreign = tmp_path / "epoch=0-step=4.ckpt"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with caplog.at_level("WARNING"):
+        CheckpointStore().remove(str(foreign))
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert "not removing" in caplog.text and str(foreign) in caplog.text
+
+
 def test_a_torch_save_ckpt_file_is_refused_not_unpickled(tmp_path):
     path = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, path)

@@ -235,10 +235,19 @@ class CheckpointStore:
         elif storage.fs.isfile(storage.root):
             parent, name = _split_url(url)
             Storage(parent, self.storage_options or None).delete([name])
-        elif storage.exists(""):
-            if storage.exists(MANIFEST):
-                storage.delete([MANIFEST])  # it stops being a checkpoint before any data goes
+        elif storage.exists(MANIFEST):
+            storage.delete([MANIFEST])  # it stops being a checkpoint before any data goes
             storage.delete_tree()
+        elif storage.exists(DCP_METADATA) and storage.exists(LIGHTNING_META):  # ModelParallelStrategy's own
+            storage.delete([DCP_METADATA])
+            storage.delete_tree()
+        elif storage.exists(""):  # not a checkpoint either engine wrote: someone else's, never deleted
+            log.warning("not removing %s: it holds neither a shardkit checkpoint (%s) nor a Lightning distributed "
+                        "checkpoint (%s and %s), so it is not one this strategy wrote", url, MANIFEST, DCP_METADATA,
+                        LIGHTNING_META)
+            return
+        else:
+            return
         log.info("removed %s", url)
 
 
