@@ -22,6 +22,7 @@ TREE_HEADING = "## The tree"
 NAME = re.compile(r"^(?:[A-Za-z_][\w]*/|[A-Za-z_][\w.]*\.py)$")
 DOTTED = re.compile(r"\bshardkit(?:\.[A-Za-z_]\w*)+")
 FILE_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w-]+\.py)\b")
+RELATIVE = re.compile(r":(?:mod|func|class|meth|data|attr|exc):`~?(\.[A-Za-z_][\w.]*)`")  # :mod:`.sibling`
 SEARCHED_FOR_FILES = ("shardkit", "cli", "tests", "benchmarks", "examples", "docs")
 
 
@@ -118,11 +119,25 @@ def stale_references(root: Path = ROOT) -> list[str]:
                     if not _names_something(dotted.rstrip("."), modules):
                         found.append(f"{where}:{first + offset}: names {dotted}, which does not exist: "
                                      "name the module or function where it is now")
+                for relative in RELATIVE.findall(line):
+                    if not _names_something_near(relative, path, modules):
+                        found.append(f"{where}:{first + offset}: names {relative}, which its package does not "
+                                     "hold: name the module or function where it is now")
                 for file in FILE_PATH.findall(line):
                     if file not in files and not any(f.endswith("/" + file) for f in files):
                         found.append(f"{where}:{first + offset}: names {file}, which does not exist: "
                                      "name the file where it is now")
     return sorted(found, key=lambda entry: (entry.split(":")[0], int(entry.split(":")[1])))
+
+
+def _names_something_near(relative: str, path: Path, modules: dict[str, Path]) -> bool:
+    """Whether ``.x.y`` names something from module ``path``: a module of its package (and a name in it), or a
+    name its package's ``__init__`` or the module itself defines (Sphinx's relative lookups)."""
+    name = next(n for n, p in modules.items() if p == path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    first = relative[1:].split(".")[0]
+    return (_names_something(f"{package}{relative}", modules) or first in _names_defined_by(path)
+            or (package in modules and first in _names_defined_by(modules[package])))
 
 
 def _names_something(dotted: str, modules: dict[str, Path]) -> bool:
@@ -152,7 +167,8 @@ def test_each_map_check_fails_on_a_planted_violation(tmp_path):
         (tmp_path / module).write_text("")
     (tmp_path / "shardkit/checkpoint/io/storage.py").write_text(
         '"""Bytes out, as ``shardkit.checkpoint.io.names.check`` and io/files.py say."""\n'
-        "def write():\n    pass  # shardkit.checkpoint.io.rounds, see io/names.py and shardkit.checkpoint.io.gone\n")
+        "def write():\n    pass  # shardkit.checkpoint.io.rounds, see io/names.py and shardkit.checkpoint.io.gone\n"
+        "# as :mod:`.rounds` and :func:`~.names.gone` say, and :func:`write`; not :mod:`.moved`\n")
     (tmp_path / DOC).write_text(
         "# Architecture\n\n## The tree\n\n```\nshardkit/\n  __init__.py         the surface\n"
         "  checkpoint/         checkpoints\n    io/               the ways out\n"
@@ -166,4 +182,8 @@ def test_each_map_check_fails_on_a_planted_violation(tmp_path):
         "name the module or function where it is now",
         "shardkit/checkpoint/io/storage.py:1: names io/files.py, which does not exist: name the file where it is now",
         "shardkit/checkpoint/io/storage.py:3: names shardkit.checkpoint.io.gone, which does not exist: "
-        "name the module or function where it is now"]
+        "name the module or function where it is now",
+        "shardkit/checkpoint/io/storage.py:4: names .names.gone, which its package does not hold: name the module "
+        "or function where it is now",
+        "shardkit/checkpoint/io/storage.py:4: names .moved, which its package does not hold: name the module or "
+        "function where it is now"]

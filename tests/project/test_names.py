@@ -249,11 +249,11 @@ def test_the_io_check_fails_on_a_planted_violation(tmp_path):
     io = tmp_path / "shardkit" / "checkpoint" / "io"
     for folder in (hot, io):
         folder.mkdir(parents=True)
-    (hot / "retention.py").write_text("import os, shutil\n\ndef f(p):\n    os.path.join(p, 'x')\n"
+    (hot / "local_keep.py").write_text("import os, shutil\n\ndef f(p):\n    os.path.join(p, 'x')\n"
                                       "    shutil.rmtree(p)\n    return open(os.path.join(p, 'y')).read()\n")
     (io / "local_disk.py").write_text("import os\nos.unlink('x')\n")
     assert file_calls_outside_io(tmp_path) == [
-        f"shardkit/checkpoint/training/hot/retention.py:{line}: {name}() outside shardkit/checkpoint/io/; go through "
+        f"shardkit/checkpoint/training/hot/local_keep.py:{line}: {name}() outside shardkit/checkpoint/io/; go through "
         "Storage (or add the file with its reason to OUTSIDE_IO)" for line, name in ((5, "shutil.rmtree"), (6, "open"))]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardkit.errors import CorruptCheckpoint
+from shardkit.errors import ConfigurationError, CorruptCheckpoint
 
 __all__ = ["Compression", "parse_compression", "zstd_compress", "zstd_decompress_into"]
 
@@ -28,8 +28,6 @@ class Compression:
 
 def parse_compression(value: Any) -> Compression | None:
     """Accept ``None``, ``"zstd"``, ``"zstd:3"`` or a :class:`Compression`."""
-    from shardkit.errors import ConfigurationError
-
     if value is None or value is False or value == "none":
         return None
     if isinstance(value, Compression):

@@ -21,9 +21,11 @@ import torch
 
 from shardkit.checkpoint.formats.crc32c import BlockCrc
 from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, itemsize
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
 
 __all__ = ["SafetensorsEntry", "SafetensorsHeader", "build_safetensors_header", "parse_safetensors_header",
+           "read_safetensors_header",
            "SafetensorsStreamWriter", "MAX_HEADER_BYTES"]
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reference implementation's cap
@@ -191,3 +193,17 @@ class SafetensorsStreamWriter:
         if self._index != len(self.entries):
             raise ValueError(f"safetensors stream: {self.entries[self._index].key!r} was not written in full")
         return self.checksums
+
+
+HEAD_GUESS = 64 << 10  # a header's first read: most headers fit; a longer one is read again, whole
+
+
+def read_safetensors_header(storage: Storage, name: str, *, base: int = 0, size: int | None = None,
+                where: str | None = None) -> SafetensorsHeader:
+    """Parse and strictly validate the safetensors header of the blob at byte ``base`` of ``name`` (0 for a
+    safetensors file; DCP's safetensors payloads start later), ``size`` bytes long (the rest of the file when
+    not given), with ranged reads: :data:`HEAD_GUESS` bytes first, then exactly what the header says."""
+    size = storage.size(name) - base if size is None else size
+    prefix = storage.read_bytes(name, base, base + min(size, HEAD_GUESS))
+    return parse_safetensors_header(prefix, size, where or storage.where(name),
+                                    lambda n: storage.read_bytes(name, base, base + n))

@@ -42,7 +42,7 @@ from shardkit.errors import (
     StorageError,
 )
 
-__all__ = ["OWN_KEY", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT_S", "Backend", "Failure", "classify"]
+__all__ = ["OWN_KEY", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT_S", "CloudProfile", "Failure", "classify"]
 
 OWN_KEY = "shardkit"
 DEFAULT_RETRIES = 3
@@ -206,7 +206,7 @@ def _endpoint(protocol: str, options: Mapping[str, Any]) -> str | None:
 
 
 @dataclass
-class Backend:
+class CloudProfile:
     """One URL's filesystem as shardkit configures and explains it."""
     protocol: str
     options: dict[str, Any]            # what fsspec gets: the user's options plus shardkit's defaults
@@ -215,7 +215,7 @@ class Backend:
     endpoint: str | None = None       # None: the provider's default
 
     @classmethod
-    def for_url(cls, protocol: str, storage_options: Mapping[str, Any]) -> "Backend":
+    def for_url(cls, protocol: str, storage_options: Mapping[str, Any]) -> "CloudProfile":
         opts = dict(storage_options)
         retries, timeout = _settings(opts.pop(OWN_KEY, {}), protocol)
         if protocol in _S3:

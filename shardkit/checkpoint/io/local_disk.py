@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
+from shardkit.checkpoint.io.direct_io import open_direct
 from shardkit.errors import CheckpointError, CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
 
 __all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full", "error_from_message"]
@@ -216,8 +217,6 @@ class LocalDisk:
                 raise
 
         def write() -> T:
-            from shardkit.checkpoint.io.direct_io import open_direct
-
             os.makedirs(os.path.dirname(path), exist_ok=True)
             raw = open_direct(path) if direct else None
             if raw is not None:

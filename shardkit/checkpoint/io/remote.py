@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from shardkit.checkpoint.io.clouds import Backend
+from shardkit.checkpoint.io.clouds import CloudProfile
 from shardkit.errors import CorruptCheckpoint
 
 __all__ = ["RemoteFiles", "change_stamp"]
@@ -62,7 +62,7 @@ class RemoteFiles:
     maps_files = False
     paths_are_os_paths = False
 
-    def __init__(self, fs: Any, cloud: Backend, retry: Retry, *, is_object_store: bool) -> None:
+    def __init__(self, fs: Any, cloud: CloudProfile, retry: Retry, *, is_object_store: bool) -> None:
         self.fs = fs
         self.cloud = cloud
         self.retry = retry

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from shardkit.checkpoint.io.clouds import OWN_KEY, Backend, classify
+from shardkit.checkpoint.io.clouds import OWN_KEY, CloudProfile, classify
 from shardkit.checkpoint.io.local_disk import LocalDisk
 from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
 from shardkit.checkpoint.io.remote import RemoteFiles
@@ -133,18 +133,18 @@ class Storage:
             raise ConfigurationError(f"checkpoint URL must be a string or path, got {type(url).__name__}")
         url = os.fspath(url)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
-        backend = Backend.for_url(protocol, storage_options or {})
+        cloud = CloudProfile.for_url(protocol, storage_options or {})
         try:
-            fs, path = fsspec.core.url_to_fs(url, **backend.options)
+            fs, path = fsspec.core.url_to_fs(url, **cloud.options)
         except ImportError as exc:
             extra = f"; pip install 'shardkit[{_EXTRA[protocol]}]'" if protocol in _EXTRA else ""
             raise ConfigurationError(f"cannot open checkpoint URL {url!r}: {exc}{extra}") from None
         except ValueError as exc:
-            if backend.has_buckets and "account_name" in str(exc):  # adlfs: no account, key or connection string
-                raise backend.missing_credentials(f"opening {url}") from None
+            if cloud.has_buckets and "account_name" in str(exc):  # adlfs: no account, key or connection string
+                raise cloud.missing_credentials(f"opening {url}") from None
             raise ConfigurationError(f"cannot open checkpoint URL {url!r}: {exc}") from None
-        backend.tune(fs)
-        self.backend = backend
+        cloud.tune(fs)
+        self.cloud = cloud
         self.url = url.rstrip("/") or url
         self.fs = fs
         self.root = path.rstrip("/") or path
@@ -152,14 +152,14 @@ class Storage:
         self.is_local = "file" in protocols or "local" in protocols
         self.in_this_process = "memory" in protocols  # no other process sees it
         self.is_object_store = not self.is_local and not self.in_this_process
-        self.disk = self._byte_backend()
+        self.files = self._file_mover()
         self.storage_options = dict(storage_options or {})
 
-    def _byte_backend(self) -> LocalDisk | RemoteFiles:
+    def _file_mover(self) -> LocalDisk | RemoteFiles:
         """The backend that moves this storage's bytes, retrying through this storage's :meth:`retry`."""
         if self.is_local:
             return LocalDisk(self.retry)
-        return RemoteFiles(self.fs, self.backend, self.retry, is_object_store=self.is_object_store)
+        return RemoteFiles(self.fs, self.cloud, self.retry, is_object_store=self.is_object_store)
 
     # -- names ---------------------------------------------------------
     def path(self, name: str) -> str:
@@ -189,7 +189,7 @@ class Storage:
         other.__dict__.update(self.__dict__)
         other.url = join_url(self.url, check_name(name))
         other.root = self.path(name)
-        other.disk = other._byte_backend()  # its retries name its own root
+        other.files = other._file_mover()  # its retries name its own root
         return other
 
     # -- retries -------------------------------------------------------
@@ -200,7 +200,7 @@ class Storage:
         once.  ``url`` (default: ``what``) is what the one WARNING per retried URL is keyed by; the
         other attempts are logged at DEBUG, so a throttled save of a thousand files warns once per
         file, not once per request."""
-        attempts = self.backend.retries + 1
+        attempts = self.cloud.retries + 1
         for attempt in range(1, attempts + 1):
             try:
                 result = fn()
@@ -213,88 +213,88 @@ class Storage:
                 if failure.kind == "not_found":
                     raise self._not_found(what) from None
                 retryable = failure.kind == "transient" or (failure.kind in ("unreachable", "no_answer") and (
-                    not self.is_object_store or self.backend.has_answered()))  # a never-answering endpoint fails fast
+                    not self.is_object_store or self.cloud.has_answered()))  # a never-answering endpoint fails fast
                 if attempt == attempts or not retryable or _interrupted.is_set():
-                    raise self.backend.error(failure, what, attempt) from exc
+                    raise self.cloud.error(failure, what, attempt) from exc
                 delay = backoff_delay(attempt)
-                level = logging.WARNING if _first_retry_of(f"{self.backend.key} {url or what}") else logging.DEBUG
+                level = logging.WARNING if _first_retry_of(f"{self.cloud.key} {url or what}") else logging.DEBUG
                 log.log(level, "%s: attempt %d of %d failed (%s); retrying in %.2f s", what, attempt, attempts,
                         failure.detail, delay)
                 if _interrupted.wait(delay):
-                    raise self.backend.error(failure, what, attempt) from exc
+                    raise self.cloud.error(failure, what, attempt) from exc
             else:
                 if self.is_object_store:
-                    self.backend.answered()
+                    self.cloud.answered()
                 return result
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _not_found(self, what: str) -> ShardkitError:
-        return self.backend.bucket_error(self.fs, self.root, what) or CheckpointNotFound(f"{what}: not found")
+        return self.cloud.bucket_error(self.fs, self.root, what) or CheckpointNotFound(f"{what}: not found")
 
     # -- policy: what callers ask instead of "is it local?" ---------------
     @property
     def fsync_worthwhile(self) -> bool:
         """Whether fsync makes written data durable before a commit names it (a local disk); elsewhere a
         write is durable once it returns."""
-        return self.disk.fsync_worthwhile
+        return self.files.fsync_worthwhile
 
     @property
     def reads_in_place(self) -> bool:
         """Whether reads fill the target tensor's memory directly (pread), so a reader need not stage."""
-        return self.disk.reads_in_place
+        return self.files.reads_in_place
 
     @property
     def rereads_from_cache(self) -> bool:
         """Whether bytes just read stay in the page cache, so reading them again costs no I/O."""
-        return self.disk.rereads_from_cache
+        return self.files.rereads_from_cache
 
     @property
     def parallel_requests_help(self) -> bool:
         """Whether several requests at once go faster (remote latency); one thread streams a local disk."""
-        return self.disk.parallel_requests_help
+        return self.files.parallel_requests_help
 
     @property
     def small_reads_cheap(self) -> bool:
         """Whether a read of a few MiB costs little more than its bytes (no per-request latency)."""
-        return self.disk.small_reads_cheap
+        return self.files.small_reads_cheap
 
     @property
     def maps_files(self) -> bool:
         """Whether a file here can be memory-mapped where it lies (else it is downloaded first)."""
-        return self.disk.maps_files
+        return self.files.maps_files
 
     @property
     def paths_are_os_paths(self) -> bool:
         """Whether :attr:`root` is a path of this machine's filesystem (os.path functions apply)."""
-        return self.disk.paths_are_os_paths
+        return self.files.paths_are_os_paths
 
     # -- metadata ------------------------------------------------------
     def exists(self, name: str = "") -> bool:
         """Whether ``name`` (default: this URL itself) exists."""
         what = f"checking {self.where(name) if name else self.url}"
-        return self.disk.exists(self.read_path(name) if name else self.root, self.root, what)
+        return self.files.exists(self.read_path(name) if name else self.root, self.root, what)
 
     def is_dir(self, name: str = "") -> bool:
         """Whether ``name`` (default: this URL itself) is a directory; ``False`` when missing."""
         what = f"checking {self.where(name) if name else self.url}"
-        return self.disk.is_dir(self.read_path(name) if name else self.root, self.root, what)
+        return self.files.is_dir(self.read_path(name) if name else self.root, self.root, what)
 
     def size(self, name: str) -> int:
-        return self.disk.size(self.read_path(name), self.where(name))
+        return self.files.size(self.read_path(name), self.where(name))
 
     def listdir(self, name: str = "") -> list[str]:
         """Entry names (not paths) directly under ``name``; empty when it does not exist."""
         what = f"listing {self.where(name) if name else self.url}"
-        return self.disk.listdir(self._path_or_root(name), self.root, what)
+        return self.files.listdir(self._path_or_root(name), self.root, what)
 
     def listing(self) -> list[tuple[str, int, str]]:
         """(name, size, change stamp) of the files directly at this URL (or of the file itself): a stamp
         changes whenever a file is rewritten (inode and times locally, ETag or generation remotely)."""
-        return self.disk.listing(self.root, self.url)
+        return self.files.listing(self.root, self.url)
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.disk.read_bytes(self.read_path(name), f"reading {self.where(name)}", start, end)
+        return self.files.read_bytes(self.read_path(name), f"reading {self.where(name)}", start, end)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Fill the flat uint8 tensor ``out`` with bytes ``[start, start + len(out))`` of ``name``."""
@@ -307,7 +307,7 @@ class Storage:
         disk streams at full depth while the reads copy and verify.
         """
         if self.is_local:
-            self.disk.prefetch(self.read_path(name), ranges)
+            self.files.prefetch(self.read_path(name), ranges)
 
     def read_parts(self, name: str, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Fill flat uint8 tensors ``parts`` with consecutive bytes of ``name`` from ``start``.
@@ -322,11 +322,11 @@ class Storage:
             return
         what = f"reading {n} bytes at {start} of {self.where(name)}"
         truncated = f"{self.where(name)} ends before byte {start + n}; the file is truncated"
-        self.disk.read_parts(self.read_path(name), what, start, parts, truncated)
+        self.files.read_parts(self.read_path(name), what, start, parts, truncated)
 
     def download(self, name: str, path: str) -> None:
         """Copy ``name`` to the local file ``path``."""
-        self.disk.download(self.path(name), f"downloading {self.where(name)}", path)
+        self.files.download(self.path(name), f"downloading {self.where(name)}", path)
 
     # -- writes --------------------------------------------------------
     def write_stream(self, name: str, produce: Callable[[BinaryIO], T], *, fsync: bool = True,
@@ -339,17 +339,17 @@ class Storage:
         manifest commits it).  On object stores closing the file completes the
         (multipart) upload.
         """
-        return self.disk.write_stream(self.path(name), f"writing {self.where(name)}", produce, fsync=fsync,
+        return self.files.write_stream(self.path(name), f"writing {self.where(name)}", produce, fsync=fsync,
                                       direct=direct, root=self.root)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         """Publish ``data`` under ``name`` in one atomic step (the commit of a checkpoint)."""
-        self.disk.put_atomic(self.path(name), f"committing {self.where(name)}", data, self.root)
+        self.files.put_atomic(self.path(name), f"committing {self.where(name)}", data, self.root)
 
     def replace(self, src: str, dst: str) -> None:
         """Move the finished file ``src`` over ``dst`` in one step: a rename on local disks; on object stores
         a server-side copy, which replaces the old object only once complete, then the source is removed."""
-        self.disk.replace(self.path(src), self.path(dst), f"moving {self.where(src)} to {self.where(dst)}")
+        self.files.replace(self.path(src), self.path(dst), f"moving {self.where(src)} to {self.where(dst)}")
 
     @staticmethod
     def temporary_name_prefix(name: str) -> str:
@@ -375,34 +375,34 @@ class Storage:
             raise
 
     def makedirs(self, name: str = "") -> None:
-        self.disk.makedirs(self._path_or_root(name))
+        self.files.makedirs(self._path_or_root(name))
 
     def sync_dir(self, name: str = "") -> None:
         """fsync a local directory so that new entries in it survive a power loss."""
-        self.disk.sync_dir(self._path_or_root(name))
+        self.files.sync_dir(self._path_or_root(name))
 
     # -- deletes -------------------------------------------------------
     def delete(self, names: Iterable[str]) -> None:
         paths = [self.path(n) for n in names]
         if paths:
-            self.disk.delete(paths, f"deleting {len(paths)} files under {self.url}")
+            self.files.delete(paths, f"deleting {len(paths)} files under {self.url}")
 
     def delete_tree(self, name: str = "") -> None:
         """Remove a directory and everything under it (missing is fine)."""
-        self.disk.delete_tree(self._path_or_root(name))
+        self.files.delete_tree(self._path_or_root(name))
 
     def remove_empty_dir(self, name: str = "") -> bool:
         """Remove directory ``name`` (default: this URL) if it is empty; whether it is gone."""
-        return self.disk.remove_empty_dir(self._path_or_root(name))
+        return self.files.remove_empty_dir(self._path_or_root(name))
 
     # -- space ---------------------------------------------------------
     def tree_bytes(self, name: str = "") -> int:
         """Bytes the files under directory ``name`` (default: this URL) take now (0 when it is missing)."""
-        return self.disk.tree_bytes(self._path_or_root(name))
+        return self.files.tree_bytes(self._path_or_root(name))
 
     def free_bytes(self) -> int:
         """Bytes free on the filesystem this URL is on (an object store: unbounded, ``sys.maxsize``)."""
-        return self.disk.free_bytes(self.root)
+        return self.files.free_bytes(self.root)
 
 
 def split_file(storage: Storage) -> tuple[Storage, str]:

@@ -47,7 +47,7 @@ from shardkit.errors import ArgumentTypeError, ConfigurationError
 
 __all__ = ["DirectoryMove", "MoveResult", "move_directories", "round_schedule"]
 
-log = logging.getLogger("shardkit.checkpoint.io.transfer")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ __all__ = ["INPUT_KEYS", "stored_input_state", "stored_step", "check_input_state
 
 INPUT_KEYS = ("data", "rng")  # top-level keys of resumable input state (shardkit.data), beside model and optim
 
-log = logging.getLogger("shardkit.checkpoint.training.input_state")
+log = logging.getLogger(__name__)
 
 
 def stored_input_state(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

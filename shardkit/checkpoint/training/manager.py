@@ -69,7 +69,7 @@ from shardkit.checkpoint.state.training_state import get_training_state
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.checkpoint.training.async_save.saver import background_saver
 from shardkit.checkpoint.training.durable_tier import DurablePlan, DurableTier
-from shardkit.checkpoint.training.hot.resume import LastLoad
+from shardkit.checkpoint.training.hot.restore import LastLoad
 from shardkit.checkpoint.training.hot.tier import HotTier
 from shardkit.checkpoint.training.manager_options import ManagerOptions
 from shardkit.checkpoint.training.restarts import check_restartable

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from shardkit.checkpoint.training.durable_tier import DurableTier
-from shardkit.checkpoint.training.hot.resume import LastLoad
+from shardkit.checkpoint.training.hot.restore import LastLoad
 from shardkit.checkpoint.training.hot.tier import HotTier
 from shardkit.checkpoint.training.step_fallback import why_nothing
 from shardkit.checkpoint.training.tiers import LoadTargets

@@ -28,7 +28,7 @@ from shardkit.errors import UnknownReferences
 
 __all__ = ["retain"]
 
-log = logging.getLogger("shardkit.checkpoint.training.manager")
+log = logging.getLogger(__name__)
 
 
 def retain(root: Storage, committed: int, *, run: RunSteps, keep_last: int | None, pending: int | None,

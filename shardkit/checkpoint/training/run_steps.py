@@ -35,7 +35,7 @@ __all__ = ["RunSteps", "Supersession", "SUPERSEDED_NAME", "read_superseded", "wr
 
 SUPERSEDED_NAME = "superseded.json"
 
-log = logging.getLogger("shardkit.checkpoint.training.run_steps")
+log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{1,19})$")
 

@@ -322,8 +322,8 @@ def test_aws_endpoint_url_alone_points_shardkit_at_an_s3_compatible_service(s3_u
 
 def test_shardkit_storage_options_are_checked_and_not_passed_to_fsspec():
     storage = Storage("memory://clouds-options", {"shardkit": {"retries": 0, "timeout": 2.5}})
-    assert (storage.backend.retries, storage.backend.timeout) == (0, 2.5)
-    assert "shardkit" not in storage.backend.options and storage.storage_options == {
+    assert (storage.cloud.retries, storage.cloud.timeout) == (0, 2.5)
+    assert "shardkit" not in storage.cloud.options and storage.storage_options == {
         "shardkit": {"retries": 0, "timeout": 2.5}}
     with pytest.raises(ConfigurationError) as info:
         Storage("memory://clouds-options", {"shardkit": {"retry": 1}})

@@ -378,7 +378,7 @@ def test_a_top_level_retries_sets_shardkits_storage_option_and_a_different_one_i
     assert with_retries(None, None) is None
     assert with_retries({"anon": True}, 7) == {"anon": True, "shardkit": {"retries": 7}}
     assert with_retries({"shardkit": {"timeout": 2, "retries": 7}}, 7) == {"shardkit": {"timeout": 2, "retries": 7}}
-    assert Storage("memory://retries-top-level", with_retries({}, 0)).backend.retries == 0
+    assert Storage("memory://retries-top-level", with_retries({}, 0)).cloud.retries == 0
     with pytest.raises(ConfigurationError) as info:
         with_retries({"shardkit": {"retries": 2}}, 5)
     assert str(info.value) == "retries=5 and storage option shardkit.retries=2 disagree; give one of them"

@@ -154,7 +154,7 @@ def _manager(root: str) -> skc.CheckpointManager:
 
 
 def _manager_save_with_fault(root: str, kind: str, out_dir: str) -> None:
-    import shardkit.checkpoint.training.hot.save as hot_save
+    import shardkit.checkpoint.training.hot.replicate as hot_save
 
     model = _model()
     manager = _manager(root)

@@ -8,14 +8,15 @@ block of rows we need three facts: the tensor's strides and storage offset
 Both come from the blob itself with a few small ranged reads: ``torch.load``
 with ``map_location="meta"`` and ``weights_only=True`` parses ``data.pkl``
 and skips the storage data, and :mod:`zipfile` reads the archive directory;
-both see the blob through :class:`~.zip_records.RangeFile`, a read-only file
+both see the blob through :class:`~shardkit.checkpoint.formats.torchsave.zip_records.RangeFile`, a read-only file
 object whose reads are ranged reads of the storage.  A row-major contiguous
 chunk then serves any row range with one ranged read.  Anything else (compressed
 transforms, non-contiguous layouts) returns ``None`` and the caller decodes
 the chunk whole.
 
-The CRC-32 each record carries is checked by :mod:`.zip_records`, before any
-of the rows located here is served (:meth:`~.dcp.DcpReader.read`).
+The CRC-32 each record carries is checked by
+:mod:`~shardkit.checkpoint.formats.torchsave.zip_records`, before any
+of the rows located here is served (:meth:`~.reader.DcpReader.read`).
 """
 
 from __future__ import annotations

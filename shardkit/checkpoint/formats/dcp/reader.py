@@ -42,7 +42,8 @@ from shardkit.checkpoint.formats.dcp.metadata import (
     read_dcp_metadata,
 )
 from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
-from shardkit.checkpoint.formats.dtypes import as_bytes
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype
+from shardkit.checkpoint.formats.safetensors import read_safetensors_header
 from shardkit.checkpoint.formats.torchsave.mapped import refusal
 from shardkit.checkpoint.formats.torchsave.zip_records import (
     CheckedOnce,
@@ -263,11 +264,8 @@ class DcpReader(CheckpointReader):
         """A tensor of a DCP file saved with ``SerializationFormat.SAFETENSORS``: the items of one file
         form one safetensors blob starting at the recorded offset, keyed by fqn (torch 2.13's own
         ``FileSystemReader`` cannot read these back; we can)."""
-        from shardkit.checkpoint.formats.dtypes import code_to_dtype
-        from shardkit.checkpoint.formats.hf.reader import read_header
-
         name, base = str(info.relative_path), int(info.offset)
-        header = read_header(self.storage, name, base=base, where=where)
+        header = read_safetensors_header(self.storage, name, base=base, where=where)
         e = header.entries.get(fqn)
         if e is None:
             raise InvalidManifest(f"{where}: the safetensors payload holds no tensor {fqn!r}")

@@ -47,7 +47,7 @@ from shardkit.checkpoint.formats.hf.layout import (
     ties_word_embeddings,
     weights_file,
 )
-from shardkit.checkpoint.formats.safetensors import parse_safetensors_header
+from shardkit.checkpoint.formats.safetensors import read_safetensors_header
 from shardkit.checkpoint.geometry.rows import (
     copy_rows_into,
     row_range,
@@ -60,23 +60,13 @@ from shardkit.errors import (
     UnsafeCheckpoint,
 )
 
-__all__ = ["HfReader", "detect", "open_reader", "read_header", "side_file_problem", "side_files_in", "INDEX_NAME",
+__all__ = ["HfReader", "detect", "open_reader", "side_file_problem", "side_files_in", "INDEX_NAME",
            "SIDE_FILE_PATTERNS", "SIDE_FILE_CAP"]
 
 SIDE_FILE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "merges.txt", "vocab.*")
 SIDE_FILE_CAP = 64 << 20
 # what a Trainer or DeepSpeed run keeps beside its weights that matches the patterns but is no model's file
 TRAINING_RUN_FILES = ("trainer_state.json", "zero_to_fp32.py", "zero_to_torch.py")
-_HEAD_GUESS = 1 << 16
-
-
-def read_header(storage: Storage, name: str, *, base: int = 0, where: str | None = None) -> Any:
-    """Parse and strictly validate the safetensors header of the blob starting at byte ``base`` of
-    ``name`` (0 for a safetensors file; DCP's safetensors payloads start later), with ranged reads."""
-    size = storage.size(name) - base
-    prefix = storage.read_bytes(name, base, base + min(size, _HEAD_GUESS))
-    return parse_safetensors_header(prefix, size, where or storage.where(name),
-                                    lambda n: storage.read_bytes(name, base, base + n))
 
 
 def side_file_problem(storage: Storage, name: str) -> str | None:
@@ -164,7 +154,7 @@ class HfReader(CheckpointReader):
             weight_map, names = None, [name]
         self._entries: dict[str, TensorEntry] = {}
         for name in names:
-            header = read_header(self.folder, name)
+            header = read_safetensors_header(self.folder, name)
             meta.update(header.metadata)
             for key, e in header.entries.items():
                 if weight_map is not None and weight_map.get(key) != name:

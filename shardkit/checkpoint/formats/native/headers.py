@@ -29,6 +29,7 @@ from shardkit.checkpoint.formats.safetensors import (
     SafetensorsEntry,
     SafetensorsHeader,
     parse_safetensors_header,
+    read_safetensors_header,
 )
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, InvalidManifest
@@ -37,7 +38,6 @@ __all__ = ["DATA_FILE_METADATA", "HeaderRecord", "parse_header_record", "header_
            "read_header", "header_problem", "check_header"]
 
 DATA_FILE_METADATA = {"format": "shardkit-data", "version": "1"}  # every data file's ``__metadata__``
-_FIRST_READ = 64 << 10  # a header whose size is not recorded: read this much first, the rest if it is longer
 _DAMAGED = "the data file is damaged -- restore it or use another checkpoint"
 
 
@@ -83,14 +83,9 @@ def read_header(storage: Storage, name: str, size: int, record: HeaderRecord | N
         if 8 + length != record.size:
             raise CorruptCheckpoint(f"{where}: its safetensors header says {8 + length} bytes, the manifest "
                                     f"records {record.size}; {_DAMAGED}")
-        more = None
-    else:
-        data = storage.read_bytes(name, 0, min(size, _FIRST_READ))
-
-        def more(n: int) -> bytes:
-            return storage.read_bytes(name, 0, n)
     try:
-        header = parse_safetensors_header(data, size, where, more)
+        header = parse_safetensors_header(data, size, where, None) if record is not None else \
+            read_safetensors_header(storage, name, size=size, where=where)
     except InvalidManifest as exc:
         raise CorruptCheckpoint(f"{exc}: not the valid safetensors file the manifest names; {_DAMAGED}") from None
     for key, want in DATA_FILE_METADATA.items():

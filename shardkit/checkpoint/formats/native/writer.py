@@ -20,6 +20,7 @@ import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import Compression, zstd_compress
+from shardkit.checkpoint.formats.crc32c import unpack_crcs
 from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code, itemsize
 from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.headers import (
@@ -42,6 +43,7 @@ from shardkit.checkpoint.formats.native.manifest import (
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_file_name
 from shardkit.checkpoint.formats.native.references import DIGEST_NAME
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings
+from shardkit.checkpoint.formats.safetensors import SafetensorsStreamWriter
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_width
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
@@ -120,8 +122,6 @@ class WrittenFile:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "WrittenFile":
         """Inverse of :meth:`to_json` (for records sent between ranks; validated again at commit)."""
-        from shardkit.checkpoint.formats.crc32c import unpack_crcs
-
         chunks = []
         for fqn, c in doc["chunks"]:
             box, strips = (tuple(c["offsets"]), tuple(c["shape"])), tuple(c["strips"]) if c.get("strips") else None
@@ -175,8 +175,6 @@ class NativeWriter:
         ``<key>#<strip>`` each, see ``geometry/strips.py``); a compressed chunk
         is one frame, read whole anyway, so it never is.
         """
-        from shardkit.checkpoint.formats.safetensors import SafetensorsStreamWriter
-
         keys = [chunk_key(c.fqn, c.offsets) for c in chunks]
         frames: list[bytes] | None = None
         widths: list[int | None] = [None] * len(chunks)

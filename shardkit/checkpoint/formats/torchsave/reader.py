@@ -8,13 +8,13 @@ serving its bytes (:mod:`.zip_records`).  A file that needs classes outside
 the ``weights_only`` allowlist is refused, naming the class, unless the user
 trusts it (``trust_pickle``, :class:`TorchLoadOptions`).  What the unpickled
 object means as a state dict (classic ``{"model", "optimizer"}`` files,
-optimizer state keyed by parameter number) is :mod:`.torch_state`'s concern.
+optimizer state keyed by parameter number) is :mod:`.state`'s concern.
 
 Writing does not call ``torch.save`` on a state dict, which would need the
 whole dict in memory.  A torch.save file is a zip archive: a small
 ``data.pkl`` that rebuilds every tensor from named storages, plus one stored
 (uncompressed) record per storage.  We emit ``data.pkl`` directly as a short
-sequence of pickle protocol-2 opcodes (:mod:`.pickle_ops`: dicts, strings,
+sequence of pickle protocol-2 opcodes (:mod:`~shardkit.checkpoint.formats.pickle_ops`: dicts, strings,
 numbers and the same ``_rebuild_tensor_v2`` calls ``torch.save`` emits — all on
 the allowlist of ``torch.load(weights_only=True)``), then stream each storage
 record in row blocks, 64-byte aligned like torch's own writer so ``mmap=True``

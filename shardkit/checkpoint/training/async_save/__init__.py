@@ -17,12 +17,10 @@ loaded twice.
 
 from __future__ import annotations
 
-import importlib
+from shardkit.lazy import lazy_exports
 
-__all__ = ["async_save", "BackgroundSaver", "background_saver", "WRITERS"]
+_EXPORTS = {name: f"{__name__}.saver" for name in ("async_save", "BackgroundSaver", "background_saver", "WRITERS")}
 
+__all__ = sorted(_EXPORTS)
 
-def __getattr__(name: str) -> object:
-    if name in __all__:
-        return getattr(importlib.import_module("shardkit.checkpoint.training.async_save.saver"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

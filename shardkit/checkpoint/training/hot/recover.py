@@ -29,8 +29,8 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import copy_meta
-from shardkit.checkpoint.training.hot.layout import NodeLayout, copy_name, parse_copy_name
-from shardkit.checkpoint.training.hot.retention import remove_copy
+from shardkit.checkpoint.training.hot.local_keep import remove_copy
+from shardkit.checkpoint.training.hot.nodes import NodeLayout, copy_name, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_dir, step_of_dir
 from shardkit.errors import ShardkitError
 

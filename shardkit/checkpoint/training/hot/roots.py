@@ -25,7 +25,7 @@ import os
 import re
 
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.errors import ShardkitError
 
 __all__ = ["ROOT_NAME", "recorded_root", "survey_node"]

@@ -1,6 +1,6 @@
 """``HotTier``: the manager's node-local tier (a :class:`~shardkit.checkpoint.training.tiers.Tier`), what
 :class:`~shardkit.checkpoint.training.manager.CheckpointManager` holds when given ``local=``.  It turns
-the manager's options into a :class:`~.layout.NodeLayout`, names every save, checks once per state
+the manager's options into a :class:`~.nodes.NodeLayout`, names every save, checks once per state
 structure that each node's directory can hold what it is asked to keep, copies the state to host for a
 background save (which the durable save of the same step shares), and resumes from recovered copies.
 """
@@ -17,11 +17,11 @@ from shardkit.checkpoint.geometry.boxes import is_dtensor
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState, local_state
-from shardkit.checkpoint.training.hot.layout import NodeLayout
-from shardkit.checkpoint.training.hot.resume import resume_hot
-from shardkit.checkpoint.training.hot.retention import check_space
+from shardkit.checkpoint.training.hot.local_keep import check_space
+from shardkit.checkpoint.training.hot.nodes import NodeLayout
+from shardkit.checkpoint.training.hot.replicate import HotSave, run_hot_save
+from shardkit.checkpoint.training.hot.restore import resume_hot
 from shardkit.checkpoint.training.hot.roots import survey_node
-from shardkit.checkpoint.training.hot.save import HotSave, run_hot_save
 from shardkit.checkpoint.training.tiers import LoadTargets, Resumed, Staged
 from shardkit.errors import ConfigurationError, error_record, from_record
 

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 import shardkit.checkpoint as skc
 from shardkit import fully_shard
-from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME
+from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.io.location import canonical_url
-from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.restarts import restart_hazard
 from tests.support.checkpoint_helpers import stepped_linear
 from tests.support.dist import run_on_ranks, run_torchrun

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint.training.hot.layout import NodeLayout
-from shardkit.checkpoint.training.hot.retention import check_space
+from shardkit.checkpoint.training.hot.local_keep import check_space
+from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.data import Stateful
 from shardkit.errors import ConfigurationError, DataStateError
 from tests.support.checkpoint_helpers import stepped_linear

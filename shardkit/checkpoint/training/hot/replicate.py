@@ -32,8 +32,8 @@ from shardkit.checkpoint.io.local_disk import error_from_message
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import write_copy
-from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, NodeLayout, copy_name
-from shardkit.checkpoint.training.hot.retention import remove_copy, retain_local
+from shardkit.checkpoint.training.hot.local_keep import remove_copy, retain_local
+from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, NodeLayout, copy_name
 from shardkit.checkpoint.training.run_steps import step_dir
 from shardkit.errors import CheckpointError, ShardkitError, error_record, from_record
 

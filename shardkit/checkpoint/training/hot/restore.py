@@ -20,7 +20,7 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
-from shardkit.checkpoint.training.hot.layout import NodeLayout
+from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
 from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.data import ElasticSampler, Stateful, load_data_state_dict

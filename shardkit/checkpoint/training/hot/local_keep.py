@@ -23,7 +23,7 @@ import logging
 
 from shardkit.checkpoint.formats.native import remove_owned, survey
 from shardkit.checkpoint.io.storage import Storage
-from shardkit.checkpoint.training.hot.layout import COMPLETE_NAME, is_marker_leftover, is_partial_copy, parse_copy_name
+from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, is_marker_leftover, is_partial_copy, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_of_dir
 from shardkit.errors import ConfigurationError, ShardkitError
 
