@@ -131,3 +131,24 @@ def test_overwriting_a_dcp_or_torch_output_keeps_the_old_one_whole_until_the_com
 
 def _fail_replace(src, dst):
     raise OSError("disk vanished")
+
+
+def test_a_cleanup_that_fails_after_the_commit_warns_and_never_says_it_removed_the_files(tmp_path, monkeypatch,
+                                                                                          caplog):
+    import logging
+
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.errors import StorageError
+
+    src = write_torch_state(tmp_path / "src.pt", _weights(), [])
+    out = tmp_path / "out"
+    convert(str(src), str(out), to="hf", max_shard_size="20KB")
+
+    def refused(self, names):
+        raise StorageError(f"deleting under {self.url}: permission denied")
+    monkeypatch.setattr(Storage, "delete", refused)
+    with caplog.at_level(logging.INFO, logger="shardkit"):
+        convert(str(src), str(out), to="dcp", overwrite=True)  # committed; the old shards cannot go
+    assert "could not remove 7 files of the replaced checkpoint" in caplog.text
+    assert "removed 7 files" not in caplog.text
+    assert diff(str(src), str(out), only=["model.*"]).equal  # the new checkpoint stands
