@@ -279,6 +279,7 @@ def worker_two_ranks(args: argparse.Namespace) -> None:
     order = rotated(SYSTEMS, args.rep)
     out: dict[str, Any] = {"state_gb_total": max_over_ranks(nbytes) * world / 1e9, "rank_bytes": nbytes,
                            "cold_sleep_s": args.cold_sleep}
+
     def path(system: str, tag: str) -> str:
         return os.path.join(args.dir, f"{system}-{tag}")
 

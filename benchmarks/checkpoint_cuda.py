@@ -47,6 +47,7 @@ import shardkit.checkpoint as skc  # noqa: E402 - this checkout first
 def make_state(gb: float) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = llama_shapes(gb)
+
     def rand(shape):
         return torch.randn(shape, device="cuda", generator=gen)
     return {"model": {k: rand(s) for k, s in shapes.items()},

@@ -219,14 +219,14 @@ def writer_part(save_ranks: int, root: str, rank: int) -> tuple[float, float, st
     (``summary_of``: check its chunks against its regions, write its index file, summarise); returns its
     wall and CPU seconds and the payload rank 0 gathers from it."""
     from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.training.rank_report import SummaryReport
     from shardkit.checkpoint.training.save_commit import state_digest, summary_of
 
     storage = Storage(root)
     plan, files = save_plan(save_ranks, rank), written_files(save_ranks, rank)
     started, cpu = time.perf_counter(), time.process_time()
     summary, _ = summary_of(storage, plan, rank, TOKEN, files)
-    payload = json.dumps({"error": None, "summary": summary.to_json(), "digest": state_digest(plan),
-                          "aliases": plan.aliases}, separators=(",", ":"))
+    payload = json.dumps(SummaryReport(summary, state_digest(plan), plan.aliases).to_json(), separators=(",", ":"))
     return time.perf_counter() - started, time.process_time() - cpu, payload
 
 
@@ -249,8 +249,9 @@ def commit_child(root: str, save_ranks: int) -> None:
     manifest (``commit_gathered``, as ``save`` runs it); prints seconds and peak RSS above the start."""
     from types import SimpleNamespace
 
-    from shardkit.checkpoint.formats.native.writer import NativeWriter
+    from shardkit.checkpoint.formats.native import NativeWriter
     from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.training.rank_report import report_from_json
     from shardkit.checkpoint.training.save_commit import commit_gathered
 
     plan = save_plan(save_ranks, 0)
@@ -260,8 +261,9 @@ def commit_child(root: str, save_ranks: int) -> None:
     started = time.perf_counter()
     with open(os.path.join(root, "gathered.jsonl"), "rb") as f:
         gathered = [json.loads(line) for line in f]
-    error = commit_gathered(storage, writer, plan, gathered, SimpleNamespace(world_size=save_ranks),
-                            {"step": 1000}, True)
+    reports = [report_from_json(g) for g in gathered]
+    error = commit_gathered(storage, writer, plan, reports, SimpleNamespace(world_size=save_ranks), {"step": 1000},
+                            True)
     seconds = time.perf_counter() - started
     if error is not None:
         raise SystemExit(f"rank 0's commit failed: {error}")

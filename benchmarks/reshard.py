@@ -234,8 +234,9 @@ def main() -> None:
     args = ap.parse_args()
     CACHE["mode"] = args.cache
 
+    from shardkit.checkpoint.formats import NATIVE, WriteJob
     from shardkit.checkpoint.io.storage import Storage
-    from shardkit.checkpoint.offline.native_out import write_native
+    from shardkit.checkpoint.offline.fetch import Fetcher
     from shardkit.checkpoint.offline.select import select
 
     root = args.dir
@@ -245,8 +246,11 @@ def main() -> None:
     t0 = time.perf_counter()
     reader = SyntheticReader(args.gb * 1e9)
     sel = select(reader.tensors(), reader.values())
-    write_native(reader, sel, Storage(src), world_size=2, mesh=None, compression=None, budget=256 << 20,
-                 workers=2, progress=None, source_id="synthetic")
+    NATIVE.write(Storage(src), WriteJob(
+        tensors=tuple(sel.triples), values=sel.values, aliases=sel.aliases, tool="reshard",
+        fetch=Fetcher(reader, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales),
+        selection=tuple((t.name, t.source, str(t.dtype), tuple(t.shape)) for t in sel.tensors),
+        world_size=2, budget=256 << 20, workers=2, source_id="synthetic"))
     size = du(f"{src}/data")
     print(f"source: 2-rank shardkit checkpoint, {len(sel.tensors)} fp32 tensors, {size / 1e9:.2f} GB of data "
           f"files (built in {time.perf_counter() - t0:.0f} s)")

@@ -429,5 +429,6 @@ def _print_table(args: argparse.Namespace, timing: list[dict], rows: list[tuple]
     for r in rows:
         print("".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
+
 if __name__ == "__main__":
     main()
