@@ -21,29 +21,17 @@ maxima after).  Returns ``{"save_s": ..., "resume_s": ...}``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
-ENGINES = ("default", "shardkit")
-RUN_TIMEOUT_S = 600
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.integration_launch import launch, run_as_script, slowest_rank_seconds, write_result  # noqa: E402
 
 
 def measure(engine: str, workdir: str) -> dict:
     """The slowest rank's ``save_state`` and ``load_state`` seconds with ``engine`` on 2 gloo ranks."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r}: use one of {ENGINES}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), engine, workdir]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"accelerate {engine} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    with open(os.path.join(workdir, "result.json")) as f:
-        return json.load(f)
+    return launch(__file__, "Accelerate", engine, workdir)
 
 
 def _rank(engine: str, workdir: str) -> None:
@@ -74,32 +62,12 @@ def _rank(engine: str, workdir: str) -> None:
     opt.step()
     opt.zero_grad()
 
-    def timed(call) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        call()
-        took = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item()
-
     use_shardkit(engine == "shardkit")
     acc.save_state(os.path.join(workdir, "warm"))
-    save_s = timed(lambda: acc.save_state(os.path.join(workdir, "ckpt")))
-    resume_s = timed(lambda: acc.load_state(os.path.join(workdir, "ckpt")))
-    if dist.get_rank() == 0:
-        with open(os.path.join(workdir, "result.json"), "w") as f:
-            json.dump({"save_s": save_s, "resume_s": resume_s}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_s = slowest_rank_seconds(lambda: acc.save_state(os.path.join(workdir, "ckpt")))
+    resume_s = slowest_rank_seconds(lambda: acc.load_state(os.path.join(workdir, "ckpt")))
+    write_result(workdir, {"save_s": save_s, "resume_s": resume_s})
 
 
 if __name__ == "__main__":
-    # run as a script, this file's folder comes first on sys.path, and this file would shadow the package
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    if len(sys.argv) == 3:
-        _rank(sys.argv[1], sys.argv[2])
-    else:
-        for name in ENGINES:
-            with tempfile.TemporaryDirectory(prefix=f"accelerate-{name}-") as where:
-                print(name, measure(name, where))
+    run_as_script(__file__, _rank, measure)

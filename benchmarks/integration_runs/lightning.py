@@ -14,13 +14,12 @@ checkpoint is committed.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.integration_launch import launch, run_as_script, slowest_rank_seconds, write_result  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -29,25 +28,14 @@ WIDTH, DEPTH, BATCH = 1024, 4, 16
 
 def measure(engine: str, workdir: str) -> dict:
     """Launch the 2-rank run for ``engine`` in ``workdir``; ``{"save_s", "resume_s", "first_save_s"}``."""
-    if engine not in ("default", "shardkit"):
-        raise ValueError(f"engine must be 'default' or 'shardkit', got {engine!r}")
-    out = Path(workdir) / engine
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(Path(__file__).resolve()), engine, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {engine} Lightning run failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return json.loads((out / "result.json").read_text())
+    return launch(__file__, "Lightning", engine, workdir, nproc=WORLD)
 
 
 # -- inside the ranks ------------------------------------------------------------------------------------------
 
-def _ranks(engine: str, out: Path) -> None:
+def _ranks(engine: str, workdir: str) -> None:
     import lightning as L
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -58,18 +46,12 @@ def _ranks(engine: str, out: Path) -> None:
     base = ShardkitStrategy if engine == "shardkit" else ModelParallelStrategy
     timings: dict[str, float] = {}
 
-    def slowest(seconds: float) -> float:
-        t = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
     class Timed(base):  # the strategy's load, as fit(ckpt_path=...) calls it, timed
         def load_checkpoint(self, *args, **kwargs):
-            dist.barrier()
-            started = time.perf_counter()
-            loaded = super().load_checkpoint(*args, **kwargs)
-            timings["resume_s"] = slowest(time.perf_counter() - started)
-            return loaded
+            loaded = {}
+            timings["resume_s"] = slowest_rank_seconds(
+                lambda: loaded.update(value=super(Timed, self).load_checkpoint(*args, **kwargs)))
+            return loaded["value"]
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -103,25 +85,12 @@ def _ranks(engine: str, out: Path) -> None:
 
     first = trainer(STEPS)
     first.fit(Model())
-    saves = []
-    for i in range(2):
-        first.strategy.barrier()
-        started = time.perf_counter()
-        first.save_checkpoint(str(out / f"ckpt-{i}"))
-        saves.append(slowest(time.perf_counter() - started))
+    saves = [slowest_rank_seconds(lambda: first.save_checkpoint(os.path.join(workdir, f"ckpt-{i}")))
+             for i in range(2)]
     resumed = trainer(STEPS)  # restores, then has no step left to train
-    resumed.fit(Model(), ckpt_path=str(out / "ckpt-1"))
-    if dist.get_rank() == 0:
-        result = {"save_s": saves[1], "first_save_s": saves[0], "resume_s": timings["resume_s"]}
-        (out / "result.json").write_text(json.dumps(result))
+    resumed.fit(Model(), ckpt_path=os.path.join(workdir, "ckpt-1"))
+    write_result(workdir, {"save_s": saves[1], "first_save_s": saves[0], "resume_s": timings["resume_s"]})
 
 
 if __name__ == "__main__":
-    # run as a script, this file's folder is sys.path[0], where its own name would hide the lightning package
-    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-    if len(sys.argv) == 3:
-        _ranks(sys.argv[1], Path(sys.argv[2]))
-    else:
-        with tempfile.TemporaryDirectory() as work:
-            for name in ("default", "shardkit"):
-                print(name, measure(name, work))
+    run_as_script(__file__, _ranks, measure)

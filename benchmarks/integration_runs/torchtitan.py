@@ -24,30 +24,19 @@ after).  Returns ``{"save_s": ..., "resume_s": ...}``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
-ENGINES = ("default", "shardkit")
-RUN_TIMEOUT_S = 600
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.integration_launch import launch, run_as_script, slowest_rank_seconds, write_result  # noqa: E402
+
 DIM, FFN, LAYERS, VOCAB = 256, 1024, 5, 1000  # 4.4 M parameters
 
 
 def measure(engine: str, workdir: str) -> dict:
     """The slowest rank's ``save`` and ``load`` seconds with ``engine`` on 2 gloo ranks."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r}: use one of {ENGINES}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), engine, workdir]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchtitan {engine} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    with open(os.path.join(workdir, "result.json")) as f:
-        return json.load(f)
+    return launch(__file__, "torchtitan", engine, workdir)
 
 
 def _model():
@@ -155,31 +144,11 @@ def _rank(engine: str, workdir: str) -> None:
                                 base_folder=workdir)
     checkpointer.save(1)  # the first save of a job: either engine's one-off costs
 
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
-
-    save_s = timed(lambda: checkpointer.save(2))
-    resume_s = timed(lambda: checkpointer.load(step=2))
+    save_s = slowest_rank_seconds(lambda: checkpointer.save(2))
+    resume_s = slowest_rank_seconds(lambda: checkpointer.load(step=2))
     checkpointer.close()
-    if rank == 0:
-        with open(os.path.join(workdir, "result.json"), "w") as f:
-            json.dump({"save_s": save_s, "resume_s": resume_s}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_result(workdir, {"save_s": save_s, "resume_s": resume_s})
 
 
 if __name__ == "__main__":
-    # run as a script, this file's folder leads sys.path, and this file's name would hide the torchtitan package
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    if len(sys.argv) == 3:
-        _rank(sys.argv[1], sys.argv[2])
-    else:
-        for name in ENGINES:
-            with tempfile.TemporaryDirectory() as folder:
-                print(name, measure(name, folder))
+    run_as_script(__file__, _rank, measure)
