@@ -30,6 +30,7 @@ once, what they must agree on:
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import statistics
 from dataclasses import dataclass
@@ -171,3 +172,18 @@ def print_verdicts(verdicts: list[Verdict], rounds: int) -> None:
             print(f"  {v.name:{width}s}  {'-':>6s} (<= {v.limit:.2f})  NOT MEASURED: {v.not_measured}")
         else:
             print(f"  {v.name:{width}s}  {v.value:5.2f}x (<= {v.limit:.2f})  {v.word:6s}  {v.detail}")
+
+
+def judge_sizes(sizes: str, measure: Callable[[str], dict[str, Any]],
+                report: Callable[[str, dict[str, Any]], list[Verdict]], rounds: int, json_path: str | None) -> None:
+    """Measure each of the comma-separated ``sizes`` and judge it, keep the raw results at ``json_path`` when
+    given, then print the final table: the loop every benchmark that runs at several sizes shares."""
+    verdicts: list[Verdict] = []
+    results: dict[str, dict[str, Any]] = {}
+    for size in sizes.split(","):
+        results[size] = measure(size)
+        verdicts += report(size, results[size])
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f)
+    print_verdicts(verdicts, rounds)

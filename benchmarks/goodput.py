@@ -346,27 +346,26 @@ def main() -> None:
         worker(args)
         return
     print("configuration\n" + ps.CONFIGURATION)
-    verdicts, results = [], {}
-    for size in args.sizes.split(","):
-        work = tempfile.mkdtemp(prefix="shardkit-goodput-", dir=os.environ.get("TMPDIR", "/var/tmp"))
-        shm = tempfile.mkdtemp(prefix="shardkit-goodput-", dir="/dev/shm")
-        try:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
-                            "--size-bytes", str(ps.parse_size(size)),
-                            "--dir", work, "--shm", shm, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                            "--every", str(args.every), "--batch", str(args.batch)],
-                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            with open(os.path.join(work, "result.json")) as f:
-                results[size] = json.load(f)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(shm, ignore_errors=True)
-        verdicts += report(size, results[size], args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f)
-    targets.print_verdicts(verdicts, args.rounds)
+    targets.judge_sizes(args.sizes, lambda size: one_size(args, size), lambda size, res: report(size, res, args),
+                        args.rounds, args.json)
+
+
+def one_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
+    """One size's results: the training runs under torchrun in a fresh work and shared-memory directory."""
+    work = tempfile.mkdtemp(prefix="shardkit-goodput-", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    shm = tempfile.mkdtemp(prefix="shardkit-goodput-", dir="/dev/shm")
+    try:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), "--worker",
+                        "--size-bytes", str(ps.parse_size(size)),
+                        "--dir", work, "--shm", shm, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                        "--every", str(args.every), "--batch", str(args.batch)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        with open(os.path.join(work, "result.json")) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 if __name__ == "__main__":

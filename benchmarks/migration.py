@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import signal
 import statistics
@@ -251,14 +250,8 @@ def main() -> None:
         return
     import peers_systems as ps
 
-    verdicts, results = [], {}
-    for size in args.sizes.split(","):
-        results[size] = one_size(args, ps.parse_size(size))
-        verdicts += report(size, results[size], args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f)
-    targets.print_verdicts(verdicts, args.rounds)
+    targets.judge_sizes(args.sizes, lambda size: one_size(args, ps.parse_size(size)),
+                        lambda size, res: report(size, res, args), args.rounds, args.json)
 
 
 if __name__ == "__main__":

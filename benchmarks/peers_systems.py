@@ -196,36 +196,32 @@ class Peers:
 
     def save(self, system: str, state: dict[str, Any], path: str) -> None:
         """A durable save: committed and on disk when it returns."""
-        if system == "shardkit":
-            import shardkit.checkpoint as skc
-
-            skc.save(state, path)
-        elif system == "dcp":
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save(state, checkpoint_id=path)
-        else:
-            manager = tc_manager(async_save=False)  # fresh: see the module docstring
-            try:
-                manager.save(path, state)
-            finally:
-                manager.close()
+        self._blocking("save", system, state, path)
+        if system == "torch_checkpointing":
             fsync_tc_step(path, self.rank, self.tc_durable)
 
     def load(self, system: str, state: dict[str, Any], path: str) -> None:
         """Load ``path`` into ``state``'s tensors in place."""
+        self._blocking("load", system, state, path)
+
+    @staticmethod
+    def _blocking(op: str, system: str, state: dict[str, Any], path: str) -> None:
+        """``op`` ("save" or "load") of ``state`` at ``path`` through ``system``'s own blocking call."""
         if system == "shardkit":
             import shardkit.checkpoint as skc
 
-            skc.load(state, path)
+            getattr(skc, op)(state, path)
         elif system == "dcp":
             import torch.distributed.checkpoint as dcp
 
-            dcp.load(state, checkpoint_id=path)
+            getattr(dcp, op)(state, checkpoint_id=path)
         else:
             manager = tc_manager(async_save=False)  # fresh: see the module docstring
             try:
-                manager.load(path, into=state)
+                if op == "save":
+                    manager.save(path, state)
+                else:
+                    manager.load(path, into=state)
             finally:
                 manager.close()
 

@@ -34,19 +34,12 @@ NUM_SAMPLES, GLOBAL_BATCH, SEED = 48, 12, 5  # 4 global batches an epoch
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Samples(torch.utils.data.Dataset):
-    """A seeded regression set; each item carries its index so the test sees the batches."""
+from tests.support.data_helpers import IndexedRegression  # noqa: E402 - the repository root is on sys.path above
 
-    def __init__(self) -> None:
-        gen = torch.Generator().manual_seed(11)
-        self.x = torch.randn(NUM_SAMPLES, 8, generator=gen)
-        self.y = torch.randn(NUM_SAMPLES, 1, generator=gen)
 
-    def __len__(self) -> int:
-        return NUM_SAMPLES
-
-    def __getitem__(self, i: int):
-        return i, self.x[i], self.y[i]
+def Samples() -> IndexedRegression:  # noqa: N802 - named as the dataset it builds
+    """The seeded regression set shared with tests/checkpoint/training/test_resume_exact.py, at this run's size."""
+    return IndexedRegression(NUM_SAMPLES)
 
 
 def mlp() -> nn.Module:

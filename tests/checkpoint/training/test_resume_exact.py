@@ -19,27 +19,13 @@ import torch.nn.functional as F
 
 import shardkit.checkpoint as skc
 from shardkit.data import ElasticLoader, ElasticSampler
+from tests.support.data_helpers import IndexedRegression
 from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.slow
 
 NUM_SAMPLES, GLOBAL_BATCH, SEED = 96, 12, 5
 STEPS, SAVE_AFTER = 12, 6  # 8 global batches an epoch: the run crosses an epoch boundary after the resume
-
-
-class Samples(torch.utils.data.Dataset):
-    """A seeded synthetic regression set; each item carries its index so the test can see the batches."""
-
-    def __init__(self) -> None:
-        gen = torch.Generator().manual_seed(11)
-        self.x = torch.randn(NUM_SAMPLES, 8, generator=gen)
-        self.y = torch.randn(NUM_SAMPLES, 1, generator=gen)
-
-    def __len__(self) -> int:
-        return NUM_SAMPLES
-
-    def __getitem__(self, i: int):
-        return i, self.x[i], self.y[i]
 
 
 def _model(dropout: float) -> nn.Module:
@@ -67,7 +53,7 @@ def _train(root: str, *, resume: bool, save_after: int | None, num_workers: int 
     start = 0
     if resume:
         start, _ = manager.load_latest(model, opt, data=sampler, rng=restore_rng, required=True)
-    loader = ElasticLoader(Samples(), batch_sampler=sampler, num_workers=num_workers)
+    loader = ElasticLoader(IndexedRegression(NUM_SAMPLES), batch_sampler=sampler, num_workers=num_workers)
     records = []
     step = start
     while step < STEPS:
