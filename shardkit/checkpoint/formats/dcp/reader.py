@@ -42,6 +42,7 @@ from shardkit.checkpoint.formats.dcp.metadata import (
     read_dcp_metadata,
 )
 from shardkit.checkpoint.formats.dcp.payload import locate_rows, payload_meta
+from shardkit.checkpoint.formats.dcp.values import DcpValues, value_groups
 from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype
 from shardkit.checkpoint.formats.safetensors import read_safetensors_header
 from shardkit.checkpoint.formats.torchsave.mapped import refusal
@@ -59,7 +60,6 @@ from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import to_json_value
 from shardkit.errors import (
-    ConfigurationError,
     InvalidManifest,
     ShardkitError,
     UnsafeCheckpoint,
@@ -130,21 +130,6 @@ def _writer_count(infos: Collection[Any]) -> int | None:
     return len(ranks) or None
 
 
-def _nest_param_groups(values: dict[str, Any]) -> dict[str, Any]:
-    """DCP flattens ``optim.param_groups`` into ``optim.param_groups.<i>.<key>``; rebuild the list."""
-    groups: dict[str, dict[int, dict[str, Any]]] = {}
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        m = re.match(r"^(.*param_groups)\.(\d+)\.([^.]+)$", key)
-        if m:
-            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
-        else:
-            out[key] = value
-    for prefix, by_index in groups.items():
-        out[prefix] = [by_index[i] for i in sorted(by_index)]
-    return out
-
-
 class DcpReader(CheckpointReader):
     """A DCP directory; each chunk's torch.save blob is fetched with one ranged read and decoded."""
 
@@ -182,7 +167,7 @@ class DcpReader(CheckpointReader):
                 self._value_keys.append(fqn)
             else:
                 raise InvalidManifest(f"{url}: entry {fqn!r} has unknown metadata {type(md).__name__}")
-        self._values: dict[str, Any] | None = None
+        self._values: DcpValues | None = None
         self._local = threading.local()  # per-thread cache of the last decoded chunk
         self._lock = threading.Lock()
         self._layouts: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -223,20 +208,23 @@ class DcpReader(CheckpointReader):
             msg = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise InvalidManifest(f"{where}: payload is not a readable torch.save blob ({msg})") from None
 
-    def values(self) -> Mapping[str, Any]:
+    def values(self) -> DcpValues:
+        """Every value's key; each is decoded when asked for (see :mod:`.values`: one written as pickle
+        bytes, as torchtitan's data loader position is, raises only when asked for by key)."""
         if self._values is None:
-            raw = {}
             for key in self._value_keys:
-                info = self._where.get((key, None))
-                if info is None:
+                if (key, None) not in self._where:
                     raise InvalidManifest(f"{self.info.url}: no storage entry for value {key!r}")
-                where = f"{self.storage.where(str(info.relative_path))} [{key}]"
-                try:
-                    raw[key] = to_json_value(self._decode(info, where), key)
-                except ConfigurationError as exc:
-                    raise UnsupportedFormat(f"{where}: {exc}") from None
-            self._values = _nest_param_groups({self._ours[k]: v for k, v in raw.items()})
+            self._values = DcpValues(value_groups(self._value_keys, self._ours), self._ours, self._value,
+                                     to_json_value, self._value_where, self.info.url)
         return self._values
+
+    def _value_where(self, key: str) -> str:
+        return f"{self.storage.where(str(self._where[(key, None)].relative_path))} [{key}]"
+
+    def _value(self, key: str) -> Any:
+        """The decoded payload of stored value ``key``: its CRC-32s checked, through torch.load's allowlist."""
+        return self._decode(self._where[(key, None)], self._value_where(key))
 
     def chunk_tensor(self, entry: TensorEntry, index: int) -> torch.Tensor:
         """Decode stored chunk ``index`` of ``entry`` (cached: the last one stays for the next request)."""
