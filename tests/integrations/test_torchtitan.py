@@ -90,13 +90,7 @@ def test_load_step_resumes_the_step_asked_for_not_the_newest(tmp_path):
         assert out["resumed"] == out["full"][2:]
 
 
-@pytest.mark.parametrize("with_dataloader", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "shardkit's DCP reader refuses the whole step when a value is pickled bytes (torchtitan's "
-        "ParallelAwareDataloader stores dp_rank_<r> so): DcpReader.values() decodes every value, also those "
-        "the load does not ask for"))),
-])
+@pytest.mark.parametrize("with_dataloader", [False, True])
 def test_torchtitans_own_dcp_step_resumes_bitwise_and_the_run_goes_on_in_shardkit_steps(tmp_path, with_dataloader):
     for out in run_on_ranks(2, ranks.dcp_then_shardkit, str(tmp_path), with_dataloader):
         assert out["resumed"] == out["full"][2:]
