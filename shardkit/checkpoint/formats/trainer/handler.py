@@ -7,6 +7,7 @@ from typing import Any
 
 from shardkit.checkpoint.formats.dcp.handler import verify_payloads
 from shardkit.checkpoint.formats.handler import FormatHandler
+from shardkit.checkpoint.formats.native import NATIVE
 from shardkit.checkpoint.formats.torchsave.handler import verify_archives
 from shardkit.checkpoint.formats.trainer import reader
 from shardkit.checkpoint.io.storage import Storage
@@ -16,7 +17,8 @@ __all__ = ["TrainerHandler", "TRAINER"]
 
 class TrainerHandler(FormatHandler):
     """``checkpoint-N/``: model, optimizer, RNG and scheduler parts, each verified as its own format is
-    (torch.save files by their CRC-32s, sharded DCP parts by theirs); safetensors weights by headers."""
+    (torch.save files by their CRC-32s, sharded DCP parts by theirs, shardkit parts by their crc32c
+    blocks); safetensors weights by headers."""
 
     reader_module = reader
     name = "trainer"
@@ -29,6 +31,8 @@ class TrainerHandler(FormatHandler):
         checked = verify_archives(reader.archives(), problems) or 0
         for part in reader.dcp_parts():  # a Trainer's sharded model and optimizer
             checked += verify_payloads(part, problems, None)
+        for part in reader.native_parts():  # the same folders written by use_shardkit(): every crc32c block
+            checked += NATIVE.verify(part.storage, part, problems, workers=workers, progress=None) or 0
         return checked if checked or problems else None
 
 

@@ -7,11 +7,13 @@ own; this reader puts them together under shardkit's keys:
 =================================  =====================================  ===============
 file(s)                            what                                   keys
 =================================  =====================================  ===============
-``pytorch_model_fsdp_0/``          FSDP sharded state dict (DCP)          ``model.*``
+``pytorch_model_fsdp_0/``          FSDP sharded state dict (DCP, or       ``model.*``
+                                   shardkit's under ``use_shardkit()``)
 ``pytorch_model_fsdp.bin``         FSDP full state dict (torch.save)      ``model.*``
 ``model.safetensors`` (+ index),   the DDP fallback's weights             ``model.*``
 ``pytorch_model.bin``
-``optimizer_0/``                   FSDP sharded optimizer state (DCP)     ``optim.*``
+``optimizer_0/``                   FSDP sharded optimizer state (DCP,     ``optim.*``
+                                   or shardkit's)
 ``optimizer.bin``/``optimizer.pt``  full (FQN-keyed) or DDP (numbered)     ``optim.*``
 ``random_states_<r>.pkl``,         every rank's RNG                       ``rng.*``
 ``rng_state_<r>.pth``
@@ -41,6 +43,7 @@ from shardkit.checkpoint.formats.dcp.handler import DCP
 from shardkit.checkpoint.formats.dcp.reader import DcpReader
 from shardkit.checkpoint.formats.hf.handler import HF
 from shardkit.checkpoint.formats.hf.reader import side_files_in
+from shardkit.checkpoint.formats.native import NATIVE, NativeReader
 from shardkit.checkpoint.formats.torchsave.handler import TORCH
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile
 from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
@@ -144,12 +147,15 @@ class TrainerReader(CheckpointReader):
     # ----------------------------------------------------------------- parts
     def _open(self, storage: Storage, name: str) -> CheckpointReader:
         """The reader of one part, by its name, from the handler of the part's format: a torch.save file,
-        safetensors weights (the folder read as an HF checkpoint) or a DCP folder."""
+        safetensors weights (the folder read as an HF checkpoint), a shardkit checkpoint (what
+        ``shardkit.integrations.accelerate.use_shardkit()`` writes under Accelerate's names) or a DCP folder."""
         child = storage.child(name)
         if name.endswith((".bin", ".pt")):
             return TORCH.open_reader(child)
         if name.endswith(".safetensors") or name.endswith(".index.json"):
             return HF.open_reader(storage)
+        if NATIVE.detect(child):
+            return NATIVE.open_reader(child)
         return DCP.open_reader(child)
 
     def _model(self, storage: Storage, names: Sequence[str]) -> None:
@@ -164,7 +170,8 @@ class TrainerReader(CheckpointReader):
         if name is None:
             return
         reader = self._open(storage, name)
-        if isinstance(reader, DcpReader):  # accelerate saves {"optimizer": ...}, which DCP's reader reads as optim.*
+        # accelerate saves {"optimizer": ...}, which DCP's reader reads as optim.*; use_shardkit saves {"optim": ...}
+        if isinstance(reader, (DcpReader, NativeReader)):
             self.parts.append(_Part(name, reader, lambda k: k if k.startswith("optim.") else None))
             self._values.update({k: v for k, v in reader.values().items() if k.startswith("optim.")})
             return
@@ -280,6 +287,10 @@ class TrainerReader(CheckpointReader):
 
     def dcp_parts(self) -> list[DcpReader]:
         return [p.reader for p in self.parts if isinstance(p.reader, DcpReader)]
+
+    def native_parts(self) -> list[NativeReader]:
+        """The shardkit checkpoints among the parts (``use_shardkit()``'s model and optimizer folders)."""
+        return [p.reader for p in self.parts if isinstance(p.reader, NativeReader)]
 
     def close(self) -> None:
         for part in self.parts:
