@@ -72,6 +72,7 @@ def test_save_state_writes_shardkit_checkpoints_under_accelerates_names_beside_i
         checked = run_cli("verify", str(shardkit / part))
         assert checked.exit_code == 0, checked.stderr
         assert checked.stdout.startswith("ok: shardkit checkpoint"), checked.stdout
+    assert run_cli("verify", str(shardkit)).exit_code == 0
 
 
 def test_a_dcp_folder_saved_before_the_switch_still_loads_with_the_switch_on(runs):

@@ -52,6 +52,7 @@ def test_save_steps_write_checkpoint_n_through_shardkit_beside_the_trainers_own_
         assert holds_shardkit(str(checkpoint / part))
         checked = run_cli("verify", str(checkpoint / part))
         assert checked.exit_code == 0, checked.stderr
+    assert run_cli("verify", str(checkpoint)).exit_code == 0
 
 
 def test_resume_from_checkpoint_true_continues_with_the_uninterrupted_losses_bitwise(runs):
