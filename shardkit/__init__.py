@@ -16,8 +16,9 @@ checkpoint half never pulls in the runtime (DESIGN: data flows one way).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shardkit.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -65,18 +66,7 @@ _SUBMODULES = {"checkpoint", "data", "errors", "runtime", "fsdp1", "wrap", "cli"
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"shardkit.{name}")
-    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

@@ -14,14 +14,15 @@ released when another rank gives up on it.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from shardkit.errors import error_record, from_record
 from shardkit.wire.arrival import complete
 
 __all__ = ["rank_world", "group_device", "pad_to_longest", "all_gather_bytes", "all_gather_json",
-           "encode_json", "decode_json", "any_failed"]
+           "encode_json", "decode_json", "any_failed", "raise_any_failure"]
 
 
 def _distributed() -> Any:
@@ -113,3 +114,23 @@ def any_failed(failed: bool, group: Any = None) -> bool:
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=group_device(group))
     complete(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True))
     return bool(flag.item())
+
+
+def raise_any_failure(first_error: Callable[[Any], tuple[int, Any] | None], own: BaseException | None,
+                      message: Callable[[int, str], str] | None = None) -> None:
+    """Raise on every rank when any rank failed; return on every rank when none did.
+
+    ``first_error`` is the group's agreement on the lowest failing rank (e.g.
+    :meth:`~shardkit.checkpoint.io.dist.Dist.first_error`); it is handed this rank's
+    :func:`~shardkit.errors.error_record` of ``own`` (``None``: this rank did not fail).  A rank
+    that failed re-raises its own exception, type and traceback intact; the others raise the first
+    failing rank's error rebuilt by :func:`~shardkit.errors.from_record`, its text
+    ``message(rank, its message)`` when given, so the error says which rank failed.
+    """
+    first = first_error(None if own is None else error_record(own))
+    if first is None:
+        return
+    if own is not None:
+        raise own
+    rank, record = first
+    raise from_record(record, None if message is None else message(rank, str(record["message"])))

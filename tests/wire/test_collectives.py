@@ -3,14 +3,17 @@ rank order (shorter ones zero-padded on the wire, trimmed on arrival) and one ag
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from shardkit.errors import ConfigurationError, error_record
 from shardkit.wire.collectives import (
     all_gather_bytes,
     all_gather_json,
     any_failed,
     decode_json,
     encode_json,
+    raise_any_failure,
     rank_world,
 )
 from tests.support.dist import run_on_ranks
@@ -42,6 +45,29 @@ def test_json_travels_as_compact_utf8_bytes():
     assert payload.dtype == torch.uint8
     assert bytes(payload.numpy()) == b'{"a":[1,2.5,null],"b":"\\u00e9"}'
     assert decode_json(payload) == {"a": [1, 2.5, None], "b": "é"}
+
+
+def test_raise_any_failure_returns_when_no_rank_failed_and_sends_nothing_of_this_rank():
+    sent = []
+    assert raise_any_failure(lambda record: sent.append(record), None) is None
+    assert sent == [None]
+
+
+def test_raise_any_failure_reraises_this_rank_own_exception_itself():
+    own = ConfigurationError("no space under /local")
+    sent = []
+    with pytest.raises(ConfigurationError) as caught:
+        raise_any_failure(lambda record: sent.append(record) or (0, record), own, lambda r, t: f"rank {r}: {t}")
+    assert caught.value is own
+    assert sent == [error_record(own)]
+
+
+def test_raise_any_failure_on_a_rank_that_did_not_fail_raises_the_first_rank_error_by_its_class():
+    other = error_record(ConfigurationError("no space under /local"))
+    with pytest.raises(ConfigurationError, match=r"^step 7 failed on rank 1: no space under /local$"):
+        raise_any_failure(lambda record: (1, other), None, lambda rank, text: f"step 7 failed on rank {rank}: {text}")
+    with pytest.raises(ConfigurationError, match=r"^no space under /local$"):
+        raise_any_failure(lambda record: (1, other), None)
 
 
 def _gather_and_agree() -> dict:

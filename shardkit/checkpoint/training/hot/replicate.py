@@ -36,6 +36,7 @@ from shardkit.checkpoint.training.hot.local_keep import remove_copy, retain_loca
 from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, NodeLayout, copy_name
 from shardkit.checkpoint.training.run_steps import step_dir
 from shardkit.errors import CheckpointError, ShardkitError, error_record, from_record
+from shardkit.wire.collectives import raise_any_failure
 
 __all__ = ["HotSave", "run_hot_save"]
 
@@ -113,12 +114,9 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
                 log.warning("hot tier retention in %s failed: %s", layout.node_dir(rank), exc)
     # Acknowledged only once every node recorded the step and removed what it replaces (an abandoned
     # history above it): a kill after this never brings back a step this save superseded.
-    failed = dist.first_error(None if marker_error is None else error_record(marker_error))
-    if failed is not None:
-        if marker_error is not None:
-            raise marker_error
-        raise from_record(failed[1], f"hot save of step {job.step}: recording it complete failed on rank "
-                                     f"{failed[0]}: {failed[1]['message']}")
+    raise_any_failure(dist.first_error, marker_error,
+                      lambda failed, text: f"hot save of step {job.step}: recording it complete failed on rank "
+                                           f"{failed}: {text}")
     seconds = time.perf_counter() - started
     log.info("rank %d: hot step %d complete in %s (own copy and %d replica(s)) in %.3f s", rank, job.step,
              layout.node_dir(rank), layout.replicas, seconds)

@@ -24,7 +24,7 @@ from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
 from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
 from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
-from shardkit.errors import error_record, from_record
+from shardkit.wire.collectives import raise_any_failure
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -92,11 +92,7 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
         found.done()
     resumed = Dist(group)
     resumed.phase = "read"
-    failed = resumed.first_error(None if problem is None else error_record(problem))
-    if failed is not None:
-        if problem is not None:
-            raise problem
-        raise from_record(failed[1], f"resuming hot step {found.step} failed on rank {failed[0]}: "
-                                     f"{failed[1]['message']}")
+    raise_any_failure(resumed.first_error, problem,
+                      lambda failed, text: f"resuming hot step {found.step} failed on rank {failed}: {text}")
     log.info("resumed from hot step %d (%s copy)", found.step, found.source)
     return found.step, found.meta.get("extra"), found.source

@@ -23,7 +23,8 @@ from shardkit.checkpoint.training.hot.replicate import HotSave, run_hot_save
 from shardkit.checkpoint.training.hot.restore import resume_hot
 from shardkit.checkpoint.training.hot.roots import survey_node
 from shardkit.checkpoint.training.tiers import LoadTargets, Resumed, Staged
-from shardkit.errors import ConfigurationError, error_record, from_record
+from shardkit.errors import ConfigurationError
+from shardkit.wire.collectives import raise_any_failure
 
 __all__ = ["HotTier", "durable_view"]
 
@@ -124,11 +125,7 @@ class HotTier:
                 check_space(layout.node_dir(dist.rank), sum(sizes[r] for r in kept), self.local_keep)
             except (ConfigurationError, OSError) as exc:
                 problem = exc
-        failed = dist.first_error(None if problem is None else error_record(problem))
-        if failed is not None:
-            if problem is not None:
-                raise problem
-            raise from_record(failed[1])
+        raise_any_failure(dist.first_error, problem)
 
 
 def durable_view(local: LocalState, staged: dict[str, torch.Tensor]) -> dict[str, Any]:
