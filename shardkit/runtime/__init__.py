@@ -15,7 +15,7 @@ Modules map onto files as follows:
 ``comm_hooks``      custom all-gather/reduce-scatter comms, the all-reduce hook, comm settings
 ``torch_names``     torch's FSDP state attribute names, for frameworks that read them
 ``module_state``    forward/backward hooks, root detection, end-of-backward callback
-``collectives``     copy-in/out, reduce-scatter with SUM-then-divide
+``gather_scatter``  copy-in/out, reduce-scatter with SUM-then-divide
 ``device_sync``     CUDA streams and events, or the inline CPU path
 ``tensor_parallel`` 2-D: composing FSDP's shard with a parameter's TP placements
 ``spmd_mesh``       ``dp_mesh_dims``, ``DataParallelMeshDims``: parameters that are DTensors on the full SPMD mesh

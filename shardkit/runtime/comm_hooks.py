@@ -10,7 +10,7 @@ here included, so a user's comm runs on exactly the path the default does.
 
 Note [the reduce op a custom reduce-scatter is given]
     shardkit always reduce-scatters with ``ReduceOp.SUM`` and divides itself
-    (collectives, Note [SUM, then divide]): gloo has no ``PREMUL_SUM``.  A
+    (gather_scatter, Note [SUM, then divide]): gloo has no ``PREMUL_SUM``.  A
     custom reduce-scatter is therefore called with ``op=ReduceOp.SUM`` where
     torch would pass ``AVG`` or ``PREMUL_SUM`` (torch passes ``SUM`` too once
     ``set_force_sum_reduction_for_comms(True)``); a comm that honours ``op``
@@ -50,7 +50,7 @@ from shardkit.errors import (
     ConflictingSettingError,
     UnsupportedBackendError,
 )
-from shardkit.runtime import collectives as C
+from shardkit.runtime import gather_scatter as C
 
 __all__ = ["DefaultAllGather", "DefaultReduceScatter", "ProcessGroupAllGather", "ProcessGroupReduceScatter",
            "GroupComms", "only_group", "check_comm", "use_process_group_memory", "refuse_symm_mem",

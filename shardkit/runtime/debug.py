@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.errors import CollectiveError, CollectiveMismatchError
-from shardkit.runtime.collectives import issue_all_gather
+from shardkit.runtime.gather_scatter import issue_all_gather
 
 __all__ = ["CollectiveCall", "set_debug", "debug_enabled", "check_same_collective", "collective", "naming_failures"]
 

@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardkit.errors import UnshardableParameterError
-from shardkit.runtime import collectives as C
 from shardkit.runtime import debug as D
+from shardkit.runtime import gather_scatter as C
 from shardkit.runtime.comm_hooks import GroupComms
 from shardkit.runtime.device_sync import CommContext
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup

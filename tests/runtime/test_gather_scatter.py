@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.runtime import collectives as C
+from shardkit.runtime import gather_scatter as C
 
 
 def _shards(full: torch.Tensor, world: int, dim: int) -> list[torch.Tensor]:
