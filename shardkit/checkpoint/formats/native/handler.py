@@ -11,7 +11,7 @@ from shardkit.checkpoint.formats.native import reader, writer
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, EXTRA_DIR, survey
 from shardkit.checkpoint.formats.native.resumable import write_resumable
-from shardkit.checkpoint.formats.native.verify import verify_data_files
+from shardkit.checkpoint.formats.native.verify_data import verify_data_files
 from shardkit.checkpoint.formats.write_job import WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage
 
