@@ -133,7 +133,8 @@ class DcpValues(Mapping[str, Any]):
         (or it is no JSON type): decodes every value."""
         return {key: self._refused[key][1] for key in self._groups if not self._readable(key)}
 
-    def _readable_items(self) -> Iterator[tuple[str, Any]]:
+    def readable_items(self) -> Iterator[tuple[str, Any]]:
+        """(key, value) of every readable value; once, a WARNING naming those left out."""
         left_out = []
         for key in self._groups:
             if self._readable(key):
@@ -155,10 +156,20 @@ class DcpValues(Mapping[str, Any]):
 
 
 class _Items(ItemsView):
+    """The readable items of a :class:`DcpValues` (``ItemsView`` would ask for every key)."""
+
+    def __init__(self, owner: DcpValues) -> None:
+        super().__init__(owner)
+        self.owner = owner
+
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return self._mapping._readable_items()
+        return self.owner.readable_items()
 
 
 class _Values(ValuesView):
+    def __init__(self, owner: DcpValues) -> None:
+        super().__init__(owner)
+        self.owner = owner
+
     def __iter__(self) -> Iterator[Any]:
-        return (value for _, value in self._mapping._readable_items())
+        return (value for _, value in self.owner.readable_items())
