@@ -219,6 +219,11 @@ class DcpReader(CheckpointReader):
                                      to_json_value, self._value_where, self.info.url)
         return self._values
 
+    def unreadable_values(self) -> dict[str, str]:
+        """Key -> why, for each value shardkit leaves unread (pickle bytes it does not run): what
+        ``inspect`` can say beside the key's name.  Decodes every value."""
+        return self.values().unreadable()
+
     def _value_where(self, key: str) -> str:
         return f"{self.storage.where(str(self._where[(key, None)].relative_path))} [{key}]"
 
