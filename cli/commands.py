@@ -294,6 +294,8 @@ def inspect(ctx: click.Context, src: str, as_json: bool, limit: int, trust_pickl
         click.echo("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info["meta"].items())))
     if info["values"]:
         click.echo("values: " + ", ".join(info["values"]))
+        for key, why in sorted(info.get("unread_values", {}).items()):
+            click.echo(f"  {key}: {why}; not read")
     shown = info["tensors"][:limit] if limit else info["tensors"]
     placed = any("placements" in t for t in shown)  # the writer recorded how each tensor was held
     click.echo(table(([t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", human_bytes(t["bytes"]),
@@ -414,6 +416,8 @@ def diff(ctx: click.Context, a: str, b: str, atol: float, rtol: float, max_memor
             click.echo(table(rows, ["name", "status", "max_abs", "max_rel", "detail"], "llrrl"))
         for name in report.values:
             click.echo(f"value {name}: differs")
+        for name, why in sorted(report.not_compared.items()):
+            click.echo(f"value {name}: not compared ({why})")
         n_eq = sum(t.status == "equal" for t in report.tensors)
         verdict = "equal" if report.equal else "DIFFERENT"
         click.echo(f"{verdict}: {n_eq} of {human_count(len(report.tensors), 'tensor')} bitwise equal, "

@@ -152,6 +152,11 @@ class CheckpointReader(abc.ABC):
     def values(self) -> Mapping[str, Any]:
         """Every non-tensor value (JSON types) by flattened fqn."""
 
+    def unreadable_values(self) -> Mapping[str, str]:
+        """Key -> why, for each key of :meth:`values` shardkit lists but does not read (a pickle it does not
+        run: torchtitan's data loader position in a DCP step); ``inspect`` and ``diff`` say so by name."""
+        return {}
+
     def aliases(self) -> Mapping[str, str]:
         """Tied keys: ``{alias: key}`` for each key of :meth:`tensors` whose data is stored once under
         ``key`` (native checkpoints record them; other formats have none).  :meth:`tensors` lists the

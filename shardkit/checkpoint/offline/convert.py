@@ -348,7 +348,9 @@ def inspect(src: str, *, storage_options: Mapping[str, Any] | None = None,
         chunks = _native_chunks(source)
         gone = missing_references(source.storage, {rec.file for rec in chunks}) if shared else {}
         return {"url": src, "format": info.format, "version": info.version, "layout": layout,
-                "meta": dict(info.meta), "values": sorted(source.values()), "tensors": tensors,
+                "meta": dict(info.meta), "values": sorted(source.values()),
+                **({"unread_values": dict(unread)} if (unread := source.unreadable_values()) else {}),
+                "tensors": tensors,
                 "totals": {"tensors": len(tensors), "aliases": len(tensors) - len(stored),
                            "bytes": sum(t["bytes"] for t in stored), "chunks": sum(t["chunks"] for t in stored),
                            "model_bytes": sum(t["bytes"] for t in stored if _part_of(t["name"]) == "model"),

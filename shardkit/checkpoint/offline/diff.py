@@ -77,6 +77,7 @@ class DiffReport:
     rtol: float
     tensors: list[TensorDiff] = field(default_factory=list)
     values: list[str] = field(default_factory=list)   # names of non-tensor values that differ
+    not_compared: dict[str, str] = field(default_factory=dict)  # values either side lists but cannot read: why
     scope: str = ""   # set when diff narrowed what it compares by itself (e.g. to the model part)
 
     @property
@@ -87,7 +88,8 @@ class DiffReport:
     def to_json(self) -> dict[str, Any]:
         """The report as ``shardkit diff --json`` prints it."""
         return {"a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol, "equal": self.equal,
-                "scope": self.scope, "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values}
+                "scope": self.scope, "tensors": [t.__dict__ for t in self.tensors], "values_differ": self.values,
+                "values_not_compared": self.not_compared}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +122,10 @@ def diff(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, storage_option
                     and not (exclude and any(fnmatch.fnmatchcase(name, g) for g in exclude)))
 
         names = sorted(n for n in set(ea) | set(eb) if wanted(n))
-        value_names = sorted(k for k in set(va) | set(vb) if wanted(k))
-        if not names and not value_names:
+        unread = {**sb.unreadable_values(), **sa.unreadable_values()}
+        report.not_compared = {k: why for k, why in sorted(unread.items()) if wanted(k)}
+        value_names = sorted(k for k in set(va) | set(vb) if wanted(k) and k not in unread)
+        if not names and not value_names and not report.not_compared:
             raise ConfigurationError("the filters (--only/--exclude) keep no tensor or value of either checkpoint; "
                                      "nothing to compare" if (only or exclude) else
                                      f"{a} and {b} hold no tensor or value; nothing to compare")

@@ -79,8 +79,10 @@ def test_asking_for_the_pickled_value_fails_naming_it_and_its_file(titan_step):
 def test_inspect_lists_the_pickled_value_and_verify_passes(titan_step):
     path, _ = titan_step
     assert KEY in inspect(path)["values"]
+    assert inspect(path)["unread_values"] == {KEY: "pickled bytes (a pickle shardkit does not run)"}
     shown = run_cli("inspect", path)
-    assert shown.exit_code == 0 and KEY in shown.stdout
+    assert shown.exit_code == 0
+    assert f"  {KEY}: pickled bytes (a pickle shardkit does not run); not read" in shown.stdout
     assert run_cli("verify", path).exit_code == 0
     assert Sentinel.ran is False
 
@@ -98,4 +100,15 @@ def test_convert_leaves_the_pickled_value_out_with_one_warning_naming_it(titan_s
     target = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}}
     load(target, out, strict=False)
     assert all(torch.equal(target["model"][k], w) for k, w in weights.items())
+    assert Sentinel.ran is False
+
+
+def test_diff_names_the_pickled_value_as_not_compared_and_compares_the_rest(titan_step, tmp_path):
+    path, _ = titan_step
+    copy = str(tmp_path / "copy")
+    convert(path, copy, to="dcp")  # the same tensors and values, the pickled one left out
+    shown = run_cli("diff", path, copy)
+    assert shown.exit_code == 0, shown.stdout
+    assert f"value {KEY}: not compared (pickled bytes (a pickle shardkit does not run))" in shown.stdout
+    assert "equal:" in shown.stdout
     assert Sentinel.ran is False
