@@ -13,7 +13,8 @@ from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, nest
-from shardkit.errors import ConfigurationError, DataStateError, error_record, from_record
+from shardkit.errors import ConfigurationError, DataStateError
+from shardkit.wire.collectives import raise_any_failure
 
 __all__ = ["INPUT_KEYS", "stored_input_state", "stored_step", "check_input_state"]
 
@@ -73,11 +74,8 @@ def check_input_state(step: int, inputs: Mapping[str, Any], data: ElasticSampler
             check_data_state_dict(inputs, data, stateful, rng=rng)
         except DataStateError as exc:
             problem = exc
-    failed = Dist(process_group).first_error(None if problem is None else error_record(problem))
-    if failed is not None:
-        if problem is not None:
-            raise problem
-        raise from_record(failed[1], f"resuming step {step} failed on rank {failed[0]}: {failed[1]['message']}")
+    raise_any_failure(Dist(process_group).first_error, problem,
+                      lambda rank, text: f"resuming step {step} failed on rank {rank}: {text}")
     saved = inputs.get("data", {})
     left = ([f"an ElasticSampler position ({_position(saved['sampler'])}; pass data=<the sampler> to continue "
              f"it)"] if data is None and "sampler" in saved else []) + \
