@@ -43,6 +43,7 @@ from shardkit.wire.collectives import (
 __all__ = ["Dist"]
 
 T = TypeVar("T")
+_FRAME_BYTES = 4096  # what a broadcast sends in its first (and usually only) transfer, its length included
 _ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other, to name who is gone
 # A group whose collective a rank missed or left cannot be used again (the ranks' sequences parted): its
 # error, raised again at once by any later collective, so code that goes on to the next one to report a
@@ -185,19 +186,28 @@ class Dist:
         return self.collective(lambda: self._broadcast_json(obj, src))
 
     def _broadcast_json(self, obj: Any, src: int) -> Any:
+        """One broadcast of a fixed frame -- the length, then as much of the JSON as fits -- and a second one
+        only for what did not fit: every rank knows the frame's size, so a small answer (a commit's outcome, a
+        decision) costs one collective, not a length and then the bytes."""
         import torch.distributed as dist
 
         dev = self.device()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        frame = torch.zeros(_FRAME_BYTES, dtype=torch.uint8, device=dev)
         data = encode_json(obj) if self.group_rank == src else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-        complete(dist.broadcast(size, src_global, group=self.group, async_op=True))
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        if self.group_rank == src and data.numel():
-            buf.copy_(data)
-        if buf.numel():
-            complete(dist.broadcast(buf, src_global, group=self.group, async_op=True))
-        return decode_json(buf)
+        if self.group_rank == src:
+            head = data[:_FRAME_BYTES - 8]
+            frame[:8].view(torch.int64)[0] = data.numel()
+            frame[8:8 + head.numel()] = head.to(dev)
+        complete(dist.broadcast(frame, src_global, group=self.group, async_op=True))
+        size = int(frame[:8].view(torch.int64)[0])
+        if size <= _FRAME_BYTES - 8:
+            return decode_json(frame[8:8 + size])
+        rest = torch.empty(size - (_FRAME_BYTES - 8), dtype=torch.uint8, device=dev)
+        if self.group_rank == src:
+            rest.copy_(data[_FRAME_BYTES - 8:])
+        complete(dist.broadcast(rest, src_global, group=self.group, async_op=True))
+        return decode_json(torch.cat([frame[8:], rest]))
 
     def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
