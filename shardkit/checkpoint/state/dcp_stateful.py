@@ -23,18 +23,26 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from torch.distributed.checkpoint.stateful import Stateful
+__all__ = ["is_stateful", "stateful_to_state_dict", "load_into_statefuls"]
 
-__all__ = ["Stateful", "stateful_to_state_dict", "load_into_statefuls"]
+
+def is_stateful(value: Any) -> bool:
+    """``isinstance(value, torch.distributed.checkpoint.stateful.Stateful)``, without importing DCP.
+
+    Why: torch's ``Stateful`` is a runtime-checkable protocol, so the check is whether ``value`` has both
+    methods; importing ``torch.distributed.checkpoint`` to ask it costs most of a second on the first save of a
+    process that never uses DCP.
+    """
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def stateful_to_state_dict(state_dict: Any) -> Any:
     """A shallow copy of ``state_dict`` with ``value.state_dict()`` for each top-level ``Stateful`` value, keys in
     sorted order (the order DCP's load calls them in).  A state dict without one (or anything but a dict, which
     the caller's own check names) is returned as it is: nothing to do, and a load goes on filling it directly."""
-    if not isinstance(state_dict, Mapping) or not any(isinstance(v, Stateful) for v in state_dict.values()):
+    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
         return state_dict
-    return {key: value.state_dict() if isinstance(value, Stateful) else value
+    return {key: value.state_dict() if is_stateful(value) else value
             for key, value in sorted(state_dict.items(), key=lambda item: str(item[0]))}
 
 
@@ -47,7 +55,7 @@ def load_into_statefuls(state_dict: dict[str, Any], targets: Any, *, statefuls: 
         return
     for key in sorted(state_dict, key=str):
         value = state_dict[key]
-        if not isinstance(value, Stateful):
+        if not is_stateful(value):
             state_dict[key] = targets[key]
         elif statefuls:
             value.load_state_dict(targets[key])

@@ -173,3 +173,20 @@ def test_shardkits_data_stateful_wrapper_is_not_torchs_protocol_and_is_still_ref
     assert not isinstance(wrapped, Stateful)  # a scope for CheckpointManager(stateful=...), not an AppState
     with pytest.raises(ConfigurationError, match="'x' holds a Stateful"):
         skc.save({"x": wrapped}, str(tmp_path / "c"))
+
+
+def test_the_protocol_check_agrees_with_torchs_stateful_without_importing_dcp():
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from shardkit.checkpoint.state.dcp_stateful import is_stateful
+
+    model = torch.nn.Linear(2, 2)
+    for value in (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.zeros(2), {"a": 1}, 3, "text"):
+        assert is_stateful(value) == isinstance(value, Stateful), value
+    # the first save of a process that never uses DCP does not pay for importing it (most of a second)
+    probe = ("import sys, shardkit.checkpoint.training.save, shardkit.checkpoint.training.load; "
+             "print('torch.distributed.checkpoint' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
