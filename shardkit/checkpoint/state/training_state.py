@@ -191,8 +191,8 @@ def apply_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, os
                              *, strict: bool = True) -> None:
     """Copy an FQN-keyed optimizer state into ``optimizer`` in place (hyper-parameters included)."""
     init_optimizer_state(optimizer)
-    by_fqn = {fqn: p for p, fqn in ((p, param_fqns(model).get(id(p))) for g in optimizer.param_groups
-                                    for p in g["params"])}
+    names = param_fqns(model)  # once: it walks every parameter of the model
+    by_fqn = {names.get(id(p)): p for g in optimizer.param_groups for p in g["params"]}
     state = osd.get("state", {})
     _check_keys({f for f, p in by_fqn.items() if optimizer.state.get(p)}, set(state), "optimizer", strict)
     for fqn, values in state.items():

@@ -27,7 +27,12 @@ from typing import Any, Callable
 
 import torch
 
-import shardkit.checkpoint as skc
+from shardkit.checkpoint import (  # resolved now, not inside a job's first timed save or resume
+    load as shardkit_load,
+)
+from shardkit.checkpoint import (
+    save as shardkit_save,
+)
 from shardkit.checkpoint.formats import NATIVE
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state_dict import (
@@ -146,7 +151,7 @@ def save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0, 
                                             adapter_only, use_dcp)
     path = os.path.join(os.fspath(output_dir), f"{_constants.FSDP_MODEL_NAME}_{model_index}")
     logger.info("saving model %d to %s through shardkit", model_index, path)
-    skc.save({"model": live_model_state(model)}, path, **OPTIONS.for_save())
+    shardkit_save({"model": live_model_state(model)}, path, **OPTIONS.for_save())
     return None
 
 
@@ -162,7 +167,7 @@ def load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0, a
     _check_loadable(path, fsdp_plugin, adapter_alone=_adapter_alone(model, adapter_only))
     logger.info("loading model %d from %s through shardkit", model_index, path)
     state = {"model": live_model_state(model)}
-    skc.load(state, path, **OPTIONS.for_load())
+    shardkit_load(state, path, **OPTIONS.for_load())
     apply_model_state(model, state["model"])  # in place already: checks the keys, copies nothing
     return _no_missing_keys()
 
@@ -176,7 +181,7 @@ def save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, output_dir, 
                                                 optimizer_index, use_dcp)
     path = os.path.join(os.fspath(output_dir), f"{_constants.OPTIMIZER_NAME}_{optimizer_index}")
     logger.info("saving optimizer %d to %s through shardkit", optimizer_index, path)
-    skc.save({"optim": live_optimizer_state(model, _torch_optimizer(optimizer))}, path, **OPTIONS.for_save())
+    shardkit_save({"optim": live_optimizer_state(model, _torch_optimizer(optimizer))}, path, **OPTIONS.for_save())
     return None
 
 
@@ -192,7 +197,7 @@ def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, o
     logger.info("loading optimizer %d from %s through shardkit", optimizer_index, path)
     inner = _torch_optimizer(optimizer)
     state = {"optim": live_optimizer_state(model, inner)}
-    skc.load(state, path, **OPTIONS.for_load())
+    shardkit_load(state, path, **OPTIONS.for_load())
     apply_optimizer_state(model, inner, state["optim"])  # the hyper-parameters, the scheduler's lr included
     return None
 
