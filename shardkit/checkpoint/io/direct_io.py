@@ -32,17 +32,20 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ALIGN", "DirectFile", "open_direct"]
+__all__ = ["ALIGN", "DirectFile", "open_direct", "staging_buffer"]
 
 ALIGN = 4096
 BUFFER_BYTES = 8 << 20
 _local = threading.local()
 
 
-def _buffer() -> mmap.mmap:
+def staging_buffer() -> mmap.mmap:
+    """This thread's page-aligned buffer that O_DIRECT writes are staged in (made on first use, kept)."""
     buf = getattr(_local, "buf", None)
     if buf is None:
-        buf = _local.buf = mmap.mmap(-1, BUFFER_BYTES)
+        # private: an anonymous mmap is shared by default, so a process forked after this thread wrote would
+        # stage its bytes in the very pages its parent and siblings stage theirs in (copies on write instead)
+        buf = _local.buf = mmap.mmap(-1, BUFFER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return buf
 
 
@@ -51,7 +54,7 @@ class DirectFile:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._buf = _buffer()
+        self._buf = staging_buffer()
         self._view = memoryview(self._buf)
         self._fill = 0
         self.size = 0
