@@ -59,3 +59,9 @@ def is_sibling_name(name: str) -> bool:
 
 def join_url(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(parent, name)`` of ``url``, the inverse of :func:`join_url` (``parent`` empty for a bare name)."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return parent, name

@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardkit.checkpoint import (  # resolved now, not inside the first timed save or resume
@@ -44,6 +43,8 @@ from shardkit.checkpoint import (  # resolved now, not inside the first timed sa
 from shardkit.checkpoint import (
     async_save as save_in_background,
 )
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.names import split_url
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict, UnsafeCheckpoint
 from shardkit.integrations.lightning.state import META_KEY, decode_rest, encode_rest
@@ -58,13 +59,9 @@ DCP_METADATA, LIGHTNING_META = ".metadata", "meta.pt"  # what Lightning's ModelP
 MANAGER_ONLY = ("local_world_size", "replicas", "local_keep", "durable_every")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _split_url(url: str) -> tuple[str, str]:
-    parent, _, name = url.rstrip("/").rpartition("/")
-    return (parent or "."), name
+    parent, name = split_url(url)
+    return (parent or "."), name  # a bare name is in the working directory
 
 
 class CheckpointStore:
@@ -125,7 +122,7 @@ class CheckpointStore:
         if self._saved_step.get(manager.root_url) != step:  # ModelCheckpoint's top-k and last share one step
             committed = manager.save(step, model, optimizers[0] if optimizers else None)  # a Future when async
             self._saved_step[manager.root_url] = step
-        if _rank() != 0:
+        if Dist().rank != 0:
             return
         pointer = json.dumps({"format": POINTER_FORMAT, "step": step, META_KEY: text}).encode()
 
@@ -208,7 +205,7 @@ class CheckpointStore:
                                      f"{len(optimizers)}")
         manager = self._manager(root, options)
         optimizer = optimizers[0] if optimizers else None
-        newest = self.agree(max(manager.steps(), default=-1) if _rank() == 0 else None)
+        newest = self.agree(max(manager.steps(), default=-1) if Dist().rank == 0 else None)
         strict = strict and optimizer is not None  # validate/test: the step's optimizer state is not wanted
         resumed = manager.load_latest(model, optimizer, strict=strict) if step >= newest else None
         if resumed is None or resumed[0] != step:  # an older pointer (a top-k "best"), or the hot tier lacked it
@@ -227,7 +224,7 @@ class CheckpointStore:
     def remove(self, url: str) -> None:
         """Remove the checkpoint (or pointer) at ``url``; rank 0 deletes, every rank waits for saves first."""
         self.wait()
-        if _rank() != 0:
+        if Dist().rank != 0:
             return
         storage = Storage(url, self.storage_options or None)
         if storage.is_local and os.path.islink(storage.root):  # save_last="link": the link goes, not its target

@@ -22,10 +22,11 @@ import os
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import handler_for
+from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.names import split_url
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import error_record, from_record
 from shardkit.integrations.torchtitan.state import MODEL_KEY, cast_floating
@@ -38,19 +39,15 @@ log = logging.getLogger(__name__)
 HF_FORMAT = handler_for("safetensors").name  # the registry's name of the Hugging Face format
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def export_hf(model_state: Mapping[str, Any], url: str, sd_adapter: Any, dtype: torch.dtype,
               storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``model_state`` (torchtitan names) at ``url`` as a Hugging Face folder (collective)."""
     hf_state = cast_floating(sd_adapter.to_hf(dict(model_state)), dtype)
-    parent, _, name = url.rstrip("/").rpartition("/")
+    parent, name = split_url(url)
     staging = f"{parent}/.{name}.shardkit-export"  # not a step-N name: never taken for a step
     skc.save({MODEL_KEY: hf_state}, staging, storage_options=storage_options)
     error: BaseException | None = None
-    if _rank() == 0:
+    if Dist().rank == 0:
         try:
             assets = getattr(sd_adapter, "hf_assets_path", None)
             has_config = bool(assets) and os.path.isfile(os.path.join(assets, "config.json"))

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import shardkit.checkpoint as skc
 from shardkit.checkpoint.formats import NATIVE
+from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointNotFound, ConfigurationError, IncompatibleStateDict, error_record, from_record
 from shardkit.integrations.requirements import import_framework
@@ -56,10 +57,6 @@ __all__ = ["ShardkitCheckpointManager", "ASYNC_MODES"]
 log = logging.getLogger(__name__)
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _agreed(probe: Callable[[], Any]) -> Any:
@@ -202,7 +199,7 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
         log.info("saved a model-only checkpoint in %s at the last step, step %d", self.export_dtype, curr_step)
 
     def _should_purge(self) -> bool:
-        return self.keep_latest_k > 0 and _rank() == 0
+        return self.keep_latest_k > 0 and Dist().rank == 0
 
     def _purge_stale_checkpoints(self) -> None:
         if self._should_purge():

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.state.tree import flatten, to_json_value
 from shardkit.errors import DataStateError
@@ -119,8 +120,8 @@ def restore_dataloader(dataloader: Any, text: str, where: str) -> None:
         log.info("%s holds no data loader position; the data loader starts from its beginning", where)
         return
     stored = json.loads(text)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    here = Dist()
+    rank, world = here.rank, here.world_size
     if stored["world_size"] != world:
         raise DataStateError(f"{where}: {DATALOADER_KEY!r} holds the data positions of {stored['world_size']} "
                              f"ranks, this job has {world}; a data-parallel rank's position does not carry over "
