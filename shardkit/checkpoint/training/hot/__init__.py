@@ -3,7 +3,8 @@ every rank's shards, replicas of them on other nodes, and recovery from whicheve
 
 * :mod:`.nodes`      -- which node a rank is on, where its copies and replicas live, the names in a node's
   directory (``CopyName``)
-* :mod:`.copies`     -- one rank's shards as a small native checkpoint: write, stage, read back checked
+* :mod:`.copies`     -- one rank's shards as a copy: the state taken, written, read back and checked
+* :mod:`.flat`       -- a copy on disk: one data file and a checksummed manifest, published atomically
 * :mod:`.replicate`  -- a hot save: own copy, replication, the vote on completion, the per-node marker
 * :mod:`.recover`    -- the collective choice of the newest step every rank can assemble from verified copies
 * :mod:`.local_keep` -- what a node keeps, and the up-front check that its directory can hold it

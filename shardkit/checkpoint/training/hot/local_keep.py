@@ -23,6 +23,7 @@ import logging
 
 from shardkit.checkpoint.formats.native import remove_owned, survey
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.training.hot.flat import remove_flat
 from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, is_marker_leftover, is_partial_copy, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_of_dir
 from shardkit.errors import ConfigurationError, ShardkitError
@@ -42,9 +43,17 @@ def read_marker(step_dir: str) -> str | None:
 
 
 def remove_copy(path: str) -> None:
-    """Remove one copy directory's shardkit files (manifest first); foreign files stay, with a warning."""
+    """Remove one copy directory's shardkit files (manifest first); foreign files stay, with a warning.
+    A copy an earlier shardkit wrote as a native checkpoint (a ``data/`` directory) goes by that format's
+    record of what it wrote."""
     storage = Storage(path)
     if not storage.is_dir():
+        return
+    if not storage.is_dir("data"):
+        left = remove_flat(path)
+        if left:
+            log.warning("leaving %s in place: it holds files the hot tier did not write (%s)", path,
+                        ", ".join(left[:3]))
         return
     found = survey(storage)
     if found.foreign:

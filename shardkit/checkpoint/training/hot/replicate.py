@@ -52,6 +52,7 @@ class HotSave:
     save_id: str
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
+    inputs: dict[str, Any]
     structure: str
     meta: dict[str, Any]
     local_keep: int
@@ -76,7 +77,7 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
            "structure": job.structure}
     mine = _own_copy(layout, rank, job)
     try:
-        write_copy(mine, job.tensors, job.values, hot, job.meta)
+        write_copy(mine, job.tensors, job.values, job.inputs, hot, job.meta)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the replication below
         error = exc
     moves = [DirectoryMove(src=r, source_dir=_own_copy(layout, r, job), dst=holder,

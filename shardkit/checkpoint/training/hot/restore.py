@@ -19,10 +19,11 @@ import torch.nn as nn
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
-from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, structure_of
+from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, input_targets, structure_of
+from shardkit.checkpoint.training.hot.flat import read_flat
 from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
-from shardkit.checkpoint.training.input_state import check_input_state, stored_input_state
+from shardkit.checkpoint.training.input_state import check_input_state
 from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
 from shardkit.wire.collectives import raise_any_failure
 
@@ -62,10 +63,11 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
     structure = structure_of(flatten(get_training_state(model, optimizer)).tensors)
 
     def open_copy(path: str) -> _Opened:
-        inputs = stored_input_state(path)
+        copy = read_flat(path)  # every byte read and checked
+        inputs = input_targets(copy)
         restores = data is not None or bool(stateful) or (rng and "rng" in inputs)
         state = {**get_training_state(model, optimizer), **inputs}
-        return _Opened(check_copy(path, state, structure), state, inputs, restores)
+        return _Opened(check_copy(copy, state, structure), state, inputs, restores)
 
     found = recover(layout, structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
                     group=group)

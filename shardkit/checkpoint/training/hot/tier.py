@@ -89,7 +89,8 @@ class HotTier:
             self._space_checked = local.structure
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())
         tensors = self._host.copy(local) if to_host or on_device else local.tensors
-        return HotSave(step, save_id, tensors, local.values, local.structure, meta, self.local_keep), local
+        job = HotSave(step, save_id, tensors, local.values, local.inputs, local.structure, meta, self.local_keep)
+        return job, local
 
     def plan(self, step: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Every step goes to the hot tier."""
@@ -135,6 +136,7 @@ def durable_view(local: LocalState, staged: dict[str, torch.Tensor]) -> dict[str
     from torch.distributed.tensor import DTensor
 
     out: dict[str, Any] = {key: from_json_value(v) for key, v in local.values.items()}
+    out.update(local.inputs)  # nested, beside the flattened keys of model and optimizer: the same keys once saved
     for key, t in local.flat.tensors.items():
         out[key] = DTensor(staged[key], t._spec, requires_grad=False) if is_dtensor(t) else staged[key]
     return out

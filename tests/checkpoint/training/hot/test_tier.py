@@ -93,7 +93,7 @@ def _files(node_dir: str) -> list[str]:
 def _damage_every_file(node_dir: str) -> None:
     """Flip one byte in the middle of every data file and truncate every manifest of the node."""
     for path in _files(node_dir):
-        if path.endswith(".safetensors"):
+        if path.endswith((".safetensors", "state.bin")):
             with open(path, "r+b") as f:
                 size = os.path.getsize(path)
                 f.seek(size // 2)

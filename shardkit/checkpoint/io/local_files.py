@@ -1,0 +1,103 @@
+"""Node-local files written whole and read whole: the hot tier's copies (``training/hot/flat.py``).
+
+A directory is published the way a committed checkpoint must appear: every file written and fsynced in a
+staging directory beside the target (``.<name>.partial-<pid>-<random>``, what a killed writer leaves is
+recognisable by it), the last file given being the commit file, the staging directory fsynced, then one
+``rename`` into place -- refused when the target already holds anything, so nothing committed is replaced
+-- and the parent fsynced.  A file is read with one ``readinto`` loop into the caller's buffer (no
+intermediate copy, no thread pool: a node-local RAM disk or NVMe needs neither).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Sequence
+
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import CorruptCheckpoint, StorageError
+
+__all__ = ["publish_directory", "read_whole", "read_into", "remove_files"]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, pieces: Sequence[Any]) -> None:
+    """``pieces`` (buffers) back to back into a new file at ``path``, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            while len(view):
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_directory(path: str, files: Sequence[tuple[str, Sequence[Any]]]) -> None:
+    """Create directory ``path`` holding ``files`` (name, buffers), the last one the commit file, atomically
+    (see the module docstring).  Raises :class:`~shardkit.errors.StorageError` naming ``path`` when the disk
+    refuses or ``path`` already holds anything; nothing is left behind but what was there."""
+    parent, base = os.path.split(os.path.abspath(path))
+    staging = os.path.join(parent, f"{Storage.temporary_name_prefix(base)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(staging)
+        try:
+            for name, pieces in files:
+                _write_file(os.path.join(staging, name), pieces)
+            _fsync_dir(staging)
+            os.rename(staging, path)  # fails on a non-empty target: a committed directory is never replaced
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(parent)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc}") from exc
+
+
+def read_whole(path: str) -> bytes:
+    """The bytes of a small file (a manifest).  Raises ``OSError`` as ``open`` does."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_into(path: str, view: memoryview) -> None:
+    """Fill ``view`` with the file at ``path``, which must be exactly ``len(view)`` bytes long.  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming the file when it is shorter, longer or unreadable."""
+    size = len(view)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            found = os.fstat(f.fileno()).st_size
+            if found != size:
+                raise CorruptCheckpoint(f"{path} holds {found} bytes; {size} were written")
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CorruptCheckpoint(f"{path} ends after {got} of {size} bytes")
+                got += n
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot read {path}: {exc}") from None
+
+
+def remove_files(path: str, names: Sequence[str]) -> list[str]:
+    """Remove ``names`` from directory ``path`` in order, then the directory when nothing else is left; the
+    names left there (not ours) are returned."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+    left = sorted(os.listdir(path))
+    if not left:
+        os.rmdir(path)
+    return left

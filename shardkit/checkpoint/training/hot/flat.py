@@ -1,0 +1,131 @@
+"""One rank's hot copy on disk: a single data file and a manifest, written by this rank alone.
+
+A hot copy is written every step and read back only by the same layout on the same number of ranks
+(:mod:`.copies` checks the structure), so it needs none of a durable checkpoint's machinery -- no chunking,
+no shared plan, no writer pool, no index.  What it keeps are the guarantees:
+
+* **Checked before trusted.**  ``manifest.json`` records every tensor's dtype, shape, offset and crc32c in
+  ``state.bin``, and ends with the crc32c of its own body; :func:`read_copy` refuses a copy whose manifest,
+  file size or any tensor's bytes do not match, naming the file and key.
+* **Published atomically.**  Both files are written and fsynced in a staging directory beside the target
+  (``.<copy name>.partial-<pid>-<random>``, which retention recognises as a killed writer's), the manifest
+  last; one ``rename`` then makes the copy appear whole.  A target that already holds a copy is never
+  replaced (the rename fails on a non-empty directory).
+
+Layout: the tensors' bytes back to back in ``state.bin``, each at a 64-byte aligned offset, so a reader
+reads the whole file with one ``readinto`` into one buffer and views every tensor in place.  The
+checksums are computed by the writer, off the training thread (the hot save runs in the background).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from shardkit.checkpoint.formats.crc32c import crc32c
+from shardkit.checkpoint.io.local_files import publish_directory, read_into, read_whole, remove_files
+from shardkit.checkpoint.io.rounds import aligned
+from shardkit.errors import CorruptCheckpoint
+
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FlatCopy", "write_flat", "read_manifest", "read_flat", "remove_flat"]
+
+DATA_NAME = "state.bin"
+MANIFEST_NAME = "manifest.json"  # the commit file: a copy without it is not a copy (transfer's commit_last)
+LAYOUT = "shardkit-hot-copy-1"
+
+
+@dataclass
+class FlatCopy:
+    """A copy read and checked: each tensor a view into one buffer, the JSON values as stored."""
+
+    path: str
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]
+
+
+def _dtype(name: Any, where: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(found, torch.dtype):
+        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
+    return found
+
+
+def write_flat(path: str, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
+               meta: Mapping[str, Any]) -> int:
+    """Write ``tensors`` (CPU) and ``values`` (JSON-encoded) as a copy at ``path`` (see the module docstring);
+    the bytes of ``state.bin``.  Raises :class:`~shardkit.errors.StorageError` naming the path when the disk
+    refuses, or when ``path`` already holds a copy."""
+    entries, pieces, offset = [], [], 0
+    for key, t in tensors.items():
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        n = raw.numel()
+        entries.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n, crc32c(raw)])
+        pieces.append(raw.numpy())
+        end = aligned(offset + n)
+        if end > offset + n:
+            pieces.append(bytes(end - offset - n))
+        offset = end
+    body = json.dumps({"layout": LAYOUT, "meta": dict(meta), "size": offset, "tensors": entries,
+                       "values": dict(values)}, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    seal = f"\n{crc32c(body):08x}\n".encode("ascii")
+    publish_directory(path, [(DATA_NAME, pieces), (MANIFEST_NAME, [body, seal])])  # the manifest last
+    return offset
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The checked manifest of the copy at ``path``.  Raises :class:`~shardkit.errors.CorruptCheckpoint`
+    when it is missing, damaged (its crc32c) or not a hot copy's."""
+    where = os.path.join(path, MANIFEST_NAME)
+    try:
+        raw = read_whole(where)
+        body, _, tail = raw.rstrip(b"\n").rpartition(b"\n")
+        if not body or int(tail, 16) != crc32c(body):
+            raise ValueError("its checksum does not match its contents")
+        manifest = json.loads(body.decode("utf-8"))
+        if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT:
+            raise ValueError(f"not a hot copy's manifest (layout {LAYOUT} expected)")
+        if not isinstance(manifest.get("meta"), dict) or not isinstance(manifest.get("values"), dict) \
+                or not isinstance(manifest.get("tensors"), list) or not isinstance(manifest.get("size"), int):
+            raise ValueError("a field is missing or of the wrong type")
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{where}: not a readable hot-tier copy ({type(exc).__name__}: {exc})") from None
+    return manifest
+
+
+def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
+    """Read ``state.bin`` with one ``readinto`` and check every tensor's crc32c against the manifest.  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming the file (and key) for any mismatch."""
+    manifest = read_manifest(path) if manifest is None else manifest
+    where = os.path.join(path, DATA_NAME)
+    size = manifest["size"]
+    buffer = torch.empty(size, dtype=torch.uint8)
+    read_into(where, memoryview(buffer.numpy()))
+    tensors = {}
+    for entry in manifest["tensors"]:
+        try:
+            key, dtype_name, shape, offset, n, crc = entry
+            dtype = _dtype(dtype_name, where)
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            if offset % 64 or offset < 0 or offset + n > size or n != numel * dtype.itemsize:
+                raise ValueError(f"offset {offset}, {n} bytes do not fit the file or the shape {shape}")
+        except (TypeError, ValueError) as exc:
+            raise CorruptCheckpoint(f"{path}/{MANIFEST_NAME}: bad tensor entry {entry!r:.120}: {exc}") from None
+        raw = buffer[offset:offset + n]
+        if crc32c(raw) != crc:
+            raise CorruptCheckpoint(f"{where}: the bytes of {key!r} do not match their checksum (crc32c): a "
+                                    f"damaged copy")
+        tensors[key] = raw.view(dtype).reshape(shape)
+    return FlatCopy(path, manifest["meta"], tensors, manifest["values"])
+
+
+def remove_flat(path: str) -> list[str]:
+    """Remove the files of the copy at ``path`` (the manifest first, so it stops being a copy at once) and
+    the directory when nothing else is left; the names it left (not a copy's) are returned."""
+    return remove_files(path, [MANIFEST_NAME, DATA_NAME])
