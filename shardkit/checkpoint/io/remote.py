@@ -1,8 +1,11 @@
 """The byte work of :class:`~shardkit.checkpoint.io.storage.Storage` on any other fsspec filesystem.
 
-* **Reads** are ranged ``cat_file`` requests, copied into the target tensors.
-* **Writes** stream through ``open(..., "wb")`` (multipart uploads on S3);
-  closing the file completes the upload.  A write that fails is discarded, never
+* **Reads** are ranged ``cat_file`` requests, copied into the target tensors;
+  an offline conversion reads through a :class:`~shardkit.checkpoint.io.read_cache.BlockCache`
+  instead (:meth:`RemoteFiles.read_through`: 8 MiB requests, each block fetched once, read ahead).
+* **Writes** stream through ``open(..., "wb")``; on S3 through
+  :class:`~shardkit.checkpoint.io.uploads.PartUploads` (8 MiB parts uploaded while the next one
+  fills, one PUT for a smaller file); closing the file completes the upload.  A write that fails is discarded, never
   closed: closing would complete the upload with the parts sent so far (a
   partial object under the final name), so the multipart upload is aborted
   instead (retried like any request) and no parts are left behind, billed.
@@ -33,6 +36,8 @@ import numpy as np
 import torch
 
 from shardkit.checkpoint.io.clouds import CloudProfile
+from shardkit.checkpoint.io.read_cache import BlockCache
+from shardkit.checkpoint.io.uploads import PartUploads
 from shardkit.errors import CorruptCheckpoint
 
 __all__ = ["RemoteFiles", "change_stamp"]
@@ -67,6 +72,16 @@ class RemoteFiles:
         self.cloud = cloud
         self.retry = retry
         self.is_object_store = is_object_store
+        self.cache: BlockCache | None = None
+
+    def read_through(self, budget: int, threads: int) -> BlockCache:
+        """Serve ranged reads from now on from a :class:`BlockCache` of ``budget`` bytes reading ahead on
+        ``threads`` threads (close it, and set ``cache`` back to ``None``, when done)."""
+        def fetch(path: str, start: int, end: int) -> bytes:
+            return self.retry(f"reading bytes {start}-{end} of {self.url(path)}",
+                              lambda: self.fs.cat_file(path, start=start, end=end), self.url(path))
+        self.cache = BlockCache(fetch, lambda path: self.size(path, self.url(path)), budget=budget, threads=threads)
+        return self.cache
 
     def url(self, path: str) -> str:
         """``path`` as a URL (``s3://bucket/key``): what a retry's one WARNING is keyed by."""
@@ -135,6 +150,8 @@ class RemoteFiles:
 
     # -- reads ---------------------------------------------------------
     def read_bytes(self, path: str, what: str, start: int | None, end: int | None) -> bytes:
+        if self.cache is not None and start is not None and end is not None:
+            return self.cache.read(path, start, end)
         return self.retry(what, lambda: self.fs.cat_file(path, start=start, end=end), self.url(path))
 
     def prefetch(self, path: str, ranges: Sequence[tuple[int, int]]) -> None:
@@ -143,7 +160,10 @@ class RemoteFiles:
     def read_parts(self, path: str, what: str, start: int, parts: Sequence[torch.Tensor], truncated: str) -> None:
         """One ranged request for the whole span, copied into the parts."""
         n = sum(p.numel() for p in parts)
-        data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n), self.url(path))
+        if self.cache is not None:
+            data = self.cache.read(path, start, start + n)
+        else:
+            data = self.retry(what, lambda: self.fs.cat_file(path, start=start, end=start + n), self.url(path))
         if len(data) != n:
             raise CorruptCheckpoint(truncated)
         flat = np.frombuffer(data, dtype=np.uint8)
@@ -161,7 +181,8 @@ class RemoteFiles:
         """Streamed; ``fsync`` and ``direct`` mean nothing here.  Each attempt starts from scratch; a failed
         one is discarded (its multipart upload aborted), never completed."""
         def remote() -> T:
-            f = self.fs.open(path, "wb")
+            f = PartUploads(self.fs, path) if self.is_object_store and hasattr(self.fs, "call_s3") else \
+                self.fs.open(path, "wb")
             try:
                 result = produce(f)
                 f.close()  # completes the upload: the object appears whole, or not at all

@@ -36,7 +36,7 @@ from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.diff import DiffReport, diff
-from shardkit.checkpoint.offline.fetch import Fetcher
+from shardkit.checkpoint.offline.fetch import Fetcher, read_through
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
 from shardkit.checkpoint.offline.options import (
     DEFAULT_MAX_MEMORY,
@@ -195,10 +195,17 @@ def _write(source: Any, sel: Selection, dest: Destination, target: FormatHandler
     its files are removed on a failure; native output resumes and parallelises
     (see docs/cli.md).  ``None`` in a scale-out process that left the commit to process 0.
     """
+    with read_through(source, options.get("budget", DEFAULT_MAX_MEMORY), options.get("workers", 1)) as reserved:
+        return _write_job(source, sel, dest, target, tool, export, scaleout, reserved, options)
+
+
+def _write_job(source: Any, sel: Selection, dest: Destination, target: FormatHandler, tool: str,
+               export: HfExport | None, scaleout: Scaleout, reserved: int,
+               options: dict[str, Any]) -> ConvertResult | None:
     storage = dest.storage
     job = WriteJob(
         tensors=tuple(sel.triples), values=sel.values, aliases=sel.aliases, tool=tool,
-        fetch=Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales),
+        fetch=Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales, reserved_bytes=reserved),
         selection=tuple((t.name, t.source, str(t.dtype), tuple(t.shape)) for t in sel.tensors),
         meta=dict(source.info.meta) if source.info.format == target.name else {},
         avoid=frozenset(dest.avoid), replacing=dest.replacing, scaleout=scaleout,

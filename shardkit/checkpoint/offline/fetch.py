@@ -14,6 +14,13 @@ in float32, then cast.
 Memory is the box (plus its cast, when casting), so a writer that asks for
 boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
 
+On an object store the source is read through a block cache
+(:func:`read_through`): every box is served from 8 MiB blocks, each fetched
+once with one ranged GET and read ahead of need, instead of a request per
+stored piece of every box.  Its budget (``reserved_bytes``, a quarter of the
+conversion's, at least two blocks) is set aside before the writers size their
+concurrency.
+
 With ``reuse=True`` each thread reads into one buffer it keeps and casts into a
 second one (both grown to the largest box), and the returned tensor is a view
 of one of them, valid until that thread's next fetch: on VMs that hand freed memory back to the host, fresh
@@ -23,18 +30,44 @@ consume each box before asking for the next, so this is safe for them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.checkpoint.formats.dtypes import itemsize
+from shardkit.checkpoint.io.read_cache import BLOCK_BYTES
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
 
-__all__ = ["Fetcher"]
+__all__ = ["Fetcher", "read_through", "cache_budget"]
+
+
+def cache_budget(budget: int) -> int:
+    """The block cache's share of a conversion's memory ``budget``: a quarter, at least two blocks."""
+    return max(2 * BLOCK_BYTES, budget // 4)
+
+
+@contextlib.contextmanager
+def read_through(source: Any, budget: int, threads: int) -> Iterator[int]:
+    """While open, ``source``'s ranged reads of an object store come from a block cache of
+    :func:`cache_budget` bytes read ahead on ``threads`` threads; yields the bytes set aside for it
+    (0 on a local disk, where the kernel's page cache and readahead do this job)."""
+    storage = getattr(source, "storage", None)
+    files = getattr(storage, "files", None)
+    if not isinstance(storage, Storage) or storage.is_local or not callable(getattr(files, "read_through", None)):
+        yield 0
+        return
+    cache = files.read_through(cache_budget(budget), threads)
+    try:
+        yield cache.budget
+    finally:
+        files.cache = None
+        cache.close()
 
 
 class Fetcher:
@@ -42,8 +75,9 @@ class Fetcher:
 
     def __init__(self, reader: CheckpointReader, dtype_for: Mapping[str, torch.dtype] | None = None,
                  rename_back: Mapping[str, str] | None = None, *, reuse: bool = False,
-                 scales: Mapping[str, str] | None = None) -> None:
+                 scales: Mapping[str, str] | None = None, reserved_bytes: int = 0) -> None:
         self.reader = reader
+        self.reserved_bytes = reserved_bytes  # held for the source's reads (a block cache), apart from the boxes
         self.entries = reader.tensors()
         self.dtype_for = dict(dtype_for or {})
         self.rename_back = dict(rename_back or {})

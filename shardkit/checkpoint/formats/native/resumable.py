@@ -21,7 +21,8 @@ job's ``source_id``: its canonical location and a fingerprint of its
 contents), so a rerun of the same command on the same SRC plans the same file
 names.  After each unit, its manifest records are journaled
 (:mod:`~shardkit.checkpoint.formats.native.journal`); a rerun keeps a journaled
-file only when the identity matches and the file re-verifies.  When SRC
+file only when the identity matches and the file is as it landed (size, change
+stamp, header: its data is not read back).  When SRC
 changed in between, the plan's names change and nothing old is kept: data
 written from an older SRC can never end up in the new checkpoint.  The
 manifest is committed last; the journal and any data files of older plans are
@@ -43,7 +44,7 @@ import torch
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import parse_compression
 from shardkit.checkpoint.formats.dtypes import itemsize
-from shardkit.checkpoint.formats.native.journal import journal_entry, journal_name, journaled_file
+from shardkit.checkpoint.formats.native.journal import file_stamp, journal_entry, journal_name, journaled_file
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
 from shardkit.checkpoint.formats.native.stoppable import Stopped, stoppable_map
@@ -58,6 +59,8 @@ from shardkit.checkpoint.formats.write_job import TensorSpec, WriteJob, Written
 from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.io.uploads import DEPTH as UPLOAD_DEPTH
+from shardkit.checkpoint.io.uploads import PART_BYTES
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["FileUnit", "plan_files", "write_resumable", "commit_resumable", "assign_units", "chunk_cap_for",
@@ -172,7 +175,8 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
         except BaseException:
             _discard(storage, unit.name)
             raise
-        storage.put_atomic(journal_name(unit.name), journal_entry(wf, job.source_id))
+        _, stamp = file_stamp(storage, unit.name)
+        storage.put_atomic(journal_name(unit.name), journal_entry(wf, job.source_id, stamp))
         return wf
 
     return stoppable_map(one, list(units), workers), skipped[0]
@@ -192,11 +196,13 @@ def chunk_cap_for(budget: int) -> int:
     return max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // 16))
 
 
-def concurrency_for(budget: int, workers: int) -> int:
+def concurrency_for(budget: int, workers: int, reserved: int = 0, remote: bool = False) -> int:
     """Threads that may each hold a chunk, its read buffer and its cast, plus the writer's
-    per-thread O_DIRECT staging buffer, within the budget."""
-    per_thread = 3 * chunk_cap_for(budget) + DIRECT_BUFFER_BYTES
-    return max(1, min(workers, budget // per_thread))
+    per-thread buffer (the O_DIRECT staging buffer; on an object store the part being filled and the
+    parts in flight), within the budget less ``reserved`` (the source's block cache)."""
+    writer = (1 + UPLOAD_DEPTH) * PART_BYTES if remote else DIRECT_BUFFER_BYTES
+    per_thread = 3 * chunk_cap_for(budget) + writer
+    return max(1, min(workers, (budget - reserved) // per_thread))
 
 
 def _plan(job: WriteJob) -> tuple[list[FileUnit], dict[str, Any]]:
@@ -255,8 +261,9 @@ def write_resumable(storage: Storage, job: WriteJob, name: str) -> Written | Non
         job.progress.start(f"{job.tool} → {target}" if nprocs == 1 else f"{job.tool} [{rank}/{nprocs}]",
                            sum(units[i].nbytes for i in mine))
     try:
-        written, skipped = write_units(storage, job, [units[i] for i in mine],
-                                       concurrency_for(job.budget, job.workers))
+        threads = concurrency_for(job.budget, job.workers, getattr(job.fetch, "reserved_bytes", 0),
+                                  storage.is_object_store)
+        written, skipped = write_units(storage, job, [units[i] for i in mine], threads)
     except BaseException:
         if agree is not None:
             agree(False)
