@@ -54,6 +54,7 @@ from shardkit.checkpoint.state.tree import (
     flatten,
     from_json_value,
 )
+from shardkit.checkpoint.training import shared_reads
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.shared_reads import exchange, prepare_exchange, share_reads
@@ -136,9 +137,10 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     budget = 0
     targets: Any = state_dict
     try:
-        budget = default_staging_bytes() if staging_bytes is None else staging_bytes
-        if budget < 0:
+        if staging_bytes is not None and staging_bytes < 0:
             raise ConfigurationError(f"staging_bytes must be >= 0, got {staging_bytes}")
+        if verify_first:  # the default load stages nothing
+            budget = default_staging_bytes() if staging_bytes is None else staging_bytes
         storage = Storage(url, storage_options)
         reader = open_reader(storage, format=format, io_threads=io_threads)
         targets = stateful_to_state_dict(state_dict)
@@ -150,14 +152,20 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         reader.prepare(requests)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the collectives below
         local_exc, requests = exc, []
-    shared = share_reads(requests, dist)  # collective: bytes several ranks need are read by one of them
-    try:
-        if local_exc is None:
-            checked = check_before_writing(reader, shared.mine, budget if verify_first else None,
-                                           shared.for_others)
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
-        local_exc = exc
-    _agree(dist, local_exc, url)  # nothing is written before this agreement
+    # collective: bytes several ranks need are read by one of them; the ranks learn in it too whether any of
+    # them failed so far, so a default load agrees that all is well before writing without a collective more
+    cheap = local_exc is None and reader.rereads_from_cache  # a local disk: a few bytes read twice cost nothing
+    shared = share_reads(requests, dist, failure=None if local_exc is None else error_record(local_exc),
+                         reread_below=shared_reads.REREAD_BELOW if cheap else 0)
+    if shared.failed is not None:
+        _raise_first(dist, shared.failed, local_exc, url)
+    checked = Checked([], list(shared.mine))
+    if verify_first:
+        try:
+            checked = check_before_writing(reader, shared.mine, budget, shared.for_others)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+            local_exc = exc
+        _agree(dist, local_exc, url)  # nothing is written before this agreement
     written = {r.fqn for r in requests}  # from here on a failure may leave these partly written
     prepared = None
     try:
@@ -270,8 +278,14 @@ def _agree(dist: Dist, local_exc: BaseException | None, url: str, written: set[s
     :class:`~shardkit.errors.CheckpointError` that is also one (:func:`~shardkit.errors.from_record`).
     """
     first = dist.first_error(None if local_exc is None else error_record(local_exc))
-    if first is None:
-        return
+    if first is not None:
+        _raise_first(dist, first, local_exc, url, written, verify_first)
+
+
+def _raise_first(dist: Dist, first: tuple[int, Any], local_exc: BaseException | None, url: str,
+                 written: set[str] | None = None, verify_first: bool = False) -> None:
+    """Raise the error every rank raises once the ranks agreed that ``first`` (the lowest failing rank
+    and its error record) failed, as :func:`_agree` says."""
     rank, record = first
     text = str(record["message"]).rstrip(".")
     message = f"loading {url} failed on rank {rank} ({record['type']}: {text})" if dist.active else text

@@ -52,9 +52,12 @@ from shardkit.checkpoint.io.transfer_buffer import TransferBuffer
 from shardkit.errors import ConfigurationError, error_record, from_record
 
 __all__ = ["SharedBlock", "SharedReads", "Message", "PreparedExchange", "share_reads", "block_indices",
-           "prepare_exchange", "exchange", "PACK_BELOW"]
+           "prepare_exchange", "exchange", "PACK_BELOW", "REREAD_BELOW"]
 
 PACK_BELOW = 1 << 20  # bytes: smaller blocks share a message (a copy of 1 MiB costs about one send's latency)
+# bytes: shared reads smaller than this in all are read by every rank that needs them where small reads are
+# cheap (``load`` reads it at each call: a test sets it to 0 to send even a few bytes)
+REREAD_BELOW = 16 << 10
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ class SharedReads:
     receives: list[SharedBlock] = field(default_factory=list)
     shared: bool = False  # whether any rank of the group sends or receives anything
     pack_below: int = PACK_BELOW
+    failed: tuple[int, Any] | None = None  # (group rank, error record) of the lowest rank that reported one
 
     @property
     def rounds(self) -> int:
@@ -108,20 +112,35 @@ def _name(r: ReadRequest) -> str:
 
 
 def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = ROUND_BYTES,
-                pack_below: int = PACK_BELOW) -> SharedReads:
+                pack_below: int = PACK_BELOW, failure: Any = None, reread_below: int = 0) -> SharedReads:
     """Decide who reads what, and in which round each shared block travels.  Collective over ``dist``
     (every rank must call it, with ``[]`` after a local failure, and with the same ``round_bytes`` and
-    ``pack_below``); without a process group every rank reads its own."""
+    ``pack_below``); without a process group every rank reads its own.
+
+    ``failure``: this rank's error record (:func:`~shardkit.errors.error_record`) when it failed before
+    this call, else ``None``.  It travels with the rank's names, so the ranks agree on whether any of
+    them failed in the same collective: ``failed`` holds the lowest failing rank's ``(rank, record)``
+    on every rank (and nothing is planned), where a separate agreement would cost a collective more.
+
+    ``reread_below``: when every byte the ranks would share adds up to less than this (the smallest any
+    rank passes), nothing is shared and each rank reads what it needs itself.  A load passes
+    :data:`REREAD_BELOW` where small reads are cheap (a local disk): a few scalars every rank holds
+    (an optimizer's step counts) then cost each rank a few more bytes from the page cache instead of an
+    agreement and a round of transfers."""
     if not isinstance(round_bytes, int) or isinstance(round_bytes, bool) or round_bytes < ALIGNMENT:
         raise ConfigurationError(f"round_bytes must be at least {ALIGNMENT} bytes (one slot of the transfer "
                                  f"buffer), got {round_bytes!r}")
     if not dist.active:
-        return SharedReads(list(requests))
+        return SharedReads(list(requests), failed=None if failure is None else (dist.group_rank, failure))
     mine: dict[str, list[ReadRequest]] = {}
     for r in requests:
         mine.setdefault(_name(r), []).append(r)
-    everyone = dist.all_gather_json([[name, nbytes_of(rs[0].out), len(rs), list(rs[0].out.shape)]
-                                     for name, rs in mine.items()])
+    gathered = dist.all_gather_json({"failure": failure, "reread_below": reread_below, "reads": [
+        [name, nbytes_of(rs[0].out), len(rs), list(rs[0].out.shape)] for name, rs in mine.items()]})
+    failed = next(((rank, g["failure"]) for rank, g in enumerate(gathered) if g["failure"] is not None), None)
+    if failed is not None:
+        return SharedReads([], failed=failed)
+    everyone = [g["reads"] for g in gathered]
     holders: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
@@ -132,6 +151,9 @@ def share_reads(requests: Sequence[ReadRequest], dist: Dist, round_bytes: int = 
             sizes[name], shapes[name] = nbytes, shape
             if count > 1 or nbytes == 0:
                 repeated.add(name)
+    below = min(g["reread_below"] for g in gathered)
+    if sum(sizes[n] for n, ranks in holders.items() if len(ranks) > 1 and n not in repeated) < below:
+        repeated.update(holders)  # too few bytes to be worth a round of transfers: each rank reads its own
     load = [0] * dist.group_size
     for name, ranks in holders.items():
         if len(ranks) == 1 or name in repeated:

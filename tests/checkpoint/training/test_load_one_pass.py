@@ -12,8 +12,10 @@ resume" over a model a failed load has written into.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -66,11 +68,25 @@ def _damage(url: str, kind: str, fqn: str = "w") -> ChunkRecord:
     return rec
 
 
+@contextlib.contextmanager
+def _sharing_every_byte() -> Iterator[None]:
+    """Loads in this rank share every read several ranks need, even the few bytes of this file's tensors
+    (a local load reads those on every rank: ``shared_reads.REREAD_BELOW``); the pool's rank is left as it was."""
+    from shardkit.checkpoint.training import shared_reads
+
+    before, shared_reads.REREAD_BELOW = shared_reads.REREAD_BELOW, 0
+    try:
+        yield
+    finally:
+        shared_reads.REREAD_BELOW = before
+
+
 def _load_rows(url: str, options: dict) -> tuple[str, str, tuple[str, ...], bool]:
     """(error class, message, tensors it says may be partly written, whether every target is as it was)."""
     sd = _rows(-1.0)
     try:
-        skc.load(sd, url, **options)
+        with _sharing_every_byte():  # ``b`` is read by one rank and sent, however few its bytes
+            skc.load(sd, url, **options)
     except ShardkitError as exc:
         outcome = type(exc).__name__, str(exc), getattr(exc, "partly_written", None)
     else:
@@ -132,7 +148,8 @@ def _load_hsdp_with_a_damaged_share(url: str) -> tuple[str, str, tuple[str, ...]
     mesh = init_device_mesh("cpu", (2, 2))
     sd = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Replicate(), Shard(0)]), "b": torch.zeros(300)}
     try:
-        skc.load(sd, url)
+        with _sharing_every_byte():  # the replicas share their reads, however few the bytes
+            skc.load(sd, url)
     except ShardkitError as exc:
         return type(exc).__name__, str(exc), getattr(exc, "partly_written", None)
     return "loaded", "", ()

@@ -134,6 +134,7 @@ class NativeReader(CheckpointReader):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
+        self._hinted: dict[str, list[tuple[int, int]]] = {}  # file -> byte ranges the kernel was asked to read
 
     @property
     def folder(self) -> Storage:
@@ -189,6 +190,7 @@ class NativeReader(CheckpointReader):
     def close(self) -> None:
         self._local = threading.local()
         self._plans = {}
+        self._hinted = {}
 
     @property
     def rereads_from_cache(self) -> bool:
@@ -249,8 +251,19 @@ class NativeReader(CheckpointReader):
         return plan_request(rec, r.box, r.out.element_size())
 
     def prepare(self, requests: Sequence[ReadRequest]) -> None:
-        """Validate every request, work out its bytes, and check the size of every data file they touch."""
-        self.check_files([self._plan(r).record.file for r in requests if r.out.numel()])
+        """Validate every request, work out its bytes, and check the size and header of every data file
+        they touch.  On a local disk the kernel is asked first to read every header, then the data: the
+        disk reads the data while the headers are checked, instead of after."""
+        plans = [self._plan(r) for r in requests if r.out.numel()]
+        ranges = [(p.record.file, p.record.start + p.lo, p.record.start + p.hi) for p in plans]
+        heads = {}
+        for file in {p.record.file for p in plans} - self._checked:
+            header = self._manifest.files[file].header if file in self._manifest.files else None
+            if header is not None:
+                heads[file] = (file, 0, header.size)
+        self._prefetch(list(heads.values()))  # the headers first: the checks below wait for them alone
+        self._prefetch(ranges)
+        self.check_files([p.record.file for p in plans])
 
     def read(self, requests: Sequence[ReadRequest]) -> None:
         requests = [r for r in requests if r.out.numel()]
@@ -311,20 +324,25 @@ class NativeReader(CheckpointReader):
 
     def _prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
         """Local files: ask the kernel to start reading the first ``_PREFETCH_BYTES`` of ``(file, a, b)`` ranges
-        (enough to keep the disk busy; its readahead does the rest)."""
+        (enough to keep the disk busy; its readahead does the rest).  A file hinted already for these
+        ranges is not hinted again (``prepare`` hints what ``read`` asks for)."""
         if not self.storage.reads_in_place:
             return
         by_file: dict[str, list[tuple[int, int]]] = {}
         for file, a, b in ranges:
             by_file.setdefault(file, []).append((a, b))
         budget = _PREFETCH_BYTES
-        for file, spans in by_file.items():
+        for file, spans in sorted(by_file.items()):
             hinted = []
             for a, b in merge_ranges(spans):
                 if budget <= 0:
                     break
                 hinted.append((a, min(b, a + budget)))
                 budget -= hinted[-1][1] - a
+            done = self._hinted.get(file)
+            if done is not None and all(any(a >= c and b <= d for c, d in done) for a, b in hinted):
+                continue
+            self._hinted[file] = hinted
             self.storage.prefetch(file, hinted)
 
     # -- serving requests --------------------------------------------------
