@@ -1,36 +1,191 @@
 """Work in parallel within bounds: a thread pool map that fails fast, and a byte budget that
-keeps the data in flight under a cap (threads release the GIL in file, zstd and crc calls)."""
+keeps the data in flight under a cap (threads release the GIL in file, zstd and crc calls).
+
+The map's threads come from one pool per process, made on first use and kept: starting a pool's threads
+for every call cost a save or a load of a small state a large part of its time (1-2 ms per thread on a
+busy machine, several threads per call, plus joining them).  The pool grows only when every thread it has
+is busy (``concurrent.futures``' pool miscounts its idle threads and keeps starting new ones), is forgotten
+in a forked child (its threads stay in the parent), and is stopped and joined at exit, after the program's
+threads -- and shardkit's background saves (:func:`shardkit.held_groups.finish_before_exit`) -- finished.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import contextvars
 import os
+import queue
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Sequence, TypeVar
 
-__all__ = ["DEFAULT_IO_THREADS", "parallel_map", "ByteBudget"]
+__all__ = ["DEFAULT_IO_THREADS", "POOL_THREADS", "parallel_map", "shutdown_io_pool", "ByteBudget"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_IO_THREADS = max(2, min(8, os.cpu_count() or 2))
+# Threads the shared pool may hold, over every caller (a load's object-store reads ask for 16, and a
+# background save's may overlap them); more helpers than that wait in its queue, and the callers work too.
+POOL_THREADS = 64
+
+
+class _Helper:
+    """One helper task of a :func:`parallel_map` call: runs once, unless cancelled before it started."""
+
+    __slots__ = ("_run", "_state", "_lock", "_done", "_pool")
+
+    def __init__(self, run: Callable[[], None], pool: "_Pool") -> None:
+        self._run, self._state, self._pool = run, "queued", pool
+        self._lock, self._done = threading.Lock(), threading.Event()
+
+    def start(self) -> bool:
+        """Whether it is to run (it was not cancelled); the pool counts it busy from here."""
+        with self._lock:
+            if self._state != "queued":
+                return False
+            self._state = "running"
+            self._pool.count(queued=-1, busy=1)
+            return True
+
+    def run(self) -> None:
+        try:
+            self._run()  # never raises: parallel_map's runner keeps its items' exceptions
+        finally:
+            self._pool.count(busy=-1)
+            self._done.set()
+
+    def cancel_or_wait(self) -> None:
+        """Cancel it if it has not started, else wait until it ended."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "cancelled"
+                self._pool.count(queued=-1)
+                return
+        self._done.wait()
+
+
+class _Pool:
+    """Daemon threads taking helpers from one queue.  A new thread starts only when the threads it has are
+    all running or promised to helpers still queued; a cancelled helper frees its promise at once."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[_Helper | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._queued = 0  # helpers queued and not cancelled
+        self._busy = 0  # helpers running
+        self._closed = False
+
+    def count(self, queued: int = 0, busy: int = 0) -> None:
+        with self._lock:
+            self._queued += queued
+            self._busy += busy
+
+    def submit(self, run: Callable[[], None]) -> _Helper | None:
+        """Queue a helper running ``run``; ``None`` once the pool was shut down."""
+        with self._lock:
+            if self._closed:
+                return None
+            if len(self._threads) - self._busy - self._queued <= 0 and len(self._threads) < POOL_THREADS:
+                thread = threading.Thread(target=self._work, name=f"shardkit-io_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            self._queued += 1
+            helper = _Helper(run, self)
+            self._tasks.put(helper)
+        return helper
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            if task.start():
+                task.run()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._tasks.put(None)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _shared_pool() -> _Pool:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = _Pool()
+        return _pool
+
+
+def shutdown_io_pool() -> None:
+    """Stop and join the shared pool's threads; the next :func:`parallel_map` makes a new pool.  Runs at exit."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown()
+
+
+def _forget_pool_in_child() -> None:
+    """After ``fork``: the parent's pool threads do not exist here, and its locks may have been held."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+atexit.register(shutdown_io_pool)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], workers: int = DEFAULT_IO_THREADS) -> list[R]:
-    """``[fn(x) for x in items]`` on a thread pool; the first exception cancels the rest and is raised."""
+    """``[fn(x) for x in items]`` on up to ``workers`` threads; the first exception stops the rest (items not
+    yet started are not run) and is raised -- the lowest item's, once the running ones ended.
+
+    The calling thread works through the items too (in a context of its own, as a pool thread would), with
+    ``workers - 1`` helpers from the shared pool; helpers that had not started when the items ran out are
+    cancelled, never waited for, so a nested call (``fn`` calling this again) or many callers at once cannot
+    wait on each other for pool threads.  Once the pool was shut down (exit), the caller does every item.
+    """
     items = list(items)
     if workers <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="shardkit-io") as pool:
-        futures = [pool.submit(fn, x) for x in items]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for fut in futures:
-            if fut.done() and fut.exception() is not None:
-                for other in futures:
-                    other.cancel()
-                raise fut.exception()  # type: ignore[misc]
-        return [f.result() for f in futures]
+    results: list[R | None] = [None] * len(items)
+    errors: dict[int, BaseException] = {}
+    taken = [0]
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                i = taken[0]
+                if i >= len(items) or errors:
+                    return
+                taken[0] = i + 1
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+                with lock:
+                    errors[i] = exc
+                return
+
+    pool = _shared_pool()
+    helpers = [helper for helper in (pool.submit(run) for _ in range(min(workers, len(items)) - 1)) if helper]
+    contextvars.Context().run(run)
+    for helper in helpers:
+        helper.cancel_or_wait()
+    if errors:
+        raise errors[min(errors)]
+    return results  # type: ignore[return-value]
 
 
 class ByteBudget:
