@@ -177,6 +177,7 @@ def complete(work: Any, pollable: bool = True) -> None:
         return
     store, key, pause = _store(), f"shardkit/arrive/{group_name(group)}/{seq}/failed", _POLL_FIRST_S
     asked, ask_every = time.monotonic(), _POLL_FIRST_S
+    finished = _finished_event(work)
     while not work.is_completed():
         now = time.monotonic()
         if now - asked >= ask_every:
@@ -185,9 +186,24 @@ def complete(work: Any, pollable: bool = True) -> None:
             asked, ask_every = now, min(ask_every * _POLL_GROWTH, _POLL_MAX_S)
         if now >= deadline:
             raise RuntimeError("timed out inside the collective (a rank froze after arriving)")
-        time.sleep(pause)
-        pause = min(pause * _POLL_GROWTH, _WORK_POLL_MAX_S)
+        if finished is not None:  # woken the moment the work completes; the store is still asked on schedule
+            finished.wait(max(min(asked + ask_every, deadline) - now, 0.0))
+        else:
+            time.sleep(pause)
+            pause = min(pause * _POLL_GROWTH, _WORK_POLL_MAX_S)
     work.wait()
+
+
+def _finished_event(work: Any) -> threading.Event | None:
+    """An event set when ``work`` completes (through its future's callback), so a waiter wakes at once
+    rather than at its next poll -- which oversleeps a fast collective by up to a quarter of its time, on
+    every collective of a save; ``None`` for a work that has no future (it is then polled)."""
+    finished = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _future: finished.set())
+    except (AttributeError, RuntimeError):
+        return None
+    return finished
 
 
 def report_failure(group: Any, seq: int, why: str) -> None:

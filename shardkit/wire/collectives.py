@@ -2,8 +2,9 @@
 
 ``torch.distributed``'s ``*_object`` collectives pickle their payload; shardkit
 never unpickles anything, so what ranks exchange travels as ``uint8`` tensors:
-each rank's length first, then every payload zero-padded to the longest (the
-gathers need equal-sized buffers).  Every function takes an explicit
+a fixed-size first transfer per rank holding its length and as much of its
+payload as fits (:func:`frame_bytes`), and, only for payloads that did not fit,
+the rest in a second one (the gathers need equal-sized buffers).  Every function takes an explicit
 ``group`` (the default group when ``None``) and is the identity without a
 process group or in a group of one, so callers run unchanged in one process.
 Each waits for its collective through :func:`~shardkit.wire.arrival.complete`,
@@ -21,7 +22,8 @@ import torch
 from shardkit.errors import error_record, from_record
 from shardkit.wire.arrival import complete
 
-__all__ = ["rank_world", "group_device", "pad_to_longest", "all_gather_bytes", "all_gather_json",
+__all__ = ["rank_world", "group_device", "frame_bytes", "framed", "frame_length", "unframed", "all_gather_bytes",
+           "all_gather_json",
            "encode_json", "decode_json", "any_failed", "raise_any_failure"]
 
 
@@ -48,38 +50,62 @@ def group_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def pad_to_longest(payload: torch.Tensor, group: Any, world: int,
-                   device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``payload`` (``uint8``) on ``device``, zero-padded to the longest of any rank's, and every rank's length.
+def frame_bytes(world: int) -> int:
+    """How many bytes each rank sends in the first transfer of a gather over ``world`` ranks: its payload's
+    length (8 bytes) and as much of the payload as fits.  Most of what ranks exchange (decisions, counts, a
+    small save's chunk records) fits, so a gather is one transfer, not the lengths first and then the bytes;
+    what gathers to one rank stays under 4 MiB however many ranks there are."""
+    return max(256, min(64 << 10, (4 << 20) // max(world, 1))) // 8 * 8
 
-    Collective over ``group`` (``world`` ranks): the lengths travel first.
-    """
-    import torch.distributed as dist
 
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    complete(dist.all_gather(sizes, size, group=group, async_op=True))
-    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=device)
-    if payload.numel():
-        padded[:payload.numel()] = payload.to(device)
-    return padded, sizes
+def framed(payload: torch.Tensor, frame: int, device: torch.device) -> torch.Tensor:
+    """``payload`` (``uint8``) as the first transfer of a gather: its length, then its first bytes, on ``device``."""
+    out = torch.zeros(frame, dtype=torch.uint8, device=device)
+    out[:8].view(torch.int64)[0] = payload.numel()
+    head = payload[:frame - 8]
+    if head.numel():
+        out[8:8 + head.numel()] = head.to(device)
+    return out
+
+
+def frame_length(frame: torch.Tensor) -> int:
+    """The payload length a :func:`framed` transfer announces."""
+    return int(frame[:8].view(torch.int64)[0])
+
+
+def unframed(frame: torch.Tensor, rest: torch.Tensor | None) -> torch.Tensor:
+    """The payload a :func:`framed` transfer began, completed by ``rest`` (what did not fit) where needed."""
+    size = frame_length(frame)
+    head = frame[8:8 + min(size, frame.numel() - 8)]
+    return head if rest is None or size <= frame.numel() - 8 else torch.cat([head, rest[:size - head.numel()]])
 
 
 def all_gather_bytes(payload: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     """Every rank's ``payload`` (a flat ``uint8`` tensor), indexed by rank in ``group``.
 
-    Without a process group, or in a group of one, it returns ``[payload]``
-    itself.  The gathered payloads live on the group's device.
+    One all-gather of :func:`framed` transfers; a second one, of what did not fit (padded to the longest),
+    only when a payload was too long -- every rank knows every length after the first, so all agree on it.
+    Without a process group, or in a group of one, it returns ``[payload]`` itself.  The gathered payloads
+    live on the group's device.
     """
     _, world = rank_world(group)
     if world == 1:
         return [payload]
     import torch.distributed as dist
 
-    padded, sizes = pad_to_longest(payload, group, world, group_device(group))
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    complete(dist.all_gather(gathered, padded, group=group, async_op=True))
-    return [g[:int(s.item())] for g, s in zip(gathered, sizes)]
+    device, size = group_device(group), frame_bytes(world)
+    frames = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
+    complete(dist.all_gather(frames, framed(payload, size, device), group=group, async_op=True))
+    longest = max(frame_length(f) for f in frames) - (size - 8)
+    if longest <= 0:
+        return [unframed(f, None) for f in frames]
+    rest = torch.zeros(longest, dtype=torch.uint8, device=device)
+    own = payload[size - 8:]
+    if own.numel():
+        rest[:own.numel()] = own.to(device)
+    rests = [torch.empty_like(rest) for _ in range(world)]
+    complete(dist.all_gather(rests, rest, group=group, async_op=True))
+    return [unframed(f, r) for f, r in zip(frames, rests)]
 
 
 def encode_json(obj: Any) -> torch.Tensor:

@@ -36,8 +36,11 @@ from shardkit.wire.collectives import (
     any_failed,
     decode_json,
     encode_json,
+    frame_bytes,
+    frame_length,
+    framed,
     group_device,
-    pad_to_longest,
+    unframed,
 )
 
 __all__ = ["Dist"]
@@ -193,21 +196,17 @@ class Dist:
 
         dev = self.device()
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-        frame = torch.zeros(_FRAME_BYTES, dtype=torch.uint8, device=dev)
         data = encode_json(obj) if self.group_rank == src else torch.empty(0, dtype=torch.uint8)
-        if self.group_rank == src:
-            head = data[:_FRAME_BYTES - 8]
-            frame[:8].view(torch.int64)[0] = data.numel()
-            frame[8:8 + head.numel()] = head.to(dev)
+        frame = framed(data, _FRAME_BYTES, dev)
         complete(dist.broadcast(frame, src_global, group=self.group, async_op=True))
-        size = int(frame[:8].view(torch.int64)[0])
+        size = frame_length(frame)
         if size <= _FRAME_BYTES - 8:
-            return decode_json(frame[8:8 + size])
+            return decode_json(unframed(frame, None))
         rest = torch.empty(size - (_FRAME_BYTES - 8), dtype=torch.uint8, device=dev)
         if self.group_rank == src:
             rest.copy_(data[_FRAME_BYTES - 8:])
         complete(dist.broadcast(rest, src_global, group=self.group, async_op=True))
-        return decode_json(torch.cat([frame[8:], rest]))
+        return decode_json(unframed(frame, rest))
 
     def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
@@ -216,17 +215,30 @@ class Dist:
         return self.collective(lambda: self._gather_json(obj, dst))
 
     def _gather_json(self, obj: Any, dst: int) -> list[Any] | None:
+        """One gather of :func:`~shardkit.wire.collectives.framed` transfers (the length and what fits); a rank
+        whose JSON did not fit sends the rest to ``dst`` point to point, and ``dst``, which read every length
+        from the frames, receives exactly those -- no rank needs to know another's length, so a small gather
+        (a save's reports) is one collective."""
         import torch.distributed as dist
 
-        buf, sizes = pad_to_longest(encode_json(obj), self.group, self.group_size, self.device())
-        dev, longest = buf.device, buf.numel()
+        dev, size = self.device(), frame_bytes(self.group_size)
+        data = encode_json(obj)
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
+        frames = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
-        complete(dist.gather(buf, bufs, dst=dst_global, group=self.group, async_op=True))
-        if bufs is None:
+        complete(dist.gather(framed(data, size, dev), frames, dst=dst_global, group=self.group, async_op=True))
+        if frames is None:
+            if data.numel() > size - 8:
+                complete(dist.isend(data[size - 8:].to(dev), dst_global, group=self.group), pollable=False)
             return None
-        return [decode_json(b[:int(s.item())]) for b, s in zip(bufs, sizes)]
+        rests: list[torch.Tensor | None] = [None] * self.group_size
+        for rank, frame in enumerate(frames):
+            if rank != self.group_rank and frame_length(frame) > size - 8:
+                rests[rank] = torch.empty(frame_length(frame) - (size - 8), dtype=torch.uint8, device=dev)
+                peer = dist.get_global_rank(self.group, rank) if self.group is not None else rank
+                complete(dist.irecv(rests[rank], peer, group=self.group), pollable=False)
+        rests[self.group_rank] = data[size - 8:].to(dev) if data.numel() > size - 8 else None
+        return [decode_json(unframed(f, r)) for f, r in zip(frames, rests)]
 
     def decided_on_rank0(self, decide: Callable[[], Any], where: str) -> Any:
         """``decide()`` (a JSON value) run on group rank 0 and its answer on every rank.  A failure there is

@@ -1,6 +1,7 @@
 """What a small save no longer pays for, with every guarantee kept: the commit's outcome (and any small
-JSON answer) arrives in one broadcast of a fixed frame, not a length and then the bytes; a large answer
-still arrives whole; and a small sharded state still saves and loads back bitwise on two gloo ranks."""
+JSON answer) arrives in one broadcast of a fixed frame, not a length and then the bytes; the ranks' reports
+reach rank 0 in one gather and a small exchange is one all-gather; a large answer, report or payload still
+arrives whole; and a small sharded state still saves and loads back bitwise on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -34,6 +35,47 @@ def test_a_small_json_broadcast_arrives_in_one_frame_and_a_large_one_in_two_on_t
     per_rank = run_on_ranks(2, _collectives_on_two_ranks)
     for got in per_rank:
         assert got == {"small": {"from": 0}, "big_len": 2000, "big_last": "model.layers.1999.weight"}
+
+
+def _gathers_counted_on_three_ranks() -> dict:
+    import torch.distributed as dist
+
+    calls: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in ("gather", "all_gather", "isend", "irecv")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        d, rank = Dist(), dist.get_rank()
+        small = d.gather_json({"rank": rank})
+        small_calls, calls_before = dict(calls), sum(calls.values())
+        big = d.gather_json({"rank": rank, "keys": [f"model.layers.{i}.weight" for i in range(6000)] if rank == 2
+                             else []})
+        everyone = d.all_gather_json({"rank": rank, "pad": "x" * (100_000 if rank == 1 else rank)})
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"small": small, "small_calls": small_calls, "big_calls": sum(calls.values()) - calls_before,
+            "big": None if big is None else [(g["rank"], len(g["keys"]), g["keys"][-1:]) for g in big],
+            "everyone": [(g["rank"], len(g["pad"])) for g in everyone]}
+
+
+def test_reports_gather_in_one_collective_and_a_long_one_arrives_whole_on_three_gloo_ranks():
+    per_rank = run_on_ranks(3, _gathers_counted_on_three_ranks)
+    assert per_rank[0]["small"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert [got["small"] for got in per_rank[1:]] == [None, None]
+    assert all(got["small_calls"] == {"gather": 1} for got in per_rank)
+    assert per_rank[0]["big"] == [(0, 0, []), (1, 0, []), (2, 6000, ["model.layers.5999.weight"])]
+    assert all(got["everyone"] == [(0, 0), (1, 100_000), (2, 2)] for got in per_rank)
+    # the long report travels once more, point to point (rank 2 -> rank 0); the long payload in one more
+    # all-gather that every rank joins
+    assert [got["big_calls"] for got in per_rank] == [1 + 1 + 2, 1 + 2, 1 + 1 + 2]
 
 
 def _save_dtensors_and_count_files(path: str) -> dict:
