@@ -10,7 +10,9 @@ shardkit | tar -x -C /tmp/old-checkout``); it is put first on ``PYTHONPATH``.  P
 flips every round, each checkout runs each configuration (5 MB and 50 MB of fp32 matrices; 1 process, and
 2 gloo ranks under torchrun holding ``Shard(0)`` DTensors) in a fresh process: one warm-up call of each
 operation, then ``--iters`` calls each -- ``save`` (fsync on, as by default), ``load`` of what it saved
-(page-cached), and ``async_save`` (its blocking part and its completion).  A time is the slowest rank's,
+(page-cached), ``async_save`` (its blocking part and its completion), and a ``CheckpointManager``'s ``save`` of
+a model holding the same bytes (a stack of linear layers, ``fully_shard`` per layer at several ranks; RNG
+saved, keep_last=2) and ``load_latest`` of it.  A time is the slowest rank's,
 from a barrier; the figure is the median over rounds of each process's median.  Every call is also broken
 down by wrapping the functions it goes through (collectives and the arrival before them, JSON, file
 writes, fsyncs, thread starts, planning, commit, reads) with ``time.perf_counter`` spans summed per call.
@@ -34,8 +36,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-CONFIGS = [(5, 1), (5, 2), (50, 1), (50, 2)]
-OPS = ("save", "load", "async")
+CONFIGS = [(5, 1), (5, 2), (5, 4), (50, 1), (50, 2), (50, 4)]
+OPS = ("save", "load", "async", "manager.save", "manager.load_latest")
 
 _spans: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 _spans_lock = threading.Lock()
@@ -126,6 +128,8 @@ def rank_run(args: argparse.Namespace) -> None:
     else:
         state = dict(full)
     state["step"] = 3
+    model = _manager_model(args.mb, world)
+    manager = skc.CheckpointManager(f"{args.dir}/{os.environ.get('MASTER_PORT', os.getpid())}-manager", keep_last=2)
     skc.save  # noqa: B018 - resolve the lazy names before the spans wrap their modules' functions
     _install_spans()
     base = f"{args.dir}/{os.environ.get('MASTER_PORT', os.getpid())}"
@@ -151,6 +155,10 @@ def rank_run(args: argparse.Namespace) -> None:
                 skc.save(state, f"{base}/save{it}")
             elif op == "load":
                 skc.load(state, f"{base}/save{it}")
+            elif op == "manager.save":
+                manager.save(it, model)
+            elif op == "manager.load_latest":
+                manager.load_latest(model)
             else:
                 future = skc.async_save(state, f"{base}/async{it}")
                 blocking = slowest(time.perf_counter() - started)
@@ -173,8 +181,24 @@ def rank_run(args: argparse.Namespace) -> None:
         print(json.dumps({"shardkit": skc.__file__, "first": first, "spans": spans,
                           "median": {op: statistics.median(v) for op, v in times.items()}}))
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(manager.root_url, ignore_errors=True)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _manager_model(mb: float, world: int) -> Any:
+    """A stack of 12 square linear layers (no bias) holding ``mb`` MB, sharded per layer at several ranks."""
+    import torch
+
+    import shardkit
+
+    dim = int((mb * 1e6 / 4 / 12) ** 0.5) // 8 * 8
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(12)])
+    if world > 1:
+        for layer in model:
+            shardkit.fully_shard(layer)
+        shardkit.fully_shard(model)
+    return model
 
 
 def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
