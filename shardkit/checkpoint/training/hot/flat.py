@@ -13,7 +13,7 @@ no shared plan, no writer pool, no index.  What it keeps are the guarantees:
   replaced (the rename fails on a non-empty directory).
 
 Layout: the tensors' bytes back to back in ``state.bin``, each at a 64-byte aligned offset, so a reader
-reads the whole file with one ``readinto`` into one buffer and views every tensor in place.  The
+maps the whole file and views every tensor in place.  The
 checksums are computed by the writer, off the training thread (the hot save runs in the background).
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.checkpoint.formats.crc32c import crc32c
-from shardkit.checkpoint.io.local_files import publish_directory, read_into, read_whole, remove_files
+from shardkit.checkpoint.io.local_files import map_file, publish_directory, read_whole, remove_files
 from shardkit.checkpoint.io.rounds import aligned
 from shardkit.errors import CorruptCheckpoint
 
@@ -98,13 +98,12 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 
 def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
-    """Read ``state.bin`` with one ``readinto`` and check every tensor's crc32c against the manifest.  Raises
+    """Map ``state.bin`` and check every tensor's crc32c against the manifest (each tensor a read-only view).  Raises
     :class:`~shardkit.errors.CorruptCheckpoint` naming the file (and key) for any mismatch."""
     manifest = read_manifest(path) if manifest is None else manifest
     where = os.path.join(path, DATA_NAME)
     size = manifest["size"]
-    buffer = torch.empty(size, dtype=torch.uint8)
-    read_into(where, memoryview(buffer.numpy()))
+    buffer = map_file(where, size)  # read-only: checked here, then copied into the targets
     tensors = {}
     for entry in manifest["tensors"]:
         try:
