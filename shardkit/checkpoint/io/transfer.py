@@ -19,7 +19,7 @@ How one call runs, and why:
 3. **Outcome.**  A second all-gather reports what went wrong during the rounds (a file that changed
    under its reader, a full disk), so a receiver commits -- the commit file last, then one rename of the
    staging directory -- only copies whose source read every byte; a third reports the commits, so both
-   ends of a move return the same verdict.
+   ends of a move return the same verdict (left out with ``confirm=False``).
 
 A failed move never raises: the caller (which knows the other replicas) decides.  Only arguments that
 no rank could run raise, identically on every rank, before any byte moves.  Ranks in a move are ranks
@@ -74,7 +74,7 @@ class MoveResult:
 
 
 def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round_bytes: int = ROUND_BYTES,
-                     commit_last: str = "manifest.json") -> list[MoveResult]:
+                     commit_last: str = "manifest.json", confirm: bool = True) -> list[MoveResult]:
     """Copy each move's directory from its source rank to its target rank; collective over ``group``.
 
     Returns one :class:`MoveResult` per move this rank sends or receives, in ``moves`` order.  A move
@@ -82,6 +82,11 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
     and land on disk ends with ``ok=False`` and the reason (naming the directory and rank) on both its
     ranks; the others still run.  Raises :class:`~shardkit.errors.ConfigurationError` only for arguments
     that cannot run (the same on every rank).
+
+    ``confirm=False`` leaves out step 3's last all-gather: a receiver that fails to rename its copy into
+    place says so in its own result only, and the source's result says the bytes were sent.  For callers
+    whose ranks exchange their outcomes right after anyway (the hot tier's vote, a recovery's check), so the
+    verdict reaches every rank with one collective fewer.
     """
     dist_ = Dist(group)
     dist_.phase = "replicate"
@@ -108,7 +113,8 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
             _run_rounds(dist_, moves, live, round_bytes, outgoing, incoming, buffer, local_errors)
         local_errors.update(_finish(me, incoming, local_errors, live))
         errors.update(_gather_errors(dist_, local_errors))
-        errors.update(_gather_errors(dist_, _publish(me, incoming, errors)))
+        published = _publish(me, incoming, errors)
+        errors.update(_gather_errors(dist_, published) if confirm else published)
     finally:
         for source in outgoing.values():
             source.close()

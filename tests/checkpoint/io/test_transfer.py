@@ -198,7 +198,7 @@ def test_an_existing_committed_target_or_foreign_directory_is_never_overwritten(
     assert [r.ok for results in per_rank for r in results if r.move.src in (2, 3)] == [True] * 4
 
 
-def _move_while_someone_fills_the_target(root: str):
+def _move_while_someone_fills_the_target(root: str, confirm: bool = True):
     """Rank 2 finds a file in its target once the copy is complete but before it is renamed into place."""
     rank = dist.get_rank()
     _write_checkpoint(_rank_dir(root, rank, rank), seed=rank)
@@ -211,9 +211,9 @@ def _move_while_someone_fills_the_target(root: str):
         Path(self.target_dir, "manifest.json").write_text("theirs")
 
     if rank != 2:
-        return move_directories(_ring(root), round_bytes=ROUND)
+        return move_directories(_ring(root), round_bytes=ROUND, confirm=confirm)
     with mock.patch.object(transfer_files.IncomingFiles, "finish", finish_then_someone_writes):
-        return move_directories(_ring(root), round_bytes=ROUND)
+        return move_directories(_ring(root), round_bytes=ROUND, confirm=confirm)
 
 
 def test_a_target_that_appears_during_the_move_is_left_as_it_is_and_the_move_fails_on_both_ends(tmp_path):
@@ -225,6 +225,17 @@ def test_a_target_that_appears_during_the_move_is_left_as_it_is_and_the_move_fai
     assert failed == [(0, False), (0, False)]
     assert [r.error for r in per_rank[0] if r.move.src == 0] == [r.error for r in per_rank[2] if r.move.src == 0]
     assert [r.error for r in per_rank[0] if r.move.src == 0][0].startswith(
+        f"rank 2: target directory {target} appeared during the move and is not empty; it was left as it is")
+
+
+def test_without_confirm_only_the_receiver_learns_that_its_copy_could_not_be_put_in_place(tmp_path):
+    per_rank = run_on_ranks(RANKS, _move_while_someone_fills_the_target, str(tmp_path), False)
+    target = Path(_rank_dir(str(tmp_path), 2, 0))
+    assert _tree(target) == {"manifest.json": hashlib.sha256(b"theirs").hexdigest()}  # theirs, untouched
+    assert sorted(os.listdir(target.parent)) == ["rank-0", "rank-2"]
+    failed = [(rank, r.move.src) for rank, results in enumerate(per_rank) for r in results if not r.ok]
+    assert failed == [(2, 0)]  # the receiver; the source's bytes all went out
+    assert [r.error for r in per_rank[2] if r.move.src == 0][0].startswith(
         f"rank 2: target directory {target} appeared during the move and is not empty; it was left as it is")
 
 

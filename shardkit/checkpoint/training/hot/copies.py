@@ -131,9 +131,7 @@ class CheckedCopy:
         """Write every target tensor and value from the checked bytes."""
         with torch.no_grad():
             for key, target in self.targets.items():
-                source = self.copy.tensors[key]
-                if target.data_ptr() != source.data_ptr():
-                    target.copy_(source)
+                target.copy_(self.copy.tensors[key])
         for key in self.flat.values:
             if key in self.copy.values:
                 self.flat.set_value(key, from_json_value(self.copy.values[key]))
@@ -144,17 +142,19 @@ class CheckedCopy:
         self.targets.clear()
 
 
-def check_copy(copy: FlatCopy, state: dict[str, Any], structure: str) -> CheckedCopy:
-    """Check that ``copy`` (read and checksummed) holds exactly ``state``'s tensors, with this rank's local
-    dtypes and shapes, and its values; nothing is written.  Raises
-    :class:`~shardkit.errors.CorruptCheckpoint` for a copy of another layout or with keys missing or extra."""
+def check_copy(copy: FlatCopy, flat: Flat, structure: str) -> CheckedCopy:
+    """Check that ``copy`` (read and checksummed) holds exactly the model and optimizer state ``flat``
+    (flattened; its tensors' local shards become the targets) with this rank's local dtypes and shapes, and
+    its values; nothing is written.  The copy's input state (``data.*``, ``rng.*``) is not a target here:
+    :func:`input_targets` hands it over as it is.  Raises :class:`~shardkit.errors.CorruptCheckpoint` for a
+    copy of another layout or with keys missing or extra."""
     if copy.meta["hot"]["structure"] != structure:
         raise CorruptCheckpoint(f"{copy.path} was written for another layout of the state (its structure "
                                 f"{copy.meta['hot']['structure']}, this rank's {structure})")
-    flat = flatten(state)
     targets = {key: local_tensor(t) for key, t in flat.tensors.items()}
-    missing = sorted(set(targets) - set(copy.tensors)) + sorted(set(flat.values) - set(copy.values))
-    extra = sorted(set(copy.tensors) - set(targets))
+    held = {key for key in copy.tensors if not key.startswith(_INPUT_PREFIXES)}
+    missing = sorted(set(targets) - held) + sorted(set(flat.values) - set(copy.values))
+    extra = sorted(held - set(targets))
     if missing or extra:
         raise CorruptCheckpoint(f"{copy.path} does not hold this rank's state: missing {missing[:3]}, "
                                 f"unexpected {extra[:3]}")

@@ -157,8 +157,9 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
                                target_dir=os.path.join(layout.node_dir(q), step_dir(step),
                                                        copy_name("fetched", q, save_id, token)))
                  for q, e in sorted(sources.items()) if e["holder"] != q]
-        failures = {res.move.source_dir: res.error for res in move_directories(moves, group=group) if not res.ok} \
-            if moves else {}
+        # a receiver's outcome is all it needs (the check below tells every rank): no confirming collective
+        failures = {res.move.source_dir: res.error for res in move_directories(moves, group=group, confirm=False)
+                    if not res.ok} if moves else {}
         mine = sources[rank]
         path = mine["path"] if mine["holder"] == rank else fetch_dir
         opened, meta, problem = None, None, failures.get(mine["path"]) if mine["holder"] != rank else None

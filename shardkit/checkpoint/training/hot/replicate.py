@@ -83,7 +83,8 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
     moves = [DirectoryMove(src=r, source_dir=_own_copy(layout, r, job), dst=holder,
                            target_dir=_replica(layout, holder, r, job))
              for r in range(layout.world_size) for holder in layout.replica_holders(r)]
-    results = move_directories(moves, group=group) if moves else []  # phase "replicate"
+    # phase "replicate"; every rank's outcome goes into the vote below, so the move need not confirm its commits
+    results = move_directories(moves, group=group, confirm=False) if moves else []
     if error is None:
         failed = [res for res in results if not res.ok]
         if failed:

@@ -60,14 +60,15 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
                at_least: int) -> tuple[int, Any, str] | None:
     """Load the newest hot step at or above ``at_least`` that every rank can assemble from verified copies;
     ``(step, extra, source)``, or ``None`` when there is none (collective)."""
-    structure = structure_of(flatten(get_training_state(model, optimizer)).tensors)
+    training = get_training_state(model, optimizer)  # the live tensors: taken and flattened once
+    flat = flatten(training)
+    structure = structure_of(flat.tensors)
 
     def open_copy(path: str) -> _Opened:
         copy = read_flat(path)  # every byte read and checked
-        inputs = input_targets(copy)
+        inputs = input_targets(copy)  # filled from the copy already: not targets to check and write again
         restores = data is not None or bool(stateful) or (rng and "rng" in inputs)
-        state = {**get_training_state(model, optimizer), **inputs}
-        return _Opened(check_copy(copy, state, structure), state, inputs, restores)
+        return _Opened(check_copy(copy, flat, structure), {**training, **inputs}, inputs, restores)
 
     found = recover(layout, structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
                     group=group)
