@@ -56,8 +56,9 @@ __all__ = ["SharedBlock", "SharedReads", "Message", "PreparedExchange", "share_r
 
 PACK_BELOW = 1 << 20  # bytes: smaller blocks share a message (a copy of 1 MiB costs about one send's latency)
 # bytes: shared reads smaller than this in all are read by every rank that needs them where small reads are
-# cheap (``load`` reads it at each call: a test sets it to 0 to send even a few bytes)
-REREAD_BELOW = 16 << 10
+# cheap -- an optimizer's step counts, the RNG states a manager's resume loads (about 10 KB per saving rank)
+# of a few ranks (``load`` reads it at each call: a test sets it to 0 to send even a few bytes)
+REREAD_BELOW = 64 << 10
 
 log = logging.getLogger(__name__)
 

@@ -125,3 +125,41 @@ def test_the_resharding_load_in_one_process_asks_storage_for_each_needed_byte_on
     for spans in by_file.values():  # and none twice
         spans.sort()
         assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+
+
+def _resume_counting(root: str) -> tuple[int, int, bool]:
+    """(collectives, point-to-point transfers, whether the model came back bitwise) of a manager's resume."""
+    from shardkit.checkpoint.io.dist import Dist
+    from tests.support.checkpoint_helpers import build_model, make_optimizer, train
+
+    model = build_model("shardkit", seed=1)
+    opt = make_optimizer(model)
+    train(model, opt, range(1))
+    skc.CheckpointManager(root).save(1, model, opt)
+    saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    fresh = build_model("shardkit", seed=2)
+    fresh_opt = make_optimizer(fresh)
+    arrive, exchange = Dist.arrive, Dist.exchange
+    counts = [0, 0]
+
+    def counted_arrive(self, phase=None):
+        counts[0] += 1
+        return arrive(self, phase)
+
+    def counted_exchange(self, ops):
+        counts[1] += len(ops)
+        return exchange(self, ops)
+
+    Dist.arrive, Dist.exchange = counted_arrive, counted_exchange
+    try:
+        skc.CheckpointManager(root).load_latest(fresh, fresh_opt)
+    finally:
+        Dist.arrive, Dist.exchange = arrive, exchange
+    same = all(torch.equal(v.to_local(), saved[k]) for k, v in fresh.state_dict().items())
+    return counts[0], counts[1], same
+
+
+def test_a_resume_at_two_ranks_reads_step_counts_and_rng_states_on_each_rank_in_four_collectives(tmp_path):
+    # the steps to resume (rank 0 lists, all learn), the input state's check, and the load's two
+    results = run_on_ranks(2, _resume_counting, str(tmp_path / "root"))
+    assert results == [(4, 0, True), (4, 0, True)]

@@ -12,10 +12,8 @@ resume" over a model a failed load has written into.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.errors import CheckpointError, CorruptCheckpoint, IncompatibleStateDict, ShardkitError
 from tests.support.checkpoint_helpers import build_model, make_optimizer, train
 from tests.support.dist import run_on_ranks
+from tests.support.read_sharing import sharing_every_read
 
 ROWS, COLS = 64, 16
 
@@ -68,24 +67,11 @@ def _damage(url: str, kind: str, fqn: str = "w") -> ChunkRecord:
     return rec
 
 
-@contextlib.contextmanager
-def _sharing_every_byte() -> Iterator[None]:
-    """Loads in this rank share every read several ranks need, even the few bytes of this file's tensors
-    (a local load reads those on every rank: ``shared_reads.REREAD_BELOW``); the pool's rank is left as it was."""
-    from shardkit.checkpoint.training import shared_reads
-
-    before, shared_reads.REREAD_BELOW = shared_reads.REREAD_BELOW, 0
-    try:
-        yield
-    finally:
-        shared_reads.REREAD_BELOW = before
-
-
 def _load_rows(url: str, options: dict) -> tuple[str, str, tuple[str, ...], bool]:
     """(error class, message, tensors it says may be partly written, whether every target is as it was)."""
     sd = _rows(-1.0)
     try:
-        with _sharing_every_byte():  # ``b`` is read by one rank and sent, however few its bytes
+        with sharing_every_read():  # ``b`` is read by one rank and sent, however few its bytes
             skc.load(sd, url, **options)
     except ShardkitError as exc:
         outcome = type(exc).__name__, str(exc), getattr(exc, "partly_written", None)
@@ -148,7 +134,7 @@ def _load_hsdp_with_a_damaged_share(url: str) -> tuple[str, str, tuple[str, ...]
     mesh = init_device_mesh("cpu", (2, 2))
     sd = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Replicate(), Shard(0)]), "b": torch.zeros(300)}
     try:
-        with _sharing_every_byte():  # the replicas share their reads, however few the bytes
+        with sharing_every_read():  # the replicas share their reads, however few the bytes
             skc.load(sd, url)
     except ShardkitError as exc:
         return type(exc).__name__, str(exc), getattr(exc, "partly_written", None)
