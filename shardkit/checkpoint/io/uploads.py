@@ -26,7 +26,7 @@ __all__ = ["PartUploads", "PART_BYTES", "DEPTH"]
 log = logging.getLogger(__name__)
 
 PART_BYTES = 8 << 20
-DEPTH = 2  # parts in flight per file while the next one fills
+DEPTH = 1  # parts in flight per file while the next one fills (a reshard writes several files at once)
 
 
 class PartUploads:

@@ -18,8 +18,7 @@ On an object store the source is read through a block cache
 (:func:`read_through`): every box is served from 8 MiB blocks, each fetched
 once with one ranged GET and read ahead of need, instead of a request per
 stored piece of every box.  Its budget (``reserved_bytes``, a quarter of the
-conversion's, at least two blocks) is set aside before the writers size their
-concurrency.
+conversion's) is set aside before the writers size their concurrency.
 
 With ``reuse=True`` each thread reads into one buffer it keeps and casts into a
 second one (both grown to the largest box), and the returned tensor is a view
@@ -39,7 +38,6 @@ import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.checkpoint.formats.dtypes import itemsize
-from shardkit.checkpoint.io.read_cache import BLOCK_BYTES
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
@@ -48,8 +46,10 @@ __all__ = ["Fetcher", "read_through", "cache_budget"]
 
 
 def cache_budget(budget: int) -> int:
-    """The block cache's share of a conversion's memory ``budget``: a quarter, at least two blocks."""
-    return max(2 * BLOCK_BYTES, budget // 4)
+    """The block cache's share of a conversion's memory ``budget``: a quarter (64 MiB, eight 8 MiB
+    blocks, at the default 256 MiB; below 64 MiB the blocks shrink to half the share, so that a small
+    budget is kept, at the price of smaller requests)."""
+    return budget // 4
 
 
 @contextlib.contextmanager
@@ -86,6 +86,11 @@ class Fetcher:
         self.reuse = reuse
         self.scales = dict(scales or {})
         self.bytes = 0
+
+    @property
+    def casts(self) -> bool:
+        """Whether some box is cast (or dequantized) after its read: a second buffer per thread."""
+        return bool(self.scales) or any(self.entry(name).dtype != dtype for name, dtype in self.dtype_for.items())
 
     def entry(self, name: str) -> TensorEntry:
         source = self.rename_back.get(name, name)

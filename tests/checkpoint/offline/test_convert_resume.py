@@ -109,3 +109,33 @@ def test_a_journaled_file_whose_header_was_damaged_is_written_again(tmp_path, mo
     for file in (dst / "data").iterdir():
         with safe_open(str(file), "pt") as f:
             assert all(f.get_tensor(k).numel() for k in f.keys())
+
+
+def test_a_rerun_keeps_journaled_files_by_their_stamp_and_header_without_reading_their_data(tmp_path, monkeypatch):
+    import shardkit.checkpoint.formats.native.journal as journal
+
+    flat, src, dst = _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors=4)
+
+    def no_data_read(*args, **kwargs):
+        raise AssertionError("a journaled file's data was read back")
+    monkeypatch.setattr(journal, "check_chunk", no_data_read)
+    result = reshard(str(src), str(dst), world_size=2)
+    assert result.skipped_bytes == sum(t.numel() * t.element_size() for t in flat.values())
+    assert verify(str(dst)).ok and diff(str(src), str(dst)).equal
+
+
+def test_a_record_without_a_stamp_is_kept_only_when_every_checksum_block_reads_back_intact(tmp_path, monkeypatch):
+    import json
+
+    flat, src, dst = _interrupted_reshard_of_a_torch_file(tmp_path, monkeypatch, tensors=4)
+    for record in (dst / ".shardkit-resume").iterdir():  # as journaled where the filesystem has no stamps
+        entry = json.loads(record.read_bytes())
+        entry["stamp"] = ""
+        record.write_text(json.dumps(entry))
+    intact, victim = sorted((dst / "data").iterdir())
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = reshard(str(src), str(dst), world_size=2)
+    assert 0 < result.skipped_bytes < sum(t.numel() * t.element_size() for t in flat.values())
+    assert verify(str(dst)).ok and diff(str(src), str(dst)).equal

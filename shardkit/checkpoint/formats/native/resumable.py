@@ -196,12 +196,13 @@ def chunk_cap_for(budget: int) -> int:
     return max(1 << 20, min(DEFAULT_CHUNK_BYTES, budget // 16))
 
 
-def concurrency_for(budget: int, workers: int, reserved: int = 0, remote: bool = False) -> int:
-    """Threads that may each hold a chunk, its read buffer and its cast, plus the writer's
-    per-thread buffer (the O_DIRECT staging buffer; on an object store the part being filled and the
-    parts in flight), within the budget less ``reserved`` (the source's block cache)."""
+def concurrency_for(budget: int, workers: int, reserved: int = 0, remote: bool = False, casts: bool = True) -> int:
+    """Threads that may each hold a chunk's read buffer, the bytes it is read from and its cast (when
+    ``casts``), plus the writer's per-thread buffer (the O_DIRECT staging buffer; on an object store
+    the part being filled and the parts in flight), within the budget less ``reserved`` (the source's
+    block cache)."""
     writer = (1 + UPLOAD_DEPTH) * PART_BYTES if remote else DIRECT_BUFFER_BYTES
-    per_thread = 3 * chunk_cap_for(budget) + writer
+    per_thread = (3 if casts else 2) * chunk_cap_for(budget) + writer
     return max(1, min(workers, (budget - reserved) // per_thread))
 
 
@@ -262,7 +263,7 @@ def write_resumable(storage: Storage, job: WriteJob, name: str) -> Written | Non
                            sum(units[i].nbytes for i in mine))
     try:
         threads = concurrency_for(job.budget, job.workers, getattr(job.fetch, "reserved_bytes", 0),
-                                  storage.is_object_store)
+                                  storage.is_object_store, getattr(job.fetch, "casts", True))
         written, skipped = write_units(storage, job, [units[i] for i in mine], threads)
     except BaseException:
         if agree is not None:
