@@ -10,9 +10,12 @@
 3. **Fetch.**  A rank without a usable copy of its own receives one from its replica holder over the
    process group (:func:`~shardkit.checkpoint.io.transfer.move_directories`) into ``fetched-<r>...``.
 4. **Check, then agree.**  Each rank reads and checks every byte of its copy (checksums, sizes, keys,
-   shapes) without writing any target; the ranks exchange what failed.  A failed copy is marked bad, named
-   in the log with the reason, and step 2 runs again -- the next copy of that rank, then an older step --
-   until every rank's copy checks out, or no hot step is left (the caller then loads the durable root).
+   shapes) without writing any target; the ranks exchange what failed.  A rank checks its own newest copy
+   before step 1 already and reports the outcome with it, so when every rank's source is such a checked
+   own copy (a recovery from the local tier) step 2 alone settles it, with no second exchange.  A failed
+   copy is marked bad, named in the log with the reason, and step 2 runs again -- the next copy of that
+   rank, then an older step -- until every rank's copy checks out, or no hot step is left (the caller then
+   loads the durable root).
 
 Nothing here writes a target: the caller applies the checked copies once this returns.
 """
@@ -122,6 +125,26 @@ def _explain(entries: list[dict[str, Any]], structures: list[str], world_size: i
                     "they are not used (such a job resumes from the durable root)", ", ".join(map(str, mesh)))
 
 
+def _check_own_newest(reports: list[dict[str, Any]], rank: int, world_size: int, structure: str, at_least: int,
+                      open_copy: Callable[[str], T]) -> tuple[str, T] | None:
+    """Before the vote: read and check this rank's own newest usable copy -- the one a recovery from the
+    local tier takes -- and say in its report whether it checked out (``checked``) or why not (``bad``).
+    When every rank's chosen source was checked so, the ranks agree from the reports alone (no second
+    collective); otherwise the copy opened here is used or discarded in step 4."""
+    own = [e for e in reports if e["holder"] == rank and e["of"] == rank and "bad" not in e
+           and e["world_size"] == world_size and e["structure"] == structure and e["step"] >= at_least]
+    if not own:
+        return None
+    newest = max(own, key=lambda e: (e["step"], e["save_id"]))
+    try:
+        opened = open_copy(newest["path"])
+    except Exception as exc:  # noqa: BLE001 - reported as this copy's damage, as step 4 would
+        newest["bad"] = f"{type(exc).__name__}: {exc}"
+        return None
+    newest["checked"] = True
+    return newest["path"], opened
+
+
 def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], discard: Callable[[T], None], *,
             at_least: int = 0, group: Any = None) -> Recovered[T] | None:
     """Steps 1-4 of the module docstring (collective); ``None`` when no hot step qualifies.
@@ -137,6 +160,7 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
     except OSError as exc:  # an unreadable directory holds no usable copy; every rank must still gather
         log.warning("hot tier: cannot list %s (%s); its copies are not used", layout.node_dir(rank), exc)
         reports = []
+    early = _check_own_newest(reports, rank, layout.world_size, structure, at_least, open_copy)
     gathered = dist.all_gather_json({"reports": reports, "structure": structure, "nonce": uuid.uuid4().hex[:6]})
     entries = [e for g in gathered for e in g["reports"]]
     structures = [g["structure"] for g in gathered]
@@ -146,6 +170,8 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
     for attempt in range(len(entries) + 1):
         chosen = _choose(entries, structures, layout.world_size, at_least, bad)
         if chosen is None:
+            if early is not None:
+                discard(early[1])
             if entries and rank == 0:
                 log.warning("hot tier: %d copies found, but no step at or above %d that every rank can assemble "
                             "from verified copies", len(entries), at_least)
@@ -163,14 +189,23 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
         mine = sources[rank]
         path = mine["path"] if mine["holder"] == rank else fetch_dir
         opened, meta, problem = None, None, failures.get(mine["path"]) if mine["holder"] != rank else None
+        if early is not None and early[0] == path:
+            opened, early = early[1], None  # checked before the vote
+        elif early is not None:
+            discard(early[1])
+            early = None
         if problem is None:
             try:
                 meta = copy_meta(path)
-                opened = open_copy(path)
+                opened = open_copy(path) if opened is None else opened
             except Exception as exc:  # noqa: BLE001 - any failure makes this copy unusable; every rank must learn it
                 problem = f"{type(exc).__name__}: {exc}"
-        reported = dist.all_gather_json(None if problem is None else {"path": sources[rank]["path"], "why": problem})
-        failed = [r for r in reported if r is not None]
+        if attempt == 0 and not moves and all(e.get("checked") for e in sources.values()):
+            failed = []  # every rank's source was checked before the vote and reported so: nothing left to agree on
+        else:
+            reported = dist.all_gather_json(None if problem is None else {"path": sources[rank]["path"],
+                                                                          "why": problem})
+            failed = [r for r in reported if r is not None]
         if not failed:
             source = "local" if all(e["holder"] == q for q, e in sources.items()) else "peer"
             used = ", ".join(f"rank {q} from rank {e['holder']}'s {os.path.basename(e['path'])}"
