@@ -9,9 +9,10 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.formats import open_reader
 from shardkit.checkpoint.io.dist import Dist
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value
+from shardkit.checkpoint.training.load import open_checkpoint
 from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, nest
 from shardkit.errors import ConfigurationError, DataStateError
 from shardkit.wire.collectives import raise_any_failure
@@ -51,7 +52,7 @@ def stored_step(url: str, from_dcp: str | None = None,
 
 def _read_step(url: str, storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], set[str]]:
     """The step's input-state targets (nested) and the first part of each of its keys."""
-    reader = open_reader(url, storage_options)
+    reader = open_checkpoint(Storage(url, storage_options))
     try:
         reader.focus({})  # dtypes and shapes only: no chunk record is needed (a version-3 reader reads no index)
         ours = tuple(f"{k}." for k in INPUT_KEYS)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from shardkit.checkpoint.formats import open_reader
+from shardkit.checkpoint.formats import NATIVE, open_reader
 from shardkit.checkpoint.formats.base import (
     CheckpointReader,
     ReadRequest,
@@ -59,6 +59,7 @@ from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.device_reads import read_requests
 from shardkit.checkpoint.training.shared_reads import exchange, prepare_exchange, share_reads
 from shardkit.errors import (
+    CheckpointNotFound,
     ConfigurationError,
     IncompatibleStateDict,
     ShardkitError,
@@ -68,7 +69,7 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
+__all__ = ["load", "open_checkpoint", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
            "default_staging_bytes", "every_ranks_keys", "name_some"]
 
 _NAMED_TARGETS = 5  # keys a message names (the exception's ``partly_written`` holds them all)
@@ -142,7 +143,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
         if verify_first:  # the default load stages nothing
             budget = default_staging_bytes() if staging_bytes is None else staging_bytes
         storage = Storage(url, storage_options)
-        reader = open_reader(storage, format=format, io_threads=io_threads)
+        reader = open_checkpoint(storage, format, io_threads)
         targets = stateful_to_state_dict(state_dict)
         flat = flatten(targets)
         started = time.perf_counter()
@@ -201,6 +202,24 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     log.info("rank %d loaded %d tensors (%d bytes) from %s in %.2f s", dist.rank, len(requests),
              sum(r.out.numel() * r.out.element_size() for r in requests), url, time.perf_counter() - started)
     return LoadResult(reader.info.meta, missing=plan.missing, unexpected=plan.unexpected)
+
+
+def open_checkpoint(storage: Storage, format: str | None = None, io_threads: int = DEFAULT_IO_THREADS
+                    ) -> CheckpointReader:
+    """:func:`~shardkit.checkpoint.formats.open_reader` of ``storage``, a native checkpoint first.
+
+    Detection asks storage whether the checkpoint exists and then whether it
+    holds a manifest before the reader reads that manifest: three requests to
+    an object store, where reading the manifest alone answers all three for the
+    checkpoints shardkit writes.  So an undetected format is tried as native
+    first; only where there is no manifest does detection run (and word the
+    error of a path that holds no checkpoint)."""
+    if format is None:
+        try:
+            return NATIVE.open_reader(storage, io_threads=io_threads)
+        except CheckpointNotFound:
+            pass  # not a native checkpoint: detection says what it is
+    return open_reader(storage, format=format, io_threads=io_threads)
 
 
 class Checked(NamedTuple):

@@ -163,3 +163,28 @@ def test_a_resume_at_two_ranks_reads_step_counts_and_rng_states_on_each_rank_in_
     # the steps to resume (rank 0 lists, all learn), the input state's check, and the load's two
     results = run_on_ranks(2, _resume_counting, str(tmp_path / "root"))
     assert results == [(4, 0, True), (4, 0, True)]
+
+
+def test_a_native_load_reads_its_manifest_without_asking_storage_first_and_others_are_still_detected(
+        tmp_path, monkeypatch):
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.errors import CheckpointNotFound
+
+    url = str(tmp_path / "ck")
+    skc.save({"a": torch.arange(6.0)}, url)
+    asked: list[str] = []
+    exists = Storage.exists
+    monkeypatch.setattr(Storage, "exists", lambda self, name="": asked.append(name) or exists(self, name))
+    sd = {"a": torch.zeros(6)}
+    skc.load(sd, url)
+    assert torch.equal(sd["a"], torch.arange(6.0)) and asked == []  # an object store's HEAD or list each
+    torch.save({"a": torch.arange(6.0)}, tmp_path / "plain.pt")
+    plain = {"model": {"a": torch.zeros(6)}}  # a torch.save file's keys are read as the model's
+    skc.load(plain, str(tmp_path / "plain.pt"))  # not native: detected as before
+    assert torch.equal(plain["model"]["a"], torch.arange(6.0))
+    try:
+        skc.load(sd, str(tmp_path / "nothing"))
+    except CheckpointNotFound as exc:
+        assert "no such file or directory" in str(exc)
+    else:
+        raise AssertionError("a path without a checkpoint loaded")
