@@ -13,14 +13,15 @@ process, wall time), the first three in an order that rotates from round to roun
   ``--copy-worker``): every object read in ranged GETs of ``--part`` bytes (8 MiB) and written back as a
   multipart upload of those parts (one PUT for a smaller object), ``N`` requests in flight at most, each
   part held in memory only while it travels;
-* ``rerun``: the reshard started again into a fresh prefix, killed (SIGKILL, its whole session) once half
-  the checkpoint's bytes are seen under the output prefix (listed every 50 ms, directly on moto), then
-  rerun to completion: the rerun's time (the report says where each kill landed).
+* ``rerun``: the reshard started again into a fresh prefix, killed (SIGKILL, its whole session) once its
+  first data file is journaled (the prefix listed every 50 ms, directly on moto), then rerun to
+  completion: the rerun's time (the report says how many files each kill left finished).
 
 Every output is loaded back in this process into full tensors (a resharding load of the 3-rank output) and
 compared with the source, per tensor (float64 sums, exactly); outputs are removed after each op.  Through
-the proxy the requests each op makes are counted by method (the rerun's GETs say whether it re-read what
-was already written).  Target: ``reshard`` and ``convert`` <= 1.2x the ``copy`` in both settings.
+the proxy the requests each op makes are counted by method, and those carrying >= 1 MiB (the data) with
+their mean size (the rerun's GETs say whether it re-read what was already written).  Target: ``reshard``
+and ``convert`` <= 1.2x the ``copy`` in both settings.
 
     python benchmarks/migration.py                              # 500MB, 3 rounds
     python benchmarks/migration.py --sizes 5MB --rounds 1       # smoke run
@@ -47,6 +48,7 @@ sys.path.insert(0, HERE)
 import checkpoint_targets as targets  # noqa: E402 - beside this file
 
 LIMIT = 1.2
+DATA_REQUEST = 1 << 20  # a request carrying at least this many bytes moves data (the rest: metadata, headers)
 OPS = ("reshard", "convert", "copy")
 
 
@@ -107,26 +109,29 @@ def timed(command: list[str]) -> float:
     return seconds
 
 
-def interrupt(command: list[str], fs: Any, dst: str, half: float) -> str:
-    """Start ``command`` and SIGKILL it (its whole session) once ``half`` bytes exist under ``dst``."""
+def interrupt(command: list[str], fs: Any, dst: str) -> str | None:
+    """Start ``command`` and SIGKILL it (its whole session) once its first data file is journaled under
+    ``dst`` (listed every 50 ms, directly on moto): the files finished by then are what a rerun must keep
+    without reading them back.  ``None`` when it committed before it could be killed."""
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
                             start_new_session=True)
     deadline = time.monotonic() + 900
-    written = 0
+    journal = f"{dst}/.shardkit-resume"
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            written = fs.du(dst)
+            done = [p for p in fs.ls(journal, refresh=True) if p.endswith(".json")]
         except FileNotFoundError:
-            written = 0
-        if written >= half:
+            done = []
+        if done:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return f"killed with {written / 2 / half:.0%} of the bytes written"
+            finished = len([p for p in fs.ls(journal, refresh=True) if p.endswith(".json")])
+            return f"killed with {finished} data file(s) of 3 journaled"
         time.sleep(0.05)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    return "finished before half its bytes were seen: the rerun found the work done"
+    return None if fs.exists(f"{dst}/manifest.json") else "killed at the deadline"
 
 
 def check(url: str, options: dict[str, Any], sums: dict[str, float], shapes_from: Any, what: str) -> None:
@@ -160,7 +165,7 @@ def one_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
     def model() -> Any:
         return ps.build(size, None)
 
-    out: dict[str, Any] = {"times": collections.defaultdict(list), "requests": {}}
+    out: dict[str, Any] = {"times": collections.defaultdict(list), "requests": {}, "data_requests": {}}
     with moto_server() as (endpoint, options), FaultProxy(endpoint) as proxy:
         fs = s3fs.S3FileSystem(**options)
         src_bucket, dst_bucket = f"src-{uuid.uuid4().hex[:8]}", f"dst-{uuid.uuid4().hex[:8]}"
@@ -188,8 +193,12 @@ def one_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
                     elif op == "rerun":
                         command = cli("reshard", src_url, dst_url, "--world-size", "3", "--workers",
                                       str(args.workers), endpoint=via)
-                        note = interrupt(command, fs, dst, out["bytes"] / 2)
-                        out.setdefault("rerun_notes", []).append(f"{setting}, round {r + 1}: {note}")
+                        note = interrupt(command, fs, dst)
+                        out.setdefault("rerun_notes", []).append(
+                            f"{setting}, round {r + 1}: {note or 'committed before it could be killed: no rerun'}")
+                        if note is None:
+                            fs.rm(dst, recursive=True)
+                            continue
                         seen = len(proxy.requests)
                         seconds = timed(command)
                     else:
@@ -199,6 +208,8 @@ def one_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
                     if setting != "direct":
                         counts = collections.Counter(q.method for q in proxy.requests[seen:])
                         out["requests"][f"{op}/{setting}"] = dict(counts)
+                        data = [q.nbytes for q in proxy.requests[seen:] if q.nbytes >= DATA_REQUEST]
+                        out["data_requests"][f"{op}/{setting}"] = (len(data), sum(data))
                     out["times"][f"{op}/{setting}"].append(seconds)
                     check(dst_url, via_options, sums, model, f"{op} ({setting})")
                     fs.rm(dst, recursive=True)
@@ -215,17 +226,23 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
           f"'shardkit --help' alone takes {res['startup']:.2f} s (interpreter + imports, inside every CLI time)")
     settings = sorted({k.split("/", 1)[1] for k in times}, key=lambda s: s != "direct")
     print(f"  {'op':10s} " + " ".join(f"{s:>10s} {'vs copy':>8s}" for s in settings) +
-          "   requests through the proxy (by method)")
+          "   requests through the proxy (by method; those of >= 1 MiB: their mean size)")
     verdicts = []
     for op in (*OPS, "rerun"):
         cells, reqs = [], res["requests"].get(f"{op}/{settings[-1]}", {})
         for setting in settings:
+            if not times.get(f"{op}/{setting}"):  # every interrupted run committed before its kill
+                cells.append(f"{'-':>10s} {'':>8s}")
+                continue
             ours, copy = statistics.median(times[f"{op}/{setting}"]), statistics.median(times[f"copy/{setting}"])
             cells.append(f"{ours:10.2f} {ours / copy:7.2f}x")
             if op in ("reshard", "convert"):
                 verdicts.append(targets.Verdict(f"{size} {op} ({setting}) / plain parallel copy", ours / copy, LIMIT,
                                                 f"{ours:.2f} s / {copy:.2f} s"))
-        print(f"  {op:10s} " + " ".join(cells) + "   " + ", ".join(f"{m} {n}" for m, n in sorted(reqs.items())))
+        moved, nbytes = res["data_requests"].get(f"{op}/{settings[-1]}", (0, 0))
+        sizes = f"; {moved} moved data, {nbytes / max(moved, 1) / 2 ** 20:.1f} MiB each" if moved else ""
+        print(f"  {op:10s} " + " ".join(cells) + "   " + ", ".join(f"{m} {n}" for m, n in sorted(reqs.items()))
+              + sizes)
     for note in res.get("rerun_notes", []):
         print(f"  interrupted reshard ({note})")
     return verdicts

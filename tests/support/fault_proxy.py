@@ -77,13 +77,15 @@ def part(n: int) -> str:
 @dataclass(frozen=True)
 class Request:
     """One request the proxy saw: ``fault`` is the kind that fired ("" when forwarded as is);
-    ``status`` the status the client was sent (0 for a reset)."""
+    ``status`` the status the client was sent (0 for a reset); ``nbytes`` the body bytes it carried
+    (the request's, a PUT's part, plus the answer's, a GET's range)."""
     method: str
     path: str
     query: str
     fault: str
     status: int
     at: float
+    nbytes: int = 0
 
 
 @dataclass
@@ -194,8 +196,9 @@ class _Handler(socketserver.StreamRequestHandler):
         rule = proxy.rule_for(method, parsed.path, parsed.query)
         kind = rule.kind if rule else ""
 
-        def log(status: int) -> None:
-            proxy.log(Request(method, parsed.path, parsed.query, kind, status, time.monotonic()))
+        def log(status: int, answer: bytes = b"") -> None:
+            proxy.log(Request(method, parsed.path, parsed.query, kind, status, time.monotonic(),
+                              len(body) + len(answer)))
 
         if kind in _STATUS:
             status, reason, code, message = _STATUS[kind]
@@ -215,7 +218,7 @@ class _Handler(socketserver.StreamRequestHandler):
             proxy.stopped.wait(rule.delay)
         status_line, out_headers, payload = proxy.forward(method, target, headers, body)
         status = int(status_line.split(" ", 2)[1])
-        log(status)
+        log(status, payload)
         if kind == "slow_first_byte":
             proxy.stopped.wait(rule.delay)
         if method == "HEAD":
