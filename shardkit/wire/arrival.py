@@ -41,6 +41,9 @@ __all__ = ["Arrival", "arrive", "roll_call", "group_name", "the_group", "watched
 _POLL_FIRST_S = 0.0005
 _POLL_GROWTH = 1.25
 _POLL_MAX_S = 0.1
+# a waiter asks whether the collective before failed on another rank only once it has waited this long: a
+# fast arrival does not pay for the question, and a failure is noticed long before the deadline
+_FAILED_BEFORE_AFTER_S = 0.01
 _WORK_POLL_MAX_S = 0.01  # a collective's own completion is polled locally, its failure flag at the store pace
 # by process group object, held weakly: a group formed again under the same name starts anew, and a group the
 # program let go of is not kept alive into the interpreter's finalization (shardkit.held_groups says why)
@@ -56,6 +59,9 @@ class Arrival:
     seq: int
     missing: tuple[int, ...]
     behind: tuple[int, ...]
+    # what a rank reported of the collective before (``seq - 1``) while this one waited: it failed there,
+    # though it completed here -- a gather's senders finish before the receiving rank sees a sender die
+    failed_before: str | None = None
 
 
 def the_group(group: Any) -> Any:
@@ -95,9 +101,14 @@ def arrive(group: Any, timeout_s: float) -> Arrival:
     if store.add(f"{base}{seq}/n", 1) == size:
         store.set(done, "1")
     else:
-        deadline, pause = time.monotonic() + timeout_s, _POLL_FIRST_S
+        started = time.monotonic()
+        deadline, pause = started + timeout_s, _POLL_FIRST_S
+        failed_before = f"{base}{seq - 1}/failed" if seq > 0 else None
         while not store.check([done]):
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now - started > _FAILED_BEFORE_AFTER_S and failed_before and store.check([failed_before]):
+                return Arrival(seq, (), (), store.get(failed_before).decode())
+            left = deadline - now
             if left <= 0:
                 return _who_is_missing(store, base, group, size, seq)
             time.sleep(min(pause, left))

@@ -77,6 +77,9 @@ class Dist:
         self.group = group
         self.deadline = deadline if deadline is not None else current_deadline()
         self.phase = "plan"
+        # the largest ``most`` any rank passed to this operation's last agreement that held (every rank holds
+        # the same value, so a later step may decide on it alike without asking again); None until one did
+        self.agreed_most: int | None = None
         if self.enabled:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
@@ -110,6 +113,9 @@ class Dist:
             found = arrive(self.group, self.deadline.timeout_s)
         except RuntimeError as exc:  # the store itself is gone (its host died)
             raise self._broke(peer_lost_error(self.deadline, phase, (), exc)) from exc
+        if found.failed_before is not None:  # another rank saw the last collective fail: name who is gone
+            gone = roll_call(self.group, found.seq - 1, _ROLL_CALL_S)
+            raise self._broke(peer_lost_error(self.deadline, phase, gone, RuntimeError(found.failed_before)))
         if found.missing:
             raise self._broke(timeout_error(self.deadline, phase, found.missing))
         return found.seq
@@ -275,26 +281,34 @@ class Dist:
             return failed
         return self.collective(lambda: any_failed(failed, self.group))
 
-    def all_same(self, ok: bool, value: int) -> bool:
+    def all_same(self, ok: bool, value: int, most: int | None = None) -> bool:
         """True on every rank when ``ok`` holds on every rank and every rank passed the same ``value``
-        (one small all-reduce)."""
-        return self.start_all_same(ok, value)()
+        (one small all-reduce).  ``most``: see :meth:`start_all_same`."""
+        return self.start_all_same(ok, value, most)()
 
-    def start_all_same(self, ok: bool, value: int) -> Callable[[], bool]:
+    def start_all_same(self, ok: bool, value: int, most: int | None = None) -> Callable[[], bool]:
         """:meth:`all_same` started in the background; call the result for the answer (every rank must),
-        so local work -- a copy the answer may let stand -- overlaps the all-reduce and the other ranks' lag."""
+        so local work -- a copy the answer may let stand -- overlaps the all-reduce and the other ranks' lag.
+
+        ``most`` (a count, every rank passing one or none alike) rides along in the same all-reduce: when the
+        answer is true, :attr:`agreed_most` is the largest any rank passed -- e.g. the most chunks any rank of
+        a save writes, from which every rank knows alike whether the save's records need index files."""
         if not self.active:
+            self.agreed_most = most if ok else None
             return lambda: ok
         import torch.distributed as dist
 
         phase = self.phase
         seq = self.arrive(phase)
-        flags = torch.tensor([0 if ok else 1, value, -value], dtype=torch.int64, device=self.device())
+        flags = torch.tensor([0 if ok else 1, value, -value, -1 if most is None else most], dtype=torch.int64,
+                             device=self.device())
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
         def answer() -> bool:
             self._finish(seq, phase, lambda: complete(work))
-            return int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
+            same = int(flags[0]) == 0 and int(flags[1]) == -int(flags[2])
+            self.agreed_most = int(flags[3]) if same and most is not None else None
+            return same
         return answer
 
     def barrier(self) -> None:

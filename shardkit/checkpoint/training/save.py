@@ -213,7 +213,8 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
     except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange
         error, derived = exc, None
     writes = writer_assignments.assign(dist, None if derived is None else derived["held"],
-                                 None if derived is None else derived["held_signature"])
+                                       None if derived is None else derived["held_signature"],
+                                       lambda writes: len(_chunk_boxes(derived, writes, chunk_bytes)))
     if error is not None or derived is None:
         raise error or CheckpointError("save planning failed")
     tensors = derived["tensors"]
@@ -264,12 +265,17 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                  sum(f.size for f in files), storage.url, time.perf_counter() - started,
                  f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
     mine = files + reused
+    counts: list[Any] = []
     dist.phase = "write"  # the ranks meet once every one of them has written its files
-    counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
+    if dist.agreed_most is None or is_indexed(dist.agreed_most * dist.group_size):
+        counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
+        dist.phase = "commit"
+    # else planning agreed the most chunks any rank writes, too few for index files: no rank asks, and the
+    # ranks first meet in the gather of their reports
     new_names = [f.name for f in files] + ([name for name, _ in jobs] if local_error is not None else [])
     error = None if local_error is None else error_record(local_error)
     report: RankReport
-    if None not in counts and is_indexed(sum(counts)):  # every rank decides alike
+    if counts and None not in counts and is_indexed(sum(counts)):  # every rank decides alike
         report = SummaryReport(error=error)
         if local_error is None and plan is not None:
             try:
@@ -284,8 +290,8 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
         report = FilesReport(tuple(mine), {k: (dtype_to_code(d), tuple(s)) for k, (d, s)
                                            in (plan.tensors.items() if plan else ()) if k in chunked},
                              plan.aliases if plan else {}, error)
-    dist.phase = "commit"
     gathered = dist.gather_json(report.to_json())
+    dist.phase = "commit"
     commit_error = None
     if gathered is not None:
         commit_error = commit_gathered(storage, writer, plan, [report_from_json(g) for g in gathered], dist,

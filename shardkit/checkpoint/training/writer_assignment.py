@@ -8,7 +8,7 @@ group) and each writes the boxes no lower rank holds.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.io.dist import Dist
@@ -60,13 +60,18 @@ class WriterAssignments:
         return repr((dist.group_rank, dist.group_size, sorted(
             (k, [tuple(map(tuple, b)) for b in boxes]) for k, boxes in held.items())))
 
-    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None,
-               signature: str | None = None) -> dict[str, list[Box]]:
-        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known)."""
+    def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None, signature: str | None = None,
+               chunks_of: Callable[[Mapping[str, Sequence[Box]]], int] | None = None) -> dict[str, list[Box]]:
+        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known).
+
+        ``chunks_of(writes)``: how many chunks this rank's ``writes`` make; passed by every rank, it travels
+        with the agreement, and when the last answer stands ``dist.agreed_most`` is the most of any rank."""
         if held is not None and signature is None:
             signature = self.signature(dist, held)
         group, generation, last, writes = self._groups.get(id(dist.group), (GroupRef(dist.group), 0, None, None))
-        if group.refers_to(dist.group) and dist.all_same(signature is not None and signature == last, generation):
+        reusable = signature is not None and signature == last and writes is not None
+        most = None if chunks_of is None else chunks_of(writes) if reusable and writes is not None else 0
+        if group.refers_to(dist.group) and dist.all_same(reusable, generation, most):
             assert writes is not None
             return {k: list(boxes) for k, boxes in writes.items()}
         writes = assign_writers(dist, held)

@@ -122,7 +122,7 @@ def _save_killed_inside_a_collective(root: str, out_dir: str) -> None:
     _train_to(model, 1)
     skc.save(_state(model), f"{root}/step-1", meta={"step": 1}, timeout=TIMEOUT_S)
     _train_to(model, 1)
-    _at(dist_module, "all_gather_json", "kill", out_dir)
+    _at(dist_module, "framed", "kill", out_dir)  # step 2's first JSON collective: the gather of the reports
     skc.save(_state(model), f"{root}/step-2", meta={"step": 2}, timeout=TIMEOUT_S)
 
 

@@ -99,3 +99,53 @@ def test_a_small_sharded_state_saved_by_two_gloo_ranks_each_writing_its_half_loa
     per_rank = run_on_ranks(2, _save_dtensors_and_count_files, str(tmp_path / "ck"))
     assert all(got["same"] for got in per_rank)
     assert {name.split("-")[1] for name in per_rank[0]["files"]} == {"0", "1"}
+
+
+def _phases_of_two_saves(path: str, indexed_from: int) -> dict:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardkit.checkpoint.formats.native import index
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = _state(1 << 20)
+    state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    phases: list[list[str]] = []
+    arrive = Dist.arrive
+
+    def recorded(self, phase=None):
+        phases[-1].append(phase or self.phase)
+        return arrive(self, phase)
+
+    old, index.INDEXED_FROM_CHUNKS = index.INDEXED_FROM_CHUNKS, indexed_from
+    Dist.arrive = recorded
+    try:
+        for step in (1, 2):
+            phases.append([])
+            save(state, f"{path}/step{step}", chunk_bytes=64 << 10)
+    finally:
+        Dist.arrive, index.INDEXED_FROM_CHUNKS = arrive, old
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    load(target, f"{path}/step2")
+    with open(f"{path}/step2/manifest.json") as f:
+        version = json.load(f)["version"]
+    dist.barrier()
+    return {"phases": phases, "same": all(torch.equal(target[k].full_tensor(), full[k]) for k in full),
+            "version": version}
+
+
+def test_a_repeated_small_save_meets_three_times_and_a_large_one_still_counts_its_chunks_first(tmp_path):
+    small = run_on_ranks(2, _phases_of_two_saves, str(tmp_path / "small"), 4096)
+    for got in small:
+        # the first save exchanges every rank's boxes and counts the chunks written; the second agrees in one
+        # all-reduce that nothing changed, which also says how few chunks any rank writes
+        assert got["phases"][1] == ["plan", "write", "commit"]
+        assert got["phases"][0] in (["plan", "plan", "write", "commit", "commit"], ["plan", "write", "commit"])
+        assert got["same"] and got["version"] != 3
+    large = run_on_ranks(2, _phases_of_two_saves, str(tmp_path / "large"), 8)  # 8+ chunks: index files
+    for got in large:
+        assert got["phases"][1] == ["plan", "write", "commit", "commit"]
+        assert got["same"] and got["version"] == 3

@@ -74,7 +74,9 @@ class RepeatStaging:
             pass
         same = (flat is not None and last is not None and last.structure == structure
                 and last.staged_token is not None and last.staged_token == pool.staged_token)
-        agreed = dist.start_all_same(same, last.generation if last is not None else -1)
+        # the chunks this rank writes ride along: when the plan stands, every rank knows the most of any
+        agreed = dist.start_all_same(same, last.generation if last is not None else -1,
+                                     len(last.sources) if same and last is not None else 0)
         if same:  # copy while the ranks agree; if one of them changed, this copy is made again below
             assert flat is not None and last is not None
             with torch.no_grad():
