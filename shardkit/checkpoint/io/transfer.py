@@ -74,7 +74,8 @@ class MoveResult:
 
 
 def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round_bytes: int = ROUND_BYTES,
-                     commit_last: str = "manifest.json", confirm: bool = True) -> list[MoveResult]:
+                     commit_last: str = "manifest.json", confirm: bool = True,
+                     listings: Sequence[Sequence[tuple[str, int]]] | None = None) -> list[MoveResult]:
     """Copy each move's directory from its source rank to its target rank; collective over ``group``.
 
     Returns one :class:`MoveResult` per move this rank sends or receives, in ``moves`` order.  A move
@@ -87,6 +88,11 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
     place says so in its own result only, and the source's result says the bytes were sent.  For callers
     whose ranks exchange their outcomes right after anyway (the hot tier's vote, a recovery's check), so the
     verdict reaches every rank with one collective fewer.
+
+    ``listings`` (one per move: each file's relative name and size, the commit file last), when every rank
+    already holds the same ones -- a caller that exchanged them with its own reports -- replaces step 1's
+    all-gather: a target that cannot be written then fails its move at its receiver, reported in step 3
+    like a failure during the rounds, and a source file shorter than listed fails as one that changed.
     """
     dist_ = Dist(group)
     dist_.phase = "replicate"
@@ -96,12 +102,15 @@ def move_directories(moves: Sequence[DirectoryMove], *, group: Any = None, round
     incoming: dict[int, IncomingFiles] = {}
     outgoing: dict[int, OutgoingFiles] = {}
     try:
-        listings, errors = _exchange_listings(dist_, moves, round_bytes, commit_last, incoming)
+        local_errors: dict[int, str] = {}
+        if listings is None:
+            listings, errors = _exchange_listings(dist_, moves, round_bytes, commit_last, incoming)
+        else:
+            listings, errors = _given_listings(me, moves, listings, commit_last, incoming, local_errors)
         live = {i: sum(size for _, size in listings[i]) for i in range(len(moves)) if i not in errors}
         outgoing.update({i: OutgoingFiles(moves[i].source_dir, listings[i]) for i in live if moves[i].src == me})
-        local_errors: dict[int, str] = {}
         for i in live:
-            if moves[i].dst == me:
+            if moves[i].dst == me and i not in local_errors:
                 try:
                     incoming[i].expect(listings[i])
                 except Exception as exc:  # noqa: BLE001 - this move fails; its rounds still run
@@ -216,6 +225,24 @@ def _exchange_listings(dist_: Dist, moves: Sequence[DirectoryMove], round_bytes:
         else:
             listings[i] = [(name, int(size)) for name, size in sent["files"]]
     return listings, errors
+
+
+def _given_listings(me: int, moves: Sequence[DirectoryMove], given: Sequence[Sequence[tuple[str, int]]],
+                    commit_last: str, incoming: dict[int, IncomingFiles],
+                    local_errors: dict[int, str]) -> tuple[dict[int, list], dict[int, str]]:
+    """Step 1 without a collective: the caller's listings, and this rank's targets opened (a failure is this
+    rank's alone until step 3 reports it)."""
+    if len(given) != len(moves):
+        raise ConfigurationError(f"listings has {len(given)} entries for {len(moves)} moves; give one per move")
+    listings = {i: [(str(name), int(size)) for name, size in files] for i, files in enumerate(given)}
+    for i, move in enumerate(moves):
+        if move.dst == me:
+            try:
+                check_target(move.target_dir, commit_last)
+                incoming[i] = IncomingFiles(move.target_dir, commit_last)
+            except Exception as exc:  # noqa: BLE001 - this move fails; its rounds still run
+                local_errors[i] = f"rank {me} cannot receive into target directory {move.target_dir}: {exc}"
+    return listings, {}
 
 
 def _run_rounds(dist_: Dist, moves: Sequence[DirectoryMove], live: dict[int, int], round_bytes: int,

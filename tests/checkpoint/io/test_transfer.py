@@ -319,3 +319,36 @@ def test_ranks_called_with_different_moves_all_raise_instead_of_waiting_for_each
                "on rank 0; every rank of the group must pass the same")
     assert run_on_ranks(RANKS, _move_with_arguments_of_its_own, str(tmp_path)) == [message] * RANKS
     assert os.listdir(tmp_path) == []
+
+
+def _ring_with_listings(root: str, blocked: bool):
+    """The ring with the listings every rank was given up front (no exchange of its own); ``blocked``: rank
+    2's target parent is a file, so it cannot receive."""
+    rank = dist.get_rank()
+    _write_checkpoint(_rank_dir(root, rank, rank), seed=rank)
+    if blocked and rank == 2:
+        Path(_rank_dir(root, 2, 0)).parent.mkdir(parents=True, exist_ok=True)
+        Path(_rank_dir(root, 2, 0)).write_text("in the way")
+    dist.barrier()
+    listings = [[(n, size) for n, size in transfer_files.list_directory(m.source_dir, "manifest.json")]
+                if m.src == rank else None for m in _ring(root)]
+    gathered: list = [None] * RANKS
+    dist.all_gather_object(gathered, listings)
+    agreed = [gathered[m.src][i] for i, m in enumerate(_ring(root))]
+    return move_directories(_ring(root), round_bytes=ROUND, listings=agreed)
+
+
+def test_listings_given_up_front_move_every_directory_byte_for_byte(tmp_path):
+    run_on_ranks(RANKS, _ring_with_listings, str(tmp_path), False)
+    for move in _ring(str(tmp_path)):
+        assert _tree(move.target_dir) == _tree(move.source_dir)
+
+
+def test_with_listings_given_a_target_that_cannot_be_written_fails_that_move_on_both_ends(tmp_path):
+    per_rank = run_on_ranks(RANKS, _ring_with_listings, str(tmp_path), True)
+    failed = sorted((rank, r.move.src, r.move.dst) for rank, results in enumerate(per_rank) for r in results
+                    if not r.ok)
+    assert failed == [(0, 0, 2), (2, 0, 2)]
+    assert Path(_rank_dir(str(tmp_path), 2, 0)).read_text() == "in the way"
+    for move in _ring(str(tmp_path))[1:]:
+        assert _tree(move.target_dir) == _tree(move.source_dir)

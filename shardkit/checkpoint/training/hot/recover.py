@@ -31,7 +31,9 @@ from typing import Any, Callable, Generic, TypeVar
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
+from shardkit.checkpoint.io.transfer_files import list_directory
 from shardkit.checkpoint.training.hot.copies import copy_meta
+from shardkit.checkpoint.training.hot.flat import MANIFEST_NAME
 from shardkit.checkpoint.training.hot.local_keep import remove_copy
 from shardkit.checkpoint.training.hot.nodes import NodeLayout, copy_name, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_dir, step_of_dir
@@ -80,11 +82,12 @@ def hot_reports(layout: NodeLayout, rank: int) -> list[dict[str, Any]]:
             path = step.child(name).url
             entry: dict[str, Any] = {"path": path, "holder": rank, "of": parsed.rank, "save_id": parsed.save_id}
             try:
+                entry["files"] = list_directory(path, MANIFEST_NAME)  # what a fetch of it sends, listed once here
                 hot = copy_meta(path)["hot"]
                 entry.update(step=hot["step"], world_size=hot["world_size"], structure=hot["structure"])
                 if hot["rank"] != parsed.rank or hot["save_id"] != parsed.save_id:
                     entry["bad"] = f"its manifest says rank {hot['rank']}, save {hot['save_id']}"
-            except ShardkitError as exc:
+            except (ShardkitError, OSError) as exc:
                 entry["bad"] = str(exc)
             reports.append(entry)
     return reports
@@ -184,7 +187,10 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[str], T], d
                                                        copy_name("fetched", q, save_id, token)))
                  for q, e in sorted(sources.items()) if e["holder"] != q]
         # a receiver's outcome is all it needs (the check below tells every rank): no confirming collective
-        failures = {res.move.source_dir: res.error for res in move_directories(moves, group=group, confirm=False)
+        # and the listings came with the reports: the move needs no exchange of its own before the bytes
+        listed = [sources[m.dst]["files"] for m in moves]
+        failures = {res.move.source_dir: res.error for res in move_directories(moves, group=group, confirm=False,
+                                                                               listings=listed)
                     if not res.ok} if moves else {}
         mine = sources[rank]
         path = mine["path"] if mine["holder"] == rank else fetch_dir
