@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shardkit.checkpoint.io.local_disk import disk_full, is_disk_full
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, StorageError
 
@@ -53,7 +54,8 @@ def _write_file(path: str, pieces: Sequence[Any]) -> None:
 def publish_directory(path: str, files: Sequence[tuple[str, Sequence[Any]]]) -> None:
     """Create directory ``path`` holding ``files`` (name, buffers), the last one the commit file, atomically
     (see the module docstring).  Raises :class:`~shardkit.errors.StorageError` naming ``path`` when the disk
-    refuses or ``path`` already holds anything; nothing is left behind but what was there."""
+    refuses or ``path`` already holds anything (a full disk: the :class:`~shardkit.errors.CheckpointOSError`
+    every write raises for it, errno kept); nothing is left behind but what was there."""
     parent, base = os.path.split(os.path.abspath(path))
     staging = os.path.join(parent, f"{Storage.temporary_name_prefix(base)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -69,6 +71,8 @@ def publish_directory(path: str, files: Sequence[tuple[str, Sequence[Any]]]) -> 
             raise
         _fsync_dir(parent)
     except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full(exc, f"writing {path}", path) from exc
         raise StorageError(f"cannot write {path}: {exc}") from exc
 
 
