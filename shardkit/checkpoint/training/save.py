@@ -221,8 +221,21 @@ def plan_save(state_dict: Mapping[str, Any], dist: Dist, *, chunk_bytes: int, io
     locals_ = {key: local_tensor(flat.tensors[key]).detach() for key in writes}
     chunks = [WriteChunk(key, tensors[key][0], sub[0], sub[1], locals_[key][index], tensors[key][1])
               for key, sub, index in _chunk_boxes(derived, writes, chunk_bytes)]
-    return SavePlan(group_into_files(chunks, io_threads, chunk_bytes if compression else None),
+    return SavePlan(group_into_files(chunks, files_for(sum(c.nbytes for c in chunks), io_threads),
+                                     chunk_bytes if compression else None),
                     tensors, flat.values, derived["layouts"], derived["aliases"], writes, derived["coords"])
+
+
+# Each data file a rank writes costs its own create, fsync and hand-off to an I/O thread (a few ms on a busy
+# machine); a second thread pays that back only with this much to write, so a small state goes into fewer
+# files than there are I/O threads (one below twice this), a large one into one per thread.
+PARALLEL_FILE_BYTES = 8 << 20
+
+
+def files_for(nbytes: int, io_threads: int) -> int:
+    """How many data files a rank writes ``nbytes`` into: one per I/O thread, at least
+    :data:`PARALLEL_FILE_BYTES` each."""
+    return max(1, min(io_threads, nbytes // PARALLEL_FILE_BYTES))
 
 
 FileJobs = list[tuple[str, list[WriteChunk]]]

@@ -415,7 +415,8 @@ def test_inspect_of_a_step_whose_referenced_step_is_gone_names_it_and_exits_1(tm
     assert out.exit_code == 1
     assert "total: " in out.stdout  # the description still stands: it is the manifest's
     missing, error = out.stderr.strip().splitlines()[-2:]
-    assert missing == (f"missing: {len(referenced)} data files of ../{first.name} that this checkpoint references, "
+    files = "data file" if len(referenced) == 1 else "data files"
+    assert missing == (f"missing: {len(referenced)} {files} of ../{first.name} that this checkpoint references, "
                        f"e.g. {referenced[0]}")
     assert error == (f"error: {third} cannot be loaded: data it references in ../{first.name} is gone (deleted or "
                      "moved by hand); restore it, or use another checkpoint")

@@ -149,3 +149,15 @@ def test_a_repeated_small_save_meets_three_times_and_a_large_one_still_counts_it
     for got in large:
         assert got["phases"][1] == ["plan", "write", "commit", "commit"]
         assert got["same"] and got["version"] == 3
+
+
+def test_a_small_state_goes_into_one_data_file_per_rank_and_a_large_one_into_one_per_io_thread(tmp_path):
+    small, large = _state(2 << 20, tensors=4), _state(24 << 20, tensors=12)
+    save(small, str(tmp_path / "small"), io_threads=4)
+    save(large, str(tmp_path / "large"), io_threads=4)
+    assert len(os.listdir(tmp_path / "small" / "data")) == 1  # 2 MiB: one create, one fsync
+    assert len(os.listdir(tmp_path / "large" / "data")) == 3  # 24 MiB: three files of 8 MiB, three threads
+    for name, state in (("small", small), ("large", large)):
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        load(back, str(tmp_path / name))
+        assert all(torch.equal(back[k], state[k]) for k in state)
