@@ -75,6 +75,7 @@ class BlockCache:
         self._cond = threading.Condition()
         self._blocks: OrderedDict[tuple[str, int], _Block] = OrderedDict()
         self._sizes: dict[str, int] = {}
+        self._size_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self.held = 0
@@ -98,9 +99,13 @@ class BlockCache:
         return out[0] if len(out) == 1 else b"".join(out)
 
     def _size(self, path: str) -> int:
+        """The size of ``path``, asked once however many threads start on it together."""
         size = self._sizes.get(path)
         if size is None:
-            size = self._sizes[path] = int(self._size_of(path))
+            with self._size_lock:
+                size = self._sizes.get(path)
+                if size is None:
+                    size = self._sizes[path] = int(self._size_of(path))
         return size
 
     def _get(self, path: str, k: int) -> _Block:

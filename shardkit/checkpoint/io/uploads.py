@@ -79,9 +79,9 @@ class PartUploads:
         number = len(self._parts) + 1
         self._parts.append({"PartNumber": number})
         assert self._pool is not None
-        self._sent.append(self._pool.submit(self._upload, number, bytes(body)))
+        self._sent.append(self._pool.submit(self._upload, number, body))  # the caller starts a new buffer
 
-    def _upload(self, number: int, body: bytes) -> None:
+    def _upload(self, number: int, body: bytearray) -> None:
         answer = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
                                  PartNumber=number, Body=body)
         self._parts[number - 1]["ETag"] = answer["ETag"]
