@@ -234,7 +234,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     reads exactly its files.  Optimizer state is resharded with the weights;
     ``dtype`` casts model weights only, unless ``dtype_optim``; ``src_format``
     skips detection.  A rerun after an interruption skips data files already
-    written (from the same SRC) and verified.
+    written (from the same SRC) and unchanged since (size, change stamp and header as journaled).
     ``scaleout=(rank, nprocs, barrier)`` splits the work across processes
     (see :mod:`shardkit.checkpoint.offline.scaleout`); process 0 commits.
     ``trust_pickle`` and ``model_keys`` are :func:`convert`'s.
