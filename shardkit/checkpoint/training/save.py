@@ -86,25 +86,31 @@ __all__ = ["save", "SavePlan", "SaveOptions", "plan_save", "write_and_commit", "
 
 
 class _LastPlan:
-    """What planning derived from a state's structure at the last save, kept per process group.
+    """What planning derived from the structures of the last few saves, kept per process group.
 
     Everything :func:`plan_save` works out per tensor (pieces, replicas, tied
     keys, layouts, chunk boxes) depends only on the tensors' keys, shapes,
     dtypes, placements and memory addresses.  When those are what they were
-    at the last save, it is reused and only the views into the current
+    at one of the last saves, it is reused and only the views into the current
     tensors are made again.  No tensor is referenced, so nothing is kept alive
     (nor the group: see :mod:`shardkit.held_groups`).
     """
 
+    KEPT = 4  # structures remembered per group: a job may alternate a few (the training state, an export)
+
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[GroupRef, tuple, dict[str, Any]]] = {}
+        self._groups: dict[int, tuple[GroupRef, list[tuple[tuple, dict[str, Any]]]]] = {}
 
     def get(self, dist: Dist, signature: tuple) -> dict[str, Any] | None:
         found = self._groups.get(id(dist.group))
-        return found[2] if found is not None and found[0].refers_to(dist.group) and found[1] == signature else None
+        if found is None or not found[0].refers_to(dist.group):
+            return None
+        return next((derived for kept, derived in reversed(found[1]) if kept == signature), None)
 
     def put(self, dist: Dist, signature: tuple, derived: dict[str, Any]) -> None:
-        self._groups[id(dist.group)] = (GroupRef(dist.group), signature, derived)
+        found = self._groups.get(id(dist.group))
+        kept = found[1] if found is not None and found[0].refers_to(dist.group) else []
+        self._groups[id(dist.group)] = (GroupRef(dist.group), (kept + [(signature, derived)])[-self.KEPT:])
 
 
 _last_plans = _LastPlan()

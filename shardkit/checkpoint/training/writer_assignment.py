@@ -8,6 +8,7 @@ group) and each writes the boxes no lower rank holds.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 from shardkit.checkpoint.geometry.boxes import Box
@@ -41,19 +42,22 @@ def assign_writers(dist: Dist, held: Mapping[str, Sequence[Box]] | None) -> dict
 
 
 class WriterAssignments:
-    """The last :func:`assign_writers` result of one process group, reused while nothing changed.
+    """The last few :func:`assign_writers` results of each process group, reused while nothing changed.
 
-    A training job saves the same structure again and again; the exchange of
-    every rank's boxes is then the same each time.  Every rank keeps what it
-    held and what it was told to write at the last exchange, numbered by a
-    generation all ranks count together.  A later save agrees in one small
-    all-reduce that every rank holds exactly what it held then, at the same
-    generation -- then each reuses its answer -- else all exchange again.  The
-    group is remembered weakly (see :mod:`shardkit.held_groups`).
+    A training job saves the same structures again and again (the training state every few steps, perhaps a
+    model-only export between); the exchange of every rank's boxes is then the same each time.  Every rank
+    keeps, for each of the last :data:`KEPT` structures it saved, what it held and what it was told to write,
+    numbered by the generation of the exchange -- a count all ranks advance together.  A later save agrees in
+    one small all-reduce that every rank found what it holds now under the same generation -- then each
+    reuses its answer -- else all exchange again.  The group is remembered weakly
+    (see :mod:`shardkit.held_groups`); a group formed where an old one was starts afresh, and every rank still
+    takes part in the agreement, so none skips a collective the others make.
     """
 
+    KEPT = 4
+
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[GroupRef, int, str | None, dict[str, list[Box]] | None]] = {}
+        self._groups: dict[int, tuple[GroupRef, int, OrderedDict[str, tuple[int, dict[str, list[Box]]]]]] = {}
 
     @staticmethod
     def signature(dist: Dist, held: Mapping[str, Sequence[Box]]) -> str:
@@ -62,21 +66,28 @@ class WriterAssignments:
 
     def assign(self, dist: Dist, held: Mapping[str, Sequence[Box]] | None, signature: str | None = None,
                chunks_of: Callable[[Mapping[str, Sequence[Box]]], int] | None = None) -> dict[str, list[Box]]:
-        """``assign_writers(dist, held)``, or its last answer (``signature``: of ``held``, if known).
+        """``assign_writers(dist, held)``, or an earlier answer (``signature``: of ``held``, if known).
 
         ``chunks_of(writes)``: how many chunks this rank's ``writes`` make; passed by every rank, it travels
-        with the agreement, and when the last answer stands ``dist.agreed_most`` is the most of any rank."""
+        with the agreement, and when an earlier answer stands ``dist.agreed_most`` is the most of any rank."""
         if held is not None and signature is None:
             signature = self.signature(dist, held)
-        group, generation, last, writes = self._groups.get(id(dist.group), (GroupRef(dist.group), 0, None, None))
-        reusable = signature is not None and signature == last and writes is not None
-        most = None if chunks_of is None else chunks_of(writes) if reusable and writes is not None else 0
-        if group.refers_to(dist.group) and dist.all_same(reusable, generation, most):
-            assert writes is not None
-            return {k: list(boxes) for k, boxes in writes.items()}
+        group, generation, kept = self._groups.get(id(dist.group), (GroupRef(dist.group), 0, OrderedDict()))
+        if not group.refers_to(dist.group):
+            group, generation, kept = GroupRef(dist.group), 0, OrderedDict()
+        found = kept.get(signature) if signature is not None and held is not None else None
+        most = None if chunks_of is None else chunks_of(found[1]) if found is not None else 0
+        if dist.all_same(found is not None, found[0] if found is not None else -1, most):
+            assert found is not None and signature is not None
+            kept.move_to_end(signature)
+            return {k: list(boxes) for k, boxes in found[1].items()}
         writes = assign_writers(dist, held)
-        self._groups[id(dist.group)] = (GroupRef(dist.group), generation + 1, signature,
-                                        writes if held is not None else None)
+        generation += 1
+        if held is not None and signature is not None:
+            kept[signature] = (generation, writes)
+            while len(kept) > self.KEPT:
+                kept.popitem(last=False)
+        self._groups[id(dist.group)] = (group, generation, kept)
         return writes
 
 

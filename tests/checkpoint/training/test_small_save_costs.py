@@ -161,3 +161,33 @@ def test_a_small_state_goes_into_one_data_file_per_rank_and_a_large_one_into_one
         back = {k: torch.zeros_like(v) for k, v in state.items()}
         load(back, str(tmp_path / name))
         assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def _phases_of_alternating_saves(path: str) -> list[list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = _state(1 << 20)
+    training = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    export = {k: v for k, v in list(training.items())[:3]}  # e.g. the model alone, between training saves
+    phases: list[list[str]] = []
+    arrive = Dist.arrive
+
+    def recorded(self, phase=None):
+        phases[-1].append(phase or self.phase)
+        return arrive(self, phase)
+
+    Dist.arrive = recorded
+    try:
+        for step, state in enumerate((training, export, training, export, training)):
+            phases.append([])
+            save(state, f"{path}/step{step}")
+    finally:
+        Dist.arrive = arrive
+    return phases
+
+
+def test_saves_that_alternate_two_structures_each_reuse_their_own_plan(tmp_path):
+    for phases in run_on_ranks(2, _phases_of_alternating_saves, str(tmp_path)):
+        assert phases[2:] == [["plan", "write", "commit"]] * 3
