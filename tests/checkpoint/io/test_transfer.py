@@ -260,13 +260,14 @@ def _count_allocations_during_a_move(root: str, round_bytes: int):
 
 
 def test_a_rank_holds_one_buffer_of_round_bytes_however_much_it_moves(tmp_path):
-    round_bytes = 64 << 10
+    round_bytes = 96 << 10  # not the size of a collective's frame (wire.collectives.frame_bytes: 64 KiB at 4 ranks)
     per_rank = run_on_ranks(RANKS, _count_allocations_during_a_move, str(tmp_path), round_bytes)
     for results, sizes in per_rank:
         assert [(r.ok, r.buffer_bytes) for r in results] == [(True, round_bytes)] * 4
         assert sum(r.bytes for r in results) == 4 * (300_000 + 777 + 555)
         assert max(sizes) == round_bytes and sizes.count(round_bytes) == 1
-        assert sum(sizes) < 2 * round_bytes  # the rest: the small JSON buffers of the three exchanges
+        # the rest: the exchanges' JSON frames, a fixed size per collective whatever the bytes moved
+        assert sum(s for s in sizes if s != round_bytes) <= 3 * RANKS * (64 << 10) + 4096
     for step in (1, 2):
         for move in _ring(str(tmp_path), step):
             assert _tree(move.target_dir + f"-{step}") == _tree(move.source_dir + f"-{step}")
