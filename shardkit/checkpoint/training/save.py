@@ -26,6 +26,7 @@ plain in one process).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
@@ -122,12 +123,15 @@ def structure_of(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tu
 
     Called on every save of a training run, so it reads as little as it can: a DTensor's spec (global
     dtype, shape, placements and mesh in one object, usually the very object of the last save, so
-    comparing is an identity check) and its local tensor's geometry.
+    comparing is an identity check) and its local tensor's geometry.  A plain tensor's address counts only
+    where its storage is another key's too (it could be tied to it): a training state's RNG states and step
+    counts are new tensors at every save, and would otherwise make every save plan afresh.
     """
     api = sys.modules.get("torch.distributed.tensor._api")
     dtensor = api.DTensor if api is not None else ()
     parts: list[tuple] = [options]
     locals_: dict[str, torch.Tensor] = {}
+    plain: list[int] = []  # where in ``parts`` a plain tensor is, its address left out for now
     for key, tensor in flat_tensors.items():
         if isinstance(tensor, dtensor):
             spec = tensor._spec
@@ -136,8 +140,15 @@ def structure_of(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tu
             parts.append((key, described, local.shape, local.stride(), local.data_ptr()))
         else:
             local = tensor
-            parts.append((key, tensor.dtype, tensor.shape, tensor.stride(), tensor.data_ptr()))
+            plain.append(len(parts))
+            parts.append((key, type(tensor), tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()))
         locals_[key] = local
+    if plain:
+        storages = collections.Counter(t.untyped_storage().data_ptr() for t in locals_.values())
+        for at in plain:
+            local = locals_[parts[at][0]]
+            if storages[local.untyped_storage().data_ptr()] > 1:
+                parts[at] += (local.data_ptr(),)
     return tuple(parts), locals_
 
 

@@ -191,3 +191,23 @@ def _phases_of_alternating_saves(path: str) -> list[list[str]]:
 def test_saves_that_alternate_two_structures_each_reuse_their_own_plan(tmp_path):
     for phases in run_on_ranks(2, _phases_of_alternating_saves, str(tmp_path)):
         assert phases[2:] == [["plan", "write", "commit"]] * 3
+
+
+def test_new_plain_tensors_each_save_reuse_the_plan_but_a_tie_between_them_is_still_seen(tmp_path, monkeypatch):
+    import json
+
+    from shardkit.checkpoint.training import save as save_module
+
+    derived = []
+    real = save_module._derive
+    monkeypatch.setattr(save_module, "_derive", lambda *a: derived.append(1) or real(*a))
+
+    def step_state(tied: bool) -> dict:  # a training state's RNG bytes and step counts: new tensors every time
+        rng = torch.arange(16, dtype=torch.uint8)
+        return {"rng.cpu": rng, "rng.copy": rng if tied else rng.clone(), "step": torch.tensor(3.0)}
+
+    for step, tied in enumerate((False, False, False, True, False)):
+        save(step_state(tied), str(tmp_path / f"s{step}"))
+        with open(tmp_path / f"s{step}" / "manifest.json") as f:
+            assert json.load(f).get("aliases", {}) == ({"rng.copy": "rng.cpu"} if tied else {})
+    assert len(derived) == 2  # the first save, and the one whose two keys share a storage
