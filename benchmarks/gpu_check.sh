@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA device, in one run of at most 8 minutes on one GPU, with one report:
+# Everything that needs a CUDA device, in one run of at most 9.5 minutes on one GPU, with one report:
 #
 #   machine            nvidia-smi, torch, CUDA and NCCL versions, GPU count
 #   cuda-tests         every test marked `cuda` (pytest -m cuda over the test files that use the mark)
@@ -9,6 +9,10 @@
 #                      stream time vs DCP's async_save with its pinned stager, save and load vs DCP
 #   nccl-shared-reads  benchmarks/shared_reads_nccl.py: an HSDP load whose replicated bytes travel over
 #                      NCCL, checked bitwise on every rank (needs 2 GPUs: NOT VERIFIED on one)
+#   peers-cuda         benchmarks/peers.py --device cuda: shardkit vs DCP vs torch_checkpointing (pinned
+#                      staging for all three), save / load / resharding load / async blocking at
+#                      $PEERS_SIZES, 3 rounds; on one GPU its sharded job runs at 1 rank and it prints
+#                      the 2-rank cells as NOT VERIFIED
 #
 #     bash benchmarks/gpu_check.sh        # report: $OUT/gpu_check_report.txt, full output: $OUT/gpu_check.log
 #     GB=2 REPS=5 bash benchmarks/gpu_check.sh
@@ -16,11 +20,15 @@
 # The report lists every step (PASSED, FAILED, TIMED OUT, SKIPPED or NOT VERIFIED, and why) and every figure the steps
 # printed as a `FIGURE ... MET|MISSED` line; a step that failed adds a MISSED figure of its own.
 #
-# Time: each step runs under its own limit (below) and the limits add up to 450 s, so even a run in
-# which every step hits its limit ends within 8 minutes.  Expected on one H100: about 3 minutes, scaled
+# Time: each step runs under its own limit (below) and the limits add up to 560 s, so even a run in
+# which every step hits its limit ends within 9.5 minutes (give the device call 600 s; installing
+# wheels from ./.whl, when needed, adds at most 60 s).  Expected on one H100: about 5 minutes, scaled
 # from the H200 run in docs/performance.md (checkpoint_cuda.py at 2 GB: about 10 s a round for both
 # systems, so about 40 s at 1 GB with 3 rounds, warm-up saves and setup), plus process and NCCL start-up
-# (10-20 s per torchrun job) for the 7M-parameter runtime model's 12 steps and the 600 MB load.
+# (10-20 s per torchrun job) for the 7M-parameter runtime model's 12 steps and the 600 MB load, plus
+# peers-cuda (limit 150 s; about 2 minutes, not yet measured on a GPU): per size one sharded and one
+# 1-process torchrun job (NCCL and torch_checkpointing's writer subprocess start-up each), then 4 rounds
+# of 15 timed operations, no sleep after the page cache is dropped.
 #
 # Without a CUDA device (or without torch) every step is reported SKIPPED with the reason and the run
 # exits 0 within seconds.  Python packages the machine lacks (zstandard, google-crc32c) may travel as
@@ -42,6 +50,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 GB=${GB:-1}
 REPS=${REPS:-3}
+PEERS_SIZES=${PEERS_SIZES:-50MB,1GB}
 failed=0
 started=$SECONDS
 
@@ -131,6 +140,7 @@ if [ -z "$no_gpu" ] && [ "$gpus" -lt 2 ]; then
 else
     step nccl-shared-reads 60 $PY benchmarks/shared_reads_nccl.py --ranks 2 --mb 600
 fi
+step peers-cuda 150 $PY benchmarks/peers.py --device cuda --sizes "$PEERS_SIZES" --rounds 3 --warmup 1 --cold-sleep 0
 
 {
     echo "shardkit GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -22,6 +22,15 @@ after the load, exactly.  Verdicts: shardkit / the best peer (the faster of DCP 
 
     python benchmarks/peers.py                                   # 5MB,50MB,300MB,1.4GB, 5 rounds
     python benchmarks/peers.py --sizes 5MB --rounds 1 --warmup 0 --cold-sleep 0   # smoke run
+    python benchmarks/peers.py --device cuda --sizes 50MB,1GB --rounds 3             # on GPUs (gpu_check.sh)
+
+``--device cuda``: NCCL, one GPU per rank (``LOCAL_RANK``), the models built on the GPUs, every load into
+GPU tensors, each system with pinned staging (:mod:`peers_systems` says how), every time taken between
+``torch.cuda.synchronize()`` calls; raw's save is the device-to-host copy plus the write and ``fsync``, its
+load the read alone.  The sharded job runs on ``min(2, torch.cuda.device_count())`` ranks: on one GPU
+(NCCL takes one GPU per rank) it runs at 1 rank, its load is labelled so, the "resharding" load reads a
+1-rank checkpoint into the unsharded model, and a ``FIGURE ... NOT VERIFIED`` line says what did not run.
+Every verdict is printed as a ``FIGURE`` line too (``benchmarks/gpu_check.sh`` collects them).
 """
 
 from __future__ import annotations
@@ -50,13 +59,29 @@ OPS = (("save", "save, durable"), ("load2", "load, 2 ranks, cold"), ("load1", "l
        ("async", "async save, blocking"))
 RAW_FROM = 300e6  # the raw targets count from this size on
 RAW_LIMIT, PEER_LIMIT = 1.1, 1.0
+DEVICE = "cpu"  # the workers' device: set by join() from --device
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
 
 
+def join(args: argparse.Namespace) -> None:
+    """Join the job: gloo on the CPU, or NCCL with this rank's GPU (``LOCAL_RANK``) for ``--device cuda``."""
+    global DEVICE
+    torch.set_num_threads(1)
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+
+
+def sync_device() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -76,9 +101,11 @@ def evict(paths: list[str], rank: int) -> str:
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    sync_device()
     dist.barrier()
     start = time.perf_counter()
     result = fn()
+    sync_device()
     seconds = time.perf_counter() - start
     dist.barrier()
     return max_over_ranks(seconds), result
@@ -102,7 +129,7 @@ def zero(state: dict[str, Any]) -> None:
 def raw_write(state: dict[str, Any], path: str) -> None:
     with open(path, "wb") as f:
         for t in ps.tensors(state).values():
-            f.write(ps.local(t).contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(ps.local(t).contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
         f.flush()
         os.fsync(f.fileno())
 
@@ -111,11 +138,11 @@ def raw_write(state: dict[str, Any], path: str) -> None:
 
 
 def worker_two(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join(args)
     rank = dist.get_rank()
-    peers = ps.Peers(args.tc_durable, async_group=dist.new_group(backend="gloo"))
-    models = {rt: ps.build(args.size, rt) for rt in ("shardkit", "torch")}
+    peers = ps.Peers(args.tc_durable, async_group=dist.new_group(backend="gloo"), device=args.device,
+                     tc_direct_io=args.tc_direct_io)
+    models = {rt: ps.build(args.size, rt, device=args.device) for rt in ("shardkit", "torch")}
     states = {s: ps.state_of(s, *models[ps.runtime_of(s)]) for s in ps.SYSTEMS}
     states["raw"] = states["shardkit"]
     expected = {s: rank_sums(states[s]) for s in ps.SYSTEMS}
@@ -149,7 +176,8 @@ def worker_two(args: argparse.Namespace) -> None:
             row[f"load2/{s}"] = timed(lambda: targets.read_sequentially([path]) if s == "raw"
                                       else peers.load(s, states[s], path))[0]
             if s != "raw" and rank_sums(states[s]) != expected[s]:
-                raise SystemExit(f"{s}: the load at 2 ranks does not give back the saved values (round {r})")
+                raise SystemExit(f"{s}: the load at {dist.get_world_size()} rank(s) does not give back the saved "
+                                 f"values (round {r})")
         for s in rotated(ps.SYSTEMS, r):
             path = where(s, "async")
             fresh(path)
@@ -158,8 +186,8 @@ def worker_two(args: argparse.Namespace) -> None:
             dist.barrier()
         out["rounds"].append(row)
         if rank == 0:
-            print(f"  {args.size / 1e6:g} MB, 2 ranks: round {r + 1}/{args.warmup + args.rounds}", file=sys.stderr,
-                  flush=True)
+            print(f"  {args.size / 1e6:g} MB, {dist.get_world_size()} rank(s): round {r + 1}/"
+                  f"{args.warmup + args.rounds}", file=sys.stderr, flush=True)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, expected)
     if rank == 0:
@@ -189,12 +217,11 @@ def check_full(state: dict[str, Any], per_rank: list[dict[str, list]], system: s
 
 
 def worker_one(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # a group of one: torch_checkpointing and DCP run as they would at world 1
+    join(args)  # a group of one: torch_checkpointing and DCP run as they would at world 1
     with open(os.path.join(args.dir, "ws2.json")) as f:
         expected = json.load(f)["expected"]
-    peers = ps.Peers(args.tc_durable)
-    model, opt = ps.build(args.size, None)
+    peers = ps.Peers(args.tc_durable, device=args.device, tc_direct_io=args.tc_direct_io)
+    model, opt = ps.build(args.size, None, device=args.device)
     states = {s: ps.state_of(s, model, opt) for s in ps.SYSTEMS}
     rounds = []
     for r in range(args.warmup + args.rounds):
@@ -224,9 +251,10 @@ def run_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="shardkit-peers-", dir=args.dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [os.path.abspath(__file__), "--size-bytes", str(size), "--dir", work, "--rounds", str(args.rounds),
-              "--warmup", str(args.warmup), "--cold-sleep", str(args.cold_sleep), "--tc-durable", args.tc_durable]
+              "--warmup", str(args.warmup), "--cold-sleep", str(args.cold_sleep), "--tc-durable", args.tc_durable,
+              "--device", args.device, *(["--tc-direct-io"] if args.tc_direct_io else [])]
     try:
-        for n, worker in ((2, "two"), (1, "one")):
+        for n, worker in ((args.world, "two"), (1, "one")):
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                             *common, "--worker", worker], check=True, env=env)
         with open(os.path.join(work, "ws2.json")) as f:
@@ -235,6 +263,7 @@ def run_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
             for row, extra in zip(result["rounds"], json.load(f)):
                 row.update(extra)
         result.pop("expected")
+        result["world"] = args.world
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -245,14 +274,20 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list
     print("\nconfiguration\n" + ps.CONFIGURATION)
     for size_text, res in results.items():
         first, rounds = res["rounds"][:args.warmup], res["rounds"][args.warmup:]
-        gb = res["rank_bytes"] * 2 / 1e9
+        world = res.get("world", 2)
+        labels = dict(OPS)
+        if world != 2:
+            labels["load2"] = f"load, {world} rank{'s' if world > 1 else ''}, cold"
+            labels["load1"] = f"load at 1 process (from {world} rank{'s' if world > 1 else ''}), cold"
+        gb = res["rank_bytes"] * world / 1e9
         dim, ffn, layers = res["shape"]
         print(f"\n{size_text}: {gb * 1e3:.1f} MB of state (dim {dim}, ffn {ffn}, {layers} blocks, fp32 + AdamW), "
               f"{len(rounds)} rounds after {len(first)} warm-up, medians (s) of the slowest rank; page cache "
               f"dropped by {res['evicted_by']}, then {args.cold_sleep:g} s asleep")
         print(f"  {'op':36s} {'shardkit':>9s} {'DCP':>9s} {'torch_ckpt':>10s} {'raw':>9s}   {'vs best peer':>12s} "
               f"{'vs raw':>7s}  first call: shardkit / DCP / torch_ckpt")
-        for op, label in OPS:
+        for op, _ in OPS:
+            label = labels[op]
             med = {s: statistics.median(r[f"{op}/{s}"] for r in rounds) for s in (*ps.SYSTEMS, "raw")
                    if f"{op}/{s}" in rounds[0]}
             best = min(("dcp", "torch_checkpointing"), key=lambda s: med[s])
@@ -263,13 +298,14 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list
                   f"{med.get('raw', float('nan')):9.3f}   {ratio:11.2f}x {raw or float('nan'):6.2f}x  {firsts}")
             verdicts.append(targets.Verdict(f"{size_text} {label}: shardkit / best peer ({ps.LABEL[best]})", ratio,
                                             PEER_LIMIT, f"{med['shardkit']:.3f} s / {med[best]:.3f} s"))
-            if raw is not None and op in ("save", "load2") and res["rank_bytes"] * 2 >= RAW_FROM:
+            if raw is not None and op in ("save", "load2") and res["rank_bytes"] * world >= RAW_FROM:
                 verdicts.append(targets.Verdict(f"{size_text} {label}: shardkit / raw", raw, RAW_LIMIT,
                                                 f"{med['shardkit']:.3f} s / {med['raw']:.3f} s"))
     return verdicts
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, else ``sys.argv``); what ``main`` and the workers run on."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="5MB,50MB,300MB,1.4GB", help="state sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=targets.MIN_ROUNDS, help="judged rounds per size")
@@ -280,20 +316,61 @@ def main() -> None:
                         "save is made durable: fsync of its files and directories, or os.sync()")
     parser.add_argument("--dir", default=os.environ.get("TMPDIR", "/var/tmp"), help="where checkpoints are written")
     parser.add_argument("--json", default=None, help="also keep the raw results here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, 2 ranks; cuda: NCCL, "
+                        "one GPU per rank, min(2, GPUs) ranks, pinned staging for every system")
     parser.add_argument("--worker", choices=("two", "one"), help=argparse.SUPPRESS)
     parser.add_argument("--size-bytes", type=float, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--tc-direct-io", action="store_true", help=argparse.SUPPRESS)  # decided by main()
+    args = parser.parse_args(argv)
+    if not args.worker:
+        for text in args.sizes.split(","):
+            try:
+                ps.parse_size(text)
+            except ValueError as exc:
+                parser.error(f"--sizes: {exc}")
+    return args
+
+
+def cuda_world() -> int:
+    """The sharded job's ranks on CUDA: 2, or 1 on a machine with one GPU; exits saying why without CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "run it on a GPU machine (benchmarks/gpu_check.sh does), or with --device cpu")
+    return min(2, torch.cuda.device_count())
+
+
+def print_figures(verdicts: list[targets.Verdict], world: int) -> None:
+    """Every verdict as a ``FIGURE`` line for ``benchmarks/gpu_check.sh``, and what one GPU cannot run."""
+    for v in verdicts:
+        print(f"FIGURE CUDA {v.name}: {v.value:.2f} (<= {v.limit:.2f}) {v.word}")
+    if world < 2:
+        print("FIGURE CUDA save, load and async save at 2 ranks, and the resharding load from 2 ranks: NOT VERIFIED: "
+              "one GPU (NCCL takes one GPU per rank), so the sharded job ran at 1 rank")
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         args.size = args.size_bytes
         (worker_two if args.worker == "two" else worker_one)(args)
         return
+    args.world = 2
+    if args.device == "cuda":
+        args.world = cuda_world()
+        args.tc_direct_io = ps.tc_direct_io_works(args.dir)
+        print(f"CUDA: {torch.cuda.device_count()} GPU(s) ({torch.cuda.get_device_name(0)}), the sharded job at "
+              f"{args.world} rank(s); torch_checkpointing direct I/O in {args.dir}: "
+              f"{'on' if args.tc_direct_io else 'off (its O_DIRECT write is refused here)'}", flush=True)
     results = {}
     for text in args.sizes.split(","):
         results[text] = run_size(args, ps.parse_size(text))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)
-    targets.print_verdicts(report(results, args), args.rounds)
+    verdicts = report(results, args)
+    targets.print_verdicts(verdicts, args.rounds)
+    if args.device == "cuda":
+        print_figures(verdicts, args.world)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,26 @@ in both and the printed ``CONFIGURATION`` says how and why:
   metadata manager hands the cached metadata back as ``None``), and that step cannot be resharded ("Target
   value ... is set to Tensor, but source value is DTensor"); the async saver's subprocess keeps the metadata
   and writes it every time, so one async manager serves every async save.
+
+On CUDA (``benchmarks/peers.py --device cuda``): NCCL, one GPU per rank (``LOCAL_RANK``), every model moved
+to its GPU and then sharded over a CUDA device mesh by its runtime's ``fully_shard``, every load into the GPU
+tensors; each system staged into page-locked host memory, as its documentation recommends for CUDA:
+
+* **shardkit**: ``async_save`` as it is -- it page-locks its reused host buffer (``cudaHostRegister``) as
+  soon as the state is on CUDA and copies device-to-host on a side stream; ``save``/``load`` as on CPU.
+* **DCP**: ``async_save(..., async_stager=DefaultStager(StagingOptions(use_pinned_memory=True,
+  use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True)))``, one stager for every
+  save (its pinned buffers are reused; the same stager as ``benchmarks/checkpoint_cuda.py``).  Its staging
+  finishes in the background: the "blocking" time runs to ``staging_completion``.
+* **torch_checkpointing**: ``CheckpointStagerConfig(use_pinned_memory=True, use_shared_memory=True,
+  use_async_staging=True, use_non_blocking_copy=True)`` -- its CUDA defaults, written out -- and its own
+  metadata all-gather on NCCL (no replacement).  Direct I/O (``use_direct_io=True``, its default) only where
+  the checkpoint directory takes its O_DIRECT writes: it opens data files ``O_DIRECT`` and ``torch.save``s
+  into them through a buffered file, so ext4 and XFS refuse the unaligned writes (``EINVAL``) whatever the
+  staging; :func:`tc_direct_io_works` tries one such write in the directory first and the report says
+  which way it went.
+* Every time is taken between ``torch.cuda.synchronize()`` calls, so copies still in flight on any stream
+  count against the system that started them.
 """
 
 from __future__ import annotations
@@ -71,21 +91,32 @@ def shape_for(nbytes: float) -> tuple[int, int, int]:
     return dim, ffn, max(1, round(nbytes / per_layer))
 
 
-def build(nbytes: float, runtime: str | None, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model (``runtime``: ``"shardkit"``, ``"torch"`` or ``None`` for unsharded) after one AdamW step."""
+def build(nbytes: float, runtime: str | None, seed: int = 0,
+          device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (``runtime``: ``"shardkit"``, ``"torch"`` or ``None`` for unsharded) after one AdamW step.
+
+    ``device="cuda"``: the same values (made on the CPU from ``seed``), moved to the current GPU and sharded
+    over a CUDA mesh of the default group, so every runtime starts from the same weights."""
     dim, ffn, layers = shape_for(nbytes)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[Block(dim, ffn) for _ in range(layers)])
+    kwargs: dict[str, Any] = {}
+    if device != "cpu":
+        model = model.to(device)
+        if runtime is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kwargs["mesh"] = init_device_mesh(device, (dist.get_world_size(),))
     if runtime is not None:
         if runtime == "shardkit":
             from shardkit import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
         for block in model:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, dim)).square().mean().backward()
+    model(torch.randn(2, dim).to(device)).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return model, opt
@@ -144,8 +175,14 @@ def install_torch_checkpointing_cpu() -> None:
     DefaultMetadataManager._all_gather_pickled_data = _gloo_gather
 
 
-def tc_manager(async_save: bool) -> Any:
-    """A torch_checkpointing ``CheckpointManager`` configured for CPU (module docstring)."""
+def tc_manager(async_save: bool, device: str = "cpu", direct_io: bool = False) -> Any:
+    """A torch_checkpointing ``CheckpointManager`` configured for ``device`` (module docstring)."""
+    return tc_config(async_save, device, direct_io).build()
+
+
+def tc_config(async_save: bool, device: str = "cpu", direct_io: bool = False) -> Any:
+    """The ``CheckpointManager.Config`` of :func:`tc_manager`; ``direct_io`` only counts on CUDA, and only
+    where :func:`tc_direct_io_works` said so."""
     from torch_checkpointing import CheckpointManager, ItemSpec
     from torch_checkpointing.default_resharder import DefaultResharder
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
@@ -153,9 +190,41 @@ def tc_manager(async_save: bool) -> Any:
     config = CheckpointManager.Config.with_async_save() if async_save else CheckpointManager.Config.with_sync_save()
     if async_save:
         config.save.process_config.subprocess_init_timeout_secs = 300
+        if device != "cpu":
+            from torch_checkpointing.staging import CheckpointStagerConfig
+
+            config.save.staging_config = CheckpointStagerConfig(use_pinned_memory=True, use_shared_memory=True,
+                                                                use_async_staging=True, use_non_blocking_copy=True)
     config.items = {"model": ItemSpec(resharder=DefaultResharder()), "optim": ItemSpec(resharder=DefaultResharder())}
-    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
-    return config.build()
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=direct_io and device != "cpu")
+    return config
+
+
+def tc_direct_io_works(folder: str) -> bool:
+    """Whether torch_checkpointing's direct-I/O write (``O_DIRECT`` open, ``torch.save`` through a buffered
+    file) succeeds in ``folder``: one small tensor written, read back and compared, the file removed."""
+    from torch_checkpointing.storage.filesystem import WriteStream
+
+    path = os.path.join(folder, f".tc-direct-io-probe-{os.getpid()}.pt")
+    probe = torch.arange(1000, dtype=torch.float32)
+    try:
+        with WriteStream(path, "wb", use_direct_io=True) as f:
+            direct = f.using_direct_io
+            torch.save({"probe": probe}, f)
+        return direct and torch.equal(torch.load(path, weights_only=True)["probe"], probe)
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def dcp_pinned_stager() -> Any:
+    """DCP's page-locked background stager (module docstring), made once and reused for every save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))
 
 
 def fsync_tc_step(path: str, rank: int, how: str = "fsync") -> None:
@@ -187,12 +256,17 @@ def fsync_tc_step(path: str, rank: int, how: str = "fsync") -> None:
 class Peers:
     """The three systems' save, load and async save on one process, with their managers made once."""
 
-    def __init__(self, tc_durable: str = "fsync", async_group: Any = None) -> None:
-        install_torch_checkpointing_cpu()
+    def __init__(self, tc_durable: str = "fsync", async_group: Any = None, device: str = "cpu",
+                 tc_direct_io: bool = False) -> None:
+        if device == "cpu":
+            install_torch_checkpointing_cpu()
         self.tc_async: Any = None  # made on first use: it spawns a writer process
         self.tc_durable = tc_durable
         self.group = async_group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = device
+        self.tc_direct_io = tc_direct_io
+        self.dcp_stager: Any = None  # CUDA only: made on first use, reused
 
     def save(self, system: str, state: dict[str, Any], path: str) -> None:
         """A durable save: committed and on disk when it returns."""
@@ -204,8 +278,7 @@ class Peers:
         """Load ``path`` into ``state``'s tensors in place."""
         self._blocking("load", system, state, path)
 
-    @staticmethod
-    def _blocking(op: str, system: str, state: dict[str, Any], path: str) -> None:
+    def _blocking(self, op: str, system: str, state: dict[str, Any], path: str) -> None:
         """``op`` ("save" or "load") of ``state`` at ``path`` through ``system``'s own blocking call."""
         if system == "shardkit":
             import shardkit.checkpoint as skc
@@ -216,7 +289,7 @@ class Peers:
 
             getattr(dcp, op)(state, checkpoint_id=path)
         else:
-            manager = tc_manager(async_save=False)  # fresh: see the module docstring
+            manager = tc_manager(False, self.device, self.tc_direct_io)  # fresh: see the module docstring
             try:
                 if op == "save":
                     manager.save(path, state)
@@ -236,10 +309,19 @@ class Peers:
         if system == "dcp":
             import torch.distributed.checkpoint as dcp
 
-            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
-            return future.result
+            if self.device == "cpu":
+                future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+                return future.result
+            if self.dcp_stager is None:
+                self.dcp_stager = dcp_pinned_stager()
+            response = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
+                                      async_stager=self.dcp_stager)
+            if hasattr(response, "upload_completion"):  # staged in the background: the state is free after it
+                response.staging_completion.result()
+                return response.upload_completion.result
+            return response.result
         if self.tc_async is None:
-            self.tc_async = tc_manager(async_save=True)
+            self.tc_async = tc_manager(True, self.device, self.tc_direct_io)
         future = self.tc_async.save(path, state)
         with self.tc_async.lock():  # staging runs after save() returns: wait until the state may change
             pass
@@ -248,6 +330,8 @@ class Peers:
     def close(self) -> None:
         if self.tc_async is not None:
             self.tc_async.close()
+        if self.dcp_stager is not None:
+            self.dcp_stager.close()
 
 
 def parse_size(text: str) -> float:
