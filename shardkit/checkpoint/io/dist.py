@@ -230,6 +230,9 @@ class Dist:
         dev, size = self.device(), frame_bytes(self.group_size)
         data = encode_json(obj)
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        if dev.type != "cpu":  # NCCL forms a communicator per pair on a first point-to-point transfer: every
+            # rank pads to the longest instead (an all-gather of the lengths, then the gather)
+            return self._gather_padded(data, dst_global, dst)
         frames = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
         complete(dist.gather(framed(data, size, dev), frames, dst=dst_global, group=self.group, async_op=True))
@@ -245,6 +248,21 @@ class Dist:
                 complete(dist.irecv(rests[rank], peer, group=self.group), pollable=False)
         rests[self.group_rank] = data[size - 8:].to(dev) if data.numel() > size - 8 else None
         return [decode_json(unframed(f, r)) for f, r in zip(frames, rests)]
+
+    def _gather_padded(self, data: torch.Tensor, dst_global: int, dst: int) -> list[Any] | None:
+        import torch.distributed as dist
+
+        dev = self.device()
+        lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.group_size)]
+        complete(dist.all_gather(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=dev),
+                                 group=self.group, async_op=True))
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        padded[:data.numel()] = data.to(dev)
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
+            if self.group_rank == dst else None
+        complete(dist.gather(padded, bufs, dst=dst_global, group=self.group, async_op=True))
+        return None if bufs is None else [decode_json(b[:int(n.item())]) for b, n in zip(bufs, lengths)]
 
     def decided_on_rank0(self, decide: Callable[[], Any], where: str) -> Any:
         """``decide()`` (a JSON value) run on group rank 0 and its answer on every rank.  A failure there is

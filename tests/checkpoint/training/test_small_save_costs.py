@@ -211,3 +211,19 @@ def test_new_plain_tensors_each_save_reuse_the_plan_but_a_tie_between_them_is_st
         with open(tmp_path / f"s{step}" / "manifest.json") as f:
             assert json.load(f).get("aliases", {}) == ({"rng.copy": "rng.cpu"} if tied else {})
     assert len(derived) == 2  # the first save, and the one whose two keys share a storage
+
+
+def _padded_gather_on_three_ranks() -> list | None:
+    import torch.distributed as dist
+
+    from shardkit.wire.collectives import encode_json
+
+    d, rank = Dist(), dist.get_rank()
+    payload = {"rank": rank, "keys": ["k"] * (rank * 3000)}
+    return d.collective(lambda: d._gather_padded(encode_json(payload), 0, 0))  # NCCL's path, on gloo
+
+
+def test_the_padded_gather_nccl_takes_gives_every_rank_payload_whole_on_rank_0():
+    per_rank = run_on_ranks(3, _padded_gather_on_three_ranks)
+    assert [(g["rank"], len(g["keys"])) for g in per_rank[0]] == [(0, 0), (1, 3000), (2, 6000)]
+    assert per_rank[1:] == [None, None]
