@@ -54,8 +54,8 @@ def _write_file(path: str, pieces: Sequence[Any]) -> None:
 def publish_directory(path: str, files: Sequence[tuple[str, Sequence[Any]]]) -> None:
     """Create directory ``path`` holding ``files`` (name, buffers), the last one the commit file, atomically
     (see the module docstring).  Raises :class:`~shardkit.errors.StorageError` naming ``path`` when the disk
-    refuses or ``path`` already holds anything (a full disk: the :class:`~shardkit.errors.CheckpointOSError`
-    every write raises for it, errno kept); nothing is left behind but what was there."""
+    refuses or ``path`` already holds anything (a full disk: the ``CheckpointOSError`` every write raises for
+    it, errno kept); nothing is left behind but what was there."""
     parent, base = os.path.split(os.path.abspath(path))
     staging = os.path.join(parent, f"{Storage.temporary_name_prefix(base)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
