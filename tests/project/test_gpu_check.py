@@ -22,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ["machine", "cuda-tests", "runtime-world1", "runtime-world2", "checkpoint-cuda", "nccl-shared-reads"]
+STEPS = ["machine", "cuda-tests", "runtime-world1", "runtime-world2", "checkpoint-cuda", "nccl-shared-reads",
+         "peers-cuda"]
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 
 
@@ -56,7 +57,7 @@ def _python_commands() -> list[tuple[str, list[str]]]:
 def test_the_check_runs_the_three_benchmarks_and_the_cuda_marked_test_files():
     assert [script for script, _ in _python_commands()] == [
         "benchmarks/runtime.py", "benchmarks/runtime.py", "benchmarks/checkpoint_cuda.py",
-        "benchmarks/shared_reads_nccl.py"]
+        "benchmarks/shared_reads_nccl.py", "benchmarks/peers.py"]
     marked = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
                     if re.search(r"^(pytestmark = |@)pytest\.mark\.cuda", p.read_text(), re.M))
     assert {"tests/checkpoint/training/test_cuda.py", "tests/runtime/test_cuda.py",

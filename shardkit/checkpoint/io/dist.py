@@ -230,8 +230,7 @@ class Dist:
         dev, size = self.device(), frame_bytes(self.group_size)
         data = encode_json(obj)
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        if dev.type != "cpu":  # NCCL forms a communicator per pair on a first point-to-point transfer: every
-            # rank pads to the longest instead (an all-gather of the lengths, then the gather)
+        if not self.point_to_point_is_cheap:  # every rank pads to the longest instead (the lengths first)
             return self._gather_padded(data, dst_global, dst)
         frames = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
@@ -248,6 +247,12 @@ class Dist:
                 complete(dist.irecv(rests[rank], peer, group=self.group), pollable=False)
         rests[self.group_rank] = data[size - 8:].to(dev) if data.numel() > size - 8 else None
         return [decode_json(unframed(f, r)) for f, r in zip(frames, rests)]
+
+    @property
+    def point_to_point_is_cheap(self) -> bool:
+        """Whether a transfer between two ranks costs no more than a collective's: on gloo (the CPU); NCCL forms
+        a communicator per pair on their first one."""
+        return self.device().type == "cpu"
 
     def _gather_padded(self, data: torch.Tensor, dst_global: int, dst: int) -> list[Any] | None:
         import torch.distributed as dist
