@@ -37,6 +37,7 @@ import torch
 
 from shardkit.checkpoint.io.clouds import CloudProfile
 from shardkit.checkpoint.io.read_cache import BlockCache
+from shardkit.checkpoint.io.uploads import DEPTH as UPLOAD_DEPTH
 from shardkit.checkpoint.io.uploads import PartUploads
 from shardkit.errors import CorruptCheckpoint
 
@@ -73,6 +74,7 @@ class RemoteFiles:
         self.retry = retry
         self.is_object_store = is_object_store
         self.cache: BlockCache | None = None
+        self.upload_depth = UPLOAD_DEPTH  # S3 parts in flight per file (a writer of fewer files may send more)
 
     def read_through(self, budget: int, threads: int) -> BlockCache:
         """Serve ranged reads from now on from a :class:`BlockCache` of ``budget`` bytes reading ahead on
@@ -181,8 +183,8 @@ class RemoteFiles:
         """Streamed; ``fsync`` and ``direct`` mean nothing here.  Each attempt starts from scratch; a failed
         one is discarded (its multipart upload aborted), never completed."""
         def remote() -> T:
-            f = PartUploads(self.fs, path) if self.is_object_store and hasattr(self.fs, "call_s3") else \
-                self.fs.open(path, "wb")
+            f = PartUploads(self.fs, path, depth=self.upload_depth) \
+                if self.is_object_store and hasattr(self.fs, "call_s3") else self.fs.open(path, "wb")
             try:
                 result = produce(f)
                 f.close()  # completes the upload: the object appears whole, or not at all

@@ -136,3 +136,11 @@ def _records(fs, dst: str, data_file: str):
     manifest = parse_manifest(fs.cat_file(f"{dst}/manifest.json"), "manifest")
     name = data_file.split(f"{dst.split('://')[-1]}/", 1)[-1]
     return [rec for t in manifest.tensors.values() for rec in t.chunks if rec.file == name]
+
+
+def test_a_single_output_file_keeps_as_many_parts_moving_as_workers_within_the_part_budget():
+    from shardkit.checkpoint.formats.native.resumable import upload_depth
+
+    assert upload_depth(threads=4, units=1, workers=4) == 4  # convert --to shardkit: one file, four parts moving
+    assert upload_depth(threads=4, units=3, workers=4) == 1  # reshard to 3 ranks: three files, one part each
+    assert upload_depth(threads=1, units=1, workers=1) == 1

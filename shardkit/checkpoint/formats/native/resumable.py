@@ -64,7 +64,7 @@ from shardkit.checkpoint.io.uploads import PART_BYTES
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
 
 __all__ = ["FileUnit", "plan_files", "write_resumable", "commit_resumable", "assign_units", "chunk_cap_for",
-           "concurrency_for"]
+           "concurrency_for", "upload_depth"]
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,14 @@ def concurrency_for(budget: int, workers: int, reserved: int = 0, remote: bool =
     return max(1, min(workers, (budget - reserved) // per_thread))
 
 
+def upload_depth(threads: int, units: int, workers: int) -> int:
+    """S3 parts in flight per file: the part buffers budgeted for ``threads`` writers shared by the files
+    written at once (a single output file, ``convert --to shardkit``, keeps ``workers`` parts moving
+    rather than one), never more than ``workers``."""
+    running = max(1, min(threads, units))
+    return max(UPLOAD_DEPTH, min(workers, threads * (1 + UPLOAD_DEPTH) // running - 1))
+
+
 def _plan(job: WriteJob) -> tuple[list[FileUnit], dict[str, Any]]:
     mesh = job.mesh if job.mesh else (job.world_size,)
     shards = mesh[-1]
@@ -264,6 +272,8 @@ def write_resumable(storage: Storage, job: WriteJob, name: str) -> Written | Non
     try:
         threads = concurrency_for(job.budget, job.workers, getattr(job.fetch, "reserved_bytes", 0),
                                   storage.is_object_store, getattr(job.fetch, "casts", True))
+        if storage.is_object_store and hasattr(storage.files, "upload_depth"):
+            storage.files.upload_depth = upload_depth(threads, len(mine), job.workers)
         written, skipped = write_units(storage, job, [units[i] for i in mine], threads)
     except BaseException:
         if agree is not None:
