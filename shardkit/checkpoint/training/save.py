@@ -144,12 +144,21 @@ def structure_of(flat_tensors: Mapping[str, torch.Tensor], options: tuple) -> tu
             parts.append((key, type(tensor), tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()))
         locals_[key] = local
     if plain:
-        storages = collections.Counter(t.untyped_storage().data_ptr() for t in locals_.values())
+        storages = collections.Counter(_storage_address(t) for t in locals_.values())
         for at in plain:
             local = locals_[parts[at][0]]
-            if storages[local.untyped_storage().data_ptr()] > 1:
-                parts[at] += (local.data_ptr(),)
+            address = _storage_address(local)
+            if address is None or storages[address] > 1:
+                parts[at] += (id(local) if address is None else local.data_ptr(),)
     return tuple(parts), locals_
+
+
+def _storage_address(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s storage is; ``None`` for a wrapper subclass that has none (planning refuses it)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _derive(flat_tensors: Mapping[str, torch.Tensor], dist: Dist) -> dict[str, Any]:
