@@ -149,3 +149,16 @@ def peak_rss_all(cmds: list[list[str]], at_once: int = 2) -> list[tuple[int, int
                 pass
         time.sleep(0.005)
     return results
+
+
+def model_and_moments(layers: int, rows: int, cols: int = 1000, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A flat model + optimizer-like state: ``layers`` weights of ``rows`` x ``cols`` and an exp_avg each, a
+    small bias and a scalar step count -- uneven rows, so that layouts cut them unevenly."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = {}
+    for i in range(layers):
+        flat[f"model.layers.{i}.w"] = torch.randn(rows, cols, generator=gen)
+        flat[f"optim.state.layers.{i}.w.exp_avg"] = torch.randn(rows, cols, generator=gen)
+    flat["model.bias"] = torch.randn(7, generator=gen)
+    flat["optim.state.layers.0.w.step"] = torch.tensor(5.0)
+    return flat

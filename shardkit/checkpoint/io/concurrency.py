@@ -17,9 +17,9 @@ import contextvars
 import os
 import queue
 import threading
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
-__all__ = ["DEFAULT_IO_THREADS", "POOL_THREADS", "parallel_map", "shutdown_io_pool", "ByteBudget"]
+__all__ = ["DEFAULT_IO_THREADS", "POOL_THREADS", "parallel_map", "shutdown_io_pool", "ByteBudget", "PerProcess"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -115,36 +115,44 @@ class _Pool:
                 thread.join()
 
 
-_pool: _Pool | None = None
-_pool_lock = threading.Lock()
+class PerProcess(Generic[T]):
+    """One object per process, made by ``make`` on first use and kept; forgotten in a forked child, whose
+    parent's threads (and the locks they may have held) do not exist there."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._value: T | None = None
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._make()
+            return self._value
+
+    def take(self) -> T | None:
+        """The object, if one was made, no longer kept: the next :meth:`get` makes a new one."""
+        with self._lock:
+            value, self._value = self._value, None
+            return value
+
+    def _forget(self) -> None:
+        self._value, self._lock = None, threading.Lock()
 
 
-def _shared_pool() -> _Pool:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = _Pool()
-        return _pool
+_pool: PerProcess[_Pool] = PerProcess(_Pool)
 
 
 def shutdown_io_pool() -> None:
     """Stop and join the shared pool's threads; the next :func:`parallel_map` makes a new pool.  Runs at exit."""
-    global _pool
-    with _pool_lock:
-        pool, _pool = _pool, None
+    pool = _pool.take()
     if pool is not None:
         pool.shutdown()
 
 
-def _forget_pool_in_child() -> None:
-    """After ``fork``: the parent's pool threads do not exist here, and its locks may have been held."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
 atexit.register(shutdown_io_pool)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], workers: int = DEFAULT_IO_THREADS) -> list[R]:
@@ -178,7 +186,7 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], workers: int = DEFAUL
                     errors[i] = exc
                 return
 
-    pool = _shared_pool()
+    pool = _pool.get()
     helpers = [helper for helper in (pool.submit(run) for _ in range(min(workers, len(items)) - 1)) if helper]
     contextvars.Context().run(run)
     for helper in helpers:

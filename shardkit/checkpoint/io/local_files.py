@@ -23,19 +23,11 @@ from typing import Any, Sequence
 
 import torch
 
-from shardkit.checkpoint.io.local_disk import disk_full, is_disk_full
+from shardkit.checkpoint.io.local_disk import disk_full, fsync_directory, is_disk_full
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, StorageError
 
 __all__ = ["publish_directory", "read_whole", "map_file", "remove_files"]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: str, pieces: Sequence[Any]) -> None:
@@ -64,12 +56,12 @@ def publish_directory(path: str, files: Sequence[tuple[str, Sequence[Any]]]) -> 
         try:
             for name, pieces in files:
                 _write_file(os.path.join(staging, name), pieces)
-            _fsync_dir(staging)
+            fsync_directory(staging)
             os.rename(staging, path)  # fails on a non-empty target: a committed directory is never replaced
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        _fsync_dir(parent)
+        fsync_directory(parent)
     except OSError as exc:
         if is_disk_full(exc):
             raise disk_full(exc, f"writing {path}", path) from exc

@@ -22,6 +22,7 @@ import shutil
 import stat
 import tempfile
 
+from shardkit.checkpoint.io.local_disk import fsync_directory
 from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CheckpointExists, CheckpointNotFound, StorageError, UnsafeCheckpoint
@@ -183,7 +184,7 @@ class IncomingFiles:
                                f"bytes)")
         os.replace(self._path(len(self.files) - 1), os.path.join(self.staging, self.commit_last))
         for parent, _, _ in sorted(os.walk(self.staging), key=lambda entry: -len(entry[0])):
-            _sync_directory(parent)
+            fsync_directory(parent)
 
     def publish(self) -> None:
         """Make the complete staging directory the target in one ``rename``; refused (the staging
@@ -193,7 +194,7 @@ class IncomingFiles:
         except OSError as exc:
             raise CheckpointExists(f"target directory {self.target_dir} appeared during the move and is not "
                                    f"empty; it was left as it is and the copy discarded ({exc})") from exc
-        _sync_directory(os.path.dirname(self.target_dir))
+        fsync_directory(os.path.dirname(self.target_dir))
 
     def discard(self) -> None:
         """Remove the staging directory (ours alone) after a failure; the target was never touched."""
@@ -204,12 +205,3 @@ class IncomingFiles:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _sync_directory(directory: str) -> None:
-    """fsync a directory so that the entries just made in it survive a power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

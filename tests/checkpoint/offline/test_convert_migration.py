@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardkit.checkpoint import diff, reshard, verify
 from tests.support.offline_cli import run_cli
-from tests.support.offline_helpers import write_torch_state
+from tests.support.offline_helpers import model_and_moments, write_torch_state
 
 
 def _cli_options(flag: str, options: dict) -> list[str]:
@@ -33,13 +32,7 @@ def _cli_options(flag: str, options: dict) -> list[str]:
 def local_ckpt(tmp_path_factory):
     """A 2-rank native checkpoint of ~16 MB (model + optimizer-like tensors, uneven rows)."""
     root = tmp_path_factory.mktemp("migrate")
-    gen = torch.Generator().manual_seed(0)
-    flat = {}
-    for i in range(6):
-        flat[f"model.layers.{i}.w"] = torch.randn(333, 1000, generator=gen)
-        flat[f"optim.state.layers.{i}.w.exp_avg"] = torch.randn(333, 1000, generator=gen)
-    flat["model.bias"] = torch.randn(7, generator=gen)
-    flat["optim.state.layers.0.w.step"] = torch.tensor(5.0)
+    flat = model_and_moments(layers=6, rows=333)
     src = write_torch_state(root / "src.pt", flat, [{"lr": 0.1, "params": [f"layers.{i}.w" for i in range(6)]}])
     local = root / "local"
     reshard(str(src), str(local), world_size=2)

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import s3fs
-import torch
 from fsspec.asyn import sync_wrapper
 
 import shardkit.checkpoint.formats.native.resumable as native_resumable
@@ -17,7 +16,7 @@ from shardkit.checkpoint import diff, reshard, verify
 from shardkit.checkpoint.io.read_cache import BLOCK_BYTES
 from shardkit.checkpoint.io.remote import RemoteFiles
 from shardkit.checkpoint.io.uploads import PART_BYTES
-from tests.support.offline_helpers import write_torch_state
+from tests.support.offline_helpers import model_and_moments, write_torch_state
 
 MIB = 1 << 20
 
@@ -57,13 +56,7 @@ class Wire:
 @pytest.fixture(scope="module")
 def state(tmp_path_factory):
     """A ~32 MB model + optimizer-like state (uneven rows, a scalar) as a torch.save file."""
-    gen = torch.Generator().manual_seed(0)
-    flat = {}
-    for i in range(4):
-        flat[f"model.layers.{i}.w"] = torch.randn(1001, 1000, generator=gen)
-        flat[f"optim.state.layers.{i}.w.exp_avg"] = torch.randn(1001, 1000, generator=gen)
-    flat["model.bias"] = torch.randn(7, generator=gen)
-    flat["optim.state.layers.0.w.step"] = torch.tensor(5.0)
+    flat = model_and_moments(layers=4, rows=1001)
     return write_torch_state(tmp_path_factory.mktemp("state") / "src.pt", flat, [])
 
 

@@ -10,7 +10,9 @@ resharding load in one process asks storage for the bytes it needs, each once.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 
@@ -18,6 +20,29 @@ import shardkit.checkpoint as skc
 from tests.support.dist import run_on_ranks
 
 ROWS, COLS = 64, 16
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[list[int]]:
+    """[collectives this rank arrived at, point-to-point transfers it made] within the block."""
+    from shardkit.checkpoint.io.dist import Dist
+
+    arrive, exchange = Dist.arrive, Dist.exchange
+    counts = [0, 0]
+
+    def counted_arrive(self, phase=None):
+        counts[0] += 1
+        return arrive(self, phase)
+
+    def counted_exchange(self, ops):
+        counts[1] += len(ops)
+        return exchange(self, ops)
+
+    Dist.arrive, Dist.exchange = counted_arrive, counted_exchange
+    try:
+        yield counts
+    finally:
+        Dist.arrive, Dist.exchange = arrive, exchange
 
 
 def _state(fill: float | None) -> dict[str, torch.Tensor]:
@@ -40,25 +65,10 @@ def _save(url: str) -> None:
 
 def _load_counting(url: str) -> tuple[int, int, bool]:
     """(collectives this rank arrived at, point-to-point transfers it made, whether it loaded bitwise)."""
-    from shardkit.checkpoint.io.dist import Dist
 
-    arrive, exchange = Dist.arrive, Dist.exchange
-    counts = [0, 0]
-
-    def counted_arrive(self, phase=None):
-        counts[0] += 1
-        return arrive(self, phase)
-
-    def counted_exchange(self, ops):
-        counts[1] += len(ops)
-        return exchange(self, ops)
-
-    Dist.arrive, Dist.exchange = counted_arrive, counted_exchange
     sd = _state(-1.0)
-    try:
+    with _counting() as counts:
         skc.load(sd, url)
-    finally:
-        Dist.arrive, Dist.exchange = arrive, exchange
     truth = _state(None)
     same = all(torch.equal(v.to_local() if hasattr(v, "to_local") else v,
                            truth[k].to_local() if hasattr(truth[k], "to_local") else truth[k]) for k, v in sd.items())
@@ -129,7 +139,6 @@ def test_the_resharding_load_in_one_process_asks_storage_for_each_needed_byte_on
 
 def _resume_counting(root: str) -> tuple[int, int, bool]:
     """(collectives, point-to-point transfers, whether the model came back bitwise) of a manager's resume."""
-    from shardkit.checkpoint.io.dist import Dist
     from tests.support.checkpoint_helpers import build_model, make_optimizer, train
 
     model = build_model("shardkit", seed=1)
@@ -139,22 +148,8 @@ def _resume_counting(root: str) -> tuple[int, int, bool]:
     saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     fresh = build_model("shardkit", seed=2)
     fresh_opt = make_optimizer(fresh)
-    arrive, exchange = Dist.arrive, Dist.exchange
-    counts = [0, 0]
-
-    def counted_arrive(self, phase=None):
-        counts[0] += 1
-        return arrive(self, phase)
-
-    def counted_exchange(self, ops):
-        counts[1] += len(ops)
-        return exchange(self, ops)
-
-    Dist.arrive, Dist.exchange = counted_arrive, counted_exchange
-    try:
+    with _counting() as counts:
         skc.CheckpointManager(root).load_latest(fresh, fresh_opt)
-    finally:
-        Dist.arrive, Dist.exchange = arrive, exchange
     same = all(torch.equal(v.to_local(), saved[k]) for k, v in fresh.state_dict().items())
     return counts[0], counts[1], same
 

@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.native import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES
-from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
+from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, PerProcess
 from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage, with_retries
@@ -159,26 +159,11 @@ class BackgroundSaver:
             return self._pending
 
 
-_saver: BackgroundSaver | None = None
-_saver_lock = threading.Lock()
+_saver: PerProcess[BackgroundSaver] = PerProcess(BackgroundSaver)  # a forked child starts its own
 
 
 def background_saver() -> BackgroundSaver:
-    global _saver
-    with _saver_lock:
-        if _saver is None:
-            _saver = BackgroundSaver()
-        return _saver
-
-
-def _forget_saver_after_fork() -> None:
-    """A forked child has none of its parent's threads or writer process: it starts its own."""
-    global _saver, _saver_lock
-    _saver, _saver_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_saver_after_fork)
+    return _saver.get()
 
 
 def choose_writer(writer: str | None, storage: Storage,
