@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.checkpoint.formats.crc32c import crc32c
+from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
 from shardkit.checkpoint.io.local_files import map_file, publish_directory, read_whole, remove_files
 from shardkit.checkpoint.io.rounds import aligned
 from shardkit.errors import CorruptCheckpoint
@@ -48,13 +49,6 @@ class FlatCopy:
     values: dict[str, Any]
 
 
-def _dtype(name: Any, where: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
-    if not isinstance(found, torch.dtype):
-        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
-    return found
-
-
 def write_flat(path: str, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any],
                meta: Mapping[str, Any]) -> int:
     """Write ``tensors`` (CPU) and ``values`` (JSON-encoded) as a copy at ``path`` (see the module docstring);
@@ -64,7 +58,7 @@ def write_flat(path: str, tensors: Mapping[str, torch.Tensor], values: Mapping[s
     for key, t in tensors.items():
         raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
         n = raw.numel()
-        entries.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n, crc32c(raw)])
+        entries.append([key, dtype_to_code(t.dtype), list(t.shape), offset, n, crc32c(raw)])
         pieces.append(raw.numpy())
         end = aligned(offset + n)
         if end > offset + n:
@@ -108,7 +102,7 @@ def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
     for entry in manifest["tensors"]:
         try:
             key, dtype_name, shape, offset, n, crc = entry
-            dtype = _dtype(dtype_name, where)
+            dtype = code_to_dtype(dtype_name, where)
             numel = 1
             for d in shape:
                 numel *= int(d)
