@@ -31,8 +31,8 @@ from shardkit.checkpoint.training.input_state import INPUT_KEYS
 from shardkit.data import nest
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "check_copy", "CheckedCopy",
-           "HostCopy", "input_targets"]
+__all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "checked_meta", "check_copy",
+           "CheckedCopy", "HostCopy", "input_targets"]
 
 _INPUT_PREFIXES = tuple(f"{k}." for k in INPUT_KEYS)
 _HOT_FIELDS = {"step", "save_id", "rank", "world_size", "structure"}
@@ -71,9 +71,17 @@ def structure_of(tensors: Mapping[str, torch.Tensor]) -> str:
     key's dtype, local and global shape, placements and mesh shape.  Input state (``data.*``, ``rng.*``) is
     left out: a resume learns it from the copy itself.  Cached by the layout itself (cheap to compare; the
     digest's text is not cheap to build every step)."""
+    meshes: dict[int, tuple[int, ...]] = {}  # a mesh's shape is slow to ask for; a model has one or two meshes
+
+    def mesh_shape(mesh: Any) -> tuple[int, ...]:
+        found = meshes.get(id(mesh))
+        if found is None:
+            found = meshes[id(mesh)] = tuple(mesh.shape)
+        return found
+
     layout = tuple((key, t.dtype, tuple(local_tensor(t).shape), tuple(t.shape),
                     tuple(t.placements) if is_dtensor(t) else None,
-                    tuple(t.device_mesh.shape) if is_dtensor(t) else None)
+                    mesh_shape(t.device_mesh) if is_dtensor(t) else None)
                    for key, t in sorted(tensors.items()) if not key.startswith(_INPUT_PREFIXES))
     found = _structures.get(layout)
     if found is None:
@@ -99,7 +107,12 @@ def write_copy(url: str, tensors: Mapping[str, torch.Tensor], values: Mapping[st
 def copy_meta(url: str) -> dict[str, Any]:
     """The ``meta`` of the copy at ``url`` (its manifest only: cheap).  Raises
     :class:`~shardkit.errors.CorruptCheckpoint` when the manifest is missing, unreadable or not a hot copy's."""
-    meta = read_manifest(url)["meta"]
+    return checked_meta(read_manifest(url)["meta"], url)
+
+
+def checked_meta(meta: dict[str, Any], url: str) -> dict[str, Any]:
+    """``meta`` (of the copy at ``url``, read or received) when it names the hot-tier step, save and rank.
+    Raises :class:`~shardkit.errors.CorruptCheckpoint` when it does not."""
     hot = meta.get("hot")
     if not isinstance(hot, dict) or not _HOT_FIELDS <= set(hot):
         raise CorruptCheckpoint(f"{url}: its manifest names no hot-tier step, save and rank")

@@ -32,7 +32,8 @@ from shardkit.checkpoint.io.local_files import map_file, publish_directory, read
 from shardkit.checkpoint.io.rounds import aligned
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["DATA_NAME", "MANIFEST_NAME", "FlatCopy", "write_flat", "read_manifest", "read_flat", "remove_flat"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FlatCopy", "Entry", "write_flat", "read_manifest", "parse_manifest",
+           "entries_of", "checked_tensor", "read_flat", "remove_flat"]
 
 DATA_NAME = "state.bin"
 MANIFEST_NAME = "manifest.json"  # the commit file: a copy without it is not a copy (transfer's commit_last)
@@ -77,7 +78,17 @@ def read_manifest(path: str) -> dict[str, Any]:
     where = os.path.join(path, MANIFEST_NAME)
     try:
         raw = read_whole(where)
-        body, _, tail = raw.rstrip(b"\n").rpartition(b"\n")
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{where}: not a readable hot-tier copy ({type(exc).__name__}: {exc})") from None
+    return parse_manifest(raw, where)
+
+
+def parse_manifest(raw: Any, where: str) -> dict[str, Any]:
+    """A manifest's bytes (read from ``where``, or received from the rank that holds it) checked and decoded.
+    Raises :class:`~shardkit.errors.CorruptCheckpoint` naming ``where`` when they are damaged (their crc32c)
+    or not a hot copy's."""
+    try:
+        body, _, tail = bytes(raw).rstrip(b"\n").rpartition(b"\n")
         if not body or int(tail, 16) != crc32c(body):
             raise ValueError("its checksum does not match its contents")
         manifest = json.loads(body.decode("utf-8"))
@@ -86,19 +97,31 @@ def read_manifest(path: str) -> dict[str, Any]:
         if not isinstance(manifest.get("meta"), dict) or not isinstance(manifest.get("values"), dict) \
                 or not isinstance(manifest.get("tensors"), list) or not isinstance(manifest.get("size"), int):
             raise ValueError("a field is missing or of the wrong type")
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError and json's errors among them
         raise CorruptCheckpoint(f"{where}: not a readable hot-tier copy ({type(exc).__name__}: {exc})") from None
     return manifest
 
 
-def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
-    """Map ``state.bin`` and check every tensor's crc32c against the manifest (each tensor a read-only view).  Raises
-    :class:`~shardkit.errors.CorruptCheckpoint` naming the file (and key) for any mismatch."""
-    manifest = read_manifest(path) if manifest is None else manifest
-    where = os.path.join(path, DATA_NAME)
-    size = manifest["size"]
-    buffer = map_file(where, size)  # read-only: checked here, then copied into the targets
-    tensors = {}
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a manifest, its fields checked against the data file's size."""
+
+    key: str
+    dtype: torch.dtype
+    shape: list[int]
+    offset: int
+    nbytes: int
+    crc: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def entries_of(manifest: dict[str, Any], path: str) -> list[Entry]:
+    """The manifest's tensors in file order.  Raises :class:`~shardkit.errors.CorruptCheckpoint` naming the
+    copy at ``path`` for an entry that does not fit the file or its shape."""
+    size, where, found = manifest["size"], os.path.join(path, DATA_NAME), []
     for entry in manifest["tensors"]:
         try:
             key, dtype_name, shape, offset, n, crc = entry
@@ -110,11 +133,28 @@ def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
                 raise ValueError(f"offset {offset}, {n} bytes do not fit the file or the shape {shape}")
         except (TypeError, ValueError) as exc:
             raise CorruptCheckpoint(f"{path}/{MANIFEST_NAME}: bad tensor entry {entry!r:.120}: {exc}") from None
-        raw = buffer[offset:offset + n]
-        if crc32c(raw) != crc:
-            raise CorruptCheckpoint(f"{where}: the bytes of {key!r} do not match their checksum (crc32c): a "
-                                    f"damaged copy")
-        tensors[key] = raw.view(dtype).reshape(shape)
+        found.append(Entry(str(key), dtype, [int(d) for d in shape], offset, n, int(crc)))
+    return sorted(found, key=lambda e: e.offset)
+
+
+def checked_tensor(entry: Entry, buffer: torch.Tensor, where: str) -> torch.Tensor:
+    """``entry``'s tensor as a view into ``buffer`` (the data file's bytes) once its crc32c matches.  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming ``where`` and the key when it does not."""
+    raw = buffer[entry.offset:entry.end]
+    if crc32c(raw) != entry.crc:
+        raise CorruptCheckpoint(f"{where}: the bytes of {entry.key!r} do not match their checksum (crc32c): a "
+                                f"damaged copy")
+    return raw.view(entry.dtype).reshape(entry.shape)
+
+
+def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
+    """Map ``state.bin`` and check every tensor's crc32c against the manifest (each tensor a read-only view).  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming the file (and key) for any mismatch."""
+    manifest = read_manifest(path) if manifest is None else manifest
+    entries = entries_of(manifest, path)
+    where = os.path.join(path, DATA_NAME)
+    buffer = map_file(where, manifest["size"])  # read-only: checked here, then copied into the targets
+    tensors = {e.key: checked_tensor(e, buffer, where) for e in entries}
     return FlatCopy(path, manifest["meta"], tensors, manifest["values"])
 
 

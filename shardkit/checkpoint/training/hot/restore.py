@@ -1,10 +1,11 @@
 """Resuming a manager's model, optimizer and input state from the hot tier, and the record of how.
 
 :func:`resume_hot` runs :func:`~.recover.recover` with a checker that builds this rank's targets (the
-training state plus the input state the copy holds), refuses input state that cannot be restored as asked,
-and reads and checks every byte; once every rank's copy checked out, the ranks check together that the input
-state can be restored as asked (a refusal raises on every rank, as a durable resume's does: it is not
-damage), then each writes its targets, restores the data position and objects, and the RNG last.
+training state plus the input state the copy holds) from a copy whose every byte was checked, and asks
+whether the input state can be restored as asked -- the ranks learn each other's answers in the exchange
+that agrees on the step, so a refusal raises on every rank (as a durable resume's does: it is not damage)
+without a collective of its own.  Then each rank writes its targets, restores the data position and
+objects, and the RNG last; one last agreement tells every rank whether all of them did.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, input_targets, structure_of
-from shardkit.checkpoint.training.hot.flat import read_flat
+from shardkit.checkpoint.training.hot.flat import FlatCopy
 from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
-from shardkit.checkpoint.training.input_state import check_input_state
-from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
+from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, load_data_state_dict
+from shardkit.errors import DataStateError
 from shardkit.wire.collectives import raise_any_failure
 
 if TYPE_CHECKING:
@@ -64,24 +65,28 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
     flat = flatten(training)
     structure = structure_of(flat.tensors)
 
-    def open_copy(path: str) -> _Opened:
-        copy = read_flat(path)  # every byte read and checked
+    def open_copy(copy: FlatCopy) -> _Opened:
         inputs = input_targets(copy)  # filled from the copy already: not targets to check and write again
         restores = data is not None or bool(stateful) or (rng and "rng" in inputs)
         return _Opened(check_copy(copy, flat, structure), {**training, **inputs}, inputs, restores)
 
+    def refusal(opened: _Opened) -> DataStateError | None:
+        """Input state that cannot be restored as asked (checked with the copy: the ranks learn it when they
+        agree on the step, so it costs no exchange of its own)."""
+        if not opened.restores_inputs:
+            return None
+        try:
+            check_data_state_dict(opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs)
+        except DataStateError as exc:
+            return exc
+        return None
+
     found = recover(layout, structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
-                    group=group)
+                    group=group, refusal=refusal)
     if found is None:
         return None
     opened = found.opened
-    try:  # a sampler or objects that do not fit what was saved: refused on every rank, as a durable resume does
-        check_input_state(found.step, opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs,
-                          restores=opened.restores_inputs, process_group=group)
-    except BaseException:
-        opened.copy.discard()
-        found.done()
-        raise
+    _say_what_is_left(found.step, opened.inputs, data, stateful)
     problem = None
     try:
         opened.copy.apply()
@@ -91,11 +96,22 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
                                  rng=rng and "rng" in opened.state)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below
         problem = exc
-    finally:
-        found.done()
     resumed = Dist(group)
     resumed.phase = "read"
     raise_any_failure(resumed.first_error, problem,
                       lambda failed, text: f"resuming hot step {found.step} failed on rank {failed}: {text}")
     log.info("resumed from hot step %d (%s copy)", found.step, found.source)
     return found.step, found.meta.get("extra"), found.source
+
+
+def _say_what_is_left(step: int, inputs: Mapping[str, Any], data: ElasticSampler | None,
+                      stateful: Mapping[str, Stateful] | None) -> None:
+    """At INFO, what the step holds that this load leaves alone (as a durable resume says it)."""
+    saved = inputs.get("data", {})
+    sampler = saved.get("sampler")
+    left = ([f"an ElasticSampler position (epoch {sampler.get('epoch')}, {sampler.get('batches')} global batches "
+             f"into it; pass data=<the sampler> to continue it)"] if data is None and isinstance(sampler, dict)
+            else []) + [f"state of {name!r} (pass stateful={{{name!r}: ...}})" for name in saved.get("objects", {})
+                        if name not in (stateful or {})]
+    if left:
+        log.info("step %d holds %s that this load does not restore", step, " and ".join(left))
