@@ -8,8 +8,10 @@ run's at the recovered step and that the following losses are bitwise its losses
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from typing import Iterator
 
 import pytest
 
@@ -40,10 +42,12 @@ def _run(root: str, *, resume: bool, until: int, snapshots: tuple[int, ...] = ()
     manager = _manager(root, async_save)
     start, resumed, taken = 0, None, {}
     if resume:
-        start, extra = manager.load_latest(model, opt, required=True)
+        arrivals = []
+        with _counting_arrivals(arrivals):
+            start, extra = manager.load_latest(model, opt, required=True)
         assert extra == {"step": start}
         resumed = {"step": manager.last_load.step, "source": manager.last_load.source,
-                   "state": full_state(model, opt)}
+                   "state": full_state(model, opt), "collectives": len(arrivals)}
     losses = {}
     for step in range(start + 1, until + 1):
         losses[step] = train(model, opt, range(step, step + 1))[0]
@@ -59,6 +63,24 @@ def _run(root: str, *, resume: bool, until: int, snapshots: tuple[int, ...] = ()
     manager.wait()
     dist.barrier()
     return {"losses": losses, "resumed": resumed, "snapshots": taken} if dist.get_rank() == 0 else None
+
+
+@contextlib.contextmanager
+def _counting_arrivals(arrivals: list) -> Iterator[None]:
+    """Every collective (and round of transfers) checks in once at its start: counted into ``arrivals``."""
+    from shardkit.checkpoint.io.dist import Dist
+
+    original = Dist.arrive
+
+    def counted(self, *args, **kwargs):
+        arrivals.append(self.phase)
+        return original(self, *args, **kwargs)
+
+    Dist.arrive = counted
+    try:
+        yield
+    finally:
+        Dist.arrive = original
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +126,12 @@ def _damage_every_file(node_dir: str) -> None:
             os.truncate(path, os.path.getsize(path) // 2)
 
 
-def _resumes_as_the_uninterrupted_run(root: str, reference: dict, step: int, source: str, world: int = 4) -> None:
+def _resumes_as_the_uninterrupted_run(root: str, reference: dict, step: int, source: str, world: int = 4,
+                                      collectives: int | None = None) -> None:
     got = run_on_ranks(world, _run, root, resume=True, until=TOTAL_STEPS)[0]
     assert (got["resumed"]["step"], got["resumed"]["source"]) == (step, source)
+    if collectives is not None:
+        assert got["resumed"]["collectives"] == collectives
     assert mismatches(got["resumed"]["state"], reference["snapshots"][step]) == []
     want = {s: reference["losses"][s] for s in range(step + 1, TOTAL_STEPS + 1)}
     if world == 4:
@@ -133,13 +158,18 @@ def test_the_saved_run_leaves_two_complete_hot_steps_per_node_and_the_durable_st
 
 
 def test_all_local_copies_intact_resume_from_the_local_tier(saved, reference, tmp_path):
-    _resumes_as_the_uninterrupted_run(_copy_of(saved, tmp_path), reference, 9, "local")
+    # three collectives: the durable root's steps (rank 0's listing), the hot tier's one exchange of reports
+    # (each rank's own copy checked before it, input state included), and the agreement that every rank applied
+    _resumes_as_the_uninterrupted_run(_copy_of(saved, tmp_path), reference, 9, "local", collectives=3)
 
 
 def test_one_node_wiped_resumes_from_the_replicas_on_the_other_node(saved, reference, tmp_path):
     root = _copy_of(saved, tmp_path)
     shutil.rmtree(os.path.join(root, "hot", "node1"))
-    _resumes_as_the_uninterrupted_run(root, reference, 9, "peer")
+    # five: as from the local tier, plus the one round that moves node 1's copies into memory and the one
+    # exchange of what arrived whole (checked as it arrived) and what could not be sent
+    _resumes_as_the_uninterrupted_run(root, reference, 9, "peer", collectives=5)
+    assert not [n for d, _, names in os.walk(os.path.join(root, "hot")) for n in names + [d] if "fetched" in n]
 
 
 def test_every_file_of_one_node_damaged_resumes_from_the_replicas(saved, reference, tmp_path):
