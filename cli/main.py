@@ -161,17 +161,37 @@ class Interrupt:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (``shardkit``), also ``python -m shardkit``."""
+    """Console-script entry point (``shardkit``), also ``python -m shardkit``.
+
+    The console script leaves with :func:`leave_now` once the command is done and its output flushed:
+    every file it wrote is durable and committed by then, and tearing down the interpreter (torch's
+    thousands of modules, the clients' sessions) would add a second or more to every command for nothing.
+    In-process calls (tests, notebooks) get ``SystemExit`` as before."""
     global _register_done
     if not _register_done:
         _register()
         _register_done = True
     args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
-    debug = "--debug" in args
     settings = Settings()
     interrupt = Interrupt(settings) if argv is None and threading.current_thread() is threading.main_thread() else None
     if interrupt is not None:
         interrupt.install()
+    try:
+        code = run(args, settings, interrupt)
+    except SystemExit as exc:  # a command that ends the process itself
+        if interrupt is None:
+            raise
+        if exc.code is not None and not isinstance(exc.code, int):
+            click.echo(str(exc.code), err=True)  # what the interpreter would print for sys.exit("message")
+        code = exc.code if isinstance(exc.code, int) else ExitCode.OK if exc.code is None else ExitCode.CHECKPOINT
+    if interrupt is not None:
+        leave_now(code)
+    sys.exit(code)
+
+
+def run(args: list[str], settings: Settings, interrupt: Interrupt | None) -> int:
+    """Run the command line ``args``; its exit code (a ``ShardkitError`` becomes one ``error:`` line)."""
+    debug = "--debug" in args
     try:
         try:
             code = cli.main(args=args, prog_name="shardkit", standalone_mode=False, obj=settings)
@@ -181,10 +201,10 @@ def main(argv: list[str] | None = None) -> None:
         if interrupt is not None:
             interrupt.leave()  # without waiting for worker threads still inside a request
         click.echo(RESUMES if settings.resumable else INTERRUPTED, err=True)
-        sys.exit(ExitCode.INTERRUPTED)
+        return ExitCode.INTERRUPTED
     except click.ClickException as exc:
         exc.show()
-        sys.exit(ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.CHECKPOINT)
+        return ExitCode.USAGE if isinstance(exc, click.UsageError) else ExitCode.CHECKPOINT
     except Exception as exc:  # noqa: BLE001 - the one place that turns errors into exit codes
         from shardkit.errors import ShardkitError
 
@@ -192,11 +212,23 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         if isinstance(exc, ShardkitError):
             click.echo(f"error: {_one_line(str(exc))}", err=True)
-            sys.exit(ExitCode.CHECKPOINT)
+            return ExitCode.CHECKPOINT
         click.echo(f"internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug for the "
                    "traceback)", err=True)
-        sys.exit(ExitCode.INTERNAL)
-    sys.exit(ExitCode(code) if isinstance(code, int) else ExitCode.OK)
+        return ExitCode.INTERNAL
+    return ExitCode(code) if isinstance(code, int) else ExitCode.OK
+
+
+def leave_now(code: int) -> None:
+    """End the process with ``code`` once stdout, stderr and the log are flushed, without the interpreter's
+    teardown (a pipe closed early, ``shardkit inspect X | head``, is no error)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, or a stream already closed
+            pass
+    os._exit(int(code))
 
 
 def _one_line(text: str) -> str:
