@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
+from shardkit.checkpoint.io.local_files import release_in_background
 from shardkit.checkpoint.state.tree import Flat, flatten, from_json_value
 from shardkit.checkpoint.training.hot.flat import FlatCopy, read_manifest, write_flat
 from shardkit.checkpoint.training.input_state import INPUT_KEYS
@@ -151,8 +152,11 @@ class CheckedCopy:
         self.discard()
 
     def discard(self) -> None:
+        """Let go of the copy's bytes; their mapping (or buffer) is released off this thread."""
+        held = list(self.copy.tensors.values())
         self.copy.tensors.clear()
         self.targets.clear()
+        release_in_background(held)
 
 
 def check_copy(copy: FlatCopy, flat: Flat, structure: str) -> CheckedCopy:
