@@ -54,6 +54,10 @@ _ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each ot
 _broken: weakref.WeakKeyDictionary[Any, ShardkitError] = weakref.WeakKeyDictionary()  # by group, held weakly
 
 
+def _json_bytes(payload: torch.Tensor) -> bytes:
+    return bytes(payload.cpu().numpy())
+
+
 class _ThisRankAlone:
     """The stand-in group of work one rank does by itself while a process group exists (the hot tier's
     per-rank copies): collectives over it are the identity, and caches keyed by group keep it apart."""
@@ -214,13 +218,17 @@ class Dist:
         complete(dist.broadcast(rest, src_global, group=self.group, async_op=True))
         return decode_json(unframed(frame, rest))
 
-    def gather_json(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere."""
-        if not self.active:
-            return [obj]
-        return self.collective(lambda: self._gather_json(obj, dst))
+    def gather_json(self, obj: Any, dst: int = 0, *, encoded: bool = False) -> list[Any] | None:
+        """Every rank's ``obj`` on group rank ``dst`` (in group-rank order); ``None`` elsewhere.
 
-    def _gather_json(self, obj: Any, dst: int) -> list[Any] | None:
+        ``encoded``: each as the UTF-8 JSON it travelled in (``bytes``), for a receiver that only passes the
+        documents on -- decoding them would cost the training thread the GIL for nothing."""
+        if not self.active:
+            return [bytes(encode_json(obj).numpy())] if encoded else [obj]
+        read = _json_bytes if encoded else decode_json
+        return self.collective(lambda: self._gather_json(obj, dst, read))
+
+    def _gather_json(self, obj: Any, dst: int, read: Callable[[torch.Tensor], Any]) -> list[Any] | None:
         """One gather of :func:`~shardkit.wire.collectives.framed` transfers (the length and what fits); a rank
         whose JSON did not fit sends the rest to ``dst`` point to point, and ``dst``, which read every length
         from the frames, receives exactly those -- no rank needs to know another's length, so a small gather
@@ -231,7 +239,7 @@ class Dist:
         data = encode_json(obj)
         dst_global = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         if not self.point_to_point_is_cheap:  # every rank pads to the longest instead (the lengths first)
-            return self._gather_padded(data, dst_global, dst)
+            return self._gather_padded(data, dst_global, dst, read)
         frames = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
         complete(dist.gather(framed(data, size, dev), frames, dst=dst_global, group=self.group, async_op=True))
@@ -246,7 +254,7 @@ class Dist:
                 peer = dist.get_global_rank(self.group, rank) if self.group is not None else rank
                 complete(dist.irecv(rests[rank], peer, group=self.group), pollable=False)
         rests[self.group_rank] = data[size - 8:].to(dev) if data.numel() > size - 8 else None
-        return [decode_json(unframed(f, r)) for f, r in zip(frames, rests)]
+        return [read(unframed(f, r)) for f, r in zip(frames, rests)]
 
     @property
     def point_to_point_is_cheap(self) -> bool:
@@ -254,7 +262,8 @@ class Dist:
         a communicator per pair on their first one."""
         return self.device().type == "cpu"
 
-    def _gather_padded(self, data: torch.Tensor, dst_global: int, dst: int) -> list[Any] | None:
+    def _gather_padded(self, data: torch.Tensor, dst_global: int, dst: int, read: Callable[[torch.Tensor], Any]
+                       ) -> list[Any] | None:
         import torch.distributed as dist
 
         dev = self.device()
@@ -267,7 +276,7 @@ class Dist:
         bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.group_size)] \
             if self.group_rank == dst else None
         complete(dist.gather(padded, bufs, dst=dst_global, group=self.group, async_op=True))
-        return None if bufs is None else [decode_json(b[:int(n.item())]) for b, n in zip(bufs, lengths)]
+        return None if bufs is None else [read(b[:int(n.item())]) for b, n in zip(bufs, lengths)]
 
     def decided_on_rank0(self, decide: Callable[[], Any], where: str) -> Any:
         """``decide()`` (a JSON value) run on group rank 0 and its answer on every rank.  A failure there is

@@ -267,12 +267,19 @@ def files_for(nbytes: int, io_threads: int) -> int:
 FileJobs = list[tuple[str, list[WriteChunk]]]
 
 
+# rank 0's commit made elsewhere (the ``async_save`` writer process): every rank's report as the JSON it
+# travelled in, and rank 0's plan -> the error record every rank raises, or None once committed
+CommitReports = Callable[[list[bytes], SavePlan], "dict[str, str] | None"]
+
+
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist,
-                     options: SaveOptions, write_files: Callable[[FileJobs], list[WrittenFile]] | None = None) -> None:
+                     options: SaveOptions, write_files: Callable[[FileJobs], list[WrittenFile]] | None = None,
+                     commit_reports: CommitReports | None = None) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
 
     ``write_files`` writes ``[(file name, chunks), ...]`` and returns the files' records (the
     ``async_save`` writer process); by default this process writes them, one I/O thread per file.
+    ``commit_reports``: rank 0 hands a small save's reports, undecoded, to it rather than committing here.
     ``options.digests``/``options.reuse_from``: see :mod:`~shardkit.checkpoint.training.dedup`.
     """
     digests, reuse_from, io_threads = options.digests, options.reuse_from, options.io_threads
@@ -329,12 +336,16 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
         report = FilesReport(tuple(mine), {k: (dtype_to_code(d), tuple(s)) for k, (d, s)
                                            in (plan.tensors.items() if plan else ()) if k in chunked},
                              plan.aliases if plan else {}, error)
-    gathered = dist.gather_json(report.to_json())
+    elsewhere = commit_reports is not None and plan is not None and isinstance(report, FilesReport)
+    gathered = dist.gather_json(report.to_json(), encoded=elsewhere)
     dist.phase = "commit"
     commit_error = None
-    if gathered is not None:
-        commit_error = commit_gathered(storage, writer, plan, [report_from_json(g) for g in gathered], dist,
-                                       options.meta, options.overwrite)
+    if gathered is not None and elsewhere:
+        assert commit_reports is not None and plan is not None
+        commit_error = commit_reports(gathered, plan)
+    elif gathered is not None:
+        commit_error = commit_gathered(storage, writer, plan, [report_from_json(g) for g in gathered],
+                                       dist.world_size, options.meta, options.overwrite)
     commit_error = dist.broadcast_json(commit_error)
     if commit_error is not None or local_error is not None:
         try:  # nothing will reference this rank's new files: remove them (never anything older)

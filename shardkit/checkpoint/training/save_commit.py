@@ -26,7 +26,6 @@ from shardkit.checkpoint.formats.native import (
     manifest_from_summaries,
     write_index,
 )
-from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.rank_report import FilesReport, RankReport, SummaryReport
 from shardkit.checkpoint.training.save_plan import SavePlan, layout_rules
@@ -60,16 +59,16 @@ def summary_of(storage: Storage, plan: SavePlan, rank: int, token: str, files: S
 
 
 def commit_gathered(storage: Storage, writer: NativeWriter, plan: SavePlan | None, reports: Sequence[RankReport],
-                    dist: Dist, meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
-    """On rank 0: build, validate and publish the manifest from every rank's report; return an error record
-    or ``None``."""
+                    world_size: int, meta: Mapping[str, Any] | None, overwrite: bool) -> dict[str, str] | None:
+    """On rank 0 (or its async writer process): build, validate and publish the manifest from every rank's
+    report; return an error record or ``None``."""
     failed = [(r, report.error) for r, report in enumerate(reports) if report.error is not None]
     if failed:
         rank, record = failed[0]
         return {**record, "message": f"save to {storage.url} failed on rank {rank}: "
                 f"{record['type']}: {record['message']}; nothing was committed"}
     try:
-        _publish(storage, writer, plan, reports, dist, meta, overwrite)
+        _publish(storage, writer, plan, reports, world_size, meta, overwrite)
         return None
     except Exception as exc:  # noqa: BLE001 - turned into a record every rank raises
         if not isinstance(exc, ShardkitError):
@@ -129,7 +128,7 @@ def _check_aliases(storage: Storage, plan: SavePlan, reports: Sequence[RankRepor
 
 
 def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, reports: Sequence[RankReport],
-             dist: Dist, meta: Mapping[str, Any] | None, overwrite: bool) -> None:
+             world_size: int, meta: Mapping[str, Any] | None, overwrite: bool) -> None:
     """Rank 0's part once every rank wrote its files: check that the ranks agree, then commit."""
     if plan is None:
         raise CheckpointError(f"save to {storage.url}: rank 0 has no plan")
@@ -137,7 +136,7 @@ def _publish(storage: Storage, writer: NativeWriter, plan: SavePlan | None, repo
     if len(forms) != 1:
         raise CheckpointError(f"save to {storage.url}: ranks reported in different forms "
                               f"({', '.join(sorted(form.kind for form in forms))}); nothing was committed")
-    writer_info = {"world_size": dist.world_size, "mesh": plan.mesh, "layouts": plan.layouts}
+    writer_info = {"world_size": world_size, "mesh": plan.mesh, "layouts": plan.layouts}
     commit = _BUILDERS[forms.pop()](storage, writer, plan, reports, writer_info, meta)
     if not overwrite and is_committed(storage):
         raise CheckpointExists(f"{storage.url} already holds a committed checkpoint; pass overwrite=True to "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 
 import psutil
 import pytest
@@ -252,3 +253,95 @@ def test_switching_writers_back_and_forth_never_writes_a_stale_staging_buffer(tm
         out = {"w": torch.empty(256, 256)}
         skc.load(out, str(tmp_path / f"s{i}"))
         assert bool((out["w"] == float(i)).all()), (i, writer)
+
+
+def _async_commits_in_the_writer(url: str) -> dict:
+    """Async saves whose training process never builds a manifest or decodes a report; a sync save does."""
+    import shardkit.checkpoint.training.save as save_module
+
+    commits_here = []
+    commit, decode = save_module.commit_gathered, save_module.report_from_json
+    save_module.commit_gathered = lambda *a, **k: commits_here.append("commit") or commit(*a, **k)
+    save_module.report_from_json = lambda doc: commits_here.append("decode") or decode(doc)
+    try:
+        for i in range(3):
+            skc.async_save(_sharded_state(float(i)), f"{url}/async-{i}", meta={"i": i}, writer="process").result()
+        async_commits = list(commits_here)
+        skc.save(_sharded_state(7.0), f"{url}/sync")
+    finally:
+        save_module.commit_gathered, save_module.report_from_json = commit, decode
+    loaded = []
+    for i in range(3):
+        target = _sharded_state(-1.0)
+        skc.load(target, f"{url}/async-{i}")
+        loaded.append(bool((target["w"].to_local() == float(i)).all()))
+    return {"async_commits": async_commits, "sync_commits": commits_here[len(async_commits):], "loaded": loaded,
+            "meta": skc.inspect(f"{url}/async-2")["meta"]}
+
+
+def test_rank_0s_async_commit_is_made_by_its_writer_process_from_reports_the_training_process_never_decodes(tmp_path):
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_on_ranks(2, _async_commits_in_the_writer, url)
+    assert rank0["async_commits"] == [] and rank1["async_commits"] == []
+    assert rank0["sync_commits"] == ["decode", "decode", "commit"] and rank1["sync_commits"] == []
+    assert rank0["loaded"] == rank1["loaded"] == [True, True, True]
+    assert rank0["meta"] == {"i": 2}
+    for name in ("async-0", "async-1", "async-2", "sync"):
+        assert skc.verify(f"{url}/{name}").ok
+
+
+def _kill_rank0_writer_as_it_commits(url: str) -> dict:
+    from shardkit.checkpoint.training.async_save.writer_commit import CommitRequest
+
+    skc.async_save(_sharded_state(1.0), url, writer="process").result()
+    writer_pid = background_saver().writer_process.pid
+    encode = CommitRequest.encode
+
+    def stopped_then_killed(self, *args, **kwargs):  # the writer wrote every file; it takes the commit, then dies
+        os.kill(writer_pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (writer_pid, signal.SIGKILL)).start()
+        return encode(self, *args, **kwargs)
+
+    CommitRequest.encode = stopped_then_killed
+    try:
+        skc.async_save(_sharded_state(2.0), url, writer="process").result()
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        CommitRequest.encode = encode
+    survivor = _sharded_state(0.0)
+    skc.load(survivor, url)
+    data_files = sorted(os.listdir(os.path.join(url, "data")))
+    skc.async_save(_sharded_state(3.0), url, writer="process").result()  # a new writer takes over
+    after = _sharded_state(0.0)
+    skc.load(after, url)
+    return {"error": error, "kept": bool((survivor["w"].to_local() == 1.0).all()), "data_files": data_files,
+            "next_save": bool((after["w"].to_local() == 3.0).all()), "old_pid": writer_pid}
+
+
+def test_a_writer_process_killed_as_it_commits_fails_the_save_everywhere_and_removes_only_the_new_files(tmp_path):
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_on_ranks(2, _kill_rank0_writer_as_it_commits, url)
+    assert f"writer process (pid {rank0['old_pid']}) was killed by SIGKILL while committing" in rank0["error"]
+    assert "nothing was committed" in rank0["error"] and "nothing was committed" in rank1["error"]
+    assert rank0["kept"] and rank1["kept"]  # the previous checkpoint, whole
+    assert len(rank0["data_files"]) == 2  # every rank's new files removed, the committed ones kept
+    assert rank0["next_save"] and rank1["next_save"]
+    assert skc.verify(url).ok
+
+
+def test_a_commit_whose_writer_died_reads_as_committed_only_where_the_manifest_lists_every_file_of_the_save(tmp_path):
+    from shardkit.checkpoint.formats.native import read_manifest
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.training.async_save.writer_commit import outcome_from_storage
+
+    url = str(tmp_path / "ckpt")
+    skc.save({"w": torch.arange(6.0)}, url)
+    storage = Storage(url)
+    files = set(read_manifest(storage).files)
+    assert outcome_from_storage(storage, files, "the writer died") is None
+    refused = outcome_from_storage(storage, files | {"data/someone-else.safetensors"}, "the writer died")
+    assert refused is not None and "does not list this save's files: nothing was committed" in refused["message"]
+    assert outcome_from_storage(storage, set(), "the writer died") is not None  # nothing to recognise it by
+    assert outcome_from_storage(Storage(str(tmp_path / "empty")), files, "the writer died") is not None

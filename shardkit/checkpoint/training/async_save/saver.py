@@ -144,8 +144,10 @@ class BackgroundSaver:
                 storage.makedirs()
             except Exception as exc:  # noqa: BLE001 - the background step reports it on every rank
                 error = exc
-            write_files = None
+            write_files = commit_reports = None
             if writer == "process" and plan is not None:
+                commit_reports = lambda reports, plan: self.writer_process.commit(  # noqa: E731
+                    storage, dict(child_options or {}), options, plan, reports, dist.world_size)
                 write_files = lambda jobs: self.writer_process.write_files(  # noqa: E731
                     storage, dict(child_options or {}), jobs, pool, writer=dist.rank, io_threads=options.io_threads,
                     compression=options.compression, block_bytes=options.block_bytes, fsync=options.fsync,
@@ -153,7 +155,8 @@ class BackgroundSaver:
 
             def write_in_background() -> None:
                 pool.wait_copied()
-                write_and_commit(storage, plan, error, dist, options, write_files=write_files)
+                write_and_commit(storage, plan, error, dist, options, write_files=write_files,
+                                 commit_reports=commit_reports)
 
             self._pending = self._executor.submit(write_in_background)
             return self._pending

@@ -1,10 +1,12 @@
 """The writer process of ``async_save``: one long-lived child per training process, both ends of its pipe.
 
-Why a process: checksumming, compression and the file writes of a save
-compete with the training step for the GIL when they run on a thread of the
-training process.  The child does that work; the training process only
-copies the state into shared memory (:mod:`~shardkit.checkpoint.training.async_save.host_buffers`)
-and, on a thread, exchanges a few JSON records with the other ranks to commit.
+Why a process: checksumming, compression, the file writes of a save and
+rank 0's commit compete with the training step for the GIL when they run on
+a thread of the training process.  The child does that work; the training
+process only copies the state into shared memory
+(:mod:`~shardkit.checkpoint.training.async_save.host_buffers`) and, on a
+thread, exchanges a few JSON records with the other ranks, which rank 0
+passes to its child to commit (:mod:`~shardkit.checkpoint.training.async_save.writer_commit`).
 
 * **Spawned once, reused.**  The child is started on the first save (by the
   background thread, which lives as long as the process) and serves every
@@ -46,6 +48,15 @@ from shardkit.checkpoint.formats.native import NativeWriter, WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
+from shardkit.checkpoint.training.async_save.writer_commit import (
+    COMMIT_KIND,
+    CommitRequest,
+    outcome_from_storage,
+    serve_commit,
+)
+from shardkit.checkpoint.training.rank_report import report_from_json
+from shardkit.checkpoint.training.save_options import SaveOptions
+from shardkit.checkpoint.training.save_plan import SavePlan
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError, error_record, from_record
 
 __all__ = ["WriterProcess", "writer_options", "main"]
@@ -74,6 +85,7 @@ class WriterProcess:
         self._proc: subprocess.Popen | None = None
         self._owner = os.getpid()  # a forked copy of this object must not touch the parent's child
         self._lock = threading.Lock()
+        self._commits = CommitRequest()
         atexit.register(self.close)
 
     @property
@@ -105,26 +117,51 @@ class WriterProcess:
                                                         None if c.tensor_shape is None else list(c.tensor_shape),
                                                         pool.location(c)] for c in chunks]}
                              for name, chunks in jobs]}
+        line, proc = self._ask(json.dumps(request, separators=(",", ":")).encode() + b"\n")
+        if not line:
+            raise CheckpointError(f"the async save writer process (pid {proc.pid}) {_exit_status(proc)} while "
+                                  f"writing {storage.url}; nothing was committed, the checkpoint there before "
+                                  f"this save is untouched, and the next save starts a new writer")
+        pool.buffer.mapped()
+        reply = json.loads(line)
+        if reply.get("error") is not None:
+            raise from_record(reply["error"])
+        return [WrittenFile.from_json(f) for f in reply["files"]]
+
+    def commit(self, storage: Storage, storage_options: dict[str, Any], options: SaveOptions, plan: SavePlan,
+               reports: Sequence[bytes], world_size: int) -> dict[str, str] | None:
+        """Have the child commit rank 0's save from every rank's ``reports`` (their JSON, passed on undecoded:
+        :mod:`~shardkit.checkpoint.training.async_save.writer_commit` says why); the error record every rank
+        raises, or ``None`` once committed.
+
+        A child that dies on it may have published the manifest just before: once it is gone (it can
+        rename nothing any more), the storage says -- committed where the manifest there lists the files
+        the ranks reported, so no rank removes files a committed checkpoint references."""
+        line, proc = self._ask(self._commits.encode(storage, storage_options, options, plan, reports, world_size))
+        if not line:
+            names = {f.name for raw in reports for f in getattr(report_from_json(json.loads(raw)), "files", ())}
+            return outcome_from_storage(storage, names, f"the async save writer process (pid {proc.pid}) "
+                                        f"{_exit_status(proc)} while committing {storage.url}")
+        reply = json.loads(line)
+        if reply.get("error") is not None:
+            return reply["error"]
+        if reply["commit_error"] is None:
+            log.info("committed %s", storage.url)
+        return reply["commit_error"]
+
+    def _ask(self, request: bytes) -> tuple[bytes, subprocess.Popen]:
+        """Send one request line; its reply line (empty when the child died), and the child asked."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
             proc = self._proc
             assert proc.stdin is not None and proc.stdout is not None
             try:
-                proc.stdin.write(json.dumps(request, separators=(",", ":")).encode() + b"\n")
+                proc.stdin.write(request)
                 proc.stdin.flush()
-                line = proc.stdout.readline()
+                return proc.stdout.readline(), proc
             except (BrokenPipeError, OSError):
-                line = b""
-            if not line:
-                raise CheckpointError(f"the async save writer process (pid {proc.pid}) {_exit_status(proc)} while "
-                                      f"writing {storage.url}; nothing was committed, the checkpoint there before "
-                                      f"this save is untouched, and the next save starts a new writer")
-        pool.buffer.mapped()
-        reply = json.loads(line)
-        if reply.get("error") is not None:
-            raise from_record(reply["error"])
-        return [WrittenFile.from_json(f) for f in reply["files"]]
+                return b"", proc
 
     def close(self) -> None:
         """End the child (it finishes the request in hand first, if any)."""
@@ -230,7 +267,9 @@ def main(argv: Sequence[str]) -> int:
     buffer = _Buffer()
     for line in sys.stdin.buffer:
         try:
-            reply: dict[str, Any] = {"files": _serve(json.loads(line), buffer)}
+            request = json.loads(line)
+            reply: dict[str, Any] = (serve_commit(request) if request.get("kind") == COMMIT_KIND else
+                                     {"files": _serve(request, buffer)})
         except Exception as exc:  # noqa: BLE001 - reported to the training process, which raises it
             if not isinstance(exc, ShardkitError):
                 exc = CheckpointError(f"the async save writer process failed: {type(exc).__name__}: {exc}")
