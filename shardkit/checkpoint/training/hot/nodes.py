@@ -8,7 +8,8 @@
         step-0000000017/
           rank-2.<save id>/              rank 2's own shards (a native checkpoint, manifest.json last)
           replica-0.<save id>/           rank 0's shards, kept here for when rank 0's node is lost
-          fetched-2.<save id>.<token>/   a copy brought from a peer at recovery (removed after the load)
+          fetched-2.<save id>.<token>/   left by an earlier version's recovery (a peer's copy staged on disk;
+                                         now received into memory): retention removes it
           complete.json                  written once every rank's copy and replicas were written, everywhere
 
 Step directories are named as under the durable root (:func:`~..run_steps.step_dir`).  A rank is on
