@@ -132,7 +132,7 @@ def _options(options: dict, **own) -> dict:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_transient_fault_on_writes_and_on_reads_is_retried_warned_once_per_url_and_loads_bitwise(
         kind, proxied_s3, caplog, monkeypatch):
-    from shardkit.checkpoint.training import save as save_module
+    from shardkit.checkpoint.training import save_planning as save_module
 
     monkeypatch.setattr(save_module, "PARALLEL_FILE_BYTES", 1)  # a small state in two files written at once
     proxy, root, options, _ = proxied_s3

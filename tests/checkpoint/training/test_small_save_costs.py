@@ -196,7 +196,7 @@ def test_saves_that_alternate_two_structures_each_reuse_their_own_plan(tmp_path)
 def test_new_plain_tensors_each_save_reuse_the_plan_but_a_tie_between_them_is_still_seen(tmp_path, monkeypatch):
     import json
 
-    from shardkit.checkpoint.training import save as save_module
+    from shardkit.checkpoint.training import save_planning as save_module
 
     derived = []  # planning afresh looks for tied keys first
     real = save_module.find_aliases

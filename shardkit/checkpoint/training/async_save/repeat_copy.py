@@ -4,7 +4,7 @@ A training job saves the same state again and again; only the numbers in
 it change.  Everything a save works out before copying -- which chunks this
 rank writes, how they group into files, where each lands in the staging
 buffer -- depends only on the tensors' structure (keys, dtypes, shapes,
-placements, local shapes and addresses: :func:`~shardkit.checkpoint.training.save.structure_of`).
+placements, local shapes and addresses: :func:`~shardkit.checkpoint.training.save_planning.structure_of`).
 So every rank keeps, per process group, the structure of its last staged
 save and, for each staged chunk, where its bytes lie in the key's local
 tensor.  The next save compares structures (one pass over the tensors), the
@@ -32,8 +32,8 @@ from shardkit.checkpoint.formats.compression import Compression
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import flatten, keep_keys
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
-from shardkit.checkpoint.training.save import plan_save, structure_of
 from shardkit.checkpoint.training.save_plan import SavePlan
+from shardkit.checkpoint.training.save_planning import plan_save, structure_of
 from shardkit.held_groups import GroupRef
 
 __all__ = ["RepeatStaging"]
