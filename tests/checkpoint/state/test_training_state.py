@@ -243,3 +243,22 @@ def test_broadcast_from_rank0_gives_every_rank_rank0s_tuple_hyper_parameters_as_
         assert out["set_full_state_dict"] == out["torch"] == [(0.5, [0.8, 0.99])]
         assert out["set_full_state_dict betas type"] == "tuple"  # torch's load makes it a list
         assert out["shard_state"] == ((0.8, 0.99), True)
+
+
+def test_the_training_state_is_the_live_tensors_cut_from_autograd_each_a_view_of_its_own_storage():
+    model = build_model("plain", seed=0)
+    opt = make_optimizer(model)
+    train(model, opt, range(2), alone=True)
+    state = skc.get_training_state(model, opt)
+    for key, param in model.named_parameters():
+        taken = state["model"][key]
+        assert param.requires_grad and not taken.requires_grad and taken.grad_fn is None
+        assert taken.data_ptr() == param.data_ptr()  # the live weights, not a copy
+    moments = [v for s in state["optim"]["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert moments and all(not m.requires_grad for m in moments)
+    live = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert {m.data_ptr() for m in moments} == {v.data_ptr() for v in live}
+    with torch.no_grad():  # a step after the call shows through: nothing was copied
+        next(iter(model.parameters())).add_(1.0)
+    first = next(iter(model.named_parameters()))
+    assert torch.equal(state["model"][first[0]], first[1])
