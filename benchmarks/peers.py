@@ -22,6 +22,7 @@ after the load, exactly.  Verdicts: shardkit / the best peer (the faster of DCP 
 
     python benchmarks/peers.py                                   # 5MB,50MB,300MB,1.4GB, 5 rounds
     python benchmarks/peers.py --sizes 5MB --rounds 1 --warmup 0 --cold-sleep 0   # smoke run
+    python benchmarks/peers.py --sizes 300MB --rounds 3 --ops save,load2           # the 2-rank load alone
     python benchmarks/peers.py --device cuda --sizes 50MB,1GB --rounds 3             # on GPUs (gpu_check.sh)
 
 ``--device cuda``: NCCL, one GPU per rank (``LOCAL_RANK``), the models built on the GPUs, every load into
@@ -167,7 +168,7 @@ def worker_two(args: argparse.Namespace) -> None:
             path = where(s, "main")
             row[f"save/{s}"] = timed(lambda: raw_write(states[s], path) if s == "raw"
                                      else peers.save(s, states[s], path))[0]
-        for s in rotated((*ps.SYSTEMS, "raw"), r):
+        for s in rotated((*ps.SYSTEMS, "raw"), r) if "load2" in args.ops else ():
             if s != "raw":
                 zero(states[s])
             out["evicted_by"] = evict([os.path.dirname(where(s, "main")) if s == "raw" else where(s, "main")], rank)
@@ -178,7 +179,7 @@ def worker_two(args: argparse.Namespace) -> None:
             if s != "raw" and rank_sums(states[s]) != expected[s]:
                 raise SystemExit(f"{s}: the load at {dist.get_world_size()} rank(s) does not give back the saved "
                                  f"values (round {r})")
-        for s in rotated(ps.SYSTEMS, r):
+        for s in rotated(ps.SYSTEMS, r) if "async" in args.ops else ():
             path = where(s, "async")
             fresh(path)
             row[f"async/{s}"], wait = timed(lambda: peers.async_save(s, states[s], path))
@@ -252,16 +253,17 @@ def run_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [os.path.abspath(__file__), "--size-bytes", str(size), "--dir", work, "--rounds", str(args.rounds),
               "--warmup", str(args.warmup), "--cold-sleep", str(args.cold_sleep), "--tc-durable", args.tc_durable,
-              "--device", args.device, *(["--tc-direct-io"] if args.tc_direct_io else [])]
+              "--device", args.device, "--ops", ",".join(args.ops), *(["--tc-direct-io"] if args.tc_direct_io else [])]
     try:
-        for n, worker in ((args.world, "two"), (1, "one")):
+        for n, worker in ((args.world, "two"), (1, "one")) if "load1" in args.ops else ((args.world, "two"),):
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                             *common, "--worker", worker], check=True, env=env)
         with open(os.path.join(work, "ws2.json")) as f:
             result = json.load(f)
-        with open(os.path.join(work, "ws1.json")) as f:
-            for row, extra in zip(result["rounds"], json.load(f)):
-                row.update(extra)
+        if "load1" in args.ops:
+            with open(os.path.join(work, "ws1.json")) as f:
+                for row, extra in zip(result["rounds"], json.load(f)):
+                    row.update(extra)
         result.pop("expected")
         result["world"] = args.world
         return result
@@ -286,7 +288,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list
               f"dropped by {res['evicted_by']}, then {args.cold_sleep:g} s asleep")
         print(f"  {'op':36s} {'shardkit':>9s} {'DCP':>9s} {'torch_ckpt':>10s} {'raw':>9s}   {'vs best peer':>12s} "
               f"{'vs raw':>7s}  first call: shardkit / DCP / torch_ckpt")
-        for op, _ in OPS:
+        for op in [op for op, _ in OPS if op in args.ops]:
             label = labels[op]
             med = {s: statistics.median(r[f"{op}/{s}"] for r in rounds) for s in (*ps.SYSTEMS, "raw")
                    if f"{op}/{s}" in rounds[0]}
@@ -318,10 +320,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also keep the raw results here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, 2 ranks; cuda: NCCL, "
                         "one GPU per rank, min(2, GPUs) ranks, pinned staging for every system")
+    parser.add_argument("--ops", default=",".join(op for op, _ in OPS), help="the cells to measure, comma-separated, "
+                        "of save, load2 (2-rank load), load1 (resharding load) and async; the save always runs (the "
+                        "loads read what it wrote), e.g. --ops save,load2 for the 2-rank load alone")
     parser.add_argument("--worker", choices=("two", "one"), help=argparse.SUPPRESS)
     parser.add_argument("--size-bytes", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--tc-direct-io", action="store_true", help=argparse.SUPPRESS)  # decided by main()
     args = parser.parse_args(argv)
+    known = [op for op, _ in OPS]
+    asked = [op.strip() for op in args.ops.split(",") if op.strip()]
+    if set(asked) - set(known):
+        parser.error(f"--ops: unknown {sorted(set(asked) - set(known))}; choose from {', '.join(known)}")
+    args.ops = [op for op in known if op == "save" or op in asked]
     if not args.worker:
         for text in args.sizes.split(","):
             try:
