@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
-import torch
 
 from shardkit.checkpoint.io.clouds import CloudProfile
 from shardkit.checkpoint.io.read_cache import BlockCache
 from shardkit.checkpoint.io.uploads import DEPTH as UPLOAD_DEPTH
 from shardkit.checkpoint.io.uploads import PartUploads
 from shardkit.errors import CorruptCheckpoint
+
+if TYPE_CHECKING:  # the parts handed in are tensors; the byte work here needs only their buffers
+    import torch
 
 __all__ = ["RemoteFiles", "change_stamp"]
 
