@@ -69,14 +69,30 @@ def check_input_state(step: int, inputs: Mapping[str, Any], data: ElasticSampler
                       process_group: Any = None) -> None:
     """Refuse, on every rank and before any target is written, input state that cannot be restored as
     asked; say at INFO what the step holds that this load leaves alone."""
-    problem = None
-    if restores:
-        try:
-            check_data_state_dict(inputs, data, stateful, rng=rng)
-        except DataStateError as exc:
-            problem = exc
+    problem = input_state_refusal(inputs, data, stateful, rng=rng, restores=restores)
     raise_any_failure(Dist(process_group).first_error, problem,
                       lambda rank, text: f"resuming step {step} failed on rank {rank}: {text}")
+    say_inputs_left(step, inputs, data, stateful)
+
+
+def input_state_refusal(inputs: Mapping[str, Any], data: ElasticSampler | None,
+                        stateful: Mapping[str, Stateful] | None, *, rng: bool, restores: bool
+                        ) -> DataStateError | None:
+    """This rank's half of :func:`check_input_state`, no collective: why ``inputs`` cannot be restored as
+    asked, or ``None`` -- for a caller that tells the other ranks in an exchange it makes anyway (the hot
+    tier's vote)."""
+    if not restores:
+        return None
+    try:
+        check_data_state_dict(inputs, data, stateful, rng=rng)
+    except DataStateError as exc:
+        return exc
+    return None
+
+
+def say_inputs_left(step: int, inputs: Mapping[str, Any], data: ElasticSampler | None,
+                    stateful: Mapping[str, Stateful] | None) -> None:
+    """At INFO, what step ``step`` holds that this load leaves alone (a sampler position, stateful objects)."""
     saved = inputs.get("data", {})
     left = ([f"an ElasticSampler position ({_position(saved['sampler'])}; pass data=<the sampler> to continue "
              f"it)"] if data is None and "sampler" in saved else []) + \

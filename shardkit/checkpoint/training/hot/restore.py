@@ -24,7 +24,8 @@ from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, inp
 from shardkit.checkpoint.training.hot.flat import FlatCopy
 from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import recover
-from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, load_data_state_dict
+from shardkit.checkpoint.training.input_state import input_state_refusal, say_inputs_left
+from shardkit.data import ElasticSampler, Stateful, load_data_state_dict
 from shardkit.errors import DataStateError
 from shardkit.wire.collectives import raise_any_failure
 
@@ -73,20 +74,15 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
     def refusal(opened: _Opened) -> DataStateError | None:
         """Input state that cannot be restored as asked (checked with the copy: the ranks learn it when they
         agree on the step, so it costs no exchange of its own)."""
-        if not opened.restores_inputs:
-            return None
-        try:
-            check_data_state_dict(opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs)
-        except DataStateError as exc:
-            return exc
-        return None
+        return input_state_refusal(opened.inputs, data, stateful, rng=rng and "rng" in opened.inputs,
+                                   restores=opened.restores_inputs)
 
     found = recover(layout, structure, open_copy, lambda opened: opened.copy.discard(), at_least=at_least,
                     group=group, refusal=refusal)
     if found is None:
         return None
     opened = found.opened
-    _say_what_is_left(found.step, opened.inputs, data, stateful)
+    say_inputs_left(found.step, opened.inputs, data, stateful)
     problem = None
     try:
         opened.copy.apply()
@@ -102,16 +98,3 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
                       lambda failed, text: f"resuming hot step {found.step} failed on rank {failed}: {text}")
     log.info("resumed from hot step %d (%s copy)", found.step, found.source)
     return found.step, found.meta.get("extra"), found.source
-
-
-def _say_what_is_left(step: int, inputs: Mapping[str, Any], data: ElasticSampler | None,
-                      stateful: Mapping[str, Stateful] | None) -> None:
-    """At INFO, what the step holds that this load leaves alone (as a durable resume says it)."""
-    saved = inputs.get("data", {})
-    sampler = saved.get("sampler")
-    left = ([f"an ElasticSampler position (epoch {sampler.get('epoch')}, {sampler.get('batches')} global batches "
-             f"into it; pass data=<the sampler> to continue it)"] if data is None and isinstance(sampler, dict)
-            else []) + [f"state of {name!r} (pass stateful={{{name!r}: ...}})" for name in saved.get("objects", {})
-                        if name not in (stateful or {})]
-    if left:
-        log.info("step %d holds %s that this load does not restore", step, " and ".join(left))
