@@ -55,8 +55,8 @@ def _save(url: str, chunk_bytes: int) -> list[int] | None:
     gathered: list = []
     gather_json = Dist.gather_json
 
-    def recorded(self, obj, dst=0):
-        found = gather_json(self, obj, dst)
+    def recorded(self, obj, dst=0, **how):
+        found = gather_json(self, obj, dst, **how)
         if found is not None:
             gathered.extend(found)
         return found
