@@ -149,9 +149,7 @@ class BackgroundSaver:
                 commit_reports = lambda reports, plan: self.writer_process.commit(  # noqa: E731
                     storage, dict(child_options or {}), options, plan, reports, dist.world_size)
                 write_files = lambda jobs: self.writer_process.write_files(  # noqa: E731
-                    storage, dict(child_options or {}), jobs, pool, writer=dist.rank, io_threads=options.io_threads,
-                    compression=options.compression, block_bytes=options.block_bytes, fsync=options.fsync,
-                    direct_io=options.direct_io, column_strips=options.column_strips)
+                    storage, dict(child_options or {}), jobs, pool, writer=dist.rank, options=options)
 
             def write_in_background() -> None:
                 pool.wait_copied()

@@ -1,4 +1,4 @@
-"""Rank 0's commit of an ``async_save``, made by its writer process: the request and the child's part.
+"""Rank 0's commit of an ``async_save``, made by its writer process; how the writer writes, on both ends.
 
 Why not on the training process's background thread: building, validating and
 publishing the manifest is pure Python (thousands of chunk records decoded,
@@ -31,11 +31,27 @@ from shardkit.checkpoint.training.save_options import SaveOptions
 from shardkit.checkpoint.training.save_plan import SavePlan
 from shardkit.errors import CheckpointError, ShardkitError, error_record
 
-__all__ = ["CommitRequest", "serve_commit", "outcome_from_storage", "COMMIT_KIND"]
+__all__ = ["CommitRequest", "serve_commit", "outcome_from_storage", "writer_fields", "native_writer", "COMMIT_KIND"]
 
 log = logging.getLogger(__name__)
 
 COMMIT_KIND = "commit"
+
+
+def writer_fields(options: SaveOptions) -> dict[str, Any]:
+    """How the writer process writes (a request's fields, JSON): the save's options its files depend on."""
+    compression = options.compression
+    return {"compression": None if compression is None else f"{compression.codec}:{compression.level}",
+            "block_bytes": options.block_bytes, "fsync": options.fsync, "direct_io": options.direct_io,
+            "column_strips": options.column_strips}
+
+
+def native_writer(request: Mapping[str, Any]) -> NativeWriter:
+    """The child's end of :func:`writer_fields`: a writer to the request's storage, configured as asked."""
+    return NativeWriter(Storage(request["url"], request["options"]),
+                        compression=parse_compression(request["compression"]), block_bytes=request["block_bytes"],
+                        fsync=request["fsync"], direct_io=request["direct_io"],
+                        column_strips=request["column_strips"])
 
 
 def _dumps(obj: Any) -> bytes:
@@ -63,28 +79,22 @@ class CommitRequest:
     def encode(self, storage: Storage, storage_options: Mapping[str, Any], options: SaveOptions, plan: SavePlan,
                reports: Sequence[bytes], world_size: int) -> bytes:
         """The request line: every rank's report passed on as the bytes it arrived in."""
-        compression = options.compression
-        head = {"kind": COMMIT_KIND, "url": storage.url, "options": dict(storage_options),
-                "compression": None if compression is None else f"{compression.codec}:{compression.level}",
-                "block_bytes": options.block_bytes, "fsync": options.fsync, "direct_io": options.direct_io,
-                "column_strips": options.column_strips, "meta": options.meta, "overwrite": options.overwrite,
-                "world_size": world_size, "values": plan.values}
+        head = {"kind": COMMIT_KIND, "url": storage.url, "options": dict(storage_options), **writer_fields(options),
+                "meta": options.meta, "overwrite": options.overwrite, "world_size": world_size,
+                "values": plan.values}
         return b"".join([_dumps(head)[:-1], b',"plan":', self.skeleton(plan), b',"reports":[',
                          b",".join(reports), b"]}\n"])
 
 
 def serve_commit(request: Mapping[str, Any]) -> dict[str, Any]:
     """The writer process's part: commit from the reports; the reply carries the error record or ``None``."""
-    storage = Storage(request["url"], request["options"])
-    writer = NativeWriter(storage, compression=parse_compression(request["compression"]),
-                          block_bytes=request["block_bytes"], fsync=request["fsync"], direct_io=request["direct_io"],
-                          column_strips=request["column_strips"])
+    writer = native_writer(request)
     skeleton = request["plan"]
     plan = SavePlan([], {k: (code_to_dtype(code), tuple(shape)) for k, (code, shape) in skeleton["tensors"].items()},
                     dict(request["values"]), skeleton["layouts"], skeleton["aliases"])
     reports = [report_from_json(r) for r in request["reports"]]
-    return {"commit_error": commit_gathered(storage, writer, plan, reports, request["world_size"], request["meta"],
-                                            request["overwrite"])}
+    return {"commit_error": commit_gathered(writer.storage, writer, plan, reports, request["world_size"],
+                                            request["meta"], request["overwrite"])}
 
 
 def outcome_from_storage(storage: Storage, names: Collection[str], what: str) -> dict[str, str] | None:

@@ -42,17 +42,18 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
-from shardkit.checkpoint.formats.compression import Compression, parse_compression
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
-from shardkit.checkpoint.formats.native import NativeWriter, WrittenFile
+from shardkit.checkpoint.formats.native import WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.checkpoint.training.async_save.writer_commit import (
     COMMIT_KIND,
     CommitRequest,
+    native_writer,
     outcome_from_storage,
     serve_commit,
+    writer_fields,
 )
 from shardkit.checkpoint.training.rank_report import report_from_json
 from shardkit.checkpoint.training.save_options import SaveOptions
@@ -105,14 +106,13 @@ class WriterProcess:
 
     def write_files(self, storage: Storage, storage_options: dict[str, Any],
                     jobs: Sequence[tuple[str, Sequence[WriteChunk]]], pool: StagingPool, *, writer: int,
-                    compression: Compression | None, block_bytes: int, fsync: bool, direct_io: bool,
-                    column_strips: str, io_threads: int) -> list[WrittenFile]:
-        """Have the child write each ``(name, staged chunks)`` job; return the files' records."""
+                    options: SaveOptions) -> list[WrittenFile]:
+        """Have the child write each ``(name, staged chunks)`` job as ``options`` say; return the files'
+        records."""
         assert pool.buffer is not None and pool.buffer.path is not None
         request = {"url": storage.url, "options": storage_options, "buffer": pool.buffer.path,
-                   "token": pool.buffer.token, "size": pool.buffer.size, "writer": writer, "io_threads": io_threads,
-                   "compression": None if compression is None else f"{compression.codec}:{compression.level}",
-                   "block_bytes": block_bytes, "fsync": fsync, "direct_io": direct_io, "column_strips": column_strips,
+                   "token": pool.buffer.token, "size": pool.buffer.size, "writer": writer,
+                   "io_threads": options.io_threads, **writer_fields(options),
                    "files": [{"name": name, "chunks": [[c.fqn, dtype_to_code(c.dtype), list(c.offsets), list(c.shape),
                                                         None if c.tensor_shape is None else list(c.tensor_shape),
                                                         pool.location(c)] for c in chunks]}
@@ -234,10 +234,7 @@ def _chunk(buffer: torch.Tensor, fields: list[Any]) -> WriteChunk:
 
 def _serve(request: dict[str, Any], buffer: _Buffer) -> list[dict[str, Any]]:
     data = buffer.open(request["buffer"], request["token"], request["size"])
-    writer = NativeWriter(Storage(request["url"], request["options"]),
-                          compression=parse_compression(request["compression"]),
-                          block_bytes=request["block_bytes"], fsync=request["fsync"],
-                          direct_io=request["direct_io"], column_strips=request["column_strips"])
+    writer = native_writer(request)
     jobs = [(f["name"], [_chunk(data, c) for c in f["chunks"]]) for f in request["files"]]
     files = parallel_map(lambda job: writer.write_file(job[0], job[1], request["writer"]), jobs,
                          request["io_threads"])
