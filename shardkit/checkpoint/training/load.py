@@ -38,30 +38,24 @@ from shardkit.checkpoint.formats import NATIVE, open_reader
 from shardkit.checkpoint.formats.base import (
     CheckpointReader,
     ReadRequest,
-    plan_reads,
 )
-from shardkit.checkpoint.geometry.boxes import box_numel, local_tensor
-from shardkit.checkpoint.geometry.placements import local_pieces, view
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import deadline_for
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage, with_retries
-from shardkit.checkpoint.state.aliases import alias_groups, find_aliases
 from shardkit.checkpoint.state.dcp_stateful import load_into_statefuls, stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
-    Flat,
-    check_value_kind,
     flatten,
     from_json_value,
 )
 from shardkit.checkpoint.training import shared_reads
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.device_reads import read_requests
+from shardkit.checkpoint.training.load_planning import plan_load
 from shardkit.checkpoint.training.shared_reads import exchange, prepare_exchange, share_reads
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,
-    IncompatibleStateDict,
     ShardkitError,
     error_record,
     from_record,
@@ -69,7 +63,7 @@ from shardkit.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "open_checkpoint", "plan_load", "LoadPlan", "LoadResult", "check_before_writing", "Checked",
+__all__ = ["load", "open_checkpoint", "LoadResult", "check_before_writing", "Checked",
            "default_staging_bytes", "every_ranks_keys", "name_some"]
 
 _NAMED_TARGETS = 5  # keys a message names (the exception's ``partly_written`` holds them all)
@@ -352,16 +346,6 @@ def name_some(keys: Sequence[str]) -> str:
     return f"{len(keys)} key{'' if len(keys) == 1 else 's'} ({shown})"
 
 
-class LoadPlan(NamedTuple):
-    """What a load reads (``requests`` into the targets, ``device_copies`` staged for cast targets) and
-    which keys it leaves alone (``missing`` from the checkpoint, ``unexpected`` in it)."""
-
-    requests: list[ReadRequest]
-    device_copies: list[tuple[torch.Tensor, torch.Tensor]]
-    missing: list[str]
-    unexpected: list[str]
-
-
 class LoadResult(dict):
     """What ``load`` returns: the checkpoint's ``meta`` (a dict, as always), plus the target keys the
     checkpoint did not have (``missing``) and its keys the target did not take (``unexpected``) --
@@ -371,58 +355,3 @@ class LoadResult(dict):
         super().__init__(meta)
         self.missing = missing
         self.unexpected = unexpected
-
-
-def plan_load(reader: CheckpointReader, flat: Flat, strict: bool, dtype_cast: bool = False) -> LoadPlan:
-    """Read requests that fill every tensor of ``flat`` this rank holds, the (buffer, target) copies
-    for targets read through a host buffer (``dtype_cast``), and the keys left alone.  A GPU target's
-    requests point at its device memory (``load`` reads them through host rounds).
-
-    Each target is filled piece by piece (:func:`~shardkit.checkpoint.geometry.placements.local_pieces`):
-    one box for most layouts, several row ranges for a ``_StridedShard`` that holds them, each
-    read straight into its view of the local tensor.  Raises before anything is read when keys,
-    dtypes or shapes do not match."""
-    held = {key: local_pieces(target, key) or [] for key, target in flat.tensors.items()}  # once per target
-    reader.focus({key: [g for g, _ in pieces] for key, pieces in held.items()})
-    entries, values = reader.tensors(), reader.values()
-    stored = set(entries) | set(values)
-    wanted_keys = set(flat.tensors) | set(flat.values)
-    tied = alias_groups(find_aliases(flat.tensors))
-    # a tied group of the target is one tensor: read the first of its keys the checkpoint holds (the others
-    # then hold the same bytes), and count every key of the group as present when one of them is stored
-    reads = {key: next((k for k in tied.get(key, [key]) if k in stored), None) for key in flat.tensors}
-    missing = sorted(k for k in wanted_keys - stored if reads.get(k) is None)
-    unexpected = sorted(stored - wanted_keys)
-    if strict and (missing or unexpected):
-        raise IncompatibleStateDict(
-            f"{reader.info.url} does not match the state dict: missing keys {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}; unexpected keys {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''}. Pass strict=False to load the common keys.")
-    wanted, device_copies = [], []
-    for key, target in flat.tensors.items():
-        if key not in stored:
-            continue
-        check_value_kind(key, key in entries, True)
-        entry = entries[key]
-        cast = entry.dtype != target.dtype
-        if tuple(entry.shape) != tuple(target.shape) or (cast and not (
-                dtype_cast and entry.dtype.is_floating_point and target.dtype.is_floating_point)):
-            hint = " (pass dtype_cast=True to cast floating-point values)" if cast and not dtype_cast else ""
-            raise IncompatibleStateDict(f"{key!r}: checkpoint holds {entry.dtype} {list(entry.shape)}, the target "
-                                        f"is {target.dtype} {list(target.shape)}{hint}")
-        if reads[key] != key:  # tied to a key read already: the same memory
-            continue
-        pieces = [p for p in held[key] if box_numel(p[0])]
-        if not pieces:
-            continue
-        local = local_tensor(target).detach()
-        if cast:  # read as stored, then copy_ (casting) into the target
-            buf = torch.empty(local.shape, dtype=entry.dtype)
-            device_copies.append((buf, local))
-            local = buf
-        # one wanted box per piece the rank holds (several for a strided shard), read into its view
-        wanted.extend((key, global_box, view(local, local_box)) for global_box, local_box in pieces)
-    for key in flat.values:
-        if key in stored:
-            check_value_kind(key, key in entries, False)
-    return LoadPlan(plan_reads(reader, wanted), device_copies, missing, unexpected)

@@ -42,7 +42,7 @@ def _read_per_tensor(url: str, sd: dict, strict: bool = True) -> dict[str, tuple
     """``load``'s reads of ``sd`` from ``url``, per key: (bytes fetched, bytes needed)."""
     from shardkit.checkpoint.formats import open_reader
     from shardkit.checkpoint.state.tree import flatten
-    from shardkit.checkpoint.training.load import plan_load
+    from shardkit.checkpoint.training.load_planning import plan_load
 
     out = {}
     with open_reader(url) as reader:

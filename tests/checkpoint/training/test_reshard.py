@@ -184,7 +184,7 @@ def _resharded_read_amplification(url: str):
     sd = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for k, s in shapes.items()}
     reader = NativeReader(url)
     from shardkit.checkpoint.state.tree import flatten
-    from shardkit.checkpoint.training.load import plan_load
+    from shardkit.checkpoint.training.load_planning import plan_load
 
     requests = plan_load(reader, flatten(sd), True).requests
     reader.read(requests)
