@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import free_port
+import torch.distributed as dist
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 SOAK_LAUNCHES = 30
@@ -43,10 +42,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _late_collective(out: Path, mode: str) -> tuple[list[int], str, dict]:
-    """Run ``exit_late_collective_run.py`` on two ranks: (exit codes, rank 0's stderr, rank 0's report)."""
-    port = str(free_port())
+    """Run ``exit_late_collective_run.py`` on two ranks: (exit codes, rank 0's stderr, rank 0's report).
+
+    This process hosts their store, as torchrun's agent does, on the port the kernel gives it: a port picked as
+    free and bound later by rank 0 could be taken in between by another test's process."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     ranks = [subprocess.Popen([sys.executable, str(SUPPORT / "exit_late_collective_run.py"), str(out), mode],
-                              env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              env=_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     try:

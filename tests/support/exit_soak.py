@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -46,10 +45,35 @@ ABORT_LINE = "terminate called"
 LAST_STEP = 2  # exit_module_level_run.py's last step: committed under OUT/launch<i>/ckpt by a clean run
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def start_store_host() -> tuple[int, int]:
+    """Fork a process that hosts one launch's TCPStore, as torchrun's agent does; return ``(its pid, its port)``.
+
+    The store binds port 0 and says which port the kernel gave it: a port picked as free and bound later by
+    rank 0 can be taken in between by any other process on the machine (the suite runs several at once), and
+    that launch fails with ``EADDRINUSE``.  The host starts the store's threads in itself, after the fork, so
+    the launcher stays single-threaded; the ranks join it with ``TORCHELASTIC_USE_AGENT_STORE=True``.  It
+    lives until the launcher kills it (:func:`fork_launches`, once the launch's ranks are gone)."""
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(readable)
+        try:
+            import torch.distributed as dist
+
+            store = dist.TCPStore("127.0.0.1", 0, RANKS, is_master=True, wait_for_workers=False)
+            os.write(writable, str(store.port).encode())
+            os.close(writable)
+            while True:
+                signal.pause()
+        finally:
+            os._exit(1)
+    os.close(writable)
+    with os.fdopen(readable, "rb") as said:
+        port = said.read()
+    if not port:
+        os.waitpid(pid, 0)
+        raise RuntimeError("the store host of a launch exited before saying its port")
+    return pid, int(port)
 
 
 def run_rank(script: Path, launch: int, rank: int, port: int, out: Path, script_args: list[str]) -> None:
@@ -58,7 +82,8 @@ def run_rank(script: Path, launch: int, rank: int, port: int, out: Path, script_
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     main = types.ModuleType("__main__")
     main.__file__ = str(script)
     sys.modules["__main__"] = main  # the script's globals stay referenced into finalization, as a script's do
@@ -91,11 +116,20 @@ def fork_launches(launches: int, at_once: int, out: Path,
     gc.freeze()
     waiting = list(range(launches))
     running: dict[int, tuple[int, int, float]] = {}  # pid -> (launch, rank, deadline)
+    store_hosts: dict[int, int] = {}  # launch -> its store host's pid
     codes: dict[str, int] = {}
     failed: list[dict] = []
+
+    def rank_gone(launch: int) -> None:
+        if launch in store_hosts and not any(other == launch for other, _, _ in running.values()):
+            host = store_hosts.pop(launch)
+            os.kill(host, signal.SIGKILL)
+            os.waitpid(host, 0)
+
     while waiting or running:
         while waiting and len(running) < at_once * RANKS:
-            launch, port = waiting.pop(0), free_port()
+            launch = waiting.pop(0)
+            store_hosts[launch], port = start_store_host()
             if threads_running() != 1:
                 raise RuntimeError(f"the launcher runs {threads_running()} threads: forking it would copy a "
                                    f"process whose other threads are gone in the child")
@@ -106,18 +140,24 @@ def fork_launches(launches: int, at_once: int, out: Path,
                 if pid == 0:
                     start_rank(launch, rank, port)
                 running[pid] = (launch, rank, time.monotonic() + RANK_TIMEOUT_S)
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status = os.waitpid(-1, os.WNOHANG)  # store hosts are only ever reaped by rank_gone: alive till then
         if pid == 0:
             for pid, (launch, rank, deadline) in list(running.items()):
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     del running[pid]
+                    rank_gone(launch)
                     codes["timeout"] = codes.get("timeout", 0) + 1
                     failed.append({"launch": launch, "rank": rank, "code": "timeout"})
             time.sleep(0.02)
             continue
+        if pid not in running:  # a store host that died on its own: its launch's ranks fail on their own
+            for launch in [launch for launch, host in store_hosts.items() if host == pid]:
+                del store_hosts[launch]
+            continue
         launch, rank, _ = running.pop(pid)
+        rank_gone(launch)
         code = str(os.waitstatus_to_exitcode(status))
         codes[code] = codes.get(code, 0) + 1
         if code != "0":

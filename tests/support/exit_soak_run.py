@@ -9,7 +9,7 @@ DTensor would import), shardkit and ``examples/train.py`` once and forks every
 rank from itself (before any thread runs in it, which it checks; the tests set
 ``OPENBLAS_NUM_THREADS=1`` so that numpy starts none).  Each
 rank gets the environment torchrun gives a worker (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; rank 0 hosts the store),
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store hosted for the launch as torchrun's agent hosts it),
 writes its output to ``OUT/launch<i>-rank<r>.log``, runs ``train.main`` with
 ``--checkpoint-dir OUT/launch<i>`` added, and leaves through the interpreter's
 normal exit -- the program's threads joined, exit functions, finalization --
@@ -52,7 +52,8 @@ def run_rank(train, launch: int, rank: int, port: int, out: Path, train_args: li
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     train.main([*train_args, "--checkpoint-dir", str(out / f"launch{launch}")])
     raise SystemExit(0)  # up through the launcher's frames: the interpreter's own exit, finalization included
 

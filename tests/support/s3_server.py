@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,10 +16,33 @@ CREDENTIALS = (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "test
                ("AWS_DEFAULT_REGION", "us-east-1"))
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to ``bind(0)`` and to outgoing connections."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port, free now, for a server this process starts next (a moto, GCS or Azure emulator).
+
+    Picked below the ephemeral range: a port the kernel gave out for ``bind(0)`` and freed again can be given
+    to another process's outgoing connection or listener (gloo's, a TCPStore's) before the server binds it.
+    Below that range only another caller of this function could take it, and picks are random among
+    thousands."""
+    ephemeral = _ephemeral_ports()
+    candidates = [port for port in range(10000, 65536) if port not in ephemeral]
+    for _ in range(100):
+        port = random.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range after 100 tries")
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
