@@ -71,6 +71,7 @@ from shardkit.checkpoint.training.async_save.saver import background_saver
 from shardkit.checkpoint.training.durable_tier import DurablePlan, DurableTier
 from shardkit.checkpoint.training.hot.restore import LastLoad
 from shardkit.checkpoint.training.hot.tier import HotTier
+from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.manager_options import ManagerOptions
 from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.checkpoint.training.resume_latest import resume_latest
@@ -158,13 +159,19 @@ class CheckpointManager:
         self.wait()
         with checkpoint_deadline("save", self.url_of(step), step, self.options.timeout):
             plans = [(tier, plan) for tier in self._tiers if (plan := tier.plan(step, meta)) is not None]
-            state = {**get_training_state(model, optimizer), **data_state_dict(data, stateful, rng=rng)}
             durable = next((plan for tier, plan in plans if tier is self.durable), None)
+            # a step for the hot tier alone takes the RNG state here and gathers it in the save's background
+            # part (a collective the training thread need not wait for); a durable step plans with it whole
+            deferred = (DeferredRng(rng) if self.hot is not None and durable is None and data is None and not stateful
+                        else None)
+            state = {**get_training_state(model, optimizer),
+                     **(data_state_dict(data, stateful, rng=rng) if deferred is None else {})}
             if self.options.async_save and self.hot is None:  # async_save's own host copy and writer
                 return self._track(step, self.durable.save_in_background(durable, state), durable)
             writes = []
             for i, (tier, plan) in enumerate(reversed(plans)):  # the hot tier first: a durable save shares its copy
-                staged = tier.stage(plan, state, background=self.options.async_save)
+                staged = (tier.stage(plan, state, background=self.options.async_save) if deferred is None
+                          else self.hot.stage(plan, state, background=self.options.async_save, inputs=deferred))
                 state = staged.state() if i + 1 < len(plans) else state
                 writes.append((tier, plan, staged.write))
             if not self.options.async_save:

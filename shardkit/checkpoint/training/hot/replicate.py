@@ -34,6 +34,7 @@ from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import write_copy
 from shardkit.checkpoint.training.hot.local_keep import remove_copy, retain_local
 from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, NodeLayout, copy_name
+from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.run_steps import step_dir
 from shardkit.errors import CheckpointError, ShardkitError, error_record, from_record
 from shardkit.wire.collectives import raise_any_failure
@@ -56,6 +57,7 @@ class HotSave:
     structure: str
     meta: dict[str, Any]
     local_keep: int
+    deferred: DeferredRng | None = None  # the RNG state taken at the save, gathered over the ranks here
 
 
 def _own_copy(layout: NodeLayout, rank: int, job: HotSave) -> str:
@@ -77,7 +79,8 @@ def run_hot_save(layout: NodeLayout, job: HotSave, group: Any = None) -> float:
            "structure": job.structure}
     mine = _own_copy(layout, rank, job)
     try:
-        write_copy(mine, job.tensors, job.values, job.inputs, hot, job.meta)
+        inputs = job.inputs if job.deferred is None else {**job.inputs, **job.deferred.gathered(group)}
+        write_copy(mine, job.tensors, job.values, inputs, hot, job.meta)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the replication below
         error = exc
     moves = [DirectoryMove(src=r, source_dir=_own_copy(layout, r, job), dst=holder,

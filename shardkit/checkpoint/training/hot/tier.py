@@ -22,6 +22,7 @@ from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.replicate import HotSave, run_hot_save
 from shardkit.checkpoint.training.hot.restore import resume_hot
 from shardkit.checkpoint.training.hot.roots import survey_node
+from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.tiers import LoadTargets, Resumed, Staged
 from shardkit.errors import ConfigurationError
 from shardkit.wire.collectives import raise_any_failure
@@ -69,11 +70,12 @@ class HotTier:
         return self._layout
 
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
-                to_host: bool) -> tuple[HotSave, LocalState]:
+                to_host: bool, inputs: DeferredRng | None = None) -> tuple[HotSave, LocalState]:
         """On the training thread, on every rank: name the save, check space when the structure is new, and
         (``to_host``) copy the local tensors into reused host buffers so training may go on.  No collective
         but on the first save and when the structure changes: the ranks check that they agree on the save's
-        name when they vote on its completion, off the training thread."""
+        name when they vote on its completion, off the training thread.  ``inputs``: the RNG state taken
+        for this save, gathered over the ranks by the save itself (``state`` then holds no input state)."""
         layout = self.layout()
         dist = Dist(self.process_group)
         local = local_state(state)
@@ -89,18 +91,20 @@ class HotTier:
             self._space_checked = local.structure
         on_device = any(t.device.type != "cpu" for t in local.tensors.values())
         tensors = self._host.copy(local) if to_host or on_device else local.tensors
-        job = HotSave(step, save_id, tensors, local.values, local.inputs, local.structure, meta, self.local_keep)
+        job = HotSave(step, save_id, tensors, local.values, local.inputs, local.structure, meta, self.local_keep,
+                      inputs)
         return job, local
 
     def plan(self, step: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Every step goes to the hot tier."""
         return step, meta
 
-    def stage(self, plan: tuple[int, dict[str, Any]], state: dict[str, Any], *, background: bool) -> Staged:
+    def stage(self, plan: tuple[int, dict[str, Any]], state: dict[str, Any], *, background: bool,
+              inputs: DeferredRng | None = None) -> Staged:
         """The hot save of ``state`` (:meth:`prepare`: a host copy in a ``background`` save, which the tiers
-        after this one save too, through :func:`durable_view`)."""
+        after this one save too, through :func:`durable_view`; ``inputs`` only when no tier follows)."""
         step, meta = plan
-        job, local = self.prepare(step, state, meta, to_host=background)
+        job, local = self.prepare(step, state, meta, to_host=background, inputs=inputs)
         layout = self.layout()
         return Staged(lambda group: run_hot_save(layout, job, group),
                       (lambda: durable_view(local, job.tensors)) if background else (lambda: state))
