@@ -42,6 +42,7 @@ from shardkit.runtime import debug as D
 from shardkit.runtime import gather_scatter as C
 from shardkit.runtime.comm_hooks import GroupComms
 from shardkit.runtime.device_sync import CommContext
+from shardkit.runtime.grad_reduction import HeldSums, ReductionOptions, reduce_grads, take_unsharded_grads
 from shardkit.runtime.mesh_info import MeshInfo, PostForwardGroup
 from shardkit.runtime.policies import MixedPrecisionPolicy
 from shardkit.runtime.sharded_param import ShardedParam, ShardedState, check_materialized
@@ -104,7 +105,7 @@ class ParamGroup(TorchParamGroupNames):
         self.comms = GroupComms()  # custom collectives, all-reduce hook, force-sum (comm_hooks)
         # per-iteration state
         self._pending: _PendingAllGather | None = None
-        self._partial_reduce: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not all-reduced
+        self._partial_reduce: HeldSums = {}  # HSDP: reduce-scattered, not all-reduced
         self._post_forward_indices: list[int] = []
         self._plans: dict[bool, C.AllGatherPlan] = {}
         self._initialized = False
@@ -297,84 +298,17 @@ class ParamGroup(TorchParamGroupNames):
             if self.reshard_after_backward:
                 self.reshard()
             return
-        owners, grads = self._take_grads()
+        options = ReductionOptions(all_reduce=self.all_reduce_grads, divide_factor=self.gradient_divide_factor,
+                                   reduce_scatter_unused=self.reduce_scatter_unused_params)
+        owners, grads = take_unsharded_grads(self.params, options, self._partial_reduce)
         if self.reshard_after_backward:
             self.reshard()
         if grads:
-            self._reduce(owners, grads)
+            self._reduce(owners, grads, options)
 
-    def _take_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
-        """The unsharded gradients to reduce, taken off the parameters: the
-        returned list holds the only references (``_reduce`` frees them early)."""
-        owners, grads = [], []
-        for p in self.params:
-            grad = p.take_unsharded_grad()
-            if grad is None and self.reduce_scatter_unused_params and p.requires_grad \
-                    and p.unsharded_param is not None:
-                grad = p.zero_unsharded_grad()
-            elif grad is None and self.all_reduce_grads and p in self._partial_reduce:
-                grad = p.zero_unsharded_grad()  # left out now: its held HSDP sum must still be all-reduced
-            if grad is not None:
-                owners.append(p)
-                grads.append(grad)
-        return owners, grads
-
-    @torch.no_grad()
-    def _reduce(self, owners: list[ShardedParam], grads: list[torch.Tensor]) -> None:
-        info, comm, comms = self.mesh_info, self.comm, self.comms
-        world = info.shard_size
-        reduce_dtype = owners[0].reduce_dtype or grads[0].dtype
-        numels = [p.padded_numel for p in owners]
-        total = sum(numels)
-        pre, post = C.divide_factors(info.data_parallel_size, reduce_dtype, self.gradient_divide_factor,
-                                     comms.force_sum)
-        comm.wait_for_reduces(keep=comms.max_input_buffers - 1)  # older groups' reduction buffers may go now
-        # Copy-in on the current stream, where autograd made the gradients, so
-        # they can be freed right after it: the caller's list holds the only
-        # references.  (At the root's reduction this is the step's peak.)
-        rs_in = comms.reduce_scatter.allocate((world * total,), dtype=reduce_dtype, device=self.device)
-        C.reduce_scatter_copy_in(grads, [p.shard_dim for p in owners], numels, world, rs_in)
-        grads.clear()
-        with comm.on("reduce_scatter"):
-            if pre != 1.0:
-                rs_in.div_(pre)
-            if world > 1:
-                rs_out = comms.reduce_scatter.allocate((total,), dtype=reduce_dtype, device=self.device)
-                rs_group = comms.reduce_group(info.shard_group)
-                with D.collective(self._call("reduce-scatter", rs_in.numel(), reduce_dtype), rs_group, self.device):
-                    comms.issue_reduce_scatter(rs_out, rs_in, rs_group)
-            else:  # one shard rank: the laid-out input is already this rank's result
-                rs_out = comms.single_rank_output(rs_in)
-            if info.is_hsdp:
-                if not self.all_reduce_grads:
-                    self._hold_partial(owners, numels, rs_out)
-                    comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
-                    return
-                for p, part in zip(owners, rs_out.split(numels)):
-                    held = self._partial_reduce.pop(p, None)
-                    if held is not None:
-                        part += held
-                with D.collective(self._call("all-reduce", rs_out.numel(), reduce_dtype), info.replicate_group,
-                                  self.device):
-                    C.all_reduce(rs_out, info.replicate_group)
-            comms.finish_reduction(rs_out, post, reduce_dtype, self.device, comm.inline)
-            offset = 0
-            for p, numel in zip(owners, numels):
-                p.accumulate_sharded_grad(rs_out.narrow(0, offset, p.sharded_size.numel()).view(p.sharded_size))
-                offset += numel
-        comm.hold_until_done(comm.record("reduce_scatter"), rs_in)
-
-    def _hold_partial(self, owners: list[ShardedParam], numels: list[int], rs_out: torch.Tensor) -> None:
-        """Sum the reduce-scattered gradients to all-reduce later, per parameter:
-        which parameters have gradients can change between micro-batches (a
-        grouped call used in part, a module left out of one).  A sum starts as a
-        copy where a user's comm owns the buffer, which it may reuse."""
-        for p, part in zip(owners, rs_out.split(numels)):
-            held = self._partial_reduce.get(p)
-            if held is None:
-                self._partial_reduce[p] = part.clone() if self.comms.custom_reduce_scatter else part
-            else:
-                held += part
+    def _reduce(self, owners: list[ShardedParam], grads: list[torch.Tensor], options: ReductionOptions) -> None:
+        reduce_grads(owners, grads, options, self._partial_reduce, mesh_info=self.mesh_info, comm=self.comm,
+                     comms=self.comms, device=self.device, call=self._call)
 
     def finalize_backward(self) -> None:
         if self._pending is not None:
