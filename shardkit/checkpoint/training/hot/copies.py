@@ -11,8 +11,12 @@ On the training thread a save only takes the state: the model's and optimizer's 
 (:func:`local_state`), and the input state (``data``, ``rng``) as :func:`~shardkit.data.data_state_dict`
 returned it -- a snapshot already, flattened by the writer in the background.
 
-Reading is in two phases, like ``load``: :func:`check_copy` reads and checks every byte (nothing written
-yet), the ranks agree, then :meth:`CheckedCopy.apply` writes the targets.
+Reading is in two phases, like ``load``: :func:`check_copy` checks a copy against the targets (nothing
+written yet), the ranks agree, then :meth:`CheckedCopy.apply` writes the targets.  A copy read and checked
+whole before (a :class:`~.flat.FlatCopy`: a peer's, received) is copied into them; a rank's own copy on its
+node (a :class:`~.flat.PendingCopy`, its input state read already) is read straight into them, every byte
+checked as it lands -- then a damaged byte is found after targets were written, which the recovery treats
+as such (:mod:`.recover`).
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ import torch
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
 from shardkit.checkpoint.io.local_files import release_in_background
 from shardkit.checkpoint.state.tree import Flat, flatten, from_json_value
-from shardkit.checkpoint.training.hot.flat import FlatCopy, read_manifest, write_flat
+from shardkit.checkpoint.training.hot.flat import FlatCopy, PendingCopy, read_manifest, write_flat
 from shardkit.checkpoint.training.input_state import INPUT_KEYS
 from shardkit.data import nest
 from shardkit.errors import CorruptCheckpoint
 
 __all__ = ["LocalState", "local_state", "structure_of", "write_copy", "copy_meta", "checked_meta", "check_copy",
-           "CheckedCopy", "HostCopy", "input_targets"]
+           "CheckedCopy", "HostCopy", "input_targets", "is_input_key"]
 
 _INPUT_PREFIXES = tuple(f"{k}." for k in INPUT_KEYS)
 _HOT_FIELDS = {"step", "save_id", "rank", "world_size", "structure"}
@@ -120,7 +124,12 @@ def checked_meta(meta: dict[str, Any], url: str) -> dict[str, Any]:
     return meta
 
 
-def input_targets(copy: FlatCopy) -> dict[str, Any]:
+def is_input_key(key: str) -> bool:
+    """Whether a copy's flattened ``key`` is input state (``data.*``, ``rng.*``), not model or optimizer."""
+    return key.startswith(_INPUT_PREFIXES)
+
+
+def input_targets(copy: FlatCopy | PendingCopy) -> dict[str, Any]:
     """The input state (``data``, ``rng``) the copy holds, nested, as a load fills it: its tensors (checked
     already, each its own small tensor: an RNG state is handed to torch, which reads its storage from the
     start) and its values decoded."""
@@ -131,21 +140,39 @@ def input_targets(copy: FlatCopy) -> dict[str, Any]:
 
 @dataclass
 class CheckedCopy:
-    """A copy whose bytes were all read and checked against the targets; :meth:`apply` writes them."""
+    """A copy checked against the targets (keys, dtypes, shapes); :meth:`apply` writes them."""
 
-    copy: FlatCopy
+    copy: FlatCopy | PendingCopy
     targets: dict[str, torch.Tensor]
     flat: Flat
+    filled: bool = False  # a pending copy's tensors were read into the targets (by :meth:`fill`)
 
     @property
     def meta(self) -> dict[str, Any]:
         return self.copy.meta
 
+    @property
+    def pending(self) -> bool:
+        """Whether the copy's bytes are still to be read (and checked) as :meth:`apply` writes them."""
+        return isinstance(self.copy, PendingCopy)
+
+    def fill(self) -> None:
+        """A pending copy's tensors read straight into the targets, checked as they land: raises
+        :class:`~shardkit.errors.CorruptCheckpoint` for a damaged byte, with targets written.  Nothing to do
+        for a copy read whole before."""
+        if isinstance(self.copy, PendingCopy):
+            self.copy.fill(self.targets)
+            self.filled = True
+
     def apply(self) -> None:
-        """Write every target tensor and value from the checked bytes."""
-        with torch.no_grad():
-            for key, target in self.targets.items():
-                target.copy_(self.copy.tensors[key])
+        """Write every target tensor (unless :meth:`fill` did) and value from the checked bytes."""
+        if isinstance(self.copy, PendingCopy):
+            if not self.filled:
+                self.copy.fill(self.targets)
+        else:
+            with torch.no_grad():
+                for key, target in self.targets.items():
+                    target.copy_(self.copy.tensors[key])
         for key in self.flat.values:
             if key in self.copy.values:
                 self.flat.set_value(key, from_json_value(self.copy.values[key]))
@@ -159,8 +186,8 @@ class CheckedCopy:
         release_in_background(held)
 
 
-def check_copy(copy: FlatCopy, flat: Flat, structure: str) -> CheckedCopy:
-    """Check that ``copy`` (read and checksummed) holds exactly the model and optimizer state ``flat``
+def check_copy(copy: FlatCopy | PendingCopy, flat: Flat, structure: str) -> CheckedCopy:
+    """Check that ``copy`` (read and checksummed, or pending) holds exactly the model and optimizer state ``flat``
     (flattened; its tensors' local shards become the targets) with this rank's local dtypes and shapes, and
     its values; nothing is written.  The copy's input state (``data.*``, ``rng.*``) is not a target here:
     :func:`input_targets` hands it over as it is.  Raises :class:`~shardkit.errors.CorruptCheckpoint` for a
@@ -169,16 +196,18 @@ def check_copy(copy: FlatCopy, flat: Flat, structure: str) -> CheckedCopy:
         raise CorruptCheckpoint(f"{copy.path} was written for another layout of the state (its structure "
                                 f"{copy.meta['hot']['structure']}, this rank's {structure})")
     targets = {key: local_tensor(t) for key, t in flat.tensors.items()}
-    held = {key for key in copy.tensors if not key.startswith(_INPUT_PREFIXES)}
+    layouts = ({key: (e.dtype, torch.Size(e.shape)) for key, e in copy.entries.items()}
+               if isinstance(copy, PendingCopy) else {key: (t.dtype, t.shape) for key, t in copy.tensors.items()})
+    held = {key for key in layouts if not key.startswith(_INPUT_PREFIXES)}
     missing = sorted(set(targets) - held) + sorted(set(flat.values) - set(copy.values))
     extra = sorted(held - set(targets))
     if missing or extra:
         raise CorruptCheckpoint(f"{copy.path} does not hold this rank's state: missing {missing[:3]}, "
                                 f"unexpected {extra[:3]}")
     for key, target in targets.items():
-        source = copy.tensors[key]
-        if source.dtype != target.dtype or source.shape != target.shape:
-            raise CorruptCheckpoint(f"{copy.path}: {key!r} is {source.dtype} {list(source.shape)} there, "
+        dtype, shape = layouts[key]
+        if dtype != target.dtype or shape != target.shape:
+            raise CorruptCheckpoint(f"{copy.path}: {key!r} is {dtype} {list(shape)} there, "
                                     f"{target.dtype} {list(target.shape)} in this rank's state")
     return CheckedCopy(copy, targets, flat)
 

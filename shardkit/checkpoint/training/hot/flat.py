@@ -13,7 +13,9 @@ no shared plan, no writer pool, no index.  What it keeps are the guarantees:
   replaced (the rename fails on a non-empty directory).
 
 Layout: the tensors' bytes back to back in ``state.bin``, each at a 64-byte aligned offset, so a reader
-maps the whole file and views every tensor in place.  The
+maps the whole file and views every tensor in place (:func:`read_flat`), or reads each tensor straight into
+the tensor it restores, checking every piece's crc32c while it is still in the cache
+(:meth:`PendingCopy.fill`: one pass over the bytes, the floor of a recovery from the node's own copy).  The
 checksums are computed by the writer, off the training thread (the hot save runs in the background).
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,14 +32,16 @@ from shardkit.checkpoint.formats.crc32c import crc32c
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
 from shardkit.checkpoint.io.local_files import map_file, publish_directory, read_whole, remove_files
 from shardkit.checkpoint.io.rounds import aligned
-from shardkit.errors import CorruptCheckpoint
+from shardkit.checkpoint.io.storage import Storage
+from shardkit.errors import CorruptCheckpoint, ShardkitError
 
-__all__ = ["DATA_NAME", "MANIFEST_NAME", "FlatCopy", "Entry", "write_flat", "read_manifest", "parse_manifest",
-           "entries_of", "checked_tensor", "read_flat", "remove_flat"]
+__all__ = ["DATA_NAME", "MANIFEST_NAME", "FlatCopy", "PendingCopy", "Entry", "write_flat", "read_manifest",
+           "parse_manifest", "entries_of", "checked_tensor", "read_flat", "open_pending", "remove_flat"]
 
 DATA_NAME = "state.bin"
 MANIFEST_NAME = "manifest.json"  # the commit file: a copy without it is not a copy (transfer's commit_last)
 LAYOUT = "shardkit-hot-copy-1"
+FILL_PIECE = 1 << 20  # one read straight into a target, checksummed while it is still in the cache
 
 
 @dataclass
@@ -156,6 +160,74 @@ def read_flat(path: str, manifest: dict[str, Any] | None = None) -> FlatCopy:
     buffer = map_file(where, manifest["size"])  # read-only: checked here, then copied into the targets
     tensors = {e.key: checked_tensor(e, buffer, where) for e in entries}
     return FlatCopy(path, manifest["meta"], tensors, manifest["values"])
+
+
+@dataclass
+class PendingCopy:
+    """A copy whose manifest was read and checked, and whose small tensors (``small``: the input state) were
+    read and checked, but whose large ones were not read yet: :meth:`fill` reads each straight into its
+    target.  ``tensors`` holds the small ones; ``entries`` every tensor's entry by key."""
+
+    path: str
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]
+    entries: dict[str, Entry]
+    size: int
+
+    def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Read each of ``targets``' tensors (by key, this copy's dtype and shape) from ``state.bin`` into
+        it and check its crc32c, piece by piece as each lands.  Raises
+        :class:`~shardkit.errors.CorruptCheckpoint` naming the file and key on a mismatch -- by then the
+        targets read before it were written, so the caller must treat them as touched."""
+        _read_entries(self.path, self.size, sorted(((self.entries[key], t) for key, t in targets.items()),
+                                                   key=lambda et: et[0].offset))
+
+
+def _read_entries(path: str, size: int, jobs: list[tuple[Entry, torch.Tensor]]) -> None:
+    """Each entry's bytes of the copy at ``path`` read into its tensor, checked (see :func:`_fill_one`)."""
+    storage, where = Storage(path), os.path.join(path, DATA_NAME)
+    try:
+        found = storage.size(DATA_NAME)
+        if found != size:
+            raise CorruptCheckpoint(f"{where} holds {found} bytes; {size} were written")
+        with storage.files.files_held_open():  # one descriptor, read ahead from piece to piece
+            for entry, target in jobs:
+                _fill_one(storage, entry, target, where)
+    except (ShardkitError, OSError) as exc:
+        if isinstance(exc, CorruptCheckpoint):
+            raise
+        raise CorruptCheckpoint(f"cannot read {where}: {exc}") from None
+
+
+def _fill_one(storage: Storage, entry: Entry, target: torch.Tensor, where: str) -> None:
+    """``entry``'s bytes read into ``target`` (directly when it is a contiguous CPU tensor, else through one
+    buffer), their crc32c checked piece by piece as they land, while still in the cache."""
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    into = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    raw = into.reshape(-1).view(torch.uint8)
+    crc = 0
+    for start in range(0, entry.nbytes, FILL_PIECE):
+        piece = raw[start:start + FILL_PIECE]
+        storage.read_parts(DATA_NAME, entry.offset + start, [piece])
+        crc = crc32c(piece, crc)
+    if crc != entry.crc:
+        raise CorruptCheckpoint(f"{where}: the bytes of {entry.key!r} do not match their checksum (crc32c): a "
+                                f"damaged copy")
+    if not direct:
+        with torch.no_grad():
+            target.copy_(into)
+
+
+def open_pending(path: str, manifest: dict[str, Any], small: Callable[[str], bool]) -> PendingCopy:
+    """The copy at ``path`` (its checked ``manifest``) with the tensors whose key ``small(key)`` accepts
+    read and checked now, the others left for :meth:`PendingCopy.fill`.  Raises
+    :class:`~shardkit.errors.CorruptCheckpoint` naming the file (and key) for any mismatch."""
+    entries = entries_of(manifest, path)
+    tensors = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in entries if small(e.key)}
+    _read_entries(path, manifest["size"], [(e, tensors[e.key]) for e in entries if e.key in tensors])
+    return PendingCopy(path, manifest["meta"], tensors, manifest["values"], {e.key: e for e in entries},
+                       manifest["size"])
 
 
 def remove_flat(path: str) -> list[str]:

@@ -10,19 +10,30 @@
 3. **Fetch.**  A rank without a usable copy of its own receives one from its replica holder over the
    process group straight into memory (:func:`~.fetch.fetch_copies`), every tensor's crc32c checked as
    its bytes arrive; nothing is written to any disk (the next save writes this node's copy again).
-4. **Check, then agree.**  Each rank reads and checks every byte of its copy (checksums, sizes, keys,
-   shapes) without writing any target, and asks the caller whether it can take the copy's input state as
-   asked; the ranks exchange what failed (one all-gather, holders that could not send included).  A rank
-   checks its own newest copy before step 1 already and reports the outcome with it, so when every rank's
-   source is such a checked own copy (a recovery from the local tier) step 2 alone settles it, with no
-   second exchange.  A failed copy is marked bad, named in the log with the reason, and step 2 runs again
-   -- the next copy of that rank, then an older step -- until every rank's copy checks out, or no hot step
-   is left (the caller then loads the durable root).  A refused input state is not damage: once the ranks
-   agreed on the step, every rank raises the first refusing rank's error.
+4. **Check, then agree.**  Before step 1 each rank checks its own newest copy as far as it can without
+   writing a target -- manifest, keys, dtypes and shapes against its state, the input state read and
+   checked, whether that input state can be restored as asked -- and says so in its report.  When every
+   rank's chosen source is such a copy of its own (a recovery from the local tier), the reports settle it:
+   every rank reads its copy straight into its targets, every byte's crc32c checked as it lands (one pass,
+   :meth:`~.flat.PendingCopy.fill`), applies the rest of the state, and one agreement tells every rank
+   whether all of them did.  Otherwise the ranks without a copy fetch theirs (step 3), every rank reads and
+   checks every byte of its copy without writing any target, the ranks exchange what failed (holders that
+   could not send included), and only then apply, and agree once more.  A failed copy is marked bad, named
+   in the log with the reason, and step 2 runs again -- the next copy of that rank, then an older step --
+   until every rank's copy checks out, or no hot step is left (the caller then loads the durable root).
+   A refused input state is not damage: once the ranks agreed on the step, before any target is written,
+   every rank raises the first refusing rank's error.
 
-Nothing here writes a target: the caller applies the checked copies once this returns.  Collectives: one
-all-gather for a recovery from the local tier; the all-gather, one round of transfers and one all-gather
-for a recovery from peers.
+**Targets touched.**  A byte found damaged while it was read into the targets (step 4, from the local
+tier) leaves the targets written with part of that step: the ranks learn it in the agreement, go on to the
+next copy, and the :class:`Recovery` says ``touched`` (the same on every rank) -- its caller must then load
+some step whole, or raise: never report "nothing to resume" over a half-written model.
+
+**Rank 0's listing** (``listing=``: the durable root's steps) rides in the exchange of step 1, so a resume
+pays one collective for both; a failure there is raised on every rank, as rank 0 raised it.
+
+Collectives: one all-gather and one small agreement for a recovery from the local tier; the all-gather,
+one round of transfers, one all-gather and one agreement for a recovery from peers.
 """
 
 from __future__ import annotations
@@ -35,15 +46,22 @@ from typing import Any, Callable, Generic, TypeVar
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer_files import list_directory
-from shardkit.checkpoint.training.hot.copies import checked_meta
+from shardkit.checkpoint.training.hot.copies import checked_meta, is_input_key
 from shardkit.checkpoint.training.hot.fetch import Pull, fetch_copies
-from shardkit.checkpoint.training.hot.flat import MANIFEST_NAME, FlatCopy, read_flat, read_manifest
+from shardkit.checkpoint.training.hot.flat import (
+    MANIFEST_NAME,
+    FlatCopy,
+    PendingCopy,
+    open_pending,
+    read_flat,
+    read_manifest,
+)
 from shardkit.checkpoint.training.hot.nodes import NodeLayout, parse_copy_name
 from shardkit.checkpoint.training.run_steps import step_of_dir
-from shardkit.errors import CorruptCheckpoint, ShardkitError, error_record
+from shardkit.errors import CorruptCheckpoint, ShardkitError, error_record, from_record
 from shardkit.wire.collectives import raise_any_failure
 
-__all__ = ["Recovered", "recover", "hot_reports"]
+__all__ = ["Recovered", "Recovery", "Steps", "recover", "hot_reports"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +79,27 @@ class Recovered(Generic[T]):
     opened: T
     path: str
     meta: dict[str, Any]
+
+
+@dataclass
+class Recovery(Generic[T]):
+    """What :func:`recover` found (``None``: no hot step), rank 0's ``listing()`` on every rank (``None``
+    without one), and whether a failed attempt wrote targets (see the module docstring; every rank agrees)."""
+
+    found: Recovered[T] | None
+    listed: Any
+    touched: bool
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The hooks :func:`recover` runs on an opened copy: ``fill`` reads a pending copy into the targets
+    (raising for damage: the copy is bad, the targets touched), ``apply`` writes the rest of the state
+    (raising: the resume fails on every rank), ``discard`` drops an opened copy that is not used."""
+
+    fill: Callable[[Any], None]
+    apply: Callable[[Any], None]
+    discard: Callable[[Any], None]
 
 
 def hot_reports(layout: NodeLayout, rank: int, *,
@@ -132,20 +171,20 @@ def _explain(entries: list[dict[str, Any]], structures: list[str], world_size: i
 
 
 def _check_own_newest(reports: list[dict[str, Any]], rank: int, world_size: int, structure: str, at_least: int,
-                      manifests: dict[str, dict[str, Any]], open_copy: Callable[[FlatCopy], T],
+                      manifests: dict[str, dict[str, Any]], open_copy: Callable[[FlatCopy | PendingCopy], T],
                       refusal: Callable[[T], BaseException | None] | None) -> _Opened[T] | None:
-    """Before the vote: read and check this rank's own newest usable copy -- the one a recovery from the
-    local tier takes -- and say in its report whether it checked out (``checked``, and ``refused`` when its
-    input state cannot be restored as asked) or why not (``bad``).  When every rank's chosen source was
-    checked so, the ranks agree from the reports alone (no second collective); otherwise the copy opened
-    here is used or discarded in step 4."""
+    """Before the vote: check this rank's own newest usable copy -- the one a recovery from the local tier
+    takes -- as far as it can without writing a target (its input state read and checked, the rest of its
+    bytes left for :meth:`~.flat.PendingCopy.fill`), and say in its report whether it checked out
+    (``checked``, and ``refused`` when its input state cannot be restored as asked) or why not (``bad``)."""
     own = [e for e in reports if e["holder"] == rank and e["of"] == rank and "bad" not in e
            and e["world_size"] == world_size and e["structure"] == structure and e["step"] >= at_least]
     if not own:
         return None
     newest = max(own, key=lambda e: (e["step"], e["save_id"]))
-    found = _open(newest, lambda: read_flat(newest["path"], manifests.get(newest["path"])), open_copy,
-                  refusal)
+    path = newest["path"]
+    found = _open(newest, lambda: open_pending(path, manifests.get(path) or read_manifest(path), is_input_key),
+                  open_copy, refusal)
     if isinstance(found, str):
         newest["bad"] = found
         return None
@@ -163,7 +202,8 @@ class _Opened(Generic[T]):
     refused: BaseException | None
 
 
-def _open(entry: dict[str, Any], read: Callable[[], FlatCopy], open_copy: Callable[[FlatCopy], T],
+def _open(entry: dict[str, Any], read: Callable[[], FlatCopy | PendingCopy],
+          open_copy: Callable[[FlatCopy | PendingCopy], T],
           refusal: Callable[[T], BaseException | None] | None) -> _Opened[T] | str:
     """The copy ``read()`` returns (``entry``'s, as its manifest must say), checked by ``open_copy`` and asked
     for a ``refusal``; or why it cannot be used (any exception makes the copy unusable: every rank must
@@ -183,16 +223,19 @@ def _open(entry: dict[str, Any], read: Callable[[], FlatCopy], open_copy: Callab
     return _Opened(path, opened, meta, refusal(opened) if refusal is not None else None)
 
 
-def recover(layout: NodeLayout, structure: str, open_copy: Callable[[FlatCopy], T], discard: Callable[[T], None], *,
-            at_least: int = 0, group: Any = None,
-            refusal: Callable[[T], BaseException | None] | None = None) -> Recovered[T] | None:
-    """Steps 1-4 of the module docstring (collective); ``None`` when no hot step qualifies.
+def recover(layout: NodeLayout, structure: str, open_copy: Callable[[FlatCopy | PendingCopy], T], steps: Steps, *,
+            at_least: int = 0, group: Any = None, refusal: Callable[[T], BaseException | None] | None = None,
+            listing: Callable[[], list[int]] | None = None, where: str = "") -> Recovery[T]:
+    """Steps 1-4 of the module docstring (collective).
 
-    ``open_copy(copy)`` checks one copy (read, every byte's crc32c checked) against this rank's state without
-    writing a target (raising when it does not fit: any exception marks the copy bad); ``discard`` drops an
-    opened copy that another rank's failure made unusable.  ``refusal(opened)``: why this rank cannot take
-    the state of a copy that is sound (input state that cannot be restored as asked) -- not damage, so it
-    is raised on every rank (the first refusing rank's error) once the ranks agreed on the step."""
+    ``open_copy(copy)`` checks one copy against this rank's state without writing a target (a read one, every
+    byte's crc32c checked; or a pending one, its manifest and input state) and raises when it does not fit:
+    any exception marks the copy bad.  ``refusal(opened)``: why this rank cannot take the state of a copy
+    that is sound (input state that cannot be restored as asked) -- not damage, so it is raised on every
+    rank (the first refusing rank's error) once the ranks agreed on the step, before any target is written.
+    ``steps``: writing an opened copy into the targets (:class:`Steps`).  ``listing``: run on rank 0 and
+    its answer handed to every rank (:attr:`Recovery.listed`); the newest step it lists is the ``at_least``
+    (a failure there raised on every rank, naming ``where``)."""
     dist = Dist(group)
     dist.phase = "vote"  # which step every rank can assemble; then each rank reads its copy
     rank = dist.rank
@@ -202,74 +245,147 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[FlatCopy], 
     except OSError as exc:  # an unreadable directory holds no usable copy; every rank must still gather
         log.warning("hot tier: cannot list %s (%s); its copies are not used", layout.node_dir(rank), exc)
         reports = []
-    early = _check_own_newest(reports, rank, layout.world_size, structure, at_least, manifests, open_copy, refusal)
-    gathered = dist.all_gather_json({"reports": reports, "structure": structure})
+    early = _check_own_newest(reports, rank, layout.world_size, structure, at_least if listing is None else 0,
+                              manifests, open_copy, refusal)
+    listed, failure = None, None
+    if listing is not None and rank == 0:
+        try:
+            listed = {"value": listing()}
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, then re-raised as it was
+            failure, listed = exc, {"error": error_record(exc)}
+    gathered = dist.all_gather_json({"reports": reports, "structure": structure, "listed": listed})
+    if listing is not None:
+        listed = gathered[0]["listed"]
+        if "error" in listed:
+            if early is not None:
+                steps.discard(early.opened)
+            if failure is not None:
+                raise failure
+            raise from_record(listed["error"], f"rank 0 failed under {where}: {listed['error']['message']}")
+        listed = listed["value"]
+        at_least = max(listed, default=0)
     entries = [e for g in gathered for e in g["reports"]]
     structures = [g["structure"] for g in gathered]
     if rank == 0:
         _explain(entries, structures, layout.world_size)
     bad: set[str] = set()
+    touched = False
     for attempt in range(len(entries) + 1):
         chosen = _choose(entries, structures, layout.world_size, at_least, bad)
         if chosen is None:
             if early is not None:
-                discard(early.opened)
+                steps.discard(early.opened)
             if entries and rank == 0:
                 log.warning("hot tier: %d copies found, but no step at or above %d that every rank can assemble "
                             "from verified copies", len(entries), at_least)
-            return None
+            return Recovery(None, listed, touched)
         step, save_id, sources = chosen
         mine = sources[rank]
         found: _Opened[T] | str | None = None
         if early is not None and early.path == mine["path"]:
             found = early  # checked before the vote
         elif early is not None:
-            discard(early.opened)
+            steps.discard(early.opened)
         early = None
         if attempt == 0 and all(e["holder"] == q and e.get("checked") for q, e in sources.items()):
-            # every rank's source was checked before the vote and reported so: nothing left to agree on
-            failed, refusals = [], [e.get("refused") for _, e in sorted(sources.items())]
-        else:
-            found, failed, refusals = _fetch_and_agree(dist, sources, found, manifests, open_copy, refusal, group)
-        if not failed:
+            # every rank's source was checked before the vote and reported so: read straight into the targets
             assert isinstance(found, _Opened)
-            if any(refusals):  # a sound copy whose input state cannot be restored as asked: raised everywhere
-                discard(found.opened)
-                raise_any_failure(lambda _: next((q, r) for q, r in enumerate(refusals) if r), found.refused,
+            _raise_refusals(step, found, [e.get("refused") for _, e in sorted(sources.items())], steps)
+            failed = _fill_apply_and_agree(dist, step, mine["path"], found, steps)
+            if not failed:
+                return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
+            touched = True
+        else:
+            if isinstance(found, _Opened):
+                steps.discard(found.opened)  # checked in part: this path reads and checks every byte first
+            found, failed, refusals = _fetch_and_agree(dist, sources, manifests, open_copy, refusal, group)
+            if not failed:
+                assert isinstance(found, _Opened)
+                _raise_refusals(step, found, refusals, steps)
+                problem = None
+                try:
+                    steps.apply(found.opened)
+                except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+                    problem = exc
+                dist.phase = "read"
+                raise_any_failure(dist.first_error, problem,
                                   lambda q, text: f"resuming hot step {step} failed on rank {q}: {text}")
-            source = "local" if all(e["holder"] == q for q, e in sources.items()) else "peer"
-            used = ", ".join(f"rank {q} from rank {e['holder']}'s {os.path.basename(e['path'])}"
-                             for q, e in sorted(sources.items()))
-            if rank == 0:
-                log.info("hot tier: step %d (%s) assembled from %s", step, source, used)
-            return Recovered(step, save_id, source, found.opened, mine["path"], found.meta)
-        if isinstance(found, _Opened):
-            discard(found.opened)
+                return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
+            if isinstance(found, _Opened):
+                steps.discard(found.opened)
+        dist.phase = "vote"
         for f in failed:
             bad.add(f["path"])
             log.warning("hot tier: not using %s for step %d: %s; trying the next copy", f["path"], step, f["why"])
-    return None  # pragma: no cover - every attempt marks a copy bad, so the loop ends in a return above
+    return Recovery(None, listed, touched)  # pragma: no cover - every attempt marks a copy bad
 
 
-def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], found: _Opened[T] | None,
-                     manifests: dict[str, dict[str, Any]], open_copy: Callable[[FlatCopy], T],
+def _recovered(step: int, save_id: str, sources: dict[int, dict[str, Any]], found: _Opened[T],
+               mine: dict[str, Any], rank: int) -> Recovered[T]:
+    source = "local" if all(e["holder"] == q for q, e in sources.items()) else "peer"
+    if rank == 0:
+        used = ", ".join(f"rank {q} from rank {e['holder']}'s {os.path.basename(e['path'])}"
+                         for q, e in sorted(sources.items()))
+        log.info("hot tier: step %d (%s) assembled from %s", step, source, used)
+    return Recovered(step, save_id, source, found.opened, mine["path"], found.meta)
+
+
+def _raise_refusals(step: int, found: _Opened[T], refusals: list[Any], steps: Steps) -> None:
+    """A sound copy whose input state cannot be restored as asked: raised on every rank (no target written)."""
+    if any(refusals):
+        steps.discard(found.opened)
+        raise_any_failure(lambda _: next((q, r) for q, r in enumerate(refusals) if r), found.refused,
+                          lambda q, text: f"resuming hot step {step} failed on rank {q}: {text}")
+
+
+def _fill_apply_and_agree(dist: Dist, step: int, path: str, found: _Opened[T], steps: Steps) -> list[dict[str, str]]:
+    """Every rank reads its own copy into its targets and applies the rest; one agreement.  The copies found
+    damaged on the way (every rank's list the same; their targets touched), or raises on every rank the
+    first error of an apply."""
+    why, problem = None, None
+    try:
+        steps.fill(found.opened)
+    except Exception as exc:  # noqa: BLE001 - the copy is bad; every rank learns of it below
+        why = f"{type(exc).__name__}: {exc}"
+    if why is None:
+        try:
+            steps.apply(found.opened)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+            problem = exc
+    else:
+        steps.discard(found.opened)
+    dist.phase = "read"
+    if not dist.any_failed(why is not None or problem is not None):
+        return []
+    reported = dist.all_gather_json({"path": path, "why": why,
+                                     "error": None if problem is None else error_record(problem)})
+    first = next(((q, r["error"]) for q, r in enumerate(reported) if r["error"] is not None), None)
+    if first is not None:
+        if problem is not None:
+            raise problem
+        raise from_record(first[1], f"resuming hot step {step} failed on rank {first[0]}: {first[1]['message']}")
+    return [{"path": r["path"], "why": r["why"]} for r in reported if r["why"] is not None]
+
+
+def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], manifests: dict[str, dict[str, Any]],
+                     open_copy: Callable[[FlatCopy | PendingCopy], T],
                      refusal: Callable[[T], BaseException | None] | None,
                      group: Any) -> tuple[_Opened[T] | str, list[dict[str, str]], list[Any]]:
     """Steps 3 and 4 for a choice the reports alone do not settle: the ranks without a copy of their own
     receive their holders' copies into memory (checked as they arrive), every other rank reads and checks its
-    own (unless it did before the vote), and one exchange tells every rank what failed -- a copy that did
-    not check out, a holder that could not send -- and which rank refuses the input state."""
+    own, and one exchange tells every rank what failed -- a copy that did not check out, a holder that could
+    not send -- and which rank refuses the input state.  No target is written."""
     rank = dist.rank
     mine = sources[rank]
     pulls = [Pull(e["holder"], e["path"], q, [(str(n), int(size)) for n, size in e["files"]])
              for q, e in sorted(sources.items()) if e["holder"] != q]
     fetched = fetch_copies(pulls, group) if pulls else None
-    if found is None:
-        if mine["holder"] != rank:
-            copy, problem = fetched.copy, fetched.problem
-            found = problem if copy is None else _open(mine, lambda: copy, open_copy, refusal)
-        else:
-            found = _open(mine, lambda: read_flat(mine["path"], manifests.get(mine["path"])), open_copy, refusal)
+    found: _Opened[T] | str
+    if mine["holder"] != rank:
+        copy, problem = fetched.copy, fetched.problem
+        found = problem if copy is None else _open(mine, lambda: copy, open_copy, refusal)
+    else:
+        found = _open(mine, lambda: read_flat(mine["path"], manifests.get(mine["path"])), open_copy, refusal)
     refused = found.refused if isinstance(found, _Opened) else None
     reported = dist.all_gather_json({"path": mine["path"], "why": found if isinstance(found, str) else None,
                                      "refused": None if refused is None else error_record(refused),

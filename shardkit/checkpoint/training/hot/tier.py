@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -114,9 +114,19 @@ class HotTier:
 
     def resume(self, targets: LoadTargets, candidates: list[int]) -> Resumed | None:
         """The newest hot step at or above the newest durable candidate that every rank can assemble."""
-        found = resume_hot(self.layout(), self.process_group, targets.model, targets.optimizer, data=targets.data,
-                           stateful=targets.stateful, rng=targets.rng, at_least=candidates[-1] if candidates else 0)
-        return None if found is None else Resumed(*found)
+        done = resume_hot(self.layout(), self.process_group, targets.model, targets.optimizer, data=targets.data,
+                          stateful=targets.stateful, rng=targets.rng, at_least=candidates[-1] if candidates else 0)
+        return None if done.found is None else Resumed(*done.found)
+
+    def resume_listing(self, targets: LoadTargets, listing: Callable[[], list[int]],
+                       where: str) -> tuple[Resumed | None, list[int], bool]:
+        """As :meth:`resume`, with the durable candidates listed by rank 0 (``listing``) inside the hot tier's
+        own exchange (one collective fewer); ``(resumed, candidates, touched)`` -- ``touched``: a damaged copy
+        was found after it had written targets (see :mod:`.recover`), so the caller must load a step whole
+        or raise."""
+        done = resume_hot(self.layout(), self.process_group, targets.model, targets.optimizer, data=targets.data,
+                          stateful=targets.stateful, rng=targets.rng, listing=listing, where=where)
+        return (None if done.found is None else Resumed(*done.found)), list(done.listed), done.touched
 
     def _check_space(self, layout: NodeLayout, dist: Dist, nbytes: int) -> None:
         """Every node's leader checks its directory for ``local_keep`` + 1 steps of its ranks' copies and the
