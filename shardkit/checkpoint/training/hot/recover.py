@@ -16,9 +16,10 @@
    rank's chosen source is such a copy of its own (a recovery from the local tier), the reports settle it:
    every rank reads its copy straight into its targets, every byte's crc32c checked as it lands (one pass,
    :meth:`~.flat.PendingCopy.fill`), applies the rest of the state, and one agreement tells every rank
-   whether all of them did.  Otherwise the ranks without a copy fetch theirs (step 3), every rank reads and
-   checks every byte of its copy without writing any target, the ranks exchange what failed (holders that
-   could not send included), and only then apply, and agree once more.  A failed copy is marked bad, named
+   whether all of them did.  Otherwise the ranks without a copy fetch theirs (step 3, every byte checked as
+   it arrives, no target written), the ranks exchange what failed (holders that could not send included)
+   and who refuses, and only then write their targets -- the fetched bytes copied in, an own copy read
+   straight in and checked as before -- and agree once more.  A failed copy is marked bad, named
    in the log with the reason, and step 2 runs again -- the next copy of that rank, then an older step --
    until every rank's copy checks out, or no hot step is left (the caller then loads the durable root).
    A refused input state is not damage: once the ranks agreed on the step, before any target is written,
@@ -53,7 +54,6 @@ from shardkit.checkpoint.training.hot.flat import (
     FlatCopy,
     PendingCopy,
     open_pending,
-    read_flat,
     read_manifest,
 )
 from shardkit.checkpoint.training.hot.nodes import NodeLayout, parse_copy_name
@@ -296,22 +296,15 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[FlatCopy | 
                 return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
             touched = True
         else:
-            if isinstance(found, _Opened):
-                steps.discard(found.opened)  # checked in part: this path reads and checks every byte first
-            found, failed, refusals = _fetch_and_agree(dist, sources, manifests, open_copy, refusal, group)
+            found, failed, refusals = _fetch_and_agree(dist, sources, found, manifests, open_copy, refusal, group)
             if not failed:
                 assert isinstance(found, _Opened)
                 _raise_refusals(step, found, refusals, steps)
-                problem = None
-                try:
-                    steps.apply(found.opened)
-                except Exception as exc:  # noqa: BLE001 - every rank learns of it below
-                    problem = exc
-                dist.phase = "read"
-                raise_any_failure(dist.first_error, problem,
-                                  lambda q, text: f"resuming hot step {step} failed on rank {q}: {text}")
-                return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
-            if isinstance(found, _Opened):
+                failed = _fill_apply_and_agree(dist, step, mine["path"], found, steps)
+                if not failed:
+                    return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
+                touched = True
+            elif isinstance(found, _Opened):
                 steps.discard(found.opened)
         dist.phase = "vote"
         for f in failed:
@@ -367,30 +360,35 @@ def _fill_apply_and_agree(dist: Dist, step: int, path: str, found: _Opened[T], s
     return [{"path": r["path"], "why": r["why"]} for r in reported if r["why"] is not None]
 
 
-def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], manifests: dict[str, dict[str, Any]],
-                     open_copy: Callable[[FlatCopy | PendingCopy], T],
+def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], found: _Opened[T] | None,
+                     manifests: dict[str, dict[str, Any]], open_copy: Callable[[FlatCopy | PendingCopy], T],
                      refusal: Callable[[T], BaseException | None] | None,
                      group: Any) -> tuple[_Opened[T] | str, list[dict[str, str]], list[Any]]:
     """Steps 3 and 4 for a choice the reports alone do not settle: the ranks without a copy of their own
-    receive their holders' copies into memory (checked as they arrive), every other rank reads and checks its
-    own, and one exchange tells every rank what failed -- a copy that did not check out, a holder that could
-    not send -- and which rank refuses the input state.  No target is written."""
+    receive their holders' copies into memory (every byte checked as it arrives), every other rank checks its
+    own as before the vote (unless it did then: ``found``; the rest of its bytes are checked as they are read
+    into the targets), and one exchange tells every rank what failed -- a copy that did not check out, a
+    holder that could not send -- and which rank refuses the input state.  No target is written."""
     rank = dist.rank
     mine = sources[rank]
     pulls = [Pull(e["holder"], e["path"], q, [(str(n), int(size)) for n, size in e["files"]])
              for q, e in sorted(sources.items()) if e["holder"] != q]
     fetched = fetch_copies(pulls, group) if pulls else None
-    found: _Opened[T] | str
-    if mine["holder"] != rank:
+    opened: _Opened[T] | str
+    if found is not None:
+        opened = found
+    elif mine["holder"] != rank:
         copy, problem = fetched.copy, fetched.problem
-        found = problem if copy is None else _open(mine, lambda: copy, open_copy, refusal)
+        opened = problem if copy is None else _open(mine, lambda: copy, open_copy, refusal)
     else:
-        found = _open(mine, lambda: read_flat(mine["path"], manifests.get(mine["path"])), open_copy, refusal)
-    refused = found.refused if isinstance(found, _Opened) else None
-    reported = dist.all_gather_json({"path": mine["path"], "why": found if isinstance(found, str) else None,
+        path = mine["path"]
+        opened = _open(mine, lambda: open_pending(path, manifests.get(path) or read_manifest(path), is_input_key),
+                       open_copy, refusal)
+    refused = opened.refused if isinstance(opened, _Opened) else None
+    reported = dist.all_gather_json({"path": mine["path"], "why": opened if isinstance(opened, str) else None,
                                      "refused": None if refused is None else error_record(refused),
                                      "sends": fetched.failed_sends if fetched is not None else {}})
     failed = [{"path": r["path"], "why": r["why"]} for r in reported if r["why"] is not None]
     failed += [{"path": path, "why": why} for r in reported for path, why in r["sends"].items()
                if path not in {f["path"] for f in failed}]
-    return found, failed, [r["refused"] for r in reported]
+    return opened, failed, [r["refused"] for r in reported]
