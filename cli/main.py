@@ -112,6 +112,85 @@ def _register() -> None:
 
 _register_done = False
 
+# reshard/convert: their options that take a value, and their flags -- what :func:`head_start_request` needs
+# to find SRC and its storage options before click (and the engine, torch with it) is loaded
+HEAD_START_COMMANDS = ("reshard", "convert")
+VALUE_OPTIONS = frozenset({
+    "--world-size", "--mesh", "--dtype", "--compression", "--to", "--from", "--max-shard-size", "--config",
+    "--storage-option", "--dst-storage-option", "--retries", "--timeout", "--max-memory", "--workers", "--only",
+    "--exclude", "--rename", "--model-keys"})
+FLAG_OPTIONS = frozenset({"--dtype-optim", "--overwrite", "--model-only", "--json", "--distributed",
+                          "--single-process", "--trust-pickle"})
+
+
+def head_start_request(args: list[str]) -> tuple[str, list[str], str | None, int] | None:
+    """(SRC, its ``--storage-option`` pairs, ``--max-memory``, ``--workers``) of a ``reshard``/``convert``
+    command line that one process runs, or ``None`` (another command, a help request, scale-out, or a
+    word this does not know: then nothing is guessed)."""
+    from shardkit.checkpoint.offline.options import DEFAULT_WORKERS
+
+    words = [a for a in args if a not in GLOBAL_FLAGS]
+    if not words or words[0] not in HEAD_START_COMMANDS or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    positional: list[str] = []
+    pairs: list[str] = []
+    extra: dict[str, str] = {}
+    memory, workers = None, str(DEFAULT_WORKERS)
+    rest = iter(words[1:])
+    for word in rest:
+        if word == "--":
+            positional.extend(rest)
+            break
+        if not word.startswith("-") or word == "-":
+            positional.append(word)
+            continue
+        name, eq, value = word.partition("=")
+        if name in FLAG_OPTIONS and not eq:
+            if name == "--distributed":
+                return None
+            continue
+        if name not in VALUE_OPTIONS:
+            return None  # --help, or an option this list does not know
+        if not eq:
+            value = next(rest, None)
+            if value is None:
+                return None
+        if name == "--storage-option":
+            pairs.append(value)
+        elif name in ("--retries", "--timeout"):
+            extra[name[2:]] = value
+        elif name == "--max-memory":
+            memory = value
+        elif name == "--workers":
+            workers = value
+    if len(positional) != 2 or not workers.isdigit():
+        return None
+    # the shorthands come after the pairs, in this order, as the commands append them
+    pairs += [f"shardkit.{key}:={extra[key]}" for key in ("retries", "timeout") if key in extra]
+    return positional[0], pairs, memory, int(workers)
+
+
+def start_head(args: list[str]) -> bool:
+    """For ``reshard``/``convert`` from an object store: start fetching the source's first blocks now,
+    while the command imports its engine (:mod:`shardkit.checkpoint.io.head_start`); whether it started.
+    Anything this cannot parse is left to the command, which reports it."""
+    request = head_start_request(args)
+    if request is None:
+        return False
+    src, pairs, memory, workers = request
+    if "://" not in src or src.startswith("file://"):
+        return False
+    from shardkit.checkpoint.io import head_start
+    from shardkit.checkpoint.offline.options import cache_budget, parse_memory
+    from shardkit.cli.render import storage_options
+
+    try:
+        options = storage_options(pairs)
+        budget = cache_budget(parse_memory(memory))
+    except Exception:  # noqa: BLE001 - the command parses these again and reports what is wrong
+        return False
+    return head_start.begin(src, options, budget=budget, threads=max(1, workers))
+
 
 class Interrupt:
     """Ctrl-C in the ``shardkit`` process: stop within :data:`INTERRUPT_GRACE_S`, whatever is in flight.
@@ -163,17 +242,21 @@ class Interrupt:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``shardkit``), also ``python -m shardkit``.
 
-    The console script leaves with :func:`leave_now` once the command is done and its output flushed:
-    every file it wrote is durable and committed by then, and tearing down the interpreter (torch's
-    thousands of modules, the clients' sessions) would add a second or more to every command for nothing.
+    A ``reshard``/``convert`` from an object store starts fetching its source first (:func:`start_head`),
+    so that its first blocks arrive while torch is imported.  The console script leaves with
+    :func:`leave_now` once the command is done and its output flushed: every file it wrote is durable
+    and committed by then, and tearing down the interpreter (torch's thousands of modules, the clients'
+    sessions) would add a second or more to every command for nothing.
     In-process calls (tests, notebooks) get ``SystemExit`` as before."""
     global _register_done
+    args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
+    console = argv is None and threading.current_thread() is threading.main_thread()
+    started = console and start_head(args)  # before the commands' imports (torch): see start_head
     if not _register_done:
         _register()
         _register_done = True
-    args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
     settings = Settings()
-    interrupt = Interrupt(settings) if argv is None and threading.current_thread() is threading.main_thread() else None
+    interrupt = Interrupt(settings) if console else None
     if interrupt is not None:
         interrupt.install()
     try:
@@ -184,6 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         if exc.code is not None and not isinstance(exc.code, int):
             click.echo(str(exc.code), err=True)  # what the interpreter would print for sys.exit("message")
         code = exc.code if isinstance(exc.code, int) else ExitCode.OK if exc.code is None else ExitCode.CHECKPOINT
+    finally:
+        if started:
+            from shardkit.checkpoint.io import head_start
+
+            head_start.drop()
     if interrupt is not None:
         leave_now(code)
     sys.exit(code)

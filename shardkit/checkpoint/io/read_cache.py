@@ -20,6 +20,14 @@ boxes share, which is why a spent block stays while room allows), then the
 least recently used ones; a byte read after its block went is fetched again,
 which is slower, never wrong.
 
+A head start (``head_start.py``) may fill a cache before the conversion exists
+(:meth:`BlockCache.fetch_first`: the blocks it guesses come first, fetched
+while the command is still importing its engine), and the conversion then takes
+it over (:meth:`BlockCache.adopt`: its own fetch, with its retries, from then
+on).  A guessed block no read has used yet goes before any other when room is
+needed, so a wrong guess costs requests, never the memory bound or the
+read-ahead of the blocks that are needed.
+
 Nothing here checks bytes: the reader that asked verifies every span against
 its crc32c as before, so a block that a cache served is checked exactly like
 one a request fetched.  A read that asks past the end of the file gets the
@@ -33,7 +41,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 __all__ = ["BlockCache", "BLOCK_BYTES"]
 
@@ -55,6 +63,7 @@ class _Block:
     error: BaseException | None = None
     served: list[tuple[int, int]] = field(default_factory=list)  # byte ranges handed out, merged
     spent: bool = False  # every byte served: the first to go when room is needed
+    guess: bool = False  # fetched by a head start and not used yet: dropped before any other unspent block
     future: Future | None = None
 
 
@@ -98,6 +107,16 @@ class BlockCache:
         self._read_ahead(path, last)
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def size(self, path: str) -> int:
+        """The size of ``path``, asked of the store once while this cache serves it (the readers' checks of
+        a file's length ask here too, instead of a request each)."""
+        return self._size(path)
+
+    def know_sizes(self, sizes: dict[str, int]) -> None:
+        """Sizes already listed (a head start's listing): not asked again."""
+        with self._size_lock:
+            self._sizes.update(sizes)
+
     def _size(self, path: str) -> int:
         """The size of ``path``, asked once however many threads start on it together."""
         size = self._sizes.get(path)
@@ -119,6 +138,7 @@ class BlockCache:
                     blk = self._claim(key, ahead=False)
                 else:
                     self._blocks.move_to_end(key)
+                    blk.guess = False
             if mine:
                 self._load(key, blk)
             blk.done.wait()
@@ -128,24 +148,26 @@ class BlockCache:
                 raise blk.error
             # read-ahead failed or was cancelled: fetch it here, where a failure is reported
 
-    def _claim(self, key: tuple[str, int], ahead: bool) -> _Block:
+    def _claim(self, key: tuple[str, int], ahead: bool, guess: bool = False) -> _Block:
         """A new block for ``key``, room made for it (under the lock)."""
         length = min(self.block, self._sizes[key[0]] - key[1] * self.block)
         self._make_room(length)
-        blk = self._blocks[key] = _Block(length, ahead)
+        blk = self._blocks[key] = _Block(length, ahead, guess=guess)
         self.held += length
         self.peak = max(self.peak, self.held)
         return blk
 
     def _make_room(self, length: int, spent_only: bool = False) -> None:
-        """Drop spent blocks, then (unless ``spent_only``) the least recently used fetched ones, until
-        ``length`` more bytes fit the budget (spent blocks are kept at the front of the order)."""
-        for key in list(self._blocks):
-            if self.held + length <= self.budget:
-                return
-            blk = self._blocks[key]
-            if blk.spent or (not spent_only and blk.done.is_set()):
-                self._drop(key, blk)
+        """Drop spent blocks, then guessed ones no read used, then (unless ``spent_only``) the least
+        recently used fetched ones, until ``length`` more bytes fit the budget (spent blocks are kept at
+        the front of the order)."""
+        for droppable in (lambda b: b.spent, lambda b: b.guess and b.done.is_set(),
+                          lambda b: not spent_only and b.done.is_set()):
+            for key, blk in list(self._blocks.items()):
+                if self.held + length <= self.budget:
+                    return
+                if droppable(blk):
+                    self._drop(key, blk)
 
     def _drop(self, key: tuple[str, int], blk: _Block) -> None:
         if self._blocks.get(key) is blk:
@@ -171,6 +193,7 @@ class BlockCache:
     def _served(self, path: str, k: int, blk: _Block, a: int, b: int) -> None:
         """Note bytes ``[a, b)`` of the block as served; once all of them were, nothing needs it again."""
         with self._cond:
+            blk.guess = False
             blk.served = _merged(blk.served, a, b)
             if blk.served == [(0, blk.length)] and not blk.spent and self._blocks.get((path, k)) is blk:
                 blk.spent = True
@@ -195,10 +218,50 @@ class BlockCache:
                 self._make_room(length, spent_only=True)
                 if self.held + length > self.budget:
                     return
-                blk = self._claim(key, ahead=True)
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardkit-readahead")
-                blk.future = self._pool.submit(self._load, key, blk)
+                self._start(key, length)
+
+    def _start(self, key: tuple[str, int], length: int, guess: bool = False) -> None:
+        """Claim block ``key`` and fetch it on the read-ahead threads (under the lock)."""
+        blk = self._claim(key, ahead=True, guess=guess)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardkit-readahead")
+        blk.future = self._pool.submit(self._load, key, blk)
+
+    def fetch_first(self, blocks: Iterable[tuple[str, int]]) -> int:
+        """Start fetching ``blocks`` ((path, block number), sizes known) on the read-ahead threads before
+        any read asks for them, in that order, while they fit the budget; how many were started.  Until
+        a read uses one, such a block is the first to go when room is needed."""
+        started = 0
+        with self._cond:
+            for path, k in blocks:
+                size = self._sizes[path]
+                length = min(self.block, size - k * self.block)
+                if self._closed or length <= 0 or (path, k) in self._blocks:
+                    continue
+                if self.held + length > self.budget:
+                    break
+                self._start((path, k), length, guess=True)
+                started += 1
+        return started
+
+    def adopt(self, fetch: Callable[[str, int, int], bytes], size_of: Callable[[str], int], *, budget: int,
+              threads: int, block: int = BLOCK_BYTES) -> bool:
+        """Carry on as the cache of the conversion that takes this one over: its ``fetch`` (with its
+        retries) and ``size_of`` from now on, its ``budget`` and ``threads`` for what follows (the blocks
+        in flight finish on the threads they started on).  False, changing nothing, when its block size
+        would differ (the conversion then starts a cache of its own)."""
+        if max(1, min(block, budget // 2 or 1)) != self.block:
+            return False
+        with self._cond:
+            if self._closed:
+                return False
+            self._fetch, self._size_of = fetch, size_of
+            self.budget, self.threads, self.ahead = budget, max(1, threads), max(1, threads)
+            self._make_room(0, spent_only=True)  # a smaller budget: guessed blocks beyond it go first
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # the blocks already on their way still arrive
+        return True
 
     def close(self) -> None:
         """Stop read-ahead (blocks not started are released to any reader waiting for them) and let go of

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Mapping, Se
 
 import numpy as np
 
+from shardkit.checkpoint.io import head_start
 from shardkit.checkpoint.io.clouds import CloudProfile
 from shardkit.checkpoint.io.read_cache import BlockCache
 from shardkit.checkpoint.io.uploads import DEPTH as UPLOAD_DEPTH
@@ -80,11 +81,20 @@ class RemoteFiles:
 
     def read_through(self, budget: int, threads: int) -> BlockCache:
         """Serve ranged reads from now on from a :class:`BlockCache` of ``budget`` bytes reading ahead on
-        ``threads`` threads (close it, and set ``cache`` back to ``None``, when done)."""
+        ``threads`` threads (close it, and set ``cache`` back to ``None``, when done): the one a head start
+        began on this same store with these same options (:mod:`.head_start`), blocks already fetched,
+        else a new one.  While it serves, a file's size is asked of the store once (:meth:`size`)."""
         def fetch(path: str, start: int, end: int) -> bytes:
             return self.retry(f"reading bytes {start}-{end} of {self.url(path)}",
                               lambda: self.fs.cat_file(path, start=start, end=end), self.url(path))
-        self.cache = BlockCache(fetch, lambda path: self.size(path, self.url(path)), budget=budget, threads=threads)
+
+        def size_of(path: str) -> int:
+            return self.asked_size(path, self.url(path))
+        cache = head_start.take(self.fs)
+        if cache is not None and not cache.adopt(fetch, size_of, budget=budget, threads=threads):
+            cache.close()
+            cache = None
+        self.cache = cache or BlockCache(fetch, size_of, budget=budget, threads=threads)
         return self.cache
 
     def url(self, path: str) -> str:
@@ -127,6 +137,14 @@ class RemoteFiles:
         return self.probe(path, "isdir", root, what)
 
     def size(self, path: str, where: str) -> int:
+        """The object's size; while a read-through cache serves, the one answer it got for this file
+        (each reader thread checks a data file's length: one request, not one per thread)."""
+        if self.cache is not None:
+            return self.cache.size(path)
+        return self.asked_size(path, where)
+
+    def asked_size(self, path: str, where: str) -> int:
+        """The object's size, asked of the store now."""
         self.fresh(path)
         return int(self.retry(f"size of {where}", lambda: self.fs.size(path), self.url(path)))
 

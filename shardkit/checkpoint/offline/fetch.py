@@ -39,17 +39,11 @@ import torch
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.io.storage import Storage
+from shardkit.checkpoint.offline.options import cache_budget
 from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["Fetcher", "read_through", "cache_budget"]
-
-
-def cache_budget(budget: int) -> int:
-    """The block cache's share of a conversion's memory ``budget``: a quarter (64 MiB, eight 8 MiB
-    blocks, at the default 256 MiB; below 64 MiB the blocks shrink to half the share, so that a small
-    budget is kept, at the price of smaller requests)."""
-    return budget // 4
 
 
 @contextlib.contextmanager

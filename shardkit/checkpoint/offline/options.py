@@ -10,7 +10,7 @@ from typing import Any
 
 from shardkit.errors import ConfigurationError
 
-__all__ = ["parse_mesh", "parse_size", "parse_memory", "DEFAULT_MAX_MEMORY", "DEFAULT_MAX_MEMORY_TEXT",
+__all__ = ["cache_budget", "parse_mesh", "parse_size", "parse_memory", "DEFAULT_MAX_MEMORY", "DEFAULT_MAX_MEMORY_TEXT",
            "DEFAULT_WORKERS", "DEFAULT_MAX_SHARD_SIZE", "MIN_MEMORY"]
 
 DEFAULT_MAX_MEMORY_TEXT = "256MiB"
@@ -60,6 +60,13 @@ def parse_memory(value: int | str | None) -> int:
     if n < MIN_MEMORY:
         raise ConfigurationError(f"--max-memory {value!r} is below the 16 MiB minimum")
     return n
+
+
+def cache_budget(budget: int) -> int:
+    """The block cache's share of a conversion's memory ``budget``: a quarter (64 MiB, eight 8 MiB
+    blocks, at the default 256 MiB; below 64 MiB the blocks shrink to half the share, so that a small
+    budget is kept, at the price of smaller requests)."""
+    return budget // 4
 
 
 def parse_mesh(value: Any) -> tuple[int, ...]:

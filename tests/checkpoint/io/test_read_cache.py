@@ -99,3 +99,41 @@ def test_a_failed_read_ahead_is_fetched_again_by_the_read_that_needs_it_and_a_fa
     with pytest.raises(OSError, match="connection reset"):
         cache.read("f", 3 * BLOCK, 3 * BLOCK + 1)
     cache.close()
+
+
+def test_blocks_fetched_first_are_served_without_a_second_fetch_after_the_cache_is_taken_over():
+    files = _files()
+    head = Store(files)
+    cache = BlockCache(head.fetch, head.size, budget=4 * BLOCK, block=BLOCK, threads=2)
+    cache.know_sizes({p: len(b) for p, b in files.items()})
+    assert cache.fetch_first([("f0", k) for k in range(10)]) == 4  # as many as the budget holds
+    engine = Store(files)
+    assert cache.adopt(engine.fetch, engine.size, budget=4 * BLOCK, threads=2, block=2 * BLOCK) is False
+    assert cache.adopt(engine.fetch, engine.size, budget=4 * BLOCK, threads=2, block=BLOCK) is True
+    assert cache.read("f0", 0, 4 * BLOCK) == files["f0"][:4 * BLOCK]
+    assert sorted(s for _, s, _ in head.fetches) == [k * BLOCK for k in range(4)]
+    assert all(s >= 4 * BLOCK for _, s, _ in engine.fetches)  # blocks 0-3 came from the head start alone,
+    cache.read("f0", 4 * BLOCK, 5 * BLOCK)  # the engine's own fetch (and read-ahead) from then on
+    assert ("f0", 4 * BLOCK, 5 * BLOCK) in engine.fetches and len(head.fetches) == 4
+    cache.close()
+
+
+def test_a_wrong_guess_gives_way_to_the_blocks_read_and_to_their_read_ahead():
+    files = _files()
+    store = Store(files)
+    cache = BlockCache(store.fetch, store.size, budget=4 * BLOCK, block=BLOCK, threads=2, ahead=2)
+    cache.know_sizes({p: len(b) for p, b in files.items()})
+    assert cache.fetch_first([("f0", k) for k in range(4)]) == 4  # the budget full of guesses
+    for _ in range(200):
+        with cache._cond:
+            if all(b.done.is_set() for b in cache._blocks.values()):
+                break
+        threading.Event().wait(0.01)
+    assert cache.read("f1", 0, 10) == files["f1"][:10]
+    for _ in range(200):  # the read-ahead of f1's blocks 1 and 2 took the place of unused guesses
+        if {("f1", BLOCK), ("f1", 2 * BLOCK)} <= {(p, s) for p, s, _ in store.fetches}:
+            break
+        threading.Event().wait(0.01)
+    assert {("f1", BLOCK), ("f1", 2 * BLOCK)} <= {(p, s) for p, s, _ in store.fetches}
+    assert cache.peak <= cache.budget
+    cache.close()
