@@ -23,6 +23,10 @@ the proxy the requests each op makes are counted by method, and those carrying >
 their mean size (the rerun's GETs say whether it re-read what was already written).  Target: ``reshard``
 and ``convert`` <= 1.2x the ``copy`` in both settings.
 
+``--baseline DIR`` also runs ``reshard`` and ``convert`` from another checkout of shardkit (e.g. ``git archive
+<commit> | tar -x -C DIR``), as ``reshard@base`` and ``convert@base`` in the same rotation, so that a change is
+measured before and after in one run, against the same copy (``--no-rerun`` leaves the rerun out).
+
 Where the time goes: every round also times, alone, what each process pays before its first request
 (the interpreter, ``import s3fs``, ``import torch``, ``shardkit --help``); the ``moving`` column is each
 op's time less its process's start-up over the copy's likewise -- the pace of the pipeline itself.
@@ -107,9 +111,18 @@ def cli(*words: str, endpoint: str) -> list[str]:
     return [sys.executable, "-m", "shardkit", *words, "--storage-option", f"client_kwargs.endpoint_url={endpoint}"]
 
 
-def timed(command: list[str]) -> float:
+def baseline_env(checkout: str) -> dict[str, str]:
+    """The environment that runs ``python -m shardkit`` from ``checkout`` (its ``cli/`` folder is the
+    ``shardkit.cli`` package, as the editable install maps it: linked into place once)."""
+    link = os.path.join(checkout, "shardkit", "cli")
+    if not os.path.exists(link):
+        os.symlink(os.path.join(checkout, "cli"), link)
+    return {**os.environ, "PYTHONPATH": checkout}
+
+
+def timed(command: list[str], cwd: str = REPO, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     seconds = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command[:5])} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -190,8 +203,10 @@ def one_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
             if setting != "direct":
                 proxy.add("latency", times=None, delay=args.latency)
             via_options = {**options, "client_kwargs": {"endpoint_url": via}}
+            ops = OPS + (("reshard@base", "convert@base") if args.baseline else ())
             for r in range(args.rounds):
-                for op in OPS[r % 3:] + OPS[:r % 3] + ("rerun",):
+                turn = r % len(ops)
+                for op in ops[turn:] + ops[:turn] + (() if args.no_rerun else ("rerun",)):
                     dst = f"{dst_bucket}/{op}-{setting}-{r}"
                     seen = len(proxy.requests)
                     src_url, dst_url = f"s3://{src_bucket}/ckpt", f"s3://{dst}"
@@ -210,9 +225,10 @@ def one_size(args: argparse.Namespace, size: float) -> dict[str, Any]:
                         seen = len(proxy.requests)
                         seconds = timed(command)
                     else:
-                        words = ("--world-size", "3") if op == "reshard" else ("--to", "shardkit")
-                        seconds = timed(cli(op, src_url, dst_url, *words, "--workers", str(args.workers),
-                                            endpoint=via))
+                        name, _, base = op.partition("@")
+                        words = ("--world-size", "3") if name == "reshard" else ("--to", "shardkit")
+                        command = cli(name, src_url, dst_url, *words, "--workers", str(args.workers), endpoint=via)
+                        seconds = timed(command, *((args.baseline, baseline_env(args.baseline)) if base else ()))
                     if setting != "direct":
                         counts = collections.Counter(q.method for q in proxy.requests[seen:])
                         out["requests"][f"{op}/{setting}"] = dict(counts)
@@ -248,10 +264,12 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
     print(f"  'moving' = the time less the process's start-up ({ours_start:.2f} s for the CLI, {copy_start:.2f} s "
           "for the copy): how the pipeline itself compares (for information; the targets count the whole time)")
     settings = sorted({k.split("/", 1)[1] for k in times}, key=lambda s: s != "direct")
-    print(f"  {'op':10s} " + " ".join(f"{s:>10s} {'vs copy':>8s} {'moving':>7s}" for s in settings) +
+    print(f"  {'op':12s} " + " ".join(f"{s:>10s} {'vs copy':>8s} {'moving':>7s}" for s in settings) +
           "   requests through the proxy (by method; those of >= 1 MiB: their mean size)")
     verdicts = []
-    for op in (*OPS, "rerun"):
+    for op in (*OPS, "reshard@base", "convert@base", "rerun"):
+        if not any(k.startswith(f"{op}/") for k in times):
+            continue
         cells, reqs = [], res["requests"].get(f"{op}/{settings[-1]}", {})
         for setting in settings:
             if not times.get(f"{op}/{setting}"):  # every interrupted run committed before its kill
@@ -260,12 +278,13 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
             ours, copy = statistics.median(times[f"{op}/{setting}"]), statistics.median(times[f"copy/{setting}"])
             moving = (ours - (copy_start if op == "copy" else ours_start)) / max(copy - copy_start, 1e-9)
             cells.append(f"{ours:10.2f} {ours / copy:7.2f}x {moving:6.2f}x")
+            res.setdefault("medians", {})[f"{op}/{setting}"] = ours
             if op in ("reshard", "convert"):
                 verdicts.append(targets.Verdict(f"{size} {op} ({setting}) / plain parallel copy", ours / copy, LIMIT,
                                                 f"{ours:.2f} s / {copy:.2f} s"))
         moved, nbytes = res["data_requests"].get(f"{op}/{settings[-1]}", (0, 0))
         sizes = f"; {moved} moved data, {nbytes / max(moved, 1) / 2 ** 20:.1f} MiB each" if moved else ""
-        print(f"  {op:10s} " + " ".join(cells) + "   " + ", ".join(f"{m} {n}" for m, n in sorted(reqs.items()))
+        print(f"  {op:12s} " + " ".join(cells) + "   " + ", ".join(f"{m} {n}" for m, n in sorted(reqs.items()))
               + sizes)
     for note in res.get("rerun_notes", []):
         print(f"  interrupted reshard ({note})")
@@ -280,6 +299,9 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.02, help="seconds added to every proxied request")
     parser.add_argument("--part", type=int, default=8 << 20, help="the copy's request size (bytes)")
     parser.add_argument("--json", default=None, help="also keep the raw results here")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also run reshard and convert from this checkout of shardkit (before/after)")
+    parser.add_argument("--no-rerun", action="store_true", help="leave out the interrupted reshard's rerun")
     parser.add_argument("--copy-worker", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -162,11 +162,24 @@ class RemoteFiles:
         return sorted(set(names))
 
     def listing(self, root: str, url: str) -> list[tuple[str, int, str]]:
-        """(name, size, change stamp) of the files directly under ``root`` (or of the file itself)."""
-        if self.is_dir(root, root, f"checking {url}"):
+        """(name, size, change stamp) of the files directly under ``root`` (or of the file itself).  Asked
+        as "what is it?" first: for a file (a data file's stamp, journaled as it lands) that one request
+        answers; a directory is then listed."""
+        self.fresh(root)
+
+        def look() -> dict[str, Any] | None:
+            try:
+                return self.fs.info(root)
+            except FileNotFoundError:
+                return None
+        info = self.retry(f"checking {url}", look, url)
+        if info is None:
+            self.raise_if_no_bucket(root, f"checking {url}")
+            infos = [self.retry(f"checking {url}", lambda: self.fs.info(root), url)]  # fails as it did before
+        elif info.get("type", "file") == "directory":
             infos = self.retry(f"listing {url}", lambda: self.fs.ls(root, detail=True), url)
         else:
-            infos = [self.retry(f"checking {url}", lambda: self.fs.info(root), url)]
+            infos = [info]
         return sorted((str(i["name"]).rstrip("/").rsplit("/", 1)[-1], int(i.get("size") or 0), change_stamp(i))
                       for i in infos if i.get("type", "file") == "file")
 

@@ -34,7 +34,7 @@ class Wire:
 
         async def counted(fs, method, *args, **kwargs):
             out = await real(fs, method, *args, **kwargs)
-            key = kwargs.get("Key", "")
+            key = kwargs.get("Key", kwargs.get("Prefix", ""))
             if method == "get_object":
                 if "Range" in kwargs:
                     a, b = map(int, re.match(r"bytes=(\d+)-(\d+)", kwargs["Range"]).groups())
@@ -96,6 +96,21 @@ def test_a_reshard_between_buckets_moves_its_data_in_requests_of_8_mib(source, m
     assert len(caches) == 1 and 0 < caches[0].peak <= caches[0].budget + 4 * BLOCK_BYTES
     assert verify(dst, storage_options=options).ok and diff(src, dst, storage_options=options,
                                                             b_storage_options=options).equal
+
+
+def test_a_reshard_asks_no_more_of_the_stores_than_its_data_needs(source, monkeypatch):
+    """Beyond the data, the HEADs: one per source data file (not one per reader thread), none of the
+    resume journal's records (one listing says which exist), one per output file (its change stamp)."""
+    src, dst, options, fs = source
+    wire = Wire(monkeypatch)
+    reshard(src, dst, world_size=3, workers=4, storage_options=options)
+    outputs = [p.rsplit("/", 1)[-1] for p in fs.find(f"{dst}/data")]
+    heads = [key for method, key, _, _ in wire.requests if method == "head_object"]
+    assert len(outputs) == 3
+    assert sorted(k for k in heads if "/src/data/" in f"/{k}") == sorted(p.split("/", 1)[1]
+                                                                         for p in fs.find(f"{src}/data"))
+    assert not [k for k in heads if ".shardkit-resume/" in k]
+    assert sorted(k.rsplit("/", 1)[-1] for k in heads if "/dst/data/" in f"/{k}") == sorted(outputs)
 
 
 def test_a_rerun_reads_only_headers_back_and_rewrites_what_changed_after_its_journal(source, monkeypatch):

@@ -143,11 +143,15 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
     writer = NativeWriter(storage, compression=parse_compression(job.compression), fsync=storage.fsync_worthwhile)
     skipped = [0]
     lock = threading.Lock()
+    # one listing of the journal instead of a probe per file (on an object store a probe of a missing
+    # record is two requests); only a file whose record is listed can be kept
+    journaled = set(storage.listdir(RESUME_DIR))
 
     def one(unit: FileUnit, stop: threading.Event) -> WrittenFile:
         if stop.is_set():
             raise Stopped(unit.name)
-        kept = journaled_file(storage, unit.name, job.source_id)
+        listed = journal_name(unit.name).rsplit("/", 1)[-1] in journaled
+        kept = journaled_file(storage, unit.name, job.source_id) if listed else None
         if kept is not None:
             with lock:
                 skipped[0] += unit.nbytes
