@@ -100,9 +100,15 @@ def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
     return open_reader(src, storage_options, format=src_format, torch_options=torch_options), dst_storage_options
 
 
-def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str) -> str:
-    """Where SRC is and what it holds: a resumed run keeps only data written from the same id."""
+def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str, source: Any = None) -> str:
+    """Where SRC is and what it holds: a resumed run keeps only data written from the same id.  Asked
+    through the open ``source``'s storage when that is SRC's, with the same options (its client made
+    already: on an object store a new one costs a tenth of a second), else through a new one."""
     storage = Storage(src, storage_options)
+    opened = getattr(source, "storage", None)
+    if (isinstance(opened, Storage) and opened.url == storage.url
+            and opened.storage_options == storage.storage_options):
+        storage = opened
     return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
 
 
@@ -167,7 +173,7 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         result = _write(source, sel, dest, target, "convert", budget=budget, workers=workers, progress=progress,
                         block_bytes=_block_bytes(budget), max_shard_size=shard_cap, export=export,
                         world_size=world_size or math.prod(mesh_t or (1,)), mesh=mesh_t, compression=compression,
-                        source_id=source_id(src, storage_options, source.info.format))
+                        source_id=source_id(src, storage_options, source.info.format, source))
         dest.remove_stale(result.files)
         _log_written("convert", src, result, started)
         return result
@@ -273,7 +279,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             if not agree(True):
                 raise CheckpointError(f"{dst}: a process could not prepare DST; see its error")
         result = _write(source, sel, dest, NATIVE, "reshard", world_size=ws, mesh=mesh_t, compression=compression,
-                        source_id=source_id(src, storage_options, source.info.format), budget=budget,
+                        source_id=source_id(src, storage_options, source.info.format, source), budget=budget,
                         workers=workers, progress=progress, scaleout=Scaleout(rank, nprocs, agree))
         if result is not None:
             dest.remove_stale(result.files)

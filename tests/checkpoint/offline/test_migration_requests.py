@@ -152,3 +152,23 @@ def test_a_single_output_file_keeps_as_many_parts_moving_as_workers_within_the_p
     assert upload_depth(threads=4, units=1, workers=4) == 4  # convert --to shardkit: one file, four parts moving
     assert upload_depth(threads=4, units=3, workers=4) == 1  # reshard to 3 ranks: three files, one part each
     assert upload_depth(threads=1, units=1, workers=1) == 1
+
+
+def test_the_source_id_is_asked_through_the_open_source_and_is_the_one_a_new_storage_gives(source, monkeypatch):
+    from shardkit.checkpoint.formats import open_reader
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.offline.convert import source_id
+
+    src, _, options, _ = source
+    reader = open_reader(src, options)
+    asked = []
+    read_bytes = Storage.read_bytes
+    monkeypatch.setattr(Storage, "read_bytes", lambda self, *a, **k: asked.append(self) or read_bytes(self, *a, **k))
+    try:
+        assert source_id(src, options, reader.info.format, reader) == source_id(src, options, reader.info.format)
+        assert asked[0] is reader.storage and asked[1] is not reader.storage
+        other = {**options, "default_block_size": 5 << 20}
+        source_id(src, other, reader.info.format, reader)
+        assert asked[2] is not reader.storage  # other options: not the open source's storage
+    finally:
+        reader.close()
