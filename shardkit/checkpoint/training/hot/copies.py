@@ -132,11 +132,13 @@ def is_input_key(key: str) -> bool:
 
 
 def input_targets(copy: FlatCopy | PendingCopy) -> dict[str, Any]:
-    """The input state (``data``, ``rng``) the copy holds, nested, as a load fills it: its tensors (checked
-    already, each its own small tensor: an RNG state is handed to torch, which reads its storage from the
-    start) and its values decoded."""
+    """The input state (``data``, ``rng``) the copy holds, nested, as a load fills it: its tensors (each its
+    own small tensor: an RNG state is handed to torch, which reads its storage from the start -- a pending
+    copy's are that already, and a peer's are filled in place when its bytes arrive) and its values
+    decoded."""
     found = {key: from_json_value(v) for key, v in copy.values.items() if key.startswith(_INPUT_PREFIXES)}
-    found.update({key: t.clone() for key, t in copy.tensors.items() if key.startswith(_INPUT_PREFIXES)})
+    found.update({key: t if isinstance(copy, PendingCopy) else t.clone()
+                  for key, t in copy.tensors.items() if key.startswith(_INPUT_PREFIXES)})
     return nest(found)
 
 

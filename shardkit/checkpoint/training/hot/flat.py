@@ -174,12 +174,19 @@ class PendingCopy:
     values: dict[str, Any]
     entries: dict[str, Entry]
     size: int
+    remote: bool = False  # a peer's copy: its bytes arrive over the process group (:mod:`.fetch`), not read here
+    problem: str | None = None  # a peer's copy: why its bytes did not check out as they arrived
 
     def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
         """Read each of ``targets``' tensors (by key, this copy's dtype and shape) from ``state.bin`` into
         it and check its crc32c, piece by piece as each lands.  Raises
         :class:`~shardkit.errors.CorruptCheckpoint` naming the file and key on a mismatch -- by then the
-        targets read before it were written, so the caller must treat them as touched."""
+        targets read before it were written, so the caller must treat them as touched.  A peer's copy
+        arrived into the targets already: only its ``problem`` is raised."""
+        if self.remote:
+            if self.problem is not None:
+                raise CorruptCheckpoint(self.problem)
+            return
         _read_entries(self.path, self.size, sorted(((self.entries[key], t) for key, t in targets.items()),
                                                    key=lambda et: et[0].offset))
 

@@ -8,8 +8,9 @@
    of its own layout that was not found bad.  Each rank's source is its own copy when it has one, else the
    replica on the nearest node.
 3. **Fetch.**  A rank without a usable copy of its own receives one from its replica holder over the
-   process group straight into memory (:func:`~.fetch.fetch_copies`), every tensor's crc32c checked as
-   its bytes arrive; nothing is written to any disk (the next save writes this node's copy again).
+   process group (:class:`~.fetch.PeerFetch`): its manifest first, then -- once the ranks agreed -- its
+   bytes straight into the targets, every tensor's crc32c checked as its bytes arrive; nothing is written
+   to any disk (the next save writes this node's copy again).
 4. **Check, then agree.**  Before step 1 each rank checks its own newest copy as far as it can without
    writing a target -- manifest, keys, dtypes and shapes against its state, the input state read and
    checked, whether that input state can be restored as asked -- and says so in its report.  When every
@@ -34,7 +35,8 @@ some step whole, or raise: never report "nothing to resume" over a half-written 
 pays one collective for both; a failure there is raised on every rank, as rank 0 raised it.
 
 Collectives: one all-gather and one small agreement for a recovery from the local tier; the all-gather,
-one round of transfers, one all-gather and one agreement for a recovery from peers.
+a round of transfers (the manifests), one all-gather, a round of transfers (the data, into the targets) and
+one agreement for a recovery from peers.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
+import torch
+
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.transfer_files import list_directory
 from shardkit.checkpoint.training.hot.copies import checked_meta, is_input_key
-from shardkit.checkpoint.training.hot.fetch import Pull, fetch_copies
+from shardkit.checkpoint.training.hot.fetch import PeerFetch, Pull, Received
 from shardkit.checkpoint.training.hot.flat import (
     MANIFEST_NAME,
     FlatCopy,
@@ -95,11 +99,14 @@ class Recovery(Generic[T]):
 class Steps:
     """The hooks :func:`recover` runs on an opened copy: ``fill`` reads a pending copy into the targets
     (raising for damage: the copy is bad, the targets touched), ``apply`` writes the rest of the state
-    (raising: the resume fails on every rank), ``discard`` drops an opened copy that is not used."""
+    (raising: the resume fails on every rank), ``discard`` drops an opened copy that is not used,
+    ``receive`` runs the second round of a fetch on every rank (:meth:`~.fetch.PeerFetch.data`), a peer's
+    copy received straight into its targets (its problem then raised by ``fill``)."""
 
     fill: Callable[[Any], None]
     apply: Callable[[Any], None]
     discard: Callable[[Any], None]
+    receive: Callable[[Any, PeerFetch], None]
 
 
 def hot_reports(layout: NodeLayout, rank: int, *,
@@ -296,10 +303,13 @@ def recover(layout: NodeLayout, structure: str, open_copy: Callable[[FlatCopy | 
                 return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
             touched = True
         else:
-            found, failed, refusals = _fetch_and_agree(dist, sources, found, manifests, open_copy, refusal, group)
+            found, failed, refusals, fetch = _fetch_and_agree(dist, sources, found, manifests, open_copy, refusal,
+                                                              group)
             if not failed:
                 assert isinstance(found, _Opened)
                 _raise_refusals(step, found, refusals, steps)
+                if fetch is not None:  # every rank: the peers' data, received straight into the targets
+                    steps.receive(found.opened, fetch)
                 failed = _fill_apply_and_agree(dist, step, mine["path"], found, steps)
                 if not failed:
                     return Recovery(_recovered(step, save_id, sources, found, mine, rank), listed, touched)
@@ -363,23 +373,25 @@ def _fill_apply_and_agree(dist: Dist, step: int, path: str, found: _Opened[T], s
 def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], found: _Opened[T] | None,
                      manifests: dict[str, dict[str, Any]], open_copy: Callable[[FlatCopy | PendingCopy], T],
                      refusal: Callable[[T], BaseException | None] | None,
-                     group: Any) -> tuple[_Opened[T] | str, list[dict[str, str]], list[Any]]:
+                     group: Any) -> tuple[_Opened[T] | str, list[dict[str, str]], list[Any], PeerFetch | None]:
     """Steps 3 and 4 for a choice the reports alone do not settle: the ranks without a copy of their own
-    receive their holders' copies into memory (every byte checked as it arrives), every other rank checks its
-    own as before the vote (unless it did then: ``found``; the rest of its bytes are checked as they are read
-    into the targets), and one exchange tells every rank what failed -- a copy that did not check out, a
-    holder that could not send -- and which rank refuses the input state.  No target is written."""
+    receive their holders' manifests (the first round of :class:`~.fetch.PeerFetch`), every other rank checks
+    its own copy as before the vote (unless it did then: ``found``), and one exchange tells every rank what
+    failed -- a copy that did not check out, a holder that could not send -- and which rank refuses the
+    input state.  No target is written; the data follow (:func:`_receive`) once nothing failed."""
     rank = dist.rank
     mine = sources[rank]
     pulls = [Pull(e["holder"], e["path"], q, [(str(n), int(size)) for n, size in e["files"]])
              for q, e in sorted(sources.items()) if e["holder"] != q]
-    fetched = fetch_copies(pulls, group) if pulls else None
+    fetch = PeerFetch(pulls, group) if pulls else None
+    received = fetch.manifests() if fetch is not None else None
     opened: _Opened[T] | str
     if found is not None:
         opened = found
     elif mine["holder"] != rank:
-        copy, problem = fetched.copy, fetched.problem
-        opened = problem if copy is None else _open(mine, lambda: copy, open_copy, refusal)
+        assert received is not None
+        opened = received.problem if received.problem is not None else _open(
+            mine, lambda: _remote(received, mine["path"]), open_copy, refusal)
     else:
         path = mine["path"]
         opened = _open(mine, lambda: open_pending(path, manifests.get(path) or read_manifest(path), is_input_key),
@@ -387,8 +399,18 @@ def _fetch_and_agree(dist: Dist, sources: dict[int, dict[str, Any]], found: _Ope
     refused = opened.refused if isinstance(opened, _Opened) else None
     reported = dist.all_gather_json({"path": mine["path"], "why": opened if isinstance(opened, str) else None,
                                      "refused": None if refused is None else error_record(refused),
-                                     "sends": fetched.failed_sends if fetched is not None else {}})
+                                     "sends": fetch.failed_sends if fetch is not None else {}})
     failed = [{"path": r["path"], "why": r["why"]} for r in reported if r["why"] is not None]
     failed += [{"path": path, "why": why} for r in reported for path, why in r["sends"].items()
                if path not in {f["path"] for f in failed}]
-    return opened, failed, [r["refused"] for r in reported]
+    return opened, failed, [r["refused"] for r in reported], fetch
+
+
+def _remote(received: Received, path: str) -> PendingCopy:
+    """A peer's copy as its manifest describes it, its tensors to arrive in the fetch's second round (the
+    input state's into tensors of their own, placeholders until then: a refusal looks only at their
+    structure)."""
+    manifest = received.manifest
+    entries = {e.key: e for e in received.entries}
+    small = {key: torch.empty(e.shape, dtype=e.dtype) for key, e in entries.items() if is_input_key(key)}
+    return PendingCopy(path, manifest["meta"], small, manifest["values"], entries, manifest["size"], remote=True)

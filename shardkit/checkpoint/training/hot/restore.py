@@ -21,6 +21,7 @@ import torch.nn as nn
 from shardkit.checkpoint.state.training_state import get_training_state, set_training_state
 from shardkit.checkpoint.state.tree import flatten
 from shardkit.checkpoint.training.hot.copies import CheckedCopy, check_copy, input_targets, structure_of
+from shardkit.checkpoint.training.hot.fetch import PeerFetch
 from shardkit.checkpoint.training.hot.flat import FlatCopy, PendingCopy
 from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.recover import Steps, recover
@@ -97,12 +98,22 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
             load_data_state_dict({k: opened.state[k] for k in opened.inputs}, data, stateful,
                                  rng=rng and "rng" in opened.state)
 
+    def receive(opened: _Opened, fetch: PeerFetch) -> None:
+        """The fetch's data round (every rank); a peer's copy lands in the targets and its input state's own
+        tensors, checked as it lands (its problem raised by the copy's fill)."""
+        pending = opened.copy.copy
+        peer = isinstance(pending, PendingCopy) and pending.remote
+        problem = fetch.data({**opened.copy.targets, **pending.tensors} if peer else None)
+        if peer:
+            pending.problem = problem
+
     def step_of(opened: _Opened) -> int:
         return int(opened.copy.meta["hot"]["step"])
 
     recovery = recover(layout, structure, open_copy,
                        Steps(fill=lambda opened: opened.copy.fill(), apply=apply,
-                             discard=lambda opened: opened.copy.discard()),
+                             discard=lambda opened: opened.copy.discard(),
+                             receive=receive),
                        at_least=at_least, group=group, refusal=refusal, listing=listing, where=where)
     found = recovery.found
     if found is None:

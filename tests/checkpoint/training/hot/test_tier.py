@@ -167,9 +167,10 @@ def test_all_local_copies_intact_resume_from_the_local_tier(saved, reference, tm
 def test_one_node_wiped_resumes_from_the_replicas_on_the_other_node(saved, reference, tmp_path):
     root = _copy_of(saved, tmp_path)
     shutil.rmtree(os.path.join(root, "hot", "node1"))
-    # four: as from the local tier, plus the one round that moves node 1's copies into memory and the one
-    # exchange of what arrived whole (checked as it arrived) and what could not be sent
-    _resumes_as_the_uninterrupted_run(root, reference, 9, "peer", collectives=4)
+    # five: as from the local tier, plus the round that brings node 1's manifests, the one exchange of which
+    # copies check out (and which could not be sent), and the round that brings their data straight into the
+    # targets (checked as it arrives)
+    _resumes_as_the_uninterrupted_run(root, reference, 9, "peer", collectives=5)
     assert not [n for d, _, names in os.walk(os.path.join(root, "hot")) for n in names + [d] if "fetched" in n]
 
 
