@@ -3,6 +3,7 @@ all check stored chunk bytes against the manifest's crc32c blocks through :func:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable
 
@@ -59,6 +60,14 @@ def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | No
     span = CHECK_SPAN if span is None else span
     step = hi - lo if keep else min(span, STEP_BYTES) if storage.small_reads_cheap else span
     step = max(block, step // block * block)
+    with storage.files.files_held_open() if storage.reads_in_place else contextlib.nullcontext():
+        return _check_steps(storage, record, lo, hi, step, scratch, on_bytes)
+
+
+def _check_steps(storage: Storage, record: ChunkRecord, lo: int, hi: int, step: int, scratch: torch.Tensor | None,
+                 on_bytes: Callable[[int], None] | None) -> int | None:
+    """:func:`check_chunk`'s loop over ``[lo, hi)``, ``step`` bytes at a time (a local file held open)."""
+    block = record.block
     for a in range(lo, hi, step):
         b = min(hi, a + step)
         if scratch is None or scratch.numel() < b - a:

@@ -73,7 +73,7 @@ from shardkit.errors import (
     InvalidManifest,
 )
 
-__all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader"]
+__all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader", "read_runs"]
 
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
 REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
@@ -279,7 +279,9 @@ class NativeReader(CheckpointReader):
             order = sorted(range(len(requests)), key=lambda i: (plans[i].record.file, plans[i].record.start))
             self._prefetch([(p.record.file, p.record.start + p.lo, p.record.start + p.hi)
                             for p in (plans[i] for i in order)])
-            parallel_map(lambda i: self._read_local(requests[i], plans[i]), order, self.io_threads)
+            sizes = [plans[i].hi - plans[i].lo for i in order]
+            runs = [[(requests[i], plans[i]) for i in order[a:b]] for a, b in read_runs(sizes, self.io_threads)]
+            parallel_map(self._read_run, runs, self.io_threads)
             return
         parallel_map(self._read_batch, batches(list(zip(requests, plans))), max(self.io_threads, REMOTE_IO_THREADS))
 
@@ -378,6 +380,14 @@ class NativeReader(CheckpointReader):
     def _where(self, r: ReadRequest, rec: ChunkRecord) -> str:
         return f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
 
+    def _read_run(self, run: Sequence[tuple[ReadRequest, RequestPlan]]) -> None:
+        """Local files: ``run``'s requests (in file order) one after the other, each file read through one
+        open descriptor (:meth:`~shardkit.checkpoint.io.local_disk.LocalDisk.files_held_open`), so the
+        kernel's read-ahead streams it ahead of the reads and their checksums."""
+        with self.storage.files.files_held_open():
+            for r, plan in run:
+                self._read_local(r, plan)
+
     def _read_local(self, r: ReadRequest, plan: RequestPlan) -> None:
         """Local file: a contiguous piece goes straight into ``out``; anything else via scratch."""
         rec, lo, hi = plan.record, plan.lo, plan.hi
@@ -449,6 +459,21 @@ def _layouts(value: Any) -> tuple[dict[str, Any], ...]:
         return ()
     return tuple(e for e in value if isinstance(e, dict) and isinstance(e.get("mesh"), dict)
                  and isinstance(e.get("placements"), list) and isinstance(e.get("tensors"), list))
+
+
+def read_runs(sizes: Sequence[int], lanes: int) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges cutting ``sizes`` (in file order) into at most ``lanes`` consecutive runs of
+    about equal bytes: each I/O thread reads one run front to back, a stream the kernel reads ahead of."""
+    total, out, a, acc = sum(sizes), [], 0, 0
+    lanes = max(1, min(lanes, len(sizes)))
+    for i, n in enumerate(sizes):
+        acc += n
+        if len(out) < lanes - 1 and acc * lanes >= total * (len(out) + 1) and i + 1 < len(sizes):
+            out.append((a, i + 1))
+            a = i + 1
+    if a < len(sizes):
+        out.append((a, len(sizes)))
+    return out
 
 
 def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:
