@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats import FORMATS, NATIVE, FormatHandler, open_reader, writer_for
 from shardkit.checkpoint.formats.native import missing_references
@@ -47,7 +47,7 @@ from shardkit.checkpoint.offline.options import (
     parse_size,
 )
 from shardkit.checkpoint.offline.progress import Progress, human_count
-from shardkit.checkpoint.offline.replace import Destination, prepare_dst
+from shardkit.checkpoint.offline.replace import Destination, prepare_dst, prepare_dst_meanwhile
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.side_files import copy_side_files
@@ -88,16 +88,21 @@ def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
 
 def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
                    dst_storage_options: Mapping[str, Any] | None, src_format: str | None,
-                   torch_options: TorchLoadOptions | None = None) -> tuple[Any, Any]:
+                   torch_options: TorchLoadOptions | None = None,
+                   check_dst: Callable[[Any], Any] | None = None) -> tuple[Any, Any, Any]:
     """Open SRC once DST is known not to overlap it; DST's options default to SRC's.
 
     The overlap check comes first so that nothing is read (or, later,
-    deleted) when DST would clobber SRC.
+    deleted) when DST would clobber SRC.  ``check_dst(dst options)``, when
+    given, starts DST's check (:func:`prepare_dst_meanwhile`) before SRC is
+    opened; what it returns is the third value.
     """
     if dst_storage_options is None:
         dst_storage_options = storage_options
     check_distinct(src, dst, storage_options, dst_storage_options)
-    return open_reader(src, storage_options, format=src_format, torch_options=torch_options), dst_storage_options
+    dest_of = check_dst(dst_storage_options) if check_dst else None
+    return (open_reader(src, storage_options, format=src_format, torch_options=torch_options), dst_storage_options,
+            dest_of)
 
 
 def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str, source: Any = None) -> str:
@@ -157,9 +162,10 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
             flag = "--world-size/--mesh" if option in ("world_size", "mesh") else f"--{option}"
             raise ConfigurationError(f"{flag} {'apply' if '/' in flag else 'applies'} to {_formats_taking(option)} "
                                      f"output only, not --to {to}")
-    source, dst_storage_options = _open_distinct(
+    source, dst_storage_options, dest_of = _open_distinct(
         src, dst, storage_options, dst_storage_options, src_format,
-        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or target.model_export)))
+        TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or target.model_export)),
+        lambda options: prepare_dst_meanwhile(dst, target, options, overwrite))
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or target.model_export, dtype=dtype, aliases=source.aliases())
@@ -168,7 +174,7 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         sel = export.selection if export else sel
         _notes(source, progress, export.notes if export else ())
         started = time.perf_counter()
-        dest = prepare_dst(dst, target, dst_storage_options, overwrite)
+        dest = dest_of()
         mesh_t = parse_mesh(mesh) if mesh is not None else None
         result = _write(source, sel, dest, target, "convert", budget=budget, workers=workers, progress=progress,
                         block_bytes=_block_bytes(budget), max_shard_size=shard_cap, export=export,
@@ -259,17 +265,19 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
     if ws < 1:
         raise ConfigurationError(f"--world-size must be at least 1, got {ws}")
     budget = parse_memory(max_memory)
-    source, dst_storage_options = _open_distinct(src, dst, storage_options, dst_storage_options, src_format,
-                                                 TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only))
+    rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
+    source, dst_storage_options, dest_of = _open_distinct(
+        src, dst, storage_options, dst_storage_options, src_format,
+        TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only),
+        (lambda options: prepare_dst_meanwhile(dst, NATIVE, options, overwrite)) if agree is None else None)
     try:
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
-        rank, nprocs, agree = scaleout if scaleout else (0, 1, None)
         NATIVE.check_tensors(sel.triples)
         _notes(source, progress)
         started = time.perf_counter()
         if agree is None:
-            dest = prepare_dst(dst, NATIVE, dst_storage_options, overwrite)
+            dest = dest_of()
         else:  # every process checks DST (the same answer: nothing is changed yet); process 0 alone cleans up
             try:
                 dest = prepare_dst(dst, NATIVE, dst_storage_options, overwrite)

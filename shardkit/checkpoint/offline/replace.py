@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from shardkit.checkpoint.formats import (
     CHECKPOINT_FILE_PATTERNS,
@@ -45,7 +46,7 @@ from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.checkpoint.offline.progress import human_count
 from shardkit.errors import CheckpointExists, ConfigurationError, ShardkitError
 
-__all__ = ["Destination", "prepare_dst"]
+__all__ = ["Destination", "prepare_dst", "prepare_dst_meanwhile"]
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +172,19 @@ def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any]
     if not fmt.single_file:
         storage.makedirs()
     return dest
+
+
+def prepare_dst_meanwhile(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any] | None,
+                          overwrite: bool) -> Callable[[], Destination]:
+    """:func:`prepare_dst`, begun now on a thread when DST is an object store, so that its requests (is
+    DST there? what does it hold? its bucket) overlap the opening of SRC; the call returned waits for it
+    and returns its :class:`Destination` or raises its error.  Its checks only read, and an object store
+    has no directory to make, so DST is touched no earlier than before; an error of SRC or of the options
+    is still raised first (this one surfaces only when the call is made).  Elsewhere the checks run when
+    the call is made, as before (a local DST's directory is made by them)."""
+    if not Storage(dst, storage_options).is_object_store:
+        return lambda: prepare_dst(dst, fmt, storage_options, overwrite)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-dst-check")
+    checked = pool.submit(prepare_dst, dst, fmt, storage_options, overwrite)
+    pool.shutdown(wait=False)
+    return checked.result

@@ -172,3 +172,16 @@ def test_the_source_id_is_asked_through_the_open_source_and_is_the_one_a_new_sto
         assert asked[2] is not reader.storage  # other options: not the open source's storage
     finally:
         reader.close()
+
+
+def test_the_dst_check_beside_the_opening_of_src_reports_after_src_and_changes_nothing(source):
+    from shardkit.errors import CheckpointExists, CheckpointNotFound
+
+    src, dst, options, fs = source
+    reshard(src, dst, world_size=3, workers=4, storage_options=options)
+    committed = fs.cat_file(f"{dst}/manifest.json")
+    with pytest.raises(CheckpointNotFound):  # SRC's error first, though DST would be refused too
+        reshard(f"{src}-missing", dst, world_size=2, storage_options=options)
+    with pytest.raises(CheckpointExists, match="already holds a checkpoint"):
+        reshard(src, dst, world_size=2, storage_options=options)
+    assert fs.cat_file(f"{dst}/manifest.json") == committed and not fs.exists(f"{dst}/.shardkit-resume")
