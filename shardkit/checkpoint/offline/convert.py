@@ -50,7 +50,7 @@ from shardkit.checkpoint.offline.progress import Progress, human_count
 from shardkit.checkpoint.offline.replace import Destination, prepare_dst, prepare_dst_meanwhile
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
-from shardkit.checkpoint.offline.side_files import copy_side_files
+from shardkit.checkpoint.offline.side_files import copy_side_files, side_files_meanwhile
 from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
 from shardkit.checkpoint.offline.verify import VerifyReport, verify
 from shardkit.errors import CheckpointError, ConfigurationError
@@ -215,6 +215,7 @@ def _write_job(source: Any, sel: Selection, dest: Destination, target: FormatHan
                export: HfExport | None, scaleout: Scaleout, reserved: int,
                options: dict[str, Any]) -> ConvertResult | None:
     storage = dest.storage
+    side_files = side_files_meanwhile(source)  # asked while the data moves, used just before the commit
     job = WriteJob(
         tensors=tuple(sel.triples), values=sel.values, aliases=sel.aliases, tool=tool,
         fetch=Fetcher(source, sel.dtype_for, sel.rename_back, reuse=True, scales=sel.scales, reserved_bytes=reserved),
@@ -223,7 +224,7 @@ def _write_job(source: Any, sel: Selection, dest: Destination, target: FormatHan
         avoid=frozenset(dest.avoid), replacing=dest.replacing, scaleout=scaleout,
         before_commit=(lambda: export.write_side_files(storage)) if export else (lambda: None),
         discard=lambda: dest.discard_created(side_files=list(export.side_files) if export else ()),
-        copy_side_files=lambda into: copy_side_files(source, storage, into=into), **options)
+        copy_side_files=lambda into: copy_side_files(source, storage, into=into, found=side_files()), **options)
     written = target.write(storage, job)
     if written is None:
         return None

@@ -7,11 +7,12 @@ keeps them under ``extra/``, so a later export puts them back where
 
 from __future__ import annotations
 
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["side_files_of", "copy_side_files", "copy_files", "SIDE_FILE_BLOCK"]
+__all__ = ["side_files_of", "side_files_meanwhile", "copy_side_files", "copy_files", "SIDE_FILE_BLOCK"]
 
 SIDE_FILE_BLOCK = 8 << 20
 
@@ -30,13 +31,29 @@ def side_files_of(source: Any) -> tuple[Storage | None, list[str]]:
     return None, []
 
 
-def copy_side_files(source: Any, dst: Storage, into: str = "", *, fsync: bool = False) -> list[str]:
-    """Copy the source's side files to ``dst`` (under ``into``, e.g. ``extra/``).
+def side_files_meanwhile(source: Any) -> Callable[[], tuple[Storage | None, list[str]]]:
+    """:func:`side_files_of`, asked now on a thread when the source is on an object store (finding none
+    there is a few requests in a row: the folder, its parent, the bucket), so that a conversion's last
+    steps before its commit do not wait for them; the call returned gives the answer or raises its error.
+    Elsewhere it is asked when the call is made."""
+    storage = getattr(source, "storage", None)
+    if not getattr(storage, "is_object_store", False):
+        return lambda: side_files_of(source)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-side-files")
+    found = pool.submit(side_files_of, source)
+    pool.shutdown(wait=False)
+    return found.result
+
+
+def copy_side_files(source: Any, dst: Storage, into: str = "", *, fsync: bool = False,
+                    found: tuple[Storage | None, list[str]] | None = None) -> list[str]:
+    """Copy the source's side files to ``dst`` (under ``into``, e.g. ``extra/``); ``found``: what
+    :func:`side_files_of` answered already.
 
     Copied in 8 MiB ranged reads, so a large file that happens to sit beside
     the weights never has to fit the memory budget.
     """
-    folder, names = side_files_of(source)
+    folder, names = found if found is not None else side_files_of(source)
     return copy_files([(folder, name, f"{into}{name.rsplit('/', 1)[-1]}") for name in names], dst, fsync=fsync)
 
 

@@ -185,3 +185,16 @@ def test_the_dst_check_beside_the_opening_of_src_reports_after_src_and_changes_n
     with pytest.raises(CheckpointExists, match="already holds a checkpoint"):
         reshard(src, dst, world_size=2, storage_options=options)
     assert fs.cat_file(f"{dst}/manifest.json") == committed and not fs.exists(f"{dst}/.shardkit-resume")
+
+
+def test_the_side_files_asked_for_while_the_data_moves_reach_dst_before_its_commit(source, monkeypatch):
+    import shardkit.checkpoint.offline.side_files as side_files
+
+    src, dst, options, fs = source
+    fs.pipe_file(f"{src}/extra/config.json", b'{"hidden_size": 8}')
+    asked = []
+    side_files_of = side_files.side_files_of
+    monkeypatch.setattr(side_files, "side_files_of", lambda source: asked.append(1) or side_files_of(source))
+    reshard(src, dst, world_size=3, workers=4, storage_options=options)
+    assert fs.cat_file(f"{dst}/extra/config.json") == b'{"hidden_size": 8}' and asked == [1]
+    assert verify(dst, storage_options=options).ok
