@@ -18,6 +18,11 @@ Each request is then served with the fewest bytes that still verify:
 * *zstd*: the frame is read whole, verified, and decompressed straight into the
   destination when the piece is the whole chunk, else into scratch.
 
+On a local disk a load's requests are sorted by file and offset and cut into
+one consecutive run per I/O thread (:func:`read_runs`); a thread reads its run
+front to back, each file through one descriptor held open for the run, so the
+kernel's read-ahead streams ahead of the reads and their checksums.
+
 A chunk stored as column strips is, to the reader, one plain chunk per strip
 (:meth:`ChunkRecord.pieces`): a request names the strip it reads from, so a
 column cut fetches only the strips it needs.
