@@ -150,6 +150,7 @@ class CheckedCopy:
     targets: dict[str, torch.Tensor]
     flat: Flat
     filled: bool = False  # a pending copy's tensors were read into the targets (by :meth:`fill`)
+    fill_error: Exception | None = None  # what an early :meth:`fill` raised, raised again by the next
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -164,8 +165,14 @@ class CheckedCopy:
         """A pending copy's tensors read straight into the targets, checked as they land: raises
         :class:`~shardkit.errors.CorruptCheckpoint` for a damaged byte, with targets written.  Nothing to do
         for a copy read whole before."""
-        if isinstance(self.copy, PendingCopy):
-            self.copy.fill(self.targets)
+        if self.fill_error is not None:
+            raise self.fill_error
+        if isinstance(self.copy, PendingCopy) and not self.filled:
+            try:
+                self.copy.fill(self.targets)
+            except Exception as exc:
+                self.fill_error = exc
+                raise
             self.filled = True
 
     def apply(self) -> None:

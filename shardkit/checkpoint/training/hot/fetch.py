@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -151,10 +151,13 @@ class PeerFetch:
         self._received = Received(where, pull.source_dir, manifest, entries, problem)
         return self._received
 
-    def data(self, into: dict[str, torch.Tensor] | None) -> str | None:
+    def data(self, into: dict[str, torch.Tensor] | None,
+             meanwhile: Callable[[], None] | None = None) -> str | None:
         """Round 2: the data files, each tensor received into ``into[key]`` (this rank's destinations, by the
         received manifest's keys; any tensor without one lands in a buffer of its own) and checked as it
-        lands.  The receiver's problem (``None``: every byte checked), else ``None``."""
+        lands.  ``meanwhile()`` runs once every send and receive is posted, while they travel (a holder
+        reads its own copy into its targets then).  The receiver's problem (``None``: every byte checked),
+        else ``None``."""
         outgoing = []
         for i, pull in self.sends:
             pieces, why = _data_out(pull, self._sent.get(i))
@@ -166,13 +169,14 @@ class PeerFetch:
             i, pull = self.receive
             check = _Landing(self._received, _sizes(pull)[1], into or {})
             incoming = (i, pull, check.pieces, check.landed)
-        self._round(outgoing, incoming)
+        self._round(outgoing, incoming, meanwhile)
         return None if check is None else check.result()
 
     def _round(self, outgoing: list[tuple[int, Pull, list[torch.Tensor]]],
-               incoming: tuple[int, Pull, list[torch.Tensor], Any] | None) -> None:
-        """One round of transfers: every send and receive posted at once; each receive handed to its
-        ``landed(k)`` as it completes, in order."""
+               incoming: tuple[int, Pull, list[torch.Tensor], Any] | None,
+               meanwhile: Callable[[], None] | None = None) -> None:
+        """One round of transfers: every send and receive posted at once, then ``meanwhile()``; each receive
+        handed to its ``landed(k)`` as it completes, in order."""
         import torch.distributed as dist
 
         group = self.dist.group
@@ -185,6 +189,8 @@ class PeerFetch:
                 ops += [dist.P2POp(dist.irecv, piece, group=group, group_peer=pull.src,
                                    tag=i * _TAGS_PER_PULL + k) for k, piece in enumerate(landing_pieces)]
             works = dist.batch_isend_irecv(ops) if ops else []
+            if meanwhile is not None:
+                meanwhile()
             landing = works[len(ops) - len(landing_pieces):] if landing_pieces else []
             for k, work in enumerate(landing):  # in the order they arrive: each checked while the next lands
                 complete(work, pollable=False)

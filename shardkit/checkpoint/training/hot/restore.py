@@ -11,6 +11,7 @@ the data position and objects, and the RNG last; one agreement tells every rank 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -100,10 +101,17 @@ def resume_hot(layout: NodeLayout, group: ProcessGroup | None, model: nn.Module,
 
     def receive(opened: _Opened, fetch: PeerFetch) -> None:
         """The fetch's data round (every rank); a peer's copy lands in the targets and its input state's own
-        tensors, checked as it lands (its problem raised by the copy's fill)."""
+        tensors, checked as it lands (its problem raised by the copy's fill); a rank with its own copy reads
+        it into its targets while its sends travel (a damaged byte raised by the fill that follows)."""
         pending = opened.copy.copy
         peer = isinstance(pending, PendingCopy) and pending.remote
-        problem = fetch.data({**opened.copy.targets, **pending.tensors} if peer else None)
+
+        def fill_own() -> None:
+            with contextlib.suppress(Exception):  # kept by the copy, raised again by the fill that follows
+                opened.copy.fill()
+
+        problem = fetch.data({**opened.copy.targets, **pending.tensors} if peer else None,
+                             meanwhile=None if peer else fill_own)
         if peer:
             pending.problem = problem
 
