@@ -38,7 +38,8 @@ SYSTEMS = ("after", "before", "dcp", "raw")
 
 @contextlib.contextmanager
 def reads_as_before() -> Iterator[None]:
-    """The local read path as it was: a descriptor per read step, requests handed to threads one by one."""
+    """The local read path as it was: a descriptor per read step, requests handed to threads one by one
+    (``reader``'s own name for :func:`~shardkit.checkpoint.formats.native.chunk_reads.read_runs` is replaced)."""
     from shardkit.checkpoint.formats.native import reader
     from shardkit.checkpoint.io.local_disk import LocalDisk
 

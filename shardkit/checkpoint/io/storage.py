@@ -32,13 +32,14 @@ uploads, single-PUT commits, fresh listings).  The rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import threading
 import uuid
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, ContextManager, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -308,6 +309,12 @@ class Storage:
         """
         if self.is_local:
             self.files.prefetch(self.read_path(name), ranges)
+
+    def files_held_open(self) -> ContextManager[None]:
+        """This thread's :meth:`read_parts` calls inside keep a local file open from one call to the next,
+        so the kernel reads ahead of a stream of steps (:meth:`LocalDisk.files_held_open`); elsewhere a
+        no-op."""
+        return self.files.files_held_open() if self.is_local else contextlib.nullcontext()
 
     def read_parts(self, name: str, start: int, parts: Sequence[torch.Tensor]) -> None:
         """Fill flat uint8 tensors ``parts`` with consecutive bytes of ``name`` from ``start``.

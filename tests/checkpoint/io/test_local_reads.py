@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint.formats.native import reader as native
+from shardkit.checkpoint.formats.native import chunk_reads
 from shardkit.checkpoint.io import local_disk
 from shardkit.checkpoint.io.local_disk import LocalDisk
 from shardkit.checkpoint.io.storage import Storage
@@ -54,7 +54,7 @@ def test_a_local_load_opens_each_data_file_once_per_io_thread_however_many_steps
         return read_parts(self, name, start, parts)
 
     monkeypatch.setattr(Storage, "read_parts", counted)
-    monkeypatch.setattr(native, "STEP_BYTES", 16 << 10)  # many steps per request
+    monkeypatch.setattr(chunk_reads, "STEP_BYTES", 16 << 10)  # many steps per request
     opened = _count_data_opens(monkeypatch)
     before = _open_fds()
     target = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -150,4 +150,4 @@ def test_a_hold_is_this_threads_alone(tmp_path):
     ([1, 2, 3], 1, [(0, 3)]),
 ])
 def test_the_reads_are_cut_into_consecutive_runs_of_about_equal_bytes_one_per_thread(sizes, lanes, expected):
-    assert native.read_runs(sizes, lanes) == expected
+    assert chunk_reads.read_runs(sizes, lanes) == expected

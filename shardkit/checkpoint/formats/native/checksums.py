@@ -3,7 +3,6 @@ all check stored chunk bytes against the manifest's crc32c blocks through :func:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Callable
 
@@ -60,7 +59,7 @@ def check_chunk(storage: Storage, record: ChunkRecord, lo: int = 0, hi: int | No
     span = CHECK_SPAN if span is None else span
     step = hi - lo if keep else min(span, STEP_BYTES) if storage.small_reads_cheap else span
     step = max(block, step // block * block)
-    with storage.files.files_held_open() if storage.reads_in_place else contextlib.nullcontext():
+    with storage.files_held_open():
         return _check_steps(storage, record, lo, hi, step, scratch, on_bytes)
 
 

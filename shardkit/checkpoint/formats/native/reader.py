@@ -19,9 +19,11 @@ Each request is then served with the fewest bytes that still verify:
   destination when the piece is the whole chunk, else into scratch.
 
 On a local disk a load's requests are sorted by file and offset and cut into
-one consecutive run per I/O thread (:func:`read_runs`); a thread reads its run
-front to back, each file through one descriptor held open for the run, so the
-kernel's read-ahead streams ahead of the reads and their checksums.
+one consecutive run per I/O thread (:func:`~.chunk_reads.read_runs`); a thread
+reads its run front to back, each file through one descriptor held open for the
+run, so the kernel's read-ahead streams ahead of the reads and their checksums.
+How each request's bytes reach its target is :mod:`.chunk_reads`; this module
+opens the checkpoint, validates and plans the requests, and runs them.
 
 A chunk stored as column strips is, to the reader, one plain chunk per strip
 (:meth:`ChunkRecord.pieces`): a request names the strip it reads from, so a
@@ -35,8 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -46,12 +47,11 @@ from shardkit.checkpoint.formats.base import (
     ReadRequest,
     StoredChunk,
     TensorEntry,
-    contiguous_strides,
 )
 from shardkit.checkpoint.formats.compression import zstd_decompress_into
-from shardkit.checkpoint.formats.crc32c import BlockCrc
-from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype
+from shardkit.checkpoint.formats.dtypes import code_to_dtype
 from shardkit.checkpoint.formats.native.checksums import CHECK_SPAN, STEP_BYTES, check_chunk
+from shardkit.checkpoint.formats.native.chunk_reads import ChunkReads, chunk_where, damaged, read_runs
 from shardkit.checkpoint.formats.native.data_files import check_data_file, stored_entries
 from shardkit.checkpoint.formats.native.index import attach_indexes, needed_indexes, read_indexes
 from shardkit.checkpoint.formats.native.manifest import (
@@ -66,22 +66,18 @@ from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.plan import merge_ranges
 from shardkit.checkpoint.io.concurrency import (
     DEFAULT_IO_THREADS,
-    ByteBudget,
     parallel_map,
 )
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import (
     CheckpointNotFound,
-    ChecksumMismatch,
-    CorruptCheckpoint,
     IncompatibleStateDict,
     InvalidManifest,
 )
 
-__all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader", "read_runs"]
+__all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader"]
 
 REMOTE_IO_THREADS = 16  # object stores are latency-bound: keep many ranged requests in flight
-REMOTE_INFLIGHT_BYTES = 256 << 20  # ... but hold at most this much fetched data at once
 # Local reads: hint at most this much of what a load needs, one POSIX_FADV_WILLNEED per merged range.  Linux
 # reads at most the device's read-ahead window per hint (max(read_ahead_kb, max_sectors_kb): 8 MiB on these VMs),
 # so this starts the disk on every file while the load plans and agrees; the kernel's own read-ahead, driven
@@ -143,8 +139,7 @@ class NativeReader(CheckpointReader):
                                    self._base.meta, _layouts(writer.get("layouts")))
         self._checked: set[str] = set()
         self._lock = threading.Lock()
-        self._local = threading.local()
-        self._inflight = ByteBudget(REMOTE_INFLIGHT_BYTES)
+        self._reads = ChunkReads(self.storage, self.stats)
         self._hinted: dict[str, list[tuple[int, int]]] = {}  # file -> byte ranges the kernel was asked to read
 
     @property
@@ -199,7 +194,7 @@ class NativeReader(CheckpointReader):
         return self._base.aliases
 
     def close(self) -> None:
-        self._local = threading.local()
+        self._reads.forget_scratch()
         self._plans = {}
         self._hinted = {}
 
@@ -286,9 +281,10 @@ class NativeReader(CheckpointReader):
                             for p in (plans[i] for i in order)])
             sizes = [plans[i].hi - plans[i].lo for i in order]
             runs = [[(requests[i], plans[i]) for i in order[a:b]] for a, b in read_runs(sizes, self.io_threads)]
-            parallel_map(self._read_run, runs, self.io_threads)
+            parallel_map(self._reads.read_run, runs, self.io_threads)
             return
-        parallel_map(self._read_batch, batches(list(zip(requests, plans))), max(self.io_threads, REMOTE_IO_THREADS))
+        parallel_map(self._reads.read_batch, batches(list(zip(requests, plans))),
+                     max(self.io_threads, REMOTE_IO_THREADS))
 
     def verify(self, requests: Sequence[ReadRequest]) -> None:
         """Read and check every checksum block ``requests`` would read, writing no ``out``.
@@ -322,16 +318,15 @@ class NativeReader(CheckpointReader):
 
         def check(item: tuple[str, ChunkRecord, int, int]) -> None:
             fqn, rec, lo, hi = item
-            where = f"{fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
+            where = chunk_where(self.storage, fqn, rec)
             frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
-            buf = self._scratch(0, hi - lo if frame else min(hi - lo, STEP_BYTES if local else CHECK_SPAN))
+            buf = self._reads.scratch(0, hi - lo if frame else min(hi - lo, STEP_BYTES if local else CHECK_SPAN))
             bad = check_chunk(self.storage, rec, lo, hi, scratch=buf, keep=frame)
             if bad is not None:
-                raise ChecksumMismatch(f"{where}: checksum block {bad} does not match the manifest; the data file "
-                                       f"is damaged -- restore it or load an older checkpoint")
+                raise damaged(where, bad)
             if frame:
                 itemsize = torch.empty((), dtype=self._entries[fqn].dtype).element_size()
-                zstd_decompress_into(buf.numpy(), self._scratch(1, math.prod(rec.shape) * itemsize), where)
+                zstd_decompress_into(buf.numpy(), self._reads.scratch(1, math.prod(rec.shape) * itemsize), where)
 
         parallel_map(check, items, self.io_threads if local else max(self.io_threads, REMOTE_IO_THREADS))
 
@@ -358,104 +353,6 @@ class NativeReader(CheckpointReader):
             self._hinted[file] = hinted
             self.storage.prefetch(file, hinted)
 
-    # -- serving requests --------------------------------------------------
-    def _scratch(self, slot: int, n: int) -> torch.Tensor:
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = [None, None]
-        buf = bufs[slot]
-        if buf is None or buf.numel() < n:
-            buf = bufs[slot] = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
-        return buf[:n]
-
-    def _verify(self, segments: Sequence[torch.Tensor], first_block: int, rec: ChunkRecord, where: str) -> None:
-        acc = BlockCrc(rec.block)
-        for seg in segments:
-            acc.update(seg)
-        self._check(acc.finish(), first_block, rec, where)
-
-    @staticmethod
-    def _check(got: Sequence[int], first_block: int, rec: ChunkRecord, where: str) -> None:
-        want = rec.crc32c[first_block:first_block + len(got)]
-        if tuple(got) != tuple(want):
-            bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
-            raise ChecksumMismatch(f"{where}: checksum block {first_block + bad} does not match the manifest; "
-                                   f"the data file is damaged -- restore it or load an older checkpoint")
-
-    def _where(self, r: ReadRequest, rec: ChunkRecord) -> str:
-        return f"{r.fqn!r} chunk at {list(rec.offsets)} in {self.storage.where(rec.file)}"
-
-    def _read_run(self, run: Sequence[tuple[ReadRequest, RequestPlan]]) -> None:
-        """Local files: ``run``'s requests (in file order) one after the other, each file read through one
-        open descriptor (:meth:`~shardkit.checkpoint.io.local_disk.LocalDisk.files_held_open`), so the
-        kernel's read-ahead streams it ahead of the reads and their checksums."""
-        with self.storage.files.files_held_open():
-            for r, plan in run:
-                self._read_local(r, plan)
-
-    def _read_local(self, r: ReadRequest, plan: RequestPlan) -> None:
-        """Local file: a contiguous piece goes straight into ``out``; anything else via scratch."""
-        rec, lo, hi = plan.record, plan.lo, plan.hi
-        needed = math.prod(r.box[1]) * r.out.element_size()
-        if plan.run is not None and r.out.is_contiguous():
-            a, b = plan.run
-            head = self._scratch(0, (a - lo) + (hi - b))
-            parts = [head[:a - lo], as_bytes(r.out), head[a - lo:]]
-            acc = BlockCrc(rec.block)
-            pos = rec.start + lo
-            for step in _steps(parts, STEP_BYTES):  # checksum each step while it is still in cache
-                self.storage.read_parts(rec.file, pos, step)
-                for seg in step:
-                    acc.update(seg)
-                pos += sum(seg.numel() for seg in step)
-            self._check(acc.finish(), lo // rec.block, rec, self._where(r, rec))
-            self.stats.add(read=hi - lo, needed=needed, requests=1)
-            return
-        buf = self._scratch(0, hi - lo)
-        self.storage.read_parts(rec.file, rec.start + lo, [buf])
-        self._deliver(r, rec, buf, lo)
-
-    def _read_batch(self, batch: list[tuple[ReadRequest, RequestPlan]]) -> None:
-        """Remote file: one ranged request for neighbouring pieces, then verify and copy each.
-
-        The response is used in place (no scratch copy), and the bytes in flight
-        over all threads are bounded by ``REMOTE_INFLIGHT_BYTES``.
-        """
-        file = batch[0][1].record.file
-        start = min(p.record.start + p.lo for _, p in batch)
-        end = max(p.record.start + p.hi for _, p in batch)
-        with self._inflight.take(end - start):
-            data = self.storage.read_bytes(file, start, end)
-            if len(data) != end - start:
-                raise CorruptCheckpoint(f"{self.storage.where(file)} ends before byte {end}; the file is truncated")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only buffer: we only read from it
-                buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            for r, p in batch:
-                self._deliver(r, p.record, buf[p.record.start + p.lo - start:p.record.start + p.hi - start], p.lo)
-
-    def _deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
-        """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
-        where = self._where(r, rec)
-        self._verify([span], lo // rec.block, rec, where)
-        item = r.out.element_size()
-        strides = contiguous_strides(rec.shape)
-        first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))
-        if rec.codec == "zstd":
-            if tuple(r.box[1]) == tuple(rec.shape) and r.out.is_contiguous():
-                zstd_decompress_into(span.numpy(), as_bytes(r.out), where)
-            else:
-                raw = self._scratch(1, math.prod(rec.shape) * item)
-                zstd_decompress_into(span.numpy(), raw, where)
-                typed = raw.view(r.out.dtype)
-                r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first))
-        else:
-            if span.storage_offset() % item:  # a piece of a batch may start off the item grid
-                span = self._scratch(1, span.numel()).copy_(span)
-            typed = span.view(r.out.dtype)
-            r.out.copy_(typed.as_strided(r.box[1], strides, typed.storage_offset() + first - lo // item))
-        self.stats.add(read=span.numel(), needed=math.prod(r.box[1]) * item, requests=1)
-
 
 def _layouts(value: Any) -> tuple[dict[str, Any], ...]:
     """The writer's ``layouts`` as recorded, keeping only well-formed entries: the record is
@@ -464,34 +361,3 @@ def _layouts(value: Any) -> tuple[dict[str, Any], ...]:
         return ()
     return tuple(e for e in value if isinstance(e, dict) and isinstance(e.get("mesh"), dict)
                  and isinstance(e.get("placements"), list) and isinstance(e.get("tensors"), list))
-
-
-def read_runs(sizes: Sequence[int], lanes: int) -> list[tuple[int, int]]:
-    """``[a, b)`` index ranges cutting ``sizes`` (in file order) into at most ``lanes`` consecutive runs of
-    about equal bytes: each I/O thread reads one run front to back, a stream the kernel reads ahead of."""
-    total, out, a, acc = sum(sizes), [], 0, 0
-    lanes = max(1, min(lanes, len(sizes)))
-    for i, n in enumerate(sizes):
-        acc += n
-        if len(out) < lanes - 1 and acc * lanes >= total * (len(out) + 1) and i + 1 < len(sizes):
-            out.append((a, i + 1))
-            a = i + 1
-    if a < len(sizes):
-        out.append((a, len(sizes)))
-    return out
-
-
-def _steps(parts: Sequence[torch.Tensor], step: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive pieces of ``parts`` (flat byte tensors) covering at most ``step`` bytes each."""
-    parts = [p for p in parts if p.numel()]
-    i, off = 0, 0
-    while i < len(parts):
-        out, room = [], step
-        while i < len(parts) and room:
-            take = min(room, parts[i].numel() - off)
-            out.append(parts[i][off:off + take])
-            off += take
-            room -= take
-            if off == parts[i].numel():
-                i, off = i + 1, 0
-        yield out
