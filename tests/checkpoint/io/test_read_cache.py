@@ -111,10 +111,13 @@ def test_blocks_fetched_first_are_served_without_a_second_fetch_after_the_cache_
     assert cache.adopt(engine.fetch, engine.size, budget=4 * BLOCK, threads=2, block=2 * BLOCK) is False
     assert cache.adopt(engine.fetch, engine.size, budget=4 * BLOCK, threads=2, block=BLOCK) is True
     assert cache.read("f0", 0, 4 * BLOCK) == files["f0"][:4 * BLOCK]
-    assert sorted(s for _, s, _ in head.fetches) == [k * BLOCK for k in range(4)]
-    assert all(s >= 4 * BLOCK for _, s, _ in engine.fetches)  # blocks 0-3 came from the head start alone,
+    # blocks 0-3 were fetched once each, by the fetch in place when their turn came (a block still queued
+    # when the cache was taken over is fetched by the engine's, with its retries)
+    first = sorted(s for _, s, _ in head.fetches + engine.fetches if s < 4 * BLOCK)
+    assert first == [k * BLOCK for k in range(4)] and head.fetches
     cache.read("f0", 4 * BLOCK, 5 * BLOCK)  # the engine's own fetch (and read-ahead) from then on
-    assert ("f0", 4 * BLOCK, 5 * BLOCK) in engine.fetches and len(head.fetches) == 4
+    assert ("f0", 4 * BLOCK, 5 * BLOCK) in engine.fetches
+    assert all(s < 4 * BLOCK for _, s, _ in head.fetches)
     cache.close()
 
 
