@@ -46,7 +46,7 @@ from shardkit.wire.collectives import rank_world
 from shardkit.wire.job_log import warning_once_per_job
 from shardkit.wire.rng_keys import RNG_ROOT, WORLD_SIZE, rank_key
 
-__all__ = ["data_state_dict", "load_data_state_dict", "check_data_state_dict", "nest"]
+__all__ = ["data_state_dict", "InputSnapshot", "load_data_state_dict", "check_data_state_dict", "nest"]
 
 log = logging.getLogger("shardkit.data")
 
@@ -104,40 +104,63 @@ def data_state_dict(sampler: ElasticSampler | None = None, objects: Mapping[str,
     ``rng=False``.  Raises :class:`DataStateError` when ranks disagree about a
     global state (the sampler's position or a ``scope="global"`` object).
     """
-    wrapped = _checked_objects(objects)
-    local = {
-        "sampler": sampler.state_dict() if sampler is not None else None,
-        "objects": {name: w.obj.state_dict() for name, w in wrapped.items()},
-        "rng": capture_rng_state() if rng else None,
-    }
-    gathered = all_gather_trees(local, "input state", group)
-    world = len(gathered)
-    for rank, g in enumerate(gathered):
-        if (g["sampler"] is None) != (sampler is None) or sorted(g["objects"]) != sorted(wrapped) or \
-                (g["rng"] is None) != (not rng):
-            raise DataStateError(
-                f"data_state_dict was called with other arguments on rank {rank} than on this rank: every rank "
-                f"must pass a sampler or none, the same object names ({sorted(wrapped)} here, "
-                f"{sorted(g['objects'])} there) and the same rng flag")
-    data: dict[str, Any] = {}
-    if sampler is not None:
-        data["sampler"] = _agreed("the ElasticSampler position", [g["sampler"] for g in gathered])
-    saved_objects: dict[str, Any] = {}
-    for name, w in wrapped.items():
-        where = f"data.objects.{name}"
-        states = [g["objects"][name] for g in gathered]
-        if w.scope == "global":
-            state = _agreed(_describe(name, w), states)
-            saved_objects[name] = {"scope": "global", "state": encode_state(state, where)}
-        else:
-            per_rank = {rank_key(r): encode_state(s, f"{where}.{rank_key(r)}") for r, s in enumerate(states)}
-            saved_objects[name] = {"scope": "per_rank", WORLD_SIZE: world, **per_rank}
-    if saved_objects:
-        data["objects"] = saved_objects
-    out: dict[str, Any] = {"data": data} if data else {}
-    if rng:
-        out[RNG_ROOT] = {WORLD_SIZE: world, **{rank_key(r): g["rng"] for r, g in enumerate(gathered)}}
-    return out
+    return InputSnapshot(sampler, objects, rng=rng).gathered(group)
+
+
+class InputSnapshot:
+    """This rank's input state taken now, and every rank's once :meth:`gathered` -- what
+    :func:`data_state_dict` returns, in two halves.
+
+    Why two: the gather is a collective (tens of ms at a few ranks on a busy
+    node), while only the taking must happen at the step.  A save that runs
+    in the background (the hot tier's) takes the snapshot on the training
+    thread and gathers it in its background part.  ``called`` names the call
+    in the error of ranks that took it with other arguments."""
+
+    def __init__(self, sampler: ElasticSampler | None = None, objects: Mapping[str, Stateful] | None = None, *,
+                 rng: bool = True, called: str = "data_state_dict") -> None:
+        self.wrapped = _checked_objects(objects)
+        self.has_sampler = sampler is not None
+        self.rng = rng
+        self.called = called
+        self.local = {
+            "sampler": sampler.state_dict() if sampler is not None else None,
+            "objects": {name: w.obj.state_dict() for name, w in self.wrapped.items()},
+            "rng": capture_rng_state() if rng else None,
+        }
+
+    def gathered(self, group: Any = None) -> dict[str, Any]:
+        """Every rank's input state, as :func:`data_state_dict` returns it (collective over ``group``: every
+        rank of it calls)."""
+        wrapped = self.wrapped
+        gathered = all_gather_trees(self.local, "input state", group)
+        world = len(gathered)
+        for rank, g in enumerate(gathered):
+            if (g["sampler"] is None) == self.has_sampler or sorted(g["objects"]) != sorted(wrapped) or \
+                    (g["rng"] is None) == self.rng:
+                raise DataStateError(
+                    f"{self.called} was called with other arguments on rank {rank} than on this rank: every rank "
+                    f"must pass a sampler or none, the same object names ({sorted(wrapped)} here, "
+                    f"{sorted(g['objects'])} there) and the same rng flag")
+        data: dict[str, Any] = {}
+        if self.has_sampler:
+            data["sampler"] = _agreed("the ElasticSampler position", [g["sampler"] for g in gathered])
+        saved_objects: dict[str, Any] = {}
+        for name, w in wrapped.items():
+            where = f"data.objects.{name}"
+            states = [g["objects"][name] for g in gathered]
+            if w.scope == "global":
+                state = _agreed(_describe(name, w), states)
+                saved_objects[name] = {"scope": "global", "state": encode_state(state, where)}
+            else:
+                per_rank = {rank_key(r): encode_state(s, f"{where}.{rank_key(r)}") for r, s in enumerate(states)}
+                saved_objects[name] = {"scope": "per_rank", WORLD_SIZE: world, **per_rank}
+        if saved_objects:
+            data["objects"] = saved_objects
+        out: dict[str, Any] = {"data": data} if data else {}
+        if self.rng:
+            out[RNG_ROOT] = {WORLD_SIZE: world, **{rank_key(r): g["rng"] for r, g in enumerate(gathered)}}
+        return out
 
 
 def _world_entries(entry: Any, where: str) -> list[Any]:

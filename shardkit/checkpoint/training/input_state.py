@@ -1,10 +1,6 @@
 """The input state a checkpoint step holds (``data.*`` and ``rng.*``: shardkit.data), read and checked
 before a resume writes any model or optimizer tensor, so a refusal leaves the run as it was; and where in
-the step the model and optimizer state lie (at the top, or under a torch DCP ``AppState``'s name).
-
-On the saving side, :class:`DeferredRng`: every rank's RNG state as :func:`~shardkit.data.data_state_dict`
-returns it, captured on the training thread at the save and gathered over the ranks later, off it (the
-gather is a collective; a save to the hot tier alone runs it in its background part)."""
+the step the model and optimizer state lie (at the top, or under a torch DCP ``AppState``'s name)."""
 
 from __future__ import annotations
 
@@ -18,13 +14,10 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import from_json_value
 from shardkit.checkpoint.training.load import open_checkpoint
 from shardkit.data import ElasticSampler, Stateful, check_data_state_dict, nest
-from shardkit.data.gather import all_gather_trees
-from shardkit.data.rng import capture_rng_state
 from shardkit.errors import ConfigurationError, DataStateError
 from shardkit.wire.collectives import raise_any_failure
-from shardkit.wire.rng_keys import RNG_ROOT, WORLD_SIZE, rank_key
 
-__all__ = ["INPUT_KEYS", "stored_input_state", "stored_step", "check_input_state", "DeferredRng"]
+__all__ = ["INPUT_KEYS", "stored_input_state", "stored_step", "check_input_state"]
 
 INPUT_KEYS = ("data", "rng")  # top-level keys of resumable input state (shardkit.data), beside model and optim
 
@@ -113,26 +106,3 @@ def _position(sampler_state: Any) -> str:
     if isinstance(sampler_state, dict):
         return f"epoch {sampler_state.get('epoch')}, {sampler_state.get('batches')} global batches into it"
     return "unreadable"
-
-
-class DeferredRng:
-    """This rank's RNG state taken now (copies: training may draw from the generators at once; nothing with
-    ``rng=False``), and :meth:`gathered` later: every rank's, exactly as ``data_state_dict(rng=rng)`` without
-    sampler or objects returns it.  Why: the gather is a collective (at 4 ranks on a busy node tens of ms),
-    which a save to the hot tier alone need not pay on the training thread -- only the capture must happen
-    at the step."""
-
-    def __init__(self, rng: bool) -> None:
-        self.local = capture_rng_state() if rng else None
-
-    def gathered(self, group: Any = None) -> dict[str, Any]:
-        """``{"rng": {"world_size": W, "rank<r>": ...}}`` (``{}`` with ``rng=False``) over ``group``
-        (collective: every rank of it calls).  Raises :class:`~shardkit.errors.DataStateError` on every rank
-        when the ranks passed different ``rng`` flags, as ``data_state_dict`` does."""
-        states = all_gather_trees({"rng": self.local}, "input state", group)
-        if any((g["rng"] is None) != (self.local is None) for g in states):
-            raise DataStateError("the ranks saved with different rng flags: every rank must pass the same rng "
-                                 "to CheckpointManager.save")
-        if self.local is None:
-            return {}
-        return {RNG_ROOT: {WORLD_SIZE: len(states), **{rank_key(r): g["rng"] for r, g in enumerate(states)}}}

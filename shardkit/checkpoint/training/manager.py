@@ -71,13 +71,13 @@ from shardkit.checkpoint.training.async_save.saver import background_saver
 from shardkit.checkpoint.training.durable_tier import DurablePlan, DurableTier
 from shardkit.checkpoint.training.hot.restore import LastLoad
 from shardkit.checkpoint.training.hot.tier import HotTier
-from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.manager_options import ManagerOptions
 from shardkit.checkpoint.training.restarts import check_restartable
 from shardkit.checkpoint.training.resume_latest import resume_latest
 from shardkit.checkpoint.training.run_steps import step_dir
 from shardkit.checkpoint.training.tiers import LoadTargets, Tier
 from shardkit.data import ElasticSampler, Stateful, data_state_dict
+from shardkit.data.resume import InputSnapshot
 from shardkit.errors import ConfigurationError, ShardkitError
 
 __all__ = ["CheckpointManager", "step_dir"]
@@ -162,8 +162,8 @@ class CheckpointManager:
             durable = next((plan for tier, plan in plans if tier is self.durable), None)
             # a step for the hot tier alone takes the RNG state here and gathers it in the save's background
             # part (a collective the training thread need not wait for); a durable step plans with it whole
-            deferred = (DeferredRng(rng) if self.hot is not None and durable is None and data is None and not stateful
-                        else None)
+            alone = self.hot is not None and durable is None and data is None and not stateful
+            deferred = InputSnapshot(rng=rng, called="CheckpointManager.save") if alone else None
             state = {**get_training_state(model, optimizer),
                      **(data_state_dict(data, stateful, rng=rng) if deferred is None else {})}
             if self.options.async_save and self.hot is None:  # async_save's own host copy and writer

@@ -11,7 +11,7 @@ On the training thread a save only takes the state: the model's and optimizer's 
 (:func:`local_state`), and the input state (``data``, ``rng``) as :func:`~shardkit.data.data_state_dict`
 returned it -- a snapshot already, flattened by the writer in the background -- or, for a step that goes
 to the hot tier alone, only this rank's RNG state, gathered over the ranks by the background save
-(:class:`~shardkit.checkpoint.training.input_state.DeferredRng`).
+(:class:`~shardkit.data.resume.InputSnapshot`).
 
 Reading is in two phases, like ``load``: :func:`check_copy` checks a copy against the targets (nothing
 written yet), the ranks agree, then :meth:`CheckedCopy.apply` writes the targets.  A copy read and checked

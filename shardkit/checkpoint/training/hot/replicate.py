@@ -34,8 +34,8 @@ from shardkit.checkpoint.io.transfer import DirectoryMove, move_directories
 from shardkit.checkpoint.training.hot.copies import write_copy
 from shardkit.checkpoint.training.hot.local_keep import remove_copy, retain_local
 from shardkit.checkpoint.training.hot.nodes import COMPLETE_NAME, NodeLayout, copy_name
-from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.run_steps import step_dir
+from shardkit.data.resume import InputSnapshot
 from shardkit.errors import CheckpointError, ShardkitError, error_record, from_record
 from shardkit.wire.collectives import raise_any_failure
 
@@ -57,7 +57,7 @@ class HotSave:
     structure: str
     meta: dict[str, Any]
     local_keep: int
-    deferred: DeferredRng | None = None  # the RNG state taken at the save, gathered over the ranks here
+    deferred: InputSnapshot | None = None  # the RNG state taken at the save, gathered over the ranks here
 
 
 def _own_copy(layout: NodeLayout, rank: int, job: HotSave) -> str:

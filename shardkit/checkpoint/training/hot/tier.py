@@ -22,8 +22,8 @@ from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.replicate import HotSave, run_hot_save
 from shardkit.checkpoint.training.hot.restore import resume_hot
 from shardkit.checkpoint.training.hot.roots import survey_node
-from shardkit.checkpoint.training.input_state import DeferredRng
 from shardkit.checkpoint.training.tiers import LoadTargets, Resumed, Staged
+from shardkit.data.resume import InputSnapshot
 from shardkit.errors import ConfigurationError
 from shardkit.wire.collectives import raise_any_failure
 
@@ -70,7 +70,7 @@ class HotTier:
         return self._layout
 
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
-                to_host: bool, inputs: DeferredRng | None = None) -> tuple[HotSave, LocalState]:
+                to_host: bool, inputs: InputSnapshot | None = None) -> tuple[HotSave, LocalState]:
         """On the training thread, on every rank: name the save, check space when the structure is new, and
         (``to_host``) copy the local tensors into reused host buffers so training may go on.  No collective
         but on the first save and when the structure changes: the ranks check that they agree on the save's
@@ -100,7 +100,7 @@ class HotTier:
         return step, meta
 
     def stage(self, plan: tuple[int, dict[str, Any]], state: dict[str, Any], *, background: bool,
-              inputs: DeferredRng | None = None) -> Staged:
+              inputs: InputSnapshot | None = None) -> Staged:
         """The hot save of ``state`` (:meth:`prepare`: a host copy in a ``background`` save, which the tiers
         after this one save too, through :func:`durable_view`; ``inputs`` only when no tier follows)."""
         step, meta = plan
