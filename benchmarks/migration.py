@@ -145,7 +145,10 @@ def interrupt(command: list[str], fs: Any, dst: str) -> str | None:
         if done:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            finished = len([p for p in fs.ls(journal, refresh=True) if p.endswith(".json")])
+            try:
+                finished = len([p for p in fs.ls(journal, refresh=True) if p.endswith(".json")])
+            except FileNotFoundError:  # it committed (and removed its journal) between the listing and the kill
+                return None if fs.exists(f"{dst}/manifest.json") else "killed with its journal gone"
             return f"killed with {finished} data file(s) of 3 journaled"
         time.sleep(0.05)
     if proc.poll() is None:
