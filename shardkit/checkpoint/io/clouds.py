@@ -189,6 +189,43 @@ def _settings(own: Any, protocol: str) -> tuple[int, float]:
     return retries, float(timeout)
 
 
+def one_client(fs: Any) -> None:
+    """Make an s3fs filesystem keep the client it made until that client's connections are closed.
+
+    s3fs makes its client anew whenever all of the client's HTTP sessions are closed -- and a client that
+    has sent nothing yet has none, which counts as all closed.  So every request begun before the first
+    one got its session made a client of its own: a conversion's opening requests (SRC's and DST's
+    checks, the head start's listing and first blocks, all at once) made five or six, each a botocore
+    service model and a TLS context, 0.05-0.25 s of CPU apiece, taken from the transfer.  Here a client
+    that has no session yet is kept, and requests that find none wait for the one being made.  Any other
+    filesystem is left as it is."""
+    make = getattr(fs, "set_session", None)
+    if make is None or not hasattr(fs, "_s3") or getattr(fs, "shardkit_one_client", False):
+        return
+    import asyncio
+
+    lock = asyncio.Lock()  # bound to the filesystem's loop at first use
+
+    def made() -> Any:
+        client = getattr(fs, "_s3", None)
+        http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        sessions = getattr(http, "_sessions", None)
+        if client is None or sessions is None or (sessions and all(s.closed for s in sessions.values())):
+            return None  # none yet, or s3fs's own test for a client to replace holds
+        return client
+
+    async def set_session(refresh: bool = False, kwargs: Mapping[str, Any] | None = None) -> Any:
+        if not refresh and (client := made()) is not None:
+            return client
+        async with lock:
+            if not refresh and (client := made()) is not None:
+                return client
+            return await make(refresh=refresh, kwargs=dict(kwargs or {}))
+
+    fs.set_session = set_session
+    fs.shardkit_one_client = True
+
+
 def _endpoint(protocol: str, options: Mapping[str, Any]) -> str | None:
     """The endpoint the backend will talk to, as the user configured it; ``None`` for the provider's default."""
     if protocol in _S3:
@@ -230,9 +267,12 @@ class CloudProfile:
         return cls(protocol, opts, retries, timeout, _endpoint(protocol, opts))
 
     def tune(self, fs: Any) -> None:
-        """Switch off what the filesystem object retries by itself (s3fs: its loop around every call)."""
+        """Switch off what the filesystem object retries by itself (s3fs: its loop around every call), and
+        keep one S3 client per filesystem (:func:`one_client`)."""
         if self.protocol in _S3 and hasattr(fs, "retries"):
             fs.retries = 1
+        if self.protocol in _S3:
+            one_client(fs)
 
     # -- what has been seen to work --------------------------------------
     @property

@@ -134,7 +134,7 @@ def _old_checkpoint(storage: Storage) -> tuple[set[str], str | None, str]:
 
 
 def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any] | None,
-                overwrite: bool) -> Destination:
+                overwrite: bool, storage: Storage | None = None) -> Destination:
     """Check DST for output in format ``fmt`` and describe what is there; nothing is deleted here.
 
     A DST holding a checkpoint is refused unless ``overwrite``, and so is a
@@ -142,8 +142,9 @@ def prepare_dst(dst: str, fmt: FormatHandler, storage_options: Mapping[str, Any]
     the same kind left there (a user's files would silently get a checkpoint
     written among them).  With ``overwrite`` such files are kept.  A one-file
     DST (torch.save) needs no plan: its writer renames the finished file over the old one.
+    ``storage``: DST opened already with these options (its filesystem and client are used, not made again).
     """
-    storage = Storage(dst, storage_options)
+    storage = storage if storage is not None else Storage(dst, storage_options)
     present = storage.exists()
     if present and storage.is_dir() == fmt.single_file:
         kind, want = ("a directory", "one file: name the file, e.g. DST/model.pt") if fmt.single_file else \
@@ -181,10 +182,15 @@ def prepare_dst_meanwhile(dst: str, fmt: FormatHandler, storage_options: Mapping
     and returns its :class:`Destination` or raises its error.  Its checks only read, and an object store
     has no directory to make, so DST is touched no earlier than before; an error of SRC or of the options
     is still raised first (this one surfaces only when the call is made).  Elsewhere the checks run when
-    the call is made, as before (a local DST's directory is made by them)."""
-    if not Storage(dst, storage_options).is_object_store:
+    the call is made, as before (a local DST's directory is made by them).
+
+    DST is opened here, on the calling thread, and the thread uses that one: fsspec keeps one filesystem
+    per thread, so a DST opened on the thread would make a second client (on S3 a tenth of a second of
+    CPU, its TLS setup, beside the one the conversion reads and writes through)."""
+    storage = Storage(dst, storage_options)
+    if not storage.is_object_store:
         return lambda: prepare_dst(dst, fmt, storage_options, overwrite)
     pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-dst-check")
-    checked = pool.submit(prepare_dst, dst, fmt, storage_options, overwrite)
+    checked = pool.submit(prepare_dst, dst, fmt, storage_options, overwrite, storage)
     pool.shutdown(wait=False)
     return checked.result

@@ -198,3 +198,24 @@ def test_the_side_files_asked_for_while_the_data_moves_reach_dst_before_its_comm
     reshard(src, dst, world_size=3, workers=4, storage_options=options)
     assert fs.cat_file(f"{dst}/extra/config.json") == b'{"hidden_size": 8}' and asked == [1]
     assert verify(dst, storage_options=options).ok
+
+
+def test_a_reshard_between_buckets_makes_one_s3_client_however_many_requests_start_at_once(source, monkeypatch):
+    """SRC's and DST's opening checks, the block cache's read-ahead and the uploads all start together;
+    s3fs would make a client for each request begun before the first one had its connection (a client
+    with no connection yet counts as closed), and DST's check on its own thread a filesystem of its own."""
+    import aiobotocore.session
+
+    src, dst, options, fs = source
+    shared = {k: v for k, v in options.items() if k != "skip_instance_cache"}  # one filesystem per thread, as the CLI
+    made = []
+    create_client = aiobotocore.session.AioSession.create_client
+    monkeypatch.setattr(aiobotocore.session.AioSession, "create_client",
+                        lambda self, *a, **k: made.append(a[:1]) or create_client(self, *a, **k))
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        reshard(src, dst, world_size=3, workers=4, storage_options=shared)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert made == [("s3",)]
+    assert verify(dst, storage_options=options).ok
