@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -60,10 +61,44 @@ from shardkit.errors import CheckpointExists, ShardkitError, error_record, from_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save", "SavePlan", "SaveOptions", "write_and_commit"]
+__all__ = ["save", "SavePlan", "SaveOptions", "write_and_commit", "RelayedFile"]
 
 
 FileJobs = list[tuple[str, list[WriteChunk]]]
+
+
+@dataclass(frozen=True)
+class RelayedFile:
+    """A data file another process wrote (the ``async_save`` writer process), as the JSON record it sent.
+
+    Why not a :class:`WrittenFile`: decoding every chunk's record (its crc32c list from base64) only to
+    encode it again into this rank's report held the GIL of the training process, whose training thread
+    waits for it.  The record goes on as it came; rank 0's commit decodes and validates every rank's
+    records as it does those of a synchronous save, and :meth:`decoded` gives them where they are used here
+    (digests, index files)."""
+
+    name: str
+    size: int
+    fqns: tuple[str, ...]  # the key of each chunk it holds, in order
+    doc: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> "RelayedFile":
+        return cls(doc["name"], int(doc["size"]), tuple(fqn for fqn, _ in doc["chunks"]), doc)
+
+    def to_json(self) -> Mapping[str, Any]:
+        return self.doc
+
+    def decoded(self) -> WrittenFile:
+        return WrittenFile.from_json(self.doc)
+
+
+def _decoded(files: Sequence[WrittenFile | RelayedFile]) -> list[WrittenFile]:
+    return [f.decoded() if isinstance(f, RelayedFile) else f for f in files]
+
+
+def _fqns(file: WrittenFile | RelayedFile) -> Sequence[str]:
+    return file.fqns if isinstance(file, RelayedFile) else [fqn for fqn, _ in file.chunks]
 
 
 # rank 0's commit made elsewhere (the ``async_save`` writer process): every rank's report as the JSON it
@@ -72,19 +107,21 @@ CommitReports = Callable[[list[bytes], SavePlan], "dict[str, str] | None"]
 
 
 def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseException | None, dist: Dist,
-                     options: SaveOptions, write_files: Callable[[FileJobs], list[WrittenFile]] | None = None,
+                     options: SaveOptions,
+                     write_files: Callable[[FileJobs], Sequence[WrittenFile | RelayedFile]] | None = None,
                      commit_reports: CommitReports | None = None) -> None:
     """Steps 2 and 3 of a save (shared by ``save`` and the background writer of ``async_save``).
 
     ``write_files`` writes ``[(file name, chunks), ...]`` and returns the files' records (the
-    ``async_save`` writer process); by default this process writes them, one I/O thread per file.
+    ``async_save`` writer process: :class:`RelayedFile`); by default this process writes them, one I/O thread
+    per file.
     ``commit_reports``: rank 0 hands a small save's reports, undecoded, to it rather than committing here.
     ``options.digests``/``options.reuse_from``: see :mod:`~shardkit.checkpoint.training.dedup`.
     """
     digests, reuse_from, io_threads = options.digests, options.reuse_from, options.io_threads
     writer = NativeWriter(storage, compression=options.compression, block_bytes=options.block_bytes,
                           fsync=options.fsync, direct_io=options.direct_io, column_strips=options.column_strips)
-    files: list[WrittenFile] = []
+    files: list[WrittenFile | RelayedFile] = []
     jobs: list[tuple[str, Any]] = []
     reused: list[WrittenFile] = []
     started = time.perf_counter()
@@ -98,22 +135,22 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
                 groups, reused = found.groups, found.reused
             jobs = [(data_file_name(token, dist.rank, i), g) for i, g in enumerate(groups)]
             if write_files is not None:
-                files = write_files(jobs)
+                files = list(write_files(jobs))
             else:
                 files = parallel_map(lambda job: writer.write_file(job[0], job[1], dist.rank), jobs, io_threads)
             if digests or reuse_from is not None:
-                files = with_digests(files, found.digests)
+                files = list(with_digests(_decoded(files), found.digests))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
     if local_error is None:
         log.info("rank %d wrote %d files (%d bytes) to %s in %.2f s%s", dist.rank, len(files),
                  sum(f.size for f in files), storage.url, time.perf_counter() - started,
                  f", and referenced {sum(len(f.chunks) for f in reused)} unchanged chunks" if reused else "")
-    mine = files + reused
+    mine: list[WrittenFile | RelayedFile] = files + reused
     counts: list[Any] = []
     dist.phase = "write"  # the ranks meet once every one of them has written its files
     if dist.agreed_most is None or is_indexed(dist.agreed_most * dist.group_size):
-        counts = dist.all_gather_json(sum(len(f.chunks) for f in mine) if local_error is None else None)
+        counts = dist.all_gather_json(sum(len(_fqns(f)) for f in mine) if local_error is None else None)
         dist.phase = "commit"
     # else planning agreed the most chunks any rank writes, too few for index files: no rank asks, and the
     # ranks first meet in the gather of their reports
@@ -124,14 +161,14 @@ def write_and_commit(storage: Storage, plan: SavePlan | None, local_error: BaseE
         report = SummaryReport(error=error)
         if local_error is None and plan is not None:
             try:
-                summary, written = summary_of(storage, plan, dist.rank, token, mine)
+                summary, written = summary_of(storage, plan, dist.rank, token, _decoded(mine))
                 new_names += written
                 report = SummaryReport(summary, state_digest(plan), plan.aliases)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 local_error = exc
                 report = SummaryReport(error=error_record(exc))
-    else:
-        chunked = {fqn for f in files for fqn, _ in f.chunks}
+    else:  # a relayed record goes in as it came: the report only encodes its files
+        chunked = {fqn for f in files for fqn in _fqns(f)}
         report = FilesReport(tuple(mine), {k: (dtype_to_code(d), tuple(s)) for k, (d, s)
                                            in (plan.tensors.items() if plan else ()) if k in chunked},
                              plan.aliases if plan else {}, error)

@@ -258,11 +258,15 @@ def test_switching_writers_back_and_forth_never_writes_a_stale_staging_buffer(tm
 def _async_commits_in_the_writer(url: str) -> dict:
     """Async saves whose training process never builds a manifest or decodes a report; a sync save does."""
     import shardkit.checkpoint.training.save as save_module
+    from shardkit.checkpoint.formats.native import WrittenFile
 
     commits_here = []
     commit, decode = save_module.commit_gathered, save_module.report_from_json
+    file_from_json = WrittenFile.__dict__["from_json"]
     save_module.commit_gathered = lambda *a, **k: commits_here.append("commit") or commit(*a, **k)
     save_module.report_from_json = lambda doc: commits_here.append("decode") or decode(doc)
+    WrittenFile.from_json = classmethod(lambda cls, doc: commits_here.append("file")
+                                        or file_from_json.__func__(cls, doc))
     try:
         for i in range(3):
             skc.async_save(_sharded_state(float(i)), f"{url}/async-{i}", meta={"i": i}, writer="process").result()
@@ -270,6 +274,7 @@ def _async_commits_in_the_writer(url: str) -> dict:
         skc.save(_sharded_state(7.0), f"{url}/sync")
     finally:
         save_module.commit_gathered, save_module.report_from_json = commit, decode
+        WrittenFile.from_json = file_from_json
     loaded = []
     for i in range(3):
         target = _sharded_state(-1.0)
@@ -283,7 +288,8 @@ def test_rank_0s_async_commit_is_made_by_its_writer_process_from_reports_the_tra
     url = str(tmp_path / "ckpt")
     rank0, rank1 = run_on_ranks(2, _async_commits_in_the_writer, url)
     assert rank0["async_commits"] == [] and rank1["async_commits"] == []
-    assert rank0["sync_commits"] == ["decode", "decode", "commit"] and rank1["sync_commits"] == []
+    # ... nor a file record of its writer process: those go on as they came (a sync save decodes both reports)
+    assert rank0["sync_commits"] == ["decode", "file", "decode", "file", "commit"] and rank1["sync_commits"] == []
     assert rank0["loaded"] == rank1["loaded"] == [True, True, True]
     assert rank0["meta"] == {"i": 2}
     for name in ("async-0", "async-1", "async-2", "sync"):
@@ -345,3 +351,61 @@ def test_a_commit_whose_writer_died_reads_as_committed_only_where_the_manifest_l
     assert refused is not None and "does not list this save's files: nothing was committed" in refused["message"]
     assert outcome_from_storage(storage, set(), "the writer died") is not None  # nothing to recognise it by
     assert outcome_from_storage(Storage(str(tmp_path / "empty")), files, "the writer died") is not None
+
+
+def test_a_file_record_the_writer_process_sent_is_passed_on_as_it_came_and_decodes_to_the_written_file():
+    from shardkit.checkpoint.formats.native import WrittenFile
+    from shardkit.checkpoint.formats.native.manifest import ChunkRecord
+    from shardkit.checkpoint.training.save import RelayedFile
+
+    record = ChunkRecord((0,), (4,), "data/a.safetensors", "w@0", 64, 16, "raw", 8, (1, 2))
+    written = WrittenFile("data/a.safetensors", 80, 1, (("w", record),))
+    relayed = RelayedFile.of(written.to_json())
+    assert (relayed.name, relayed.size, relayed.fqns) == ("data/a.safetensors", 80, ("w",))
+    assert relayed.to_json() == written.to_json()
+    assert relayed.decoded() == written
+
+
+def _damaged_record_from_the_writer(url: str) -> dict:
+    """The writer process's record of a file says one crc32c fewer than its chunk has blocks."""
+    from shardkit.checkpoint.training.async_save.writer_process import WriterProcess
+
+    skc.async_save(_sharded_state(1.0), url, writer="process").result()
+    write_files = WriterProcess.write_files
+
+    def one_crc_short(self, *args, **kwargs):
+        import base64
+
+        from shardkit.checkpoint.training.save import RelayedFile
+
+        files = write_files(self, *args, **kwargs)
+        if dist.get_rank() != 1:
+            return files
+        doc = dict(files[0].doc)
+        chunk = dict(doc["chunks"][0][1])
+        chunk["crc32c"] = base64.b64encode(base64.b64decode(chunk["crc32c"])[:-4]).decode("ascii")
+        doc["chunks"] = [[doc["chunks"][0][0], chunk]] + doc["chunks"][1:]
+        return [RelayedFile.of(doc)] + files[1:]
+
+    WriterProcess.write_files = one_crc_short
+    try:
+        skc.async_save(_sharded_state(2.0), url, writer="process", block_bytes=1 << 20).result()
+        error = None
+    except CheckpointError as exc:
+        error = type(exc).__name__ + ": " + str(exc)
+    finally:
+        WriterProcess.write_files = write_files
+    kept = _sharded_state(0.0)
+    skc.load(kept, url)
+    return {"error": error, "kept": bool((kept["w"].to_local() == 1.0).all())}
+
+
+def test_a_damaged_record_from_a_writer_process_fails_the_commit_on_every_rank_and_keeps_the_checkpoint(tmp_path):
+    url = str(tmp_path / "ckpt")
+    rank0, rank1 = run_on_ranks(2, _damaged_record_from_the_writer, url)
+    assert rank0["error"] is not None and rank0["error"] == rank1["error"]
+    # rank 1's 4 MiB in 1 MiB blocks: rank 0's commit decodes its record and refuses it, naming the file
+    assert rank0["error"].startswith("InvalidManifest: data/") and "-1-0.safetensors" in rank0["error"]
+    assert rank0["error"].endswith("records 3 block checksums, expected 4")
+    assert rank0["kept"] and rank1["kept"]
+    assert skc.verify(url).ok

@@ -43,7 +43,6 @@ import torch
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
-from shardkit.checkpoint.formats.native import WrittenFile
 from shardkit.checkpoint.io.concurrency import parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
@@ -56,6 +55,7 @@ from shardkit.checkpoint.training.async_save.writer_commit import (
     writer_fields,
 )
 from shardkit.checkpoint.training.rank_report import report_from_json
+from shardkit.checkpoint.training.save import RelayedFile
 from shardkit.checkpoint.training.save_options import SaveOptions
 from shardkit.checkpoint.training.save_plan import SavePlan
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError, error_record, from_record
@@ -106,9 +106,9 @@ class WriterProcess:
 
     def write_files(self, storage: Storage, storage_options: dict[str, Any],
                     jobs: Sequence[tuple[str, Sequence[WriteChunk]]], pool: StagingPool, *, writer: int,
-                    options: SaveOptions) -> list[WrittenFile]:
+                    options: SaveOptions) -> list[RelayedFile]:
         """Have the child write each ``(name, staged chunks)`` job as ``options`` say; return the files'
-        records."""
+        records as the child sent them (:class:`~shardkit.checkpoint.training.save.RelayedFile`)."""
         assert pool.buffer is not None and pool.buffer.path is not None
         request = {"url": storage.url, "options": storage_options, "buffer": pool.buffer.path,
                    "token": pool.buffer.token, "size": pool.buffer.size, "writer": writer,
@@ -126,7 +126,7 @@ class WriterProcess:
         reply = json.loads(line)
         if reply.get("error") is not None:
             raise from_record(reply["error"])
-        return [WrittenFile.from_json(f) for f in reply["files"]]
+        return [RelayedFile.of(f) for f in reply["files"]]
 
     def commit(self, storage: Storage, storage_options: dict[str, Any], options: SaveOptions, plan: SavePlan,
                reports: Sequence[bytes], world_size: int) -> dict[str, str] | None:
