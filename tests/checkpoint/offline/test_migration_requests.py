@@ -219,3 +219,29 @@ def test_a_reshard_between_buckets_makes_one_s3_client_however_many_requests_sta
         s3fs.S3FileSystem.clear_instance_cache()
     assert made == [("s3",)]
     assert verify(dst, storage_options=options).ok
+
+
+def test_the_cleanup_after_the_commit_sends_its_requests_together(state, monkeypatch):
+    """Removing the resume journal and listing data/ and index/ for files no checkpoint uses are three
+    requests on an object store, all after the commit: they are in flight at once, not one after another
+    (each would wait for three at once, and fail the barrier, if they ran in a row)."""
+    import threading
+    import uuid
+
+    from shardkit.checkpoint.io.storage import Storage
+
+    dst = f"memory://cleanup-{uuid.uuid4().hex[:8]}"
+    together = threading.Barrier(3, timeout=10)
+    seen = []
+    delete_tree, listdir = Storage.delete_tree, Storage.listdir
+
+    def meet(what: str, storage: Storage) -> None:
+        if storage.url == dst and what not in seen and storage.exists("manifest.json"):  # the cleanup's
+            seen.append(what)
+            together.wait()
+
+    monkeypatch.setattr(Storage, "delete_tree", lambda self, p: meet(p, self) or delete_tree(self, p))
+    monkeypatch.setattr(Storage, "listdir", lambda self, p="": meet(p, self) or listdir(self, p))
+    reshard(str(state), dst, world_size=2, workers=2)
+    assert sorted(seen) == [".shardkit-resume", "data", "index"]
+    assert verify(dst).ok and not Storage(dst).exists(".shardkit-resume")

@@ -289,22 +289,28 @@ class NativeWriter:
             self.storage.sync_dir(index.INDEX_DIR)
         self.storage.sync_dir(DATA_DIR)
         self.storage.put_atomic(MANIFEST_NAME, data)
+        # after the commit, so in any order: on an object store the removal of each leftover folder and the
+        # listings that find unreferenced files are requests of their own, sent together rather than in a row
+        jobs = [*((self.storage.delete_tree, folder) for folder in leftovers), (self._remove_unreferenced, kept)]
         try:
-            for folder in leftovers:
-                self.storage.delete_tree(folder)
-            doomed = unreferenced_files(self.storage, kept)
-            if doomed:  # an older save here: keep what a checkpoint beside this one references
-                shared = referenced_by_siblings(self.storage)
-                self.storage.delete([name for name in doomed if name not in shared])
+            parallel_map(lambda job: job[0](job[1]), jobs, len(jobs) if self.storage.parallel_requests_help else 1)
         except Exception as exc:  # noqa: BLE001 - committed: a failed cleanup must not read as a failed save
             log.warning("committed %s, but could not remove older files: %s", self.storage.url, exc)
         return data
+
+    def _remove_unreferenced(self, kept: Collection[str]) -> None:
+        doomed = unreferenced_files(self.storage, kept)
+        if doomed:  # an older save here: keep what a checkpoint beside this one references
+            shared = referenced_by_siblings(self.storage)
+            self.storage.delete([name for name in doomed if name not in shared])
 
 
 def unreferenced_files(storage: Storage, kept: Collection[str]) -> list[str]:
     """Shardkit data and index files not in ``kept`` (left by older or interrupted saves); a file shardkit
     did not name so is never one of them."""
-    return [f"{folder}/{n}" for folder in (DATA_DIR, index.INDEX_DIR) for n in storage.listdir(folder)
+    folders = (DATA_DIR, index.INDEX_DIR)
+    listed = parallel_map(storage.listdir, folders, len(folders) if storage.parallel_requests_help else 1)
+    return [f"{folder}/{n}" for folder, names in zip(folders, listed) for n in names
             if f"{folder}/{n}" not in kept and is_native_file_name(f"{folder}/{n}")]
 
 
