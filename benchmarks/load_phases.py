@@ -3,12 +3,18 @@ in the 1-process resharding load, beside DCP's load of the same state in the sam
 
     python benchmarks/load_phases.py --size 50MB --rounds 7            # 2 ranks, then 1 process
     python benchmarks/load_phases.py --size 50MB --rounds 7 --profile  # also cProfile rank 0's shardkit loads
+    python benchmarks/load_phases.py --old /tmp/old --repeat 3         # another checkout's shardkit beside this
+
+``--old DIR``: a directory holding another checkout's ``shardkit`` package (``git archive <commit> shardkit |
+tar -x -C DIR``); each job then runs ``--repeat`` times for each checkout, the order flipping every time, and
+the report gives each checkout's shardkit / DCP ratio (DCP measured in the same rounds as its anchor).
 
 Each round drops the page cache (``drop_caches``; root) and sleeps ``--cold-sleep`` s before every load, the
 systems in an order that flips each round.  shardkit's load is cut into the spans of
 :mod:`shardkit.checkpoint.training.load` (open, plan, prepare, the shared-reads exchange, reads into the
 targets, the agreements, values and statefuls) by wrapping the functions it calls with ``time.perf_counter``;
-a span's figure is the median over rounds of rank 0's time in it; the total is the slowest rank's.
+a span's figure is, for each rank, the median over rounds of its time in it; the job's total is the slowest
+rank's.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.environ.get("LOAD_PHASES_SHARDKIT") or os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 _spans: dict[str, float] = collections.defaultdict(float)
@@ -132,11 +138,15 @@ def worker(args: argparse.Namespace) -> None:
                 times[system].append(float(t))
                 if system == "shardkit":
                     spans.append(dict(_spans, total=took))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, spans)
     if rank == 0:
+        assert skc.__file__.startswith(os.environ.get("LOAD_PHASES_SHARDKIT") or os.path.dirname(HERE)), skc.__file__
         keys = sorted({k for s in spans for k in s})
         out = {"job": args.job, "world": world,
                "times": {s: statistics.median(v) for s, v in times.items()},
-               "spans_ms": {k: 1e3 * statistics.median(s.get(k, 0.0) for s in spans) for k in keys}}
+               "spans_ms": {k: [1e3 * statistics.median(s.get(k, 0.0) for s in theirs) for theirs in every]
+                            for k in keys}}
         if profile is not None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(45)
@@ -154,29 +164,45 @@ def main() -> None:
     parser.add_argument("--only", choices=("two", "one"))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--old", help="a directory holding another checkout's shardkit package")
+    parser.add_argument("--repeat", type=int, default=1, help="jobs per checkout (with --old)")
     args = parser.parse_args()
     if args.job:
         return worker(args)
     os.makedirs(args.dir, exist_ok=True)
+    checkouts = [("this", "")] + ([("old", os.path.abspath(args.old))] if args.old else [])
     for job, ranks in (("two", 2), ("one", 1)):
         if args.only and args.only != job:
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-               str(29600 + ranks), os.path.abspath(__file__), "--job", job, "--size", args.size, "--rounds",
-               str(args.rounds), "--cold-sleep", str(args.cold_sleep), "--dir", args.dir] + (
-                   ["--profile"] if args.profile else [])
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            sys.exit(f"{job} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        result = json.loads(lines[-1][7:])
-        sk, dc = result["times"]["shardkit"], result["times"]["dcp"]
-        print(f"{job} ({result['world']} rank(s), {args.size}): shardkit {sk:.4f} s, DCP {dc:.4f} s, "
-              f"ratio {sk / dc:.2f}x")
-        for key, ms in sorted(result["spans_ms"].items(), key=lambda kv: -kv[1]):
-            print(f"  {key:28s} {ms:8.2f} ms")
-        if "profile" in result:
-            print(result["profile"])
+        ratios: dict[str, list[float]] = collections.defaultdict(list)
+        for i in range(args.repeat if args.old else 1):
+            for name, root in checkouts if i % 2 == 0 else checkouts[::-1]:
+                result = run_job(args, job, ranks, root)
+                sk, dc = result["times"]["shardkit"], result["times"]["dcp"]
+                ratios[name].append(sk / dc)
+                print(f"{job} ({result['world']} rank(s), {args.size}, {name} checkout): shardkit {sk:.4f} s, "
+                      f"DCP {dc:.4f} s, ratio {sk / dc:.2f}x")
+                for key, ms in sorted(result["spans_ms"].items(), key=lambda kv: -max(kv[1])):
+                    print(f"  {key:56s} " + " ".join(f"{m:8.2f}" for m in ms) + " ms")
+                if "profile" in result:
+                    print(result["profile"])
+        if args.old:
+            print(f"{job}: shardkit / DCP, median over {args.repeat} jobs: " + ", ".join(
+                f"{name} {statistics.median(r):.3f}x" for name, r in ratios.items()))
+
+
+def run_job(args: argparse.Namespace, job: str, ranks: int, root: str) -> dict[str, Any]:
+    """One torchrun job of ``ranks`` ranks loading with the shardkit of ``root`` (this checkout's if empty)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(29600 + ranks), os.path.abspath(__file__), "--job", job, "--size", args.size, "--rounds",
+           str(args.rounds), "--cold-sleep", str(args.cold_sleep), "--dir", args.dir] + (
+               ["--profile"] if args.profile else [])
+    env = {**os.environ, "LOAD_PHASES_SHARDKIT": root}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(f"{job} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][7:])
 
 
 if __name__ == "__main__":

@@ -101,19 +101,21 @@ class _Hinter:
     (starting a thread per hint cost 1-20 ms: the caller waits for the new thread to be scheduled)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, list[tuple[int, int]]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[tuple[str, list[tuple[int, int]]]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True).start()
 
-    def put(self, path: str, ranges: Sequence[tuple[int, int]]) -> None:
-        self._queue.put((path, list(ranges)))
+    def put(self, hints: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
+        """Hand over ``(path, ranges)`` hints, given in order: one put however many files (each put wakes the
+        thread, and on a busy machine the wake-up can take the caller's core for a while)."""
+        self._queue.put([(path, list(ranges)) for path, ranges in hints])
 
     def _run(self) -> None:
         while True:
-            path, ranges = self._queue.get()
-            try:
-                _hint(path, ranges)
-            except Exception:  # noqa: BLE001 - a hint that failed is a hint not given; the thread serves the next
-                pass
+            for path, ranges in self._queue.get():
+                try:
+                    _hint(path, ranges)
+                except Exception:  # noqa: BLE001 - a hint that failed is a hint not given; the thread serves the next
+                    pass
 
 
 _hinter: PerProcess[_Hinter] = PerProcess(_Hinter)
@@ -239,12 +241,21 @@ class LocalDisk:
         VMs, which a cold load's planning waited for (2-5 ms, up to 20 on a busy machine).  So hints of more
         than :data:`INLINE_HINT_BYTES` (a load's data; not a header, which its caller reads next) go to this
         process's hinting thread (:class:`_Hinter`), and the caller goes on at once."""
+        self.prefetch_files([(path, ranges)])
+
+    def prefetch_files(self, hints: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
+        """:meth:`prefetch` of ``(path, ranges)`` pairs, in order: the small ones here, the rest handed to the
+        hinting thread at once (one wake-up for a whole load's data, not one per file)."""
         if not hasattr(os, "posix_fadvise"):
             return
-        if sum(end - start for start, end in ranges) <= INLINE_HINT_BYTES:
-            _hint(path, ranges)
-        else:
-            _hinter.get().put(path, ranges)
+        later = []
+        for path, ranges in hints:
+            if sum(end - start for start, end in ranges) <= INLINE_HINT_BYTES:
+                _hint(path, ranges)
+            else:
+                later.append((path, ranges))
+        if later:
+            _hinter.get().put(later)
 
     def read_parts(self, path: str, what: str, start: int, parts: Sequence[torch.Tensor], truncated: str) -> None:
         """One ``preadv`` loop straight into the parts' memory (through the file held open, inside

@@ -310,6 +310,12 @@ class Storage:
         if self.is_local:
             self.files.prefetch(self.read_path(name), ranges)
 
+    def prefetch_files(self, hints: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
+        """:meth:`prefetch` of several files' ``(name, ranges)`` at once, in order: a load's data is handed to
+        the hinting thread in one go (:meth:`LocalDisk.prefetch_files`)."""
+        if self.is_local:
+            self.files.prefetch_files([(self.read_path(name), ranges) for name, ranges in hints])
+
     def files_held_open(self) -> ContextManager[None]:
         """This thread's :meth:`read_parts` calls inside keep a local file open from one call to the next,
         so the kernel reads ahead of a stream of steps (:meth:`LocalDisk.files_held_open`); elsewhere a

@@ -36,7 +36,7 @@ def _count_data_opens(monkeypatch) -> list[str]:
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(local_disk.os, "open", counting)
-    monkeypatch.setattr(LocalDisk, "prefetch", lambda self, path, ranges: None)
+    monkeypatch.setattr(LocalDisk, "prefetch_files", lambda self, hints: None)
     return opened
 
 

@@ -68,3 +68,19 @@ def test_hints_for_a_missing_file_are_dropped_without_an_error(tmp_path):
     storage = Storage(str(tmp_path))
     storage.prefetch("missing.bin", [(0, 4096)])
     storage.prefetch("missing.bin", [(0, 8 << 20)])  # on the thread: nothing to raise to anyone
+
+
+def test_a_loads_hints_of_several_files_reach_the_thread_in_one_hand_over_in_order(monkeypatch, data_file):
+    storage, path = data_file
+    calls, _ = _recording(monkeypatch, path)
+    handed: list[list[tuple[str, list[tuple[int, int]]]]] = []
+
+    class Thread:  # the hinting thread's door: what is handed over, and how often
+        def put(self, hints):
+            handed.append([(name, list(ranges)) for name, ranges in hints])
+
+    monkeypatch.setattr(local_disk, "_hinter", type("One", (), {"get": lambda self: Thread()})())
+    storage.prefetch_files([("data.bin", [(0, 4096)]), ("data.bin", [(0, 8 << 20)]),
+                            ("data.bin", [(1 << 20, 16 << 20)])])
+    assert [ranges for _, ranges, _ in calls] == [[(0, 4096)]]  # the header-sized hint, given by the caller
+    assert handed == [[(path, [(0, 8 << 20)]), (path, [(1 << 20, 16 << 20)])]]  # the data's, in one go

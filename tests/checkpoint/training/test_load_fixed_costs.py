@@ -91,9 +91,13 @@ def test_a_local_load_hints_every_header_before_the_data_and_each_range_once(tmp
     skc.save(saved, url, chunk_bytes=16 << 10)
     files = NativeReader(url).manifest.files
     hints: list[tuple[str, list[tuple[int, int]]]] = []
-    prefetch = Storage.prefetch
-    monkeypatch.setattr(Storage, "prefetch", lambda self, name, ranges: hints.append((name, list(ranges))) or
-                        prefetch(self, name, ranges))
+    prefetch_files = Storage.prefetch_files
+
+    def recorded(self, batch):
+        hints.extend((name, list(ranges)) for name, ranges in batch)
+        prefetch_files(self, batch)
+
+    monkeypatch.setattr(Storage, "prefetch_files", recorded)
     sd = {"a": torch.zeros(300, 40), "b": torch.zeros(500, 8)}
     skc.load(sd, url)
     assert all(torch.equal(sd[k], saved[k]) for k in saved)
@@ -183,3 +187,21 @@ def test_a_native_load_reads_its_manifest_without_asking_storage_first_and_other
         assert "no such file or directory" in str(exc)
     else:
         raise AssertionError("a path without a checkpoint loaded")
+
+
+def _load_alone_counting(url: str) -> tuple[int, int, bool, bool]:
+    """In a group of one (torchrun with one rank, as the resharding load of ``benchmarks/peers.py`` runs):
+    (collectives arrived at, transfers made, whether it loaded bitwise, whether a process group exists)."""
+    import torch.distributed as dist
+
+    sd = {"w": torch.zeros(ROWS, COLS), "v": torch.zeros(ROWS, COLS)}
+    with _counting() as counts:
+        skc.load(sd, url)
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    return counts[0], counts[1], torch.equal(sd["w"], full) and torch.equal(sd["v"], full), dist.is_initialized()
+
+
+def test_the_resharding_load_in_a_group_of_one_meets_no_collective(tmp_path):
+    url = str(tmp_path / "ck")
+    run_on_ranks(2, _save_for_one, url)
+    assert run_on_ranks(1, _load_alone_counting, url) == [(0, 0, True, True)]

@@ -340,6 +340,7 @@ class NativeReader(CheckpointReader):
         for file, a, b in ranges:
             by_file.setdefault(file, []).append((a, b))
         budget = _PREFETCH_BYTES
+        todo = []
         for file, spans in sorted(by_file.items()):
             hinted = []
             for a, b in merge_ranges(spans):
@@ -351,7 +352,9 @@ class NativeReader(CheckpointReader):
             if done is not None and all(any(a >= c and b <= d for c, d in done) for a, b in hinted):
                 continue
             self._hinted[file] = hinted
-            self.storage.prefetch(file, hinted)
+            todo.append((file, hinted))
+        if todo:
+            self.storage.prefetch_files(todo)
 
 
 def _layouts(value: Any) -> tuple[dict[str, Any], ...]:
