@@ -31,6 +31,7 @@ import torch
 from shardkit.checkpoint.formats.crc32c import crc32c
 from shardkit.checkpoint.formats.dtypes import code_to_dtype, dtype_to_code
 from shardkit.checkpoint.io.local_files import map_file, publish_directory, read_whole, remove_files
+from shardkit.checkpoint.io.piece_reads import PieceReader
 from shardkit.checkpoint.io.rounds import aligned
 from shardkit.errors import CorruptCheckpoint
 
@@ -191,30 +192,22 @@ class PendingCopy:
 
 
 def _read_entries(path: str, size: int, jobs: list[tuple[Entry, torch.Tensor]]) -> None:
-    """Each entry's bytes of the copy at ``path`` read into its tensor, checked (see :func:`_fill_one`).
-
-    A copy lives in a node-local directory (a plain path: :class:`~.nodes.NodeLayout` refuses any other URL),
-    so its data file is read through one descriptor with ``os.preadv`` straight into the targets' memory:
-    the storage layer's per-request work (retries, paths, views) paid once per 1 MiB piece cost a recovery
-    tens of milliseconds at a few hundred pieces per rank."""
+    """Each entry's bytes of the copy at ``path`` read into its tensor, checked (see :func:`_fill_one`), through
+    one descriptor (:class:`~shardkit.checkpoint.io.piece_reads.PieceReader`: a copy lives in a plain local
+    directory, and the storage layer's per-request work, paid per 1 MiB piece, cost a recovery tens of ms)."""
     where = os.path.join(path, DATA_NAME)
     try:
-        fd = os.open(where, os.O_RDONLY)
+        with PieceReader(where) as data:
+            found = data.size
+            if found != size:
+                raise CorruptCheckpoint(f"{where} holds {found} bytes; {size} were written")
+            for entry, target in jobs:
+                _fill_one(data, entry, target, where)
     except OSError as exc:
         raise CorruptCheckpoint(f"cannot read {where}: {exc}") from None
-    try:
-        found = os.fstat(fd).st_size
-        if found != size:
-            raise CorruptCheckpoint(f"{where} holds {found} bytes; {size} were written")
-        for entry, target in jobs:
-            _fill_one(fd, entry, target, where)
-    except OSError as exc:
-        raise CorruptCheckpoint(f"cannot read {where}: {exc}") from None
-    finally:
-        os.close(fd)
 
 
-def _fill_one(fd: int, entry: Entry, target: torch.Tensor, where: str) -> None:
+def _fill_one(data: PieceReader, entry: Entry, target: torch.Tensor, where: str) -> None:
     """``entry``'s bytes read into ``target`` (directly when it is a contiguous CPU tensor, else through one
     buffer), their crc32c checked piece by piece as they land, while still in the cache."""
     direct = target.device.type == "cpu" and target.is_contiguous()
@@ -224,12 +217,7 @@ def _fill_one(fd: int, entry: Entry, target: torch.Tensor, where: str) -> None:
     crc = 0
     for start in range(0, entry.nbytes, FILL_PIECE):
         end = min(start + FILL_PIECE, entry.nbytes)
-        done = start
-        while done < end:  # a short read (a signal, a file cut while it is read) goes on where it stopped
-            got = os.preadv(fd, [view[done:end]], entry.offset + done)
-            if got <= 0:
-                raise CorruptCheckpoint(f"{where} ends inside the bytes of {entry.key!r}: a damaged copy")
-            done += got
+        data.read_into(view[start:end], entry.offset + start)
         crc = crc32c(raw[start:end], crc)
     if crc != entry.crc:
         raise CorruptCheckpoint(f"{where}: the bytes of {entry.key!r} do not match their checksum (crc32c): a "
