@@ -32,6 +32,13 @@ average half the interval between saves plus the lag from a save's start to its 
 then pays the resume (measured); per ``--fail-every`` steps the arm also pays its overhead (taken as 0 where
 the measured one is negative: noise).  Each runtime first trains 12 steps, untimed, before any arm.
 
+Per step, too: every step's time (the save it starts included; the max over the ranks) is kept, and for the
+arms that save every ``--every`` steps the report gives the step time each save costs -- the excess of the
+save's step and the 3 after it over the median of the 5 steps before it (median over saves and rounds), the
+same steps of the paired baseline beside it (the noise floor) -- the wait for the last save, and an overhead
+rebuilt from those.  Where other jobs share the machine, the wall-time overhead is the difference of two runs
+seconds apart; the per-step figure compares steps of one run a second apart.
+
 Targets: the overhead of ``shardkit-async`` <= 0.5x ``dcp-async``'s and <= 1.0x torch_checkpointing's.
 
     python benchmarks/goodput.py                               # 50MB of state, 60 steps, 5 rounds
@@ -66,6 +73,7 @@ RUNTIME = {"none/shardkit": "shardkit", "shardkit-async": "shardkit", "shardkit-
 SYSTEM = {"shardkit-async": "shardkit", "shardkit-hot": "shardkit", "dcp-async": "dcp",
           "torch_checkpointing-async": "torch_checkpointing"}
 DCP_LIMIT, TC_LIMIT = 0.5, 1.0
+STEPS_AFTER, QUIET = 4, 5  # per-step figures: the steps a save is charged with, the quiet steps before it
 
 
 def model_args(nbytes: float) -> Any:
@@ -217,14 +225,19 @@ def run_arm(arm: str, model: Any, opt: Any, args: argparse.Namespace, work: str,
     batches = batches_for(model, args.batch)
     dist.barrier()
     started = time.perf_counter()
+    steps = []  # each step's time, the save it starts included
     for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
         train_step(model, opt, batches[step % len(batches)], saver.lock())
         if saver.due(step):
             saver.saves += 1
             saver.start(step)
+        steps.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
     saver.finish()
+    tail = time.perf_counter() - t0
     wall = time.perf_counter() - started
-    out: dict[str, Any] = {"wall": wall, "saves": saver.saves}
+    out: dict[str, Any] = {"wall": wall, "saves": saver.saves, "tail": tail, "steps": max_over_ranks(steps)}
     if arm in SYSTEM:
         lag = statistics.median(saver.lags)
         snapshot = {k: ps.local(t).clone() for k, t in ps.tensors(saver.state()).items()}
@@ -240,7 +253,7 @@ def run_arm(arm: str, model: Any, opt: Any, args: argparse.Namespace, work: str,
             raise SystemExit(f"{arm}: the resumed state differs from the saved one, e.g. {bad[:3]}")
         out["lag"] = lag
     saver.close()
-    keys = ("wall", "resume", "lag")
+    keys = ("wall", "resume", "lag", "tail")
     maxed = max_over_ranks([out.get(k, 0.0) for k in keys])
     out.update({k: v for k, v in zip(keys, maxed) if k in out})
     dist.barrier()
@@ -269,7 +282,8 @@ def worker(args: argparse.Namespace) -> None:
             baseline = f"none/{RUNTIME.get(arm, 'torch')}"
             for one in (baseline, arm) if r % 2 == 0 else (arm, baseline):
                 row[one] = run_arm(one, *models[RUNTIME.get(arm, "torch")], args, args.dir, group)
-            row[arm]["baseline"] = row.pop(baseline)["wall"]
+            paired = row.pop(baseline)
+            row[arm]["baseline"], row[arm]["base_steps"] = paired["wall"], paired["steps"]
         rounds.append(row)
         if dist.get_rank() == 0:
             print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
@@ -305,6 +319,7 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
         per_period = max(0.0, overhead[arm]) * base / args.steps * args.fail_every + lost + med(arm, "resume")
         print(f"  {arm:28s} {wall:7.2f} {base:7.2f} {100 * overhead[arm]:8.1f}% {rounds[0][arm]['saves']:5d} "
               f"{med(arm, 'lag'):6.3f} {med(arm, 'resume'):8.3f} {lost:14.3f} {per_period:20.3f}  all {len(rounds)}")
+    print_step_figures(rounds, args)
     verdicts = []
     for peer, limit in (("dcp-async", DCP_LIMIT), ("torch_checkpointing-async", TC_LIMIT)):
         for arm in ("shardkit-async", "shardkit-hot"):
@@ -322,6 +337,53 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
                 print(f"  (not a target) {name}: {ratio:.2f}x ({detail}; hot every step vs durable every "
                       f"{args.every})")
     return verdicts
+
+
+def lost_per_save(steps: list[float], every: int, after: int = STEPS_AFTER) -> tuple[list[float], float]:
+    """The step time a save costs, read from one arm's step times (max over the ranks): for each save at step
+    ``s`` but the last, the excess of steps ``s .. s+after-1`` (the save's blocking call and the steps its
+    background work overlaps) over the median of the ``QUIET`` steps before ``s`` (the last save's work is long
+    done by then); and that quiet median.  A figure that load drifting over the arm's seconds hardly moves, as
+    it moves every step alike, where the wall-time overhead takes the difference of two runs."""
+    quiet_all, lost = [], []
+    for s in range(every, len(steps) + 1 - after, every):
+        quiet = statistics.median(steps[max(0, s - 1 - QUIET):s - 1])
+        quiet_all.append(quiet)
+        lost.append(sum(t - quiet for t in steps[s - 1:s - 1 + after]))
+    return lost, statistics.median(quiet_all) if quiet_all else statistics.median(steps)
+
+
+def print_step_figures(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Per-step figures of the arms that save every ``--every`` steps, and of their baselines at the same steps
+    (the noise floor): the step time lost per save (median over the saves and rounds), the wait for the
+    last save after the last step, and an overhead rebuilt from them -- (lost per save x saves + the last save's
+    step excess + that wait) / (quiet step x steps)."""
+    print(f"  per step (max over ranks): lost per save = steps s..s+{STEPS_AFTER - 1} of each save at s over the "
+          f"median of the {QUIET} steps before s (median over saves and rounds); baseline: the same steps of the "
+          f"paired run without saves")
+    print(f"  {'arm':28s} {'lost/save ms':>12s} {'baseline ms':>11s} {'last wait ms':>12s} {'quiet step ms':>13s} "
+          f"{'overhead from steps':>19s}")
+    from_steps = {}
+    for arm in ARMS:
+        if arm == "shardkit-hot" or "steps" not in rounds[0][arm]:
+            continue
+        lost, floor, est = [], [], []
+        for r in rounds:
+            mine, quiet = lost_per_save(r[arm]["steps"], args.every)
+            lost += mine
+            floor += lost_per_save(r[arm]["base_steps"], args.every)[0]
+            last = r[arm]["steps"][-1] - quiet
+            est.append((sum(mine) / len(mine) * (r[arm]["saves"] - 1) + last + r[arm]["tail"])
+                       / (quiet * len(r[arm]["steps"])))
+        print(f"  {arm:28s} {1000 * statistics.median(lost):12.1f} {1000 * statistics.median(floor):11.1f} "
+              f"{1000 * statistics.median(r[arm]['tail'] for r in rounds):12.1f} "
+              f"{1000 * statistics.median(lost_per_save(r[arm]['steps'], args.every)[1] for r in rounds):13.1f} "
+              f"{100 * statistics.median(est):18.1f}%")
+        from_steps[arm] = statistics.median(est)
+    for peer in ("dcp-async", "torch_checkpointing-async"):
+        if "shardkit-async" in from_steps and from_steps.get(peer, 0) > 0:
+            print(f"  (not a target) overhead from steps, shardkit-async / {peer}'s: "
+                  f"{from_steps['shardkit-async'] / from_steps[peer]:.2f}x")
 
 
 def main() -> None:
