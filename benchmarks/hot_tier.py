@@ -232,6 +232,25 @@ def worker(args: argparse.Namespace) -> None:
         n = next_step(arm == "hot+durable")
         return timed_save(lambda: hot.save(n, model, opt), step)
 
+    def blocking_pairs(k: int) -> dict[str, list[float]]:
+        """``k`` more samples of measurement 1's two arms, a plain copy and a hot save (not durable) in
+        alternating order, each save waited for before the next sample (no compute steps in between): one
+        sample per round was the machine's noise more than the save's."""
+        found: dict[str, list[float]] = {"copy": [], "hot": []}
+        for i in range(k):
+            for arm in ("copy", "hot") if i % 2 == 0 else ("hot", "copy"):
+                if arm == "copy":
+                    found["copy"].append(save_arm("copy")["blocking"])
+                    continue
+                n = next_step(False)
+                dist.barrier()
+                t0 = time.perf_counter()
+                future = hot.save(n, model, opt)
+                found["hot"].append(max_over_ranks(time.perf_counter() - t0))
+                future.result()
+                dist.barrier()
+        return found
+
     def load_arm(arm: str) -> dict[str, Any]:
         for t in tensors if not arm.startswith("raw") else []:
             t.zero_()
@@ -285,6 +304,7 @@ def worker(args: argparse.Namespace) -> None:
         rounds: dict[str, Any] = {}
         for arm in SAVES[r % len(SAVES):] + SAVES[:r % len(SAVES)]:
             rounds[f"save/{arm}"] = save_arm(arm)
+        rounds["pairs"] = blocking_pairs(args.pairs)
         dist.barrier()
         t0 = time.perf_counter()
         step()
@@ -333,6 +353,12 @@ def report(out: dict[str, Any], fail_every: list[int],
     copy = med("save/copy", "blocking")
     targets = []
     hot_blocking = med("save/hot", "blocking")
+    if "pairs" in rounds[0]:  # every sample of the two arms: the rounds' own and the pairs'
+        def samples(arm: str) -> list[float]:
+            return [r[f"save/{arm}"]["blocking"] for r in rounds] + [s for r in rounds for s in r["pairs"][arm]]
+        copy, hot_blocking = median(samples("copy")), median(samples("hot"))
+        print(f"  (medians of {len(rounds) * (1 + len(rounds[0]['pairs']['hot']))} samples of each of the first two "
+              f"arms, {len(rounds[0]['pairs']['hot'])} interleaved pairs per round besides the round's own)")
     _row("hot save (not durable)", hot_blocking, "plain copy into preallocated", copy, BLOCKING_TARGET)
     targets.append(("blocking per hot save <= 1.2x a plain host copy", hot_blocking / copy, BLOCKING_TARGET,
                     hot_blocking / copy <= BLOCKING_TARGET))
@@ -420,6 +446,8 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="the state in all as a size, e.g. 5MB (one size; "
                         "instead of --gb)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=6, help="more interleaved samples per round of measurement "
+                        "1's copy and hot save (their blocking medians are over every sample)")
     parser.add_argument("--compute-iters", type=int, default=12, help="512x512 matmuls in one compute step")
     parser.add_argument("--fail-every", default="100,1000", help="M: steps between failures, comma-separated")
     parser.add_argument("--step-s", default="2,10", help="step times (s) to model measurement 4 for, besides "
@@ -462,7 +490,8 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     try:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                    os.path.abspath(__file__), "--worker", "--dim", str(dim), "--layers", str(layers),
-                   "--rounds", str(args.rounds), "--compute-iters", str(args.compute_iters), "--dir", work,
+                   "--rounds", str(args.rounds), "--pairs", str(args.pairs), "--compute-iters", str(args.compute_iters),
+                   "--dir", work,
                    "--shm", shm]
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         with open(os.path.join(work, "result.json")) as f:
