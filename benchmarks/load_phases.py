@@ -4,6 +4,7 @@ in the 1-process resharding load, beside DCP's load of the same state in the sam
     python benchmarks/load_phases.py --size 50MB --rounds 7            # 2 ranks, then 1 process
     python benchmarks/load_phases.py --size 50MB --rounds 7 --profile  # also cProfile rank 0's shardkit loads
     python benchmarks/load_phases.py --old /tmp/old --repeat 3         # another checkout's shardkit beside this
+    python benchmarks/load_phases.py --warm --rounds 15                # page-cached: the fixed costs alone
 
 ``--old DIR``: a directory holding another checkout's ``shardkit`` package (``git archive <commit> shardkit |
 tar -x -C DIR``); each job then runs ``--repeat`` times for each checkout, the order flipping every time, and
@@ -116,10 +117,10 @@ def worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds + 1):
         for system in (order if r % 2 == 0 else order[::-1]):
             state = states[system][0]
-            if rank == 0:
+            if rank == 0 and not args.warm:
                 evict()
             dist.barrier()
-            time.sleep(args.cold_sleep)
+            time.sleep(0 if args.warm else args.cold_sleep)
             dist.barrier()
             _spans.clear()
             if profile is not None and system == "shardkit" and r:
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/shardkit-load-phases")
     parser.add_argument("--only", choices=("two", "one"))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--warm", action="store_true", help="leave the page cache as it is: the CPU's share alone")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--old", help="a directory holding another checkout's shardkit package")
     parser.add_argument("--repeat", type=int, default=1, help="jobs per checkout (with --old)")
@@ -196,7 +198,7 @@ def run_job(args: argparse.Namespace, job: str, ranks: int, root: str) -> dict[s
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
            str(29600 + ranks), os.path.abspath(__file__), "--job", job, "--size", args.size, "--rounds",
            str(args.rounds), "--cold-sleep", str(args.cold_sleep), "--dir", args.dir] + (
-               ["--profile"] if args.profile else [])
+               ["--profile"] if args.profile else []) + (["--warm"] if args.warm else [])
     env = {**os.environ, "LOAD_PHASES_SHARDKIT": root}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

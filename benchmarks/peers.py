@@ -26,7 +26,8 @@ thread, as the raw read), checked like every load.  The 2-rank load's raw target
 the plain raw read is printed beside it: that read fills one reused 8 MiB buffer that stays in the CPU's
 caches and writes the bytes nowhere, so it leaves out what every loader must do -- put each byte into the
 target's memory (hundreds of MB of stores through the memory bus, a cache miss per line).  The same bytes, read
-by the same ranks into the same tensors, are the fair floor of a load; the raw read stays as the disk's.
+by the same ranks into the same tensors, are the fair floor of a load; the raw read stays as the disk's.  (On
+the CPU: with ``--device cuda`` the tensors are on the GPUs, and the raw read stays the load's floor.)
 
     python benchmarks/peers.py                                   # 5MB,50MB,300MB,1.4GB, 5 rounds
     python benchmarks/peers.py --sizes 5MB --rounds 1 --warmup 0 --cold-sleep 0   # smoke run
