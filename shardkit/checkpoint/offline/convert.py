@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats import FORMATS, NATIVE, FormatHandler, open_reader, writer_for
@@ -117,6 +118,18 @@ def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str, sou
     return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
 
 
+def source_id_meanwhile(src: str, storage_options: Mapping[str, Any] | None, source: Any) -> Callable[[], str]:
+    """:func:`source_id`, asked now on a thread when SRC is an object store (its GET of the manifest overlaps
+    the selection and DST's checks, not the first write); the call returned waits for it or raises its error."""
+    storage = getattr(source, "storage", None)
+    if not getattr(storage, "is_object_store", False):
+        return lambda: source_id(src, storage_options, source.info.format, source)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-source-id")
+    asked = pool.submit(source_id, src, storage_options, source.info.format, source)
+    pool.shutdown(wait=False)
+    return asked.result
+
+
 def _block_bytes(max_memory: int) -> int:
     """Bytes per block for the sequential writers: a box, the piece read into it and the writer's
     serialized copy fit in the budget next to the writer's O_DIRECT staging buffer."""
@@ -167,6 +180,7 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         TorchLoadOptions(trust_pickle, _keys(model_keys), need_names=not (model_only or target.model_export)),
         lambda options: prepare_dst_meanwhile(dst, target, options, overwrite))
     try:
+        pin = source_id_meanwhile(src, storage_options, source)
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only or target.model_export, dtype=dtype, aliases=source.aliases())
         target.check_tensors(sel.triples)
@@ -179,7 +193,7 @@ def convert(src: str, dst: str, *, to: str = NATIVE.name, only: Sequence[str] | 
         result = _write(source, sel, dest, target, "convert", budget=budget, workers=workers, progress=progress,
                         block_bytes=_block_bytes(budget), max_shard_size=shard_cap, export=export,
                         world_size=world_size or math.prod(mesh_t or (1,)), mesh=mesh_t, compression=compression,
-                        source_id=source_id(src, storage_options, source.info.format, source))
+                        source_id=pin())
         dest.remove_stale(result.files)
         _log_written("convert", src, result, started)
         return result
@@ -272,6 +286,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
         TorchLoadOptions(trust_pickle, _keys(model_keys), not model_only),
         (lambda options: prepare_dst_meanwhile(dst, NATIVE, options, overwrite)) if agree is None else None)
     try:
+        pin = source_id_meanwhile(src, storage_options, source)
         sel = select(source.tensors(), source.values(), only=only, exclude=exclude, rename=rename,
                      model_only=model_only, dtype=dtype, dtype_optim=dtype_optim, aliases=source.aliases())
         NATIVE.check_tensors(sel.triples)
@@ -288,7 +303,7 @@ def reshard(src: str, dst: str, *, world_size: int | None = None, mesh: tuple[in
             if not agree(True):
                 raise CheckpointError(f"{dst}: a process could not prepare DST; see its error")
         result = _write(source, sel, dest, NATIVE, "reshard", world_size=ws, mesh=mesh_t, compression=compression,
-                        source_id=source_id(src, storage_options, source.info.format, source), budget=budget,
+                        source_id=pin(), budget=budget,
                         workers=workers, progress=progress, scaleout=Scaleout(rank, nprocs, agree))
         if result is not None:
             dest.remove_stale(result.files)

@@ -245,3 +245,25 @@ def test_the_cleanup_after_the_commit_sends_its_requests_together(state, monkeyp
     reshard(str(state), dst, world_size=2, workers=2)
     assert sorted(seen) == [".shardkit-resume", "data", "index"]
     assert verify(dst).ok and not Storage(dst).exists(".shardkit-resume")
+
+
+def test_the_source_id_of_a_source_in_a_bucket_is_asked_on_a_thread_beside_the_selection(source, monkeypatch):
+    import threading
+
+    from shardkit.checkpoint.formats import open_reader
+    from shardkit.checkpoint.io.storage import Storage
+    from shardkit.checkpoint.offline.convert import source_id, source_id_meanwhile
+
+    src, _, options, _ = source
+    reader = open_reader(src, options)
+    asked_on = []
+    read_bytes = Storage.read_bytes
+    monkeypatch.setattr(Storage, "read_bytes",
+                        lambda self, *a, **k: asked_on.append(threading.current_thread().name)
+                        or read_bytes(self, *a, **k))
+    try:
+        pinned = source_id_meanwhile(src, options, reader)()
+        assert asked_on[0].startswith("shardkit-source-id")
+        assert pinned == source_id(src, options, reader.info.format, reader)
+    finally:
+        reader.close()
