@@ -16,7 +16,8 @@ import torch
 from shardkit.checkpoint.geometry.boxes import is_dtensor
 from shardkit.checkpoint.io.dist import Dist
 from shardkit.checkpoint.state.tree import from_json_value
-from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState, local_state
+from shardkit.checkpoint.training.hot.copies import HostCopy, LocalState
+from shardkit.checkpoint.training.hot.layout_cache import LayoutCache
 from shardkit.checkpoint.training.hot.local_keep import check_space
 from shardkit.checkpoint.training.hot.nodes import NodeLayout
 from shardkit.checkpoint.training.hot.replicate import HotSave, run_hot_save
@@ -55,6 +56,7 @@ class HotTier:
         self._saves = 0
         self._space_checked: str | None = None
         self._host = HostCopy()
+        self._layouts = LayoutCache()  # the state's flattened view, reused while its layout repeats
 
     def layout(self) -> NodeLayout:
         """The node arithmetic for this job (checked against the world size on first use)."""
@@ -71,14 +73,15 @@ class HotTier:
 
     def prepare(self, step: int, state: dict[str, Any], meta: dict[str, Any], *,
                 to_host: bool, inputs: InputSnapshot | None = None) -> tuple[HotSave, LocalState]:
-        """On the training thread, on every rank: name the save, check space when the structure is new, and
+        """On the training thread, on every rank: name the save, take the state's flattened view (its layout reused
+        from the last save while it holds: :mod:`.layout_cache`), check space when the structure is new, and
         (``to_host``) copy the local tensors into reused host buffers so training may go on.  No collective
         but on the first save and when the structure changes: the ranks check that they agree on the save's
         name when they vote on its completion, off the training thread.  ``inputs``: the RNG state taken
         for this save, gathered over the ranks by the save itself (``state`` then holds no input state)."""
         layout = self.layout()
         dist = Dist(self.process_group)
-        local = local_state(state)
+        local = self._layouts.local_state(state)
         self._saves += 1
         # once: rank 0's clock, so a later run's saves of a step sort after an earlier one's
         if self._incarnation is None:
