@@ -21,26 +21,14 @@ after the load, exactly.  Verdicts: shardkit / the best peer (the faster of DCP 
 1.0x in every cell; from 300 MB on, save and 2-rank load <= 1.1x raw.
 
 The floor of a load.  From 300 MB on the 2-rank load also times **raw into tensors**: each rank reads its raw
-file front to back straight into its preallocated local tensors (``readinto`` their memory, no checksum, one
-thread, as the raw read), checked like every load.  The 2-rank load's raw target is judged against it, and
-the plain raw read is printed beside it: that read fills one reused 8 MiB buffer that stays in the CPU's
-caches and writes the bytes nowhere, so it leaves out what every loader must do -- put each byte into the
-target's memory (hundreds of MB of stores through the memory bus, a cache miss per line).  The same bytes, read
-by the same ranks into the same tensors, are the fair floor of a load; the raw read stays as the disk's.  (On
-the CPU: with ``--device cuda`` the tensors are on the GPUs, and the raw read stays the load's floor.)
-
-    python benchmarks/peers.py                                   # 5MB,50MB,300MB,1.4GB, 5 rounds
-    python benchmarks/peers.py --sizes 5MB --rounds 1 --warmup 0 --cold-sleep 0   # smoke run
-    python benchmarks/peers.py --sizes 300MB --rounds 3 --ops save,load2           # the 2-rank load alone
-    python benchmarks/peers.py --device cuda --sizes 50MB,1GB --rounds 3             # on GPUs (gpu_check.sh)
-
-``--device cuda``: NCCL, one GPU per rank (``LOCAL_RANK``), the models built on the GPUs, every load into
-GPU tensors, each system with pinned staging (:mod:`peers_systems` says how), every time taken between
-``torch.cuda.synchronize()`` calls; raw's save is the device-to-host copy plus the write and ``fsync``, its
-load the read alone.  The sharded job runs on ``min(2, torch.cuda.device_count())`` ranks: on one GPU
-(NCCL takes one GPU per rank) it runs at 1 rank, its load is labelled so, the "resharding" load reads a
-1-rank checkpoint into the unsharded model, and a ``FIGURE ... NOT VERIFIED`` line says what did not run.
-Every verdict is printed as a ``FIGURE`` line too (``benchmarks/gpu_check.sh`` collects them).
+file straight into its preallocated local tensors (``preadv`` into their memory, no checksum), on as many
+threads as shardkit's load reads with, each a consecutive run of the file, checked like every load.  The
+2-rank load's raw target is judged against it, and the plain raw read is printed beside it: that read fills
+one reused 8 MiB buffer that stays in the CPU's caches and writes the bytes nowhere, so it leaves out what
+every loader must do -- put each byte into the target's memory (hundreds of MB of stores through the memory
+bus, a cache miss per line).  The same bytes, read by the same ranks into the same tensors, are the fair
+floor of a load; the raw read stays as the disk's.  (On the CPU: with ``--device cuda`` the tensors are on
+the GPUs, and the raw read stays the load's floor.)
 """
 
 from __future__ import annotations
@@ -137,20 +125,43 @@ def zero(state: dict[str, Any]) -> None:
 
 
 def raw_read_into(state: dict[str, Any], path: str) -> None:
-    """Read ``path`` (what :func:`raw_write` wrote) front to back straight into ``state``'s local tensors."""
-    with open(path, "rb", buffering=0) as f:
-        for t in ps.tensors(state).values():
-            target = ps.local(t)
-            flat = target.reshape(-1) if target.is_contiguous() else torch.empty(target.numel(), dtype=target.dtype)
-            view = memoryview(flat.view(torch.uint8).numpy())
-            pos = 0
-            while pos < len(view):
-                got = f.readinto(view[pos:])
-                if not got:
-                    raise SystemExit(f"{path} ends before the state's bytes do")
-                pos += got
-            if flat.data_ptr() != target.data_ptr():
-                target.copy_(flat.view(target.shape))
+    """Read ``path`` (what :func:`raw_write` wrote) straight into ``state``'s local tensors, on as many threads
+    as shardkit's load reads with (``DEFAULT_IO_THREADS``), each a consecutive run of the tensors through one
+    descriptor front to back -- the read shardkit's load does, without its checksums."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
+
+    items, pos = [], 0
+    for t in ps.tensors(state).values():
+        target = ps.local(t)
+        items.append((pos, target))
+        pos += target.numel() * target.element_size()
+    lanes = max(1, min(DEFAULT_IO_THREADS, len(items)))
+    runs: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(lanes)]
+    for offset, target in items:  # consecutive runs of about equal bytes
+        runs[min(lanes - 1, offset * lanes // max(pos, 1))].append((offset, target))
+
+    def read(run: list[tuple[int, torch.Tensor]]) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset, target in run:
+                flat = target.reshape(-1) if target.is_contiguous() else torch.empty(target.numel(),
+                                                                                      dtype=target.dtype)
+                view = memoryview(flat.view(torch.uint8).numpy())
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                    if not got:
+                        raise SystemExit(f"{path} ends before the state's bytes do")
+                    done += got
+                if flat.data_ptr() != target.data_ptr():
+                    target.copy_(flat.view(target.shape))
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(lanes) as pool:
+        list(pool.map(read, runs))
 
 
 def raw_write(state: dict[str, Any], path: str) -> None:
