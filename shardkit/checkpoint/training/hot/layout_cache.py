@@ -10,8 +10,8 @@ What is checked at every save, so that a changed state never reuses a stale view
 * the **skeleton** of the state dict -- every dict's keys in order, every list walked into and its length,
   whether each leaf is a tensor -- equal to the last one (then :func:`~shardkit.checkpoint.state.tree.flatten`
   would give the same keys in the same order);
-* every tensor leaf of the **same layout** as last time: its dtype, its local shard's dtype, shape and device,
-  and a DTensor's global shape, placements and mesh (the very mesh object) -- what the structure digest
+* every tensor leaf of the **same layout** as last time: its local shard's dtype, shape and device, and a
+  DTensor's sharding spec (mesh, placements, global shape and dtype) -- all the structure digest
   covers, so the digest found last time is this state's too; the tensors themselves are this call's.
 
 The values (learning rates, step counters kept as numbers, ...) are read and encoded afresh at every save.
@@ -21,6 +21,7 @@ Anything else -- a first save, a changed skeleton, one tensor that differs -- ta
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,18 +40,26 @@ class _Layout:
     """What the last full derivation found, and what must match for it to be reused."""
 
     skeleton: list[Any]
-    layouts: list[tuple[Any, ...]]  # each tensor leaf's layout, in walk order (:func:`_layout_of`)
+    layouts: list[tuple[Any, ...]]  # each tensor leaf's layout, in walk order (:func:`_shard_and_layout`)
     tensor_keys: list[str]
     value_keys: list[str]
     structure: str
 
 
-def _layout_of(t: torch.Tensor, shard: torch.Tensor) -> tuple[Any, ...]:
-    """What :func:`~.copies.structure_of` digests of one tensor (dtype, local and global shape, placements,
-    the mesh -- by identity: a mesh is built once and shared by its tensors), and the shard's device."""
-    if is_dtensor(t):
-        return t.dtype, shard.dtype, shard.shape, shard.device, t.shape, t.placements, t.device_mesh
-    return t.dtype, shard.dtype, shard.shape, shard.device
+def _shard_and_layout(t: torch.Tensor, dtensor: type | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """``t``'s local shard, and what :func:`~.copies.structure_of` digests of it: the shard's dtype, shape and
+    device, and a DTensor's sharding spec (mesh, placements, global shape and dtype: the spec object a detached
+    view shares with its parameter, so it compares by identity first).  ``dtensor``: the DTensor class, when
+    imported (a type check costs a fraction of ``isinstance``'s against it, which is paid per tensor)."""
+    if dtensor is not None and (type(t) is dtensor or is_dtensor(t)):
+        shard = local_tensor(t)
+        return shard, (shard.dtype, shard.shape, shard.device, t._spec)
+    return t, (t.dtype, t.shape, t.device, None)
+
+
+def _dtensor_class() -> type | None:
+    api = sys.modules.get("torch.distributed.tensor._api")
+    return None if api is None else api.DTensor
 
 
 def _has_tensor(value: Any) -> bool:
@@ -100,10 +109,12 @@ class LayoutCache:
         tensors: list[torch.Tensor] = []
         values: list[tuple[Any, Any, Any]] = []
         _walk(part, skeleton, tensors, values)
-        shards = [local_tensor(t) for t in tensors]
+        dtensor = _dtensor_class()
+        found_shards = [_shard_and_layout(t, dtensor) for t in tensors]
+        shards = [shard for shard, _ in found_shards]
+        layouts = [layout for _, layout in found_shards]
         last = self._last
-        if last is not None and skeleton == last.skeleton and len(tensors) == len(last.layouts) and all(
-                _layout_of(t, s) == held for t, s, held in zip(tensors, shards, last.layouts)):
+        if last is not None and skeleton == last.skeleton and layouts == last.layouts:
             self.hits += 1
             slots = {key: (container, index) for key, (container, index, _) in zip(last.value_keys, values)}
             encoded = {key: to_json_value(value, key) for key, (_, _, value) in zip(last.value_keys, values)}
@@ -114,6 +125,5 @@ class LayoutCache:
         self._last = None
         if len(keys) == len(tensors) and len(found.flat.values) == len(values) \
                 and all(found.flat.tensors[k] is t for k, t in zip(keys, tensors)):
-            self._last = _Layout(skeleton, [_layout_of(t, s) for t, s in zip(tensors, shards)], keys,
-                                 list(found.flat.values), found.structure)
+            self._last = _Layout(skeleton, layouts, keys, list(found.flat.values), found.structure)
         return found
