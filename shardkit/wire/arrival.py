@@ -198,7 +198,10 @@ def complete(work: Any, pollable: bool = True) -> None:
         if now >= deadline:
             raise RuntimeError("timed out inside the collective (a rank froze after arriving)")
         if finished is not None:  # woken the moment the work completes; the store is still asked on schedule
-            finished.wait(max(min(asked + ask_every, deadline) - now, 0.0))
+            if finished.wait(max(min(asked + ask_every, deadline) - now, 0.0)):
+                # its future is done, so wait() returns at once; gloo's is_completed() can lag the future by
+                # tens of ms, and looping on the set event until then holds the GIL the training thread needs
+                break
         else:
             time.sleep(pause)
             pause = min(pause * _POLL_GROWTH, _WORK_POLL_MAX_S)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from shardkit.wire.arrival import arrive
+from shardkit.wire.arrival import arrive, complete, the_group, watched
 from tests.support.dist import run_on_ranks
 
 LATE_S = 0.15  # doubling from 0.5 ms left rank 0 here 0.23-0.25 s, a quarter at a time 0.175 s
@@ -29,6 +29,38 @@ def _arrive_without_rank_1(timeout_s: float) -> tuple[int, tuple[int, ...], tupl
         return -1, (), ()
     arrival = arrive(None, timeout_s)
     return arrival.seq, arrival.missing, arrival.behind
+
+
+def _all_reduce_with_rank_1_late(late_s: float) -> int:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    seq = arrive(None, 30.0).seq
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+    original, calls = threading.Event.wait, [0]
+
+    def counted(event: threading.Event, timeout: float | None = None) -> bool:
+        calls[0] += 1
+        return original(event, timeout)
+
+    threading.Event.wait = counted
+    try:
+        with watched(the_group(None), seq, 30.0):
+            complete(dist.all_reduce(torch.ones(1), async_op=True))
+    finally:
+        threading.Event.wait = original
+    return calls[0]
+
+
+def test_a_rank_waiting_inside_a_collective_sleeps_until_it_completes_rather_than_spinning_on_the_gil():
+    # gloo completes a work's future before work.is_completed() turns true (by up to tens of ms): a wait
+    # that looped until then on the already-set event called it thousands of times, under the GIL
+    # (about one time in three here); sleeping on the poll schedule through a 0.2 s wait takes about 21
+    waits = [run_on_ranks(2, _all_reduce_with_rank_1_late, 0.2) for _ in range(3)]
+    assert max(max(counts) for counts in waits) <= 40, waits
 
 
 def test_a_waiting_rank_leaves_within_a_quarter_of_its_wait_after_the_last_arrives():
