@@ -62,6 +62,10 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
 
 
 def _strip_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    # every sharded module's hook sees the whole dict built so far: scanning its keys in each of them made a
+    # 200-layer state_dict() quadratic; a module with no compiled block below it has nothing to strip
+    if not _has_compiled_block(module):
+        return
     keys = list(state_dict)
     if not any(COMPILE_PART in key[len(prefix):] for key in keys if key.startswith(prefix)):
         return
@@ -69,6 +73,11 @@ def _strip_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, local
              for key in keys]
     state_dict.clear()
     state_dict.update(items)  # same order, eager names
+
+
+def _has_compiled_block(module: nn.Module) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    return eval_frame is not None and any(isinstance(m, eval_frame.OptimizedModule) for m in module.modules())
 
 
 def _restore_compiled_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
