@@ -30,8 +30,8 @@ import torch
 from shardkit.errors import ConfigurationError, IncompatibleStateDict
 from shardkit.wire.json_values import FLOAT_TAG, encode_scalar, is_json_scalar, is_tagged_float
 
-__all__ = ["keep_keys", "object_path", "Flat", "walk", "flatten", "plain_values", "to_json_value", "from_json_value",
-           "restore_like"]
+__all__ = ["has_tensor", "keep_keys", "object_path", "Flat", "walk", "flatten", "plain_values", "to_json_value",
+           "from_json_value", "restore_like"]
 
 
 @dataclass
@@ -47,13 +47,14 @@ class Flat:
         container[index] = restore_like(decoded, container[index])
 
 
-def _has_tensor(value: Any) -> bool:
+def has_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or holds one in its dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
+        return any(has_tensor(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
+        return any(has_tensor(v) for v in value)
     return False
 
 
@@ -81,7 +82,7 @@ def _walked_by_flatten(path: str, value: Any) -> bool:
     if isinstance(value, dict):
         _check_keys(value, path)
         return True
-    if isinstance(value, (list, tuple)) and _has_tensor(value):
+    if isinstance(value, (list, tuple)) and has_tensor(value):
         if isinstance(value, tuple):
             raise ConfigurationError(f"{path!r}: tensors inside a tuple cannot be loaded in place; use a list")
         return True

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from shardkit.checkpoint.geometry.boxes import is_dtensor, local_tensor
-from shardkit.checkpoint.state.tree import Flat, to_json_value
+from shardkit.checkpoint.state.tree import Flat, has_tensor, to_json_value
 from shardkit.checkpoint.training.hot.copies import LocalState, local_state
 from shardkit.checkpoint.training.input_state import INPUT_KEYS
 
@@ -62,16 +62,6 @@ def _dtensor_class() -> type | None:
     return None if api is None else api.DTensor
 
 
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    return False
-
-
 def _walk(tree: Any, skeleton: list[Any], tensors: list[torch.Tensor], values: list[tuple[Any, Any, Any]]) -> None:
     """The leaves of ``tree`` in :func:`~shardkit.checkpoint.state.tree.flatten`'s order and by its rule (every
     dict walked, a list only when it holds tensors), without building a key: the skeleton records what decides
@@ -86,10 +76,10 @@ def _walk(tree: Any, skeleton: list[Any], tensors: list[torch.Tensor], values: l
         if isinstance(value, torch.Tensor):
             skeleton.append("t")
             tensors.append(value)
-        elif isinstance(value, dict) or (isinstance(value, list) and _has_tensor(value)):
+        elif isinstance(value, dict) or (isinstance(value, list) and has_tensor(value)):
             _walk(value, skeleton, tensors, values)
         else:
-            skeleton.append("x" if isinstance(value, tuple) and _has_tensor(value) else "v")  # "x": flatten refuses
+            skeleton.append("x" if isinstance(value, tuple) and has_tensor(value) else "v")  # "x": flatten refuses
             values.append((tree, key, value))
 
 
