@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import queue
 import shutil
 import threading
 import uuid
@@ -31,14 +30,13 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVa
 
 import torch
 
-from shardkit.checkpoint.io.concurrency import PerProcess
 from shardkit.checkpoint.io.direct_io import open_direct
+from shardkit.checkpoint.io.read_ahead import give_hints
 from shardkit.errors import CheckpointError, CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
 
 __all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full", "error_from_message"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-INLINE_HINT_BYTES = 1 << 20  # read-ahead hints up to this size are given by the caller (see LocalDisk.prefetch)
 
 T = TypeVar("T")
 Retry = Callable[[str, Callable[[], Any]], Any]
@@ -93,47 +91,6 @@ def error_from_message(text: str) -> CheckpointError:
             error.errno = code
             return error
     return CheckpointError(text)
-
-
-class _Hinter:
-    """One daemon thread per process that gives the kernel read-ahead hints handed to it, in order: a
-    hint is a few system calls, so one thread keeps up, and handing one over costs the caller a queue put
-    (starting a thread per hint cost 1-20 ms: the caller waits for the new thread to be scheduled)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[list[tuple[str, list[tuple[int, int]]]]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True).start()
-
-    def put(self, hints: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
-        """Hand over ``(path, ranges)`` hints, given in order: one put however many files (each put wakes the
-        thread, and on a busy machine the wake-up can take the caller's core for a while)."""
-        self._queue.put([(path, list(ranges)) for path, ranges in hints])
-
-    def _run(self) -> None:
-        while True:
-            for path, ranges in self._queue.get():
-                try:
-                    _hint(path, ranges)
-                except Exception:  # noqa: BLE001 - a hint that failed is a hint not given; the thread serves the next
-                    pass
-
-
-_hinter: PerProcess[_Hinter] = PerProcess(_Hinter)
-
-
-def _hint(path: str, ranges: Sequence[tuple[int, int]]) -> None:
-    """``POSIX_FADV_WILLNEED`` for each ``(start, end)`` range of ``path``; errors ignored (a hint)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        for start, end in ranges:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -234,28 +191,15 @@ class LocalDisk:
         return self.retry(what, local)
 
     def prefetch(self, path: str, ranges: Sequence[tuple[int, int]]) -> None:
-        """Ask the kernel to read ``[start, end)`` ranges of ``path`` now (a hint; never fails).
-
-        A ``POSIX_FADV_WILLNEED`` returns once the kernel has allocated the page cache pages for what it will
-        read (up to the read-ahead window, 8 MiB here) and queued the reads: about 2.5 ms per 8 MiB on these
-        VMs, which a cold load's planning waited for (2-5 ms, up to 20 on a busy machine).  So hints of more
-        than :data:`INLINE_HINT_BYTES` (a load's data; not a header, which its caller reads next) go to this
-        process's hinting thread (:class:`_Hinter`), and the caller goes on at once."""
+        """Ask the kernel to read ``[start, end)`` ranges of ``path`` now (a hint; never fails).  A load's data
+        is hinted on this process's read-ahead thread, a header by the caller, which reads it next
+        (:mod:`~shardkit.checkpoint.io.read_ahead` says why)."""
         self.prefetch_files([(path, ranges)])
 
     def prefetch_files(self, hints: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> None:
         """:meth:`prefetch` of ``(path, ranges)`` pairs, in order: the small ones here, the rest handed to the
         hinting thread at once (one wake-up for a whole load's data, not one per file)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        later = []
-        for path, ranges in hints:
-            if sum(end - start for start, end in ranges) <= INLINE_HINT_BYTES:
-                _hint(path, ranges)
-            else:
-                later.append((path, ranges))
-        if later:
-            _hinter.get().put(later)
+        give_hints(hints)
 
     def read_parts(self, path: str, what: str, start: int, parts: Sequence[torch.Tensor], truncated: str) -> None:
         """One ``preadv`` loop straight into the parts' memory (through the file held open, inside

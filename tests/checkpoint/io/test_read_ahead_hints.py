@@ -2,7 +2,7 @@
 
 A ``POSIX_FADV_WILLNEED`` makes its caller wait while the kernel allocates the pages it will read; a cold
 load's planning used to wait 2-5 ms (up to 20 on a busy machine) for its data hints, so those go to one
-thread per process, and the caller goes on (``LocalDisk.prefetch``).
+thread per process, and the caller goes on (``LocalDisk.prefetch``, :mod:`shardkit.checkpoint.io.read_ahead`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from shardkit.checkpoint.io import local_disk
+from shardkit.checkpoint.io import read_ahead
 from shardkit.checkpoint.io.storage import Storage
 
 
@@ -29,7 +29,7 @@ def _recording(monkeypatch, path: str, fail_first: bool = False):
         calls.append((name, list(ranges), threading.current_thread().name))
         seen.set()
 
-    monkeypatch.setattr(local_disk, "_hint", hint)
+    monkeypatch.setattr(read_ahead, "hint", hint)
     return calls, seen
 
 
@@ -49,7 +49,7 @@ def test_a_header_sized_hint_is_given_by_the_caller(monkeypatch, data_file):
 def test_a_data_sized_hint_goes_to_the_read_ahead_thread_and_the_caller_goes_on(monkeypatch, data_file):
     storage, path = data_file
     calls, seen = _recording(monkeypatch, path)
-    ranges = [(0, local_disk.INLINE_HINT_BYTES), (local_disk.INLINE_HINT_BYTES + 4096, 8 << 20)]
+    ranges = [(0, read_ahead.INLINE_HINT_BYTES), (read_ahead.INLINE_HINT_BYTES + 4096, 8 << 20)]
     storage.prefetch("data.bin", ranges)
     assert seen.wait(10)
     assert calls == [(path, ranges, "shardkit-read-ahead")]
@@ -79,7 +79,7 @@ def test_a_loads_hints_of_several_files_reach_the_thread_in_one_hand_over_in_ord
         def put(self, hints):
             handed.append([(name, list(ranges)) for name, ranges in hints])
 
-    monkeypatch.setattr(local_disk, "_hinter", type("One", (), {"get": lambda self: Thread()})())
+    monkeypatch.setattr(read_ahead, "read_ahead_thread", type("One", (), {"get": lambda self: Thread()})())
     storage.prefetch_files([("data.bin", [(0, 4096)]), ("data.bin", [(0, 8 << 20)]),
                             ("data.bin", [(1 << 20, 16 << 20)])])
     assert [ranges for _, ranges, _ in calls] == [[(0, 4096)]]  # the header-sized hint, given by the caller
