@@ -21,8 +21,6 @@ writes, fsyncs, thread starts, planning, commit, reads) with ``time.perf_counter
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
 import os
 import shutil
@@ -38,25 +36,11 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 CONFIGS = [(5, 1), (5, 2), (5, 4), (50, 1), (50, 2), (50, 4)]
 OPS = ("save", "load", "async", "manager.save", "manager.load_latest")
+sys.path.insert(0, str(HERE.parent))
+from phase_spans import Spans  # noqa: E402 - beside this script
 
-_spans: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-_spans_lock = threading.Lock()
-
-
-def _wrap(owner: Any, name: str, label: str) -> None:
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            took = time.perf_counter() - started
-            with _spans_lock:
-                _spans[label][0] += 1
-                _spans[label][1] += took
-    setattr(owner, name, timed)
+SPANS = Spans()
+_wrap = SPANS.wrap
 
 
 def _install_spans() -> None:
@@ -148,8 +132,7 @@ def rank_run(args: argparse.Namespace) -> None:
         for op in OPS:
             if world > 1:
                 dist.barrier()
-            with _spans_lock:
-                _spans.clear()
+            SPANS.clear()
             started = time.perf_counter()
             if op == "save":
                 skc.save(state, f"{base}/save{it}")
@@ -170,11 +153,10 @@ def rank_run(args: argparse.Namespace) -> None:
             times[op].append(took)
             if op == "async":
                 times["async, blocking"].append(blocking)
-            with _spans_lock:
-                for label, (n, s) in _spans.items():
-                    entry = spans[op].setdefault(label, [0, 0.0])
-                    entry[0] += n / args.iters
-                    entry[1] += 1e3 * s / args.iters
+            for label, (n, s) in SPANS.taken().items():
+                entry = spans[op].setdefault(label, [0, 0.0])
+                entry[0] += n / args.iters
+                entry[1] += 1e3 * s / args.iters
     if world > 1:
         dist.barrier()
     if rank == 0:

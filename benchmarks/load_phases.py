@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import functools
 import io
 import json
 import os
@@ -38,21 +37,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.environ.get("LOAD_PHASES_SHARDKIT") or os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from phase_spans import Spans  # noqa: E402 - beside this script
 
-_spans: dict[str, float] = collections.defaultdict(float)
-
-
-def _wrap(owner: Any, name: str, label: str) -> None:
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _spans[label] += time.perf_counter() - started
-    setattr(owner, name, timed)
+SPANS = Spans()
+_wrap = SPANS.wrap
 
 
 def install_spans() -> None:
@@ -122,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             time.sleep(0 if args.warm else args.cold_sleep)
             dist.barrier()
-            _spans.clear()
+            SPANS.clear()
             if profile is not None and system == "shardkit" and r:
                 profile.enable()
             start = time.perf_counter()
@@ -138,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
             if r:  # round 0 warms up
                 times[system].append(float(t))
                 if system == "shardkit":
-                    spans.append(dict(_spans, total=took))
+                    spans.append(dict(SPANS.seconds(), total=took))
     every: list[Any] = [None] * world
     dist.all_gather_object(every, spans)
     if rank == 0:
