@@ -217,7 +217,7 @@ class Interrupt:
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: object) -> None:
-        from shardkit.checkpoint.io.storage import interrupt_retries
+        from shardkit.checkpoint.io.retries import interrupt_retries
 
         interrupt_retries()
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once

@@ -16,7 +16,7 @@ uploads, single-PUT commits, fresh listings).  The rules:
   429; 5xx; a connection reset; an answer cut short; an answer that did not come
   within ``timeout``) are retried up to ``storage_options={"shardkit":
   {"retries": N}}`` times (default 3), with exponential backoff and jitter
-  (:func:`backoff_delay`: at most 0.25, 0.5, 1, 2, 2, ... s, each wait at least
+  (:func:`~shardkit.checkpoint.io.retries.backoff_delay`: at most 0.25, 0.5, 1, 2, 2, ... s, each wait at least
   half of that and never over 2 s, so that Ctrl-C is never held long).  The
   first retry of a URL in a process is logged once at WARNING, every other
   attempt at DEBUG; when the retries are spent
@@ -35,18 +35,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import threading
 import uuid
-from collections import OrderedDict
 from typing import Any, BinaryIO, Callable, ContextManager, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from shardkit.checkpoint.io.clouds import OWN_KEY, CloudProfile, classify
+from shardkit.checkpoint.io.clouds import CloudProfile, classify
 from shardkit.checkpoint.io.local_disk import LocalDisk
 from shardkit.checkpoint.io.names import check_name, check_reference, join_url, split_reference
 from shardkit.checkpoint.io.remote import RemoteFiles
+from shardkit.checkpoint.io.retries import backoff_delay, first_retry_of, retries_interrupted, wait_unless_interrupted
 from shardkit.errors import (
     CheckpointNotFound,
     ConfigurationError,
@@ -54,74 +52,13 @@ from shardkit.errors import (
     UnsafeCheckpoint,
 )
 
-__all__ = ["BACKOFF_BASE_S", "BACKOFF_CAP_S", "Storage", "allow_retries", "backoff_delay", "interrupt_retries",
-           "split_file", "with_retries"]
+__all__ = ["Storage", "split_file"]
 
 T = TypeVar("T")
 
-BACKOFF_BASE_S = 0.25  # the nominal wait before the first retry; doubled for each further one
-BACKOFF_CAP_S = 2.0    # no wait between two attempts is longer
-_WARNED_MAX = 4096     # URLs remembered as warned about (the oldest are forgotten first)
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
 log = logging.getLogger(__name__)
-_warned: OrderedDict[str, None] = OrderedDict()
-_warned_lock = threading.Lock()
-_interrupted = threading.Event()
-
-
-def interrupt_retries() -> None:
-    """Stop every retry loop of this process at once: a wait in progress ends, and each operation
-    that would retry raises its last error instead.  For an interrupt handler (Ctrl-C) whose worker
-    threads are retrying: a signal reaches only the main thread.  :func:`allow_retries` undoes it."""
-    _interrupted.set()
-
-
-def allow_retries() -> None:
-    """Retry again after :func:`interrupt_retries`."""
-    _interrupted.clear()
-
-
-def backoff_delay(attempt: int) -> float:
-    """Seconds to wait after failed attempt number ``attempt`` (1-based): exponential, capped, jittered.
-
-    The nominal wait doubles from :data:`BACKOFF_BASE_S` up to :data:`BACKOFF_CAP_S`; the wait is drawn
-    uniformly from its upper half, so that ranks throttled together do not retry together, while no
-    wait exceeds the cap (an interrupt or a deadline is never held longer than that by a backoff).
-    """
-    nominal = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(attempt - 1, 16))
-    return nominal * random.uniform(0.5, 1.0)
-
-
-def with_retries(storage_options: Mapping[str, Any] | None, retries: int | None) -> dict[str, Any] | None:
-    """``storage_options`` with shardkit's ``retries`` set: what a top-level ``retries=`` argument means.
-
-    ``None`` leaves the options as they are; a different ``retries`` already inside them is a
-    :class:`~shardkit.errors.ConfigurationError` (two answers to one question).  The value is checked
-    where every option is, when the :class:`Storage` is made."""
-    if retries is None:
-        return None if storage_options is None else dict(storage_options)
-    options = dict(storage_options or {})
-    own = options.get(OWN_KEY) or {}
-    if not isinstance(own, Mapping):
-        raise ConfigurationError(f"storage option {OWN_KEY!r} must be an object like {{'retries': 3}}, got {own!r}")
-    if own.get("retries", retries) != retries:
-        raise ConfigurationError(f"retries={retries!r} and storage option {OWN_KEY}.retries={own['retries']!r} "
-                                 "disagree; give one of them")
-    options[OWN_KEY] = {**own, "retries": retries}
-    return options
-
-
-def _first_retry_of(url: str) -> bool:
-    """Whether ``url`` is retried for the first time in this process (then it is remembered)."""
-    with _warned_lock:
-        if url in _warned:
-            _warned.move_to_end(url)
-            return False
-        _warned[url] = None
-        if len(_warned) > _WARNED_MAX:
-            _warned.popitem(last=False)
-        return True
 
 
 class Storage:
@@ -215,13 +152,13 @@ class Storage:
                     raise self._not_found(what) from None
                 retryable = failure.kind == "transient" or (failure.kind in ("unreachable", "no_answer") and (
                     not self.is_object_store or self.cloud.has_answered()))  # a never-answering endpoint fails fast
-                if attempt == attempts or not retryable or _interrupted.is_set():
+                if attempt == attempts or not retryable or retries_interrupted():
                     raise self.cloud.error(failure, what, attempt) from exc
                 delay = backoff_delay(attempt)
-                level = logging.WARNING if _first_retry_of(f"{self.cloud.key} {url or what}") else logging.DEBUG
+                level = logging.WARNING if first_retry_of(f"{self.cloud.key} {url or what}") else logging.DEBUG
                 log.log(level, "%s: attempt %d of %d failed (%s); retrying in %.2f s", what, attempt, attempts,
                         failure.detail, delay)
-                if _interrupted.wait(delay):
+                if wait_unless_interrupted(delay):
                     raise self.cloud.error(failure, what, attempt) from exc
             else:
                 if self.is_object_store:

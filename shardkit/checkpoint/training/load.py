@@ -42,7 +42,8 @@ from shardkit.checkpoint.formats.base import (
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS
 from shardkit.checkpoint.io.deadline import deadline_for
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage, with_retries
+from shardkit.checkpoint.io.retries import with_retries
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.dcp_stateful import load_into_statefuls, stateful_to_state_dict
 from shardkit.checkpoint.state.tree import (
     flatten,
@@ -120,7 +121,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     rank waits at one of the load's collectives for the others; a rank that died, froze or never called
     fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it (:mod:`~shardkit.checkpoint.io.deadline`).
     ``retries``: how often a failed storage request is retried (``storage_options={"shardkit": {"retries":
-    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.storage.with_retries`).
+    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.retries.with_retries`).
     """
     url = checkpoint_url(url, checkpoint_id, "load")
     storage_options = with_retries(storage_options, retries)

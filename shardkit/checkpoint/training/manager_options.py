@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 from shardkit.checkpoint.io.deadline import resolve_timeout
-from shardkit.checkpoint.io.storage import with_retries
+from shardkit.checkpoint.io.retries import with_retries
 from shardkit.checkpoint.training.dedup import digest_algorithm
 from shardkit.errors import ConfigurationError
 

@@ -48,7 +48,8 @@ from shardkit.checkpoint.formats.native import (
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.deadline import deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage, with_retries
+from shardkit.checkpoint.io.retries import with_retries
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.training.checkpoint_id import checkpoint_url
 from shardkit.checkpoint.training.dedup import deduplicate, digest_algorithm, with_digests
@@ -235,7 +236,7 @@ def save(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
     or never called fails them with :class:`~shardkit.errors.CheckpointTimeout` naming it, and nothing is
     committed (:mod:`~shardkit.checkpoint.io.deadline`).
     ``retries``: how often a failed storage request is retried (``storage_options={"shardkit": {"retries":
-    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.storage.with_retries`).
+    N}}``, which it sets; see :func:`~shardkit.checkpoint.io.retries.with_retries`).
     """
     url = checkpoint_url(url, checkpoint_id, "save")
     storage_options = with_retries(storage_options, retries)

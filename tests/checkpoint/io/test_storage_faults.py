@@ -26,14 +26,8 @@ import torch
 
 import shardkit.checkpoint as skc
 from shardkit import errors
-from shardkit.checkpoint.io.storage import (
-    BACKOFF_CAP_S,
-    Storage,
-    allow_retries,
-    backoff_delay,
-    interrupt_retries,
-    with_retries,
-)
+from shardkit.checkpoint.io.retries import BACKOFF_CAP_S, allow_retries, backoff_delay, interrupt_retries, with_retries
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ConfigurationError, StorageError
 from tests.support.dist import run_on_ranks
 from tests.support.fault_proxy import FaultProxy, options_through, part

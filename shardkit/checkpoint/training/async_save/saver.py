@@ -38,7 +38,8 @@ from shardkit.checkpoint.formats.native import DEFAULT_BLOCK_BYTES, DEFAULT_CHUN
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, PerProcess
 from shardkit.checkpoint.io.deadline import Deadline, deadline_for, with_step
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.storage import Storage, with_retries
+from shardkit.checkpoint.io.retries import with_retries
+from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.dcp_stateful import stateful_to_state_dict
 from shardkit.checkpoint.training.async_save.host_buffers import StagingPool
 from shardkit.checkpoint.training.async_save.repeat_copy import RepeatStaging
