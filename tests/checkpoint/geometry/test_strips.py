@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from shardkit.checkpoint.formats.base import WriteChunk, read_box
 from shardkit.checkpoint.formats.native.checksums import check_chunk
-from shardkit.checkpoint.formats.native.manifest import parse_manifest
+from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.formats.native.writer import NativeWriter, data_file_name, new_token
 from shardkit.checkpoint.geometry.strips import strip_boxes, strip_width

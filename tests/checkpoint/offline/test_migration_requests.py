@@ -139,7 +139,7 @@ def test_a_rerun_reads_only_headers_back_and_rewrites_what_changed_after_its_jou
 
 
 def _records(fs, dst: str, data_file: str):
-    from shardkit.checkpoint.formats.native.manifest import parse_manifest
+    from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 
     manifest = parse_manifest(fs.cat_file(f"{dst}/manifest.json"), "manifest")
     name = data_file.split(f"{dst.split('://')[-1]}/", 1)[-1]

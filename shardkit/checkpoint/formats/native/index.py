@@ -44,8 +44,8 @@ from shardkit.checkpoint.formats.native.manifest import (
     IndexRecord,
     Manifest,
     TensorRecord,
-    parse_chunk,
 )
+from shardkit.checkpoint.formats.native.manifest_parse import parse_chunk
 from shardkit.checkpoint.formats.native.ownership import INDEX_DIR
 from shardkit.checkpoint.formats.native.references import REFERENCES_VERSION, check_file_name, referenced_dirs
 from shardkit.checkpoint.formats.native.regions import chunks_problem, derive_regions

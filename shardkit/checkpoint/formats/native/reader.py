@@ -58,8 +58,8 @@ from shardkit.checkpoint.formats.native.manifest import (
     MANIFEST_NAME,
     ChunkRecord,
     Manifest,
-    parse_manifest,
 )
+from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
 from shardkit.checkpoint.formats.native.request_plans import RequestPlan, batches, plan_request
 from shardkit.checkpoint.geometry.boxes import Box

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME, parse_manifest
+from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
+from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.checkpoint.formats.native.reader import read_manifest
 from shardkit.checkpoint.io.names import is_sibling_name, split_reference
 from shardkit.checkpoint.io.storage import Storage

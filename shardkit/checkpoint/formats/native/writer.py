@@ -38,8 +38,8 @@ from shardkit.checkpoint.formats.native.manifest import (
     TensorRecord,
     crc_count,
     dump_manifest,
-    parse_manifest,
 )
+from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, is_native_file_name
 from shardkit.checkpoint.formats.native.references import DIGEST_NAME
 from shardkit.checkpoint.formats.native.siblings import referenced_by_siblings

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 import shardkit.checkpoint as skc
-from shardkit.checkpoint.formats.native.manifest import VERSION, parse_manifest
+from shardkit.checkpoint.formats.native.manifest import VERSION
+from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
