@@ -21,6 +21,14 @@ def _job():
     return model, opt
 
 
+def _after_one_save() -> tuple[nn.Module, torch.optim.Optimizer, LayoutCache]:
+    """A job, and a cache that has seen one save of it."""
+    model, opt = _job()
+    cache = LayoutCache()
+    cache.local_state(get_training_state(model, opt))
+    return model, opt, cache
+
+
 def _same_as_full(cache: LayoutCache, state: dict) -> None:
     """The cache's view of ``state`` is the full derivation's: keys, tensor objects, values, structure."""
     got, want = cache.local_state(state), local_state(state)
@@ -69,27 +77,21 @@ def test_a_replaced_parameter_of_another_shape_is_not_reused():
 
 
 def test_a_parameter_given_new_data_of_another_shape_is_not_reused():
-    model, opt = _job()
-    cache = LayoutCache()
-    cache.local_state(get_training_state(model, opt))
+    model, opt, cache = _after_one_save()
     model[0].bias.data = torch.zeros(5)
     _same_as_full(cache, get_training_state(model, opt))
     assert cache.hits == 0
 
 
 def test_new_data_of_the_same_layout_is_copied_from_the_live_tensor():
-    model, opt = _job()
-    cache = LayoutCache()
-    cache.local_state(get_training_state(model, opt))
+    model, opt, cache = _after_one_save()
     model[0].bias.data = torch.full((3,), 7.0)
     got = cache.local_state(get_training_state(model, opt))
     assert cache.hits == 1 and torch.equal(got.tensors["model.0.bias"], torch.full((3,), 7.0))
 
 
 def test_an_optimizer_state_tensor_replaced_by_one_of_the_same_layout_is_taken_from_this_step():
-    model, opt = _job()
-    cache = LayoutCache()
-    cache.local_state(get_training_state(model, opt))
+    model, opt, cache = _after_one_save()
     p = model[0].weight
     opt.state[p]["exp_avg"] = torch.ones_like(p)
     state = get_training_state(model, opt)
@@ -99,9 +101,7 @@ def test_an_optimizer_state_tensor_replaced_by_one_of_the_same_layout_is_taken_f
 
 
 def test_an_optimizer_state_tensor_of_another_dtype_is_not_reused():
-    model, opt = _job()
-    cache = LayoutCache()
-    cache.local_state(get_training_state(model, opt))
+    model, opt, cache = _after_one_save()
     p = model[0].weight
     opt.state[p]["exp_avg"] = torch.ones_like(p, dtype=torch.float64)
     _same_as_full(cache, get_training_state(model, opt))
@@ -109,9 +109,7 @@ def test_an_optimizer_state_tensor_of_another_dtype_is_not_reused():
 
 
 def test_a_key_added_or_removed_is_not_reused():
-    model, opt = _job()
-    cache = LayoutCache()
-    cache.local_state(get_training_state(model, opt))
+    model, opt, cache = _after_one_save()
     model.register_buffer("seen", torch.zeros(2))
     _same_as_full(cache, get_training_state(model, opt))
     del model._buffers["seen"]
