@@ -4,12 +4,14 @@ Everything here works on flat ``torch.uint8`` tensors (or anything exposing the
 buffer protocol) so that the hot paths never copy: a contiguous tensor is
 checksummed through a raw pointer.
 
-Why ``ctypes``: the ``google_crc32c`` extension only accepts ``bytes`` (and
-keeps the GIL for blocks under 1 MiB), which would force a copy of every block
-of a tensor.  The library it ships, ``libcrc32c``, takes a pointer; a ``ctypes``
-call releases the GIL, so two threads checksum in parallel at memory speed.
-When the shared library cannot be found we fall back to the extension with a
-copy -- same values, slower.
+Why ``awscrt``: every load checks every byte it reads, so the checksum's speed
+is a floor under every load.  ``awscrt.checksums.crc32c`` folds with carry-less
+multiplication (27 GB/s on one core of the benchmark machine, against 5 GB/s for
+the library ``google_crc32c`` ships), takes any buffer (a ``ctypes`` view of a
+tensor's memory, no copy) and releases the GIL, so two threads checksum in
+parallel.  When it is missing, ``libcrc32c`` from ``google_crc32c`` is called
+through ``ctypes`` (which also releases the GIL); failing that, the extension
+with a copy -- the same values at every step down, only slower.
 """
 
 from __future__ import annotations
@@ -18,17 +20,34 @@ import base64
 import ctypes
 import glob
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from shardkit.errors import InvalidManifest
 
-__all__ = ["crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs"]
+__all__ = ["crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs", "awscrt_extend", "libcrc32c_extend"]
+
+#: (crc, address, nbytes) -> crc, continuing ``crc`` over ``nbytes`` at ``address``.
+PointerCrc = Callable[[int, int, int], int]
 
 
-def _load_libcrc32c():
+def awscrt_extend() -> PointerCrc | None:
+    """The fast backend: ``awscrt``'s folding crc32c over a pointer, or None when it is not installed."""
+    try:
+        from awscrt.checksums import crc32c as fold
+    except ImportError:
+        return None
+
+    def extend(crc: int, address: int, nbytes: int) -> int:
+        return fold((ctypes.c_ubyte * nbytes).from_address(address), crc)
+
+    return extend
+
+
+def libcrc32c_extend() -> PointerCrc | None:
+    """The fallback backend: ``libcrc32c`` (shipped by ``google_crc32c``) through ``ctypes``, or None."""
     try:
         import google_crc32c
     except ImportError:  # pragma: no cover - a declared dependency
@@ -46,7 +65,7 @@ def _load_libcrc32c():
     return None
 
 
-_crc_extend_ptr = _load_libcrc32c()
+_crc_extend_ptr: PointerCrc | None = awscrt_extend() or libcrc32c_extend()
 
 
 def _address_and_length(data: Any) -> tuple[int, int, Any]:

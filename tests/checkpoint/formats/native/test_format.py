@@ -128,6 +128,29 @@ def test_crc32c_matches_the_reference_implementation():
     assert crc32c(data[1000:], crc32c(data[:1000])) == google_crc32c.value(data)
 
 
+@pytest.mark.parametrize("fold", ["awscrt", "libcrc32c"])
+def test_every_crc32c_backend_agrees_with_the_reference_on_tensors_blocks_and_odd_lengths(fold, monkeypatch):
+    import google_crc32c
+
+    from shardkit.checkpoint.formats import crc32c as module
+
+    extend = module.awscrt_extend() if fold == "awscrt" else module.libcrc32c_extend()
+    assert extend is not None, f"{fold} is a declared dependency"
+    monkeypatch.setattr(module, "_crc_extend_ptr", extend)  # the backend every checksum goes through
+    data = torch.arange(3 * 65536 + 7, dtype=torch.int64).to(torch.uint8)
+    raw = bytes(data.numpy())
+    assert module.crc32c(data) == google_crc32c.value(raw)
+    assert module.crc32c(data.view(torch.uint8)[5:], module.crc32c(raw[:5])) == google_crc32c.value(raw)
+    assert module.crc32c(torch.ones(9, dtype=torch.bfloat16)) == google_crc32c.value(
+        bytes(torch.ones(9, dtype=torch.bfloat16).view(torch.uint8).numpy()))
+    block = 65536
+    expected = [google_crc32c.value(raw[i:i + block]) for i in range(0, len(raw), block)]
+    acc = module.BlockCrc(block)
+    for piece in data.split(1000):  # pieces that straddle block edges
+        acc.update(piece)
+    assert acc.finish() == expected
+
+
 def test_split_box_pieces_tile_the_box_and_respect_the_cap():
     for shape, cap in [((10, 7), 96), ((3, 5, 9), 40), ((1, 1000), 64), ((4,), 4), ((6, 2), 1 << 20)]:
         box = ((2,) * len(shape), shape)
