@@ -37,9 +37,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import parse_compression
@@ -62,6 +60,9 @@ from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.io.uploads import DEPTH as UPLOAD_DEPTH
 from shardkit.checkpoint.io.uploads import PART_BYTES
 from shardkit.errors import CheckpointError, ConfigurationError, ShardkitError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FileUnit", "plan_files", "write_resumable", "commit_resumable", "assign_units", "chunk_cap_for",
            "concurrency_for", "upload_depth"]

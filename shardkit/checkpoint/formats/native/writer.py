@@ -14,9 +14,7 @@ import logging
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping, Protocol, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import Compression, zstd_compress
@@ -49,6 +47,9 @@ from shardkit.checkpoint.geometry.strips import strip_block, strip_boxes, strip_
 from shardkit.checkpoint.io.concurrency import DEFAULT_IO_THREADS, parallel_map
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import UnsupportedFormat
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_tensors", "unreferenced_files", "DATA_DIR", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_MAX_STRIPS", "COLUMN_STRIPS",
@@ -196,6 +197,8 @@ class NativeWriter:
         entry_blocks = {key: block for chunk_parts, block in zip(parts, blocks) for key, _ in chunk_parts}
 
         def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
+            import torch
+
             stream = SafetensorsStreamWriter(f, entries, DATA_FILE_METADATA, self._block_for,
                                              None if frames is not None else entry_blocks)
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
