@@ -27,29 +27,22 @@ TP DTensor again (see Note [composing FSDP with TP] in ``tensor_parallel``).
 
 Only ``sharded`` is registered on the module at rest; ``unsharded`` is
 registered, straight into ``module._parameters``, while the group computes.
-Ranks whose chunk is empty (``S0 < W``) still hold a padded buffer of
-``ceil(S0 / W)`` rows, and their local tensor has zero rows.
+Where the rows and the padding lie is :mod:`.shard_layout`'s arithmetic.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardkit.errors import (
-    InvalidShardDimError,
-    ReplacedParameterError,
-    TrainingStateError,
-    UnshardableParameterError,
-    UnsupportedParameterLayoutError,
-)
+from shardkit.errors import ReplacedParameterError, TrainingStateError
 from shardkit.runtime.mesh_info import MeshInfo
 from shardkit.runtime.policies import MixedPrecisionPolicy
+from shardkit.runtime.shard_layout import ShardLayout, check_shardable
 from shardkit.runtime.spmd_mesh import spmd_layout
 from shardkit.runtime.tensor_parallel import make_spec, tp_layout
 from shardkit.runtime.torch_names import TorchParamNames
@@ -128,59 +121,24 @@ class ShardedParam(TorchParamNames):
         # [composing FSDP with TP]); everything below works on that local data.
         is_tp = isinstance(param, DTensor)
         data = param._local_tensor if is_tp else param.detach()
-        # Each check raises torch's builtin with torch's wording first (see shardkit.errors).
-        if data.dim() == 0:
-            raise UnshardableParameterError(
-                "fully_shard doesn't support scalar parameters. "
-                f"Change {self.info.name} to a 1D tensor with numel equal to 1. Parameter {name}: e.g. "
-                "nn.Parameter(torch.tensor([x])), or pass it in ignored_params"
-            )
-        if not data.is_contiguous():
-            raise UnsupportedParameterLayoutError(
-                f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}. "
-                f"Make parameter {name} contiguous before fully_shard (e.g. nn.Parameter(w.contiguous()))"
-            )
-        asked = shard_dim
-        if shard_dim < 0:
-            shard_dim += data.dim()
-        if not 0 <= shard_dim < data.dim():
-            raise InvalidShardDimError(
-                f"Shard dim {shard_dim if shard_dim >= 0 else asked} is invalid for {data.dim()}D tensor: "
-                f"{param.shape}. shard_placement_fn returned Shard({asked}) for parameter {name}; "
-                f"return Shard(d) with -{data.dim()} <= d < {data.dim()}, or None for Shard(0)"
-            )
+        shard_dim = check_shardable(param, data, shard_dim, self.info.name, name)
         if self.mesh_info.spmd is not None:  # Note [the full SPMD mesh]
             self.tp = spmd_layout(param, self.mesh_info, shard_dim, self.info.name)
         else:
             self.tp = tp_layout(param, self.mesh_info, shard_dim, f"parameter {name}") if is_tp else None
-        world, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
-        size = data.shape
-        if shard_dim != 0 and size[shard_dim] % world != 0:
-            raise UnsupportedParameterLayoutError(
-                f"FSDP does not support uneven sharding on dim {shard_dim}: {size} (world size: {world}). "
-                f"Parameter {name}: {size[shard_dim]} is not divisible by {world}; only dim 0 may be "
-                "uneven, so return Shard(0) (or None) from shard_placement_fn for it"
-            )
-        self.shard_dim = shard_dim
-        self.orig_size = size  # of the unsharded tensor FSDP gathers: TP-local for a TP parameter
-        self.numel = data.numel()
-        rows = math.ceil(size[shard_dim] / world)
-        padded_size = list(size)
-        padded_size[shard_dim] = rows
-        self.padded_size = torch.Size(padded_size)
-        self.padded_numel = self.padded_size.numel()
-        self.real_rows = max(0, min(rows, size[shard_dim] - rank * rows))
-        sharded_size = list(size)
-        sharded_size[shard_dim] = self.real_rows
-        self.sharded_size = torch.Size(sharded_size)
+        self.layout = layout = ShardLayout.of(data.shape, shard_dim, self.mesh_info.shard_size,
+                                              self.mesh_info.shard_rank, name)
+        # the sizes the group and its collectives read, fixed for the parameter's life
+        self.shard_dim, self.orig_size, self.numel = layout.shard_dim, layout.orig_size, layout.numel
+        self.padded_size, self.padded_numel = layout.padded_size, layout.padded_numel
+        self.real_rows, self.sharded_size = layout.real_rows, layout.sharded_size
         self.requires_grad = param.requires_grad
 
         padded = self._new_padded(data, self.device)
         if self.real_rows > 0:
-            chunk = data.narrow(shard_dim, rank * rows, self.real_rows)
-            padded.narrow(shard_dim, 0, self.real_rows).copy_(chunk)
+            layout.unpadded(padded).copy_(layout.rows_of(data))
         self.padded = padded.view(-1)
-        local = padded.narrow(shard_dim, 0, self.real_rows)
+        local = layout.unpadded(padded)
         if self.tp is not None:
             mesh, placements = self.tp.mesh, self.tp.placements
         else:
@@ -248,9 +206,9 @@ class ShardedParam(TorchParamNames):
         dtype_changed = self.padded.dtype != local.dtype or self.padded.device != local.device
         padded = self._new_padded(local, local.device)
         if self.real_rows > 0:
-            padded.narrow(self.shard_dim, 0, self.real_rows).copy_(local)
+            self.layout.unpadded(padded).copy_(local)
         self.padded = padded.view(-1)
-        self.sharded_param._local_tensor = padded.narrow(self.shard_dim, 0, self.real_rows)
+        self.sharded_param._local_tensor = self.layout.unpadded(padded)
         if dtype_changed:
             self._drop_unsharded()
 
@@ -299,10 +257,7 @@ class ShardedParam(TorchParamNames):
         if self.buffer is None:
             world = self.mesh_info.shard_size
             self.buffer = torch.empty(world * self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            if self.shard_dim == 0:
-                view = self.buffer.narrow(0, 0, self.numel).view(self.orig_size)
-            else:
-                view = self.buffer.view(self.orig_size)
+            view = self.layout.unsharded_view(self.buffer)
             unsharded = self.tp.unsharded(view) if self.tp is not None else view
             self.unsharded_param = nn.Parameter(unsharded, requires_grad=self.sharded_param.requires_grad)
         else:
@@ -312,11 +267,9 @@ class ShardedParam(TorchParamNames):
     def copy_out_view(self, world: int) -> torch.Tensor:
         """A ``(world, ...)`` view of ``buffer`` into which row ``r`` of the
         rank-major all-gather output is copied."""
-        if self.state is ShardedState.SHARDED_POST_FORWARD or self.shard_dim == 0:
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
             return self.buffer.view(world, -1)
-        d, size = self.shard_dim, list(self.orig_size)
-        split = size[:d] + [world, size[d] // world] + size[d + 1:]
-        return self.buffer.view(split).movedim(d, 0)
+        return self.layout.rank_major_view(self.buffer, world)
 
     @property
     def shard_dim_copy(self) -> bool:
