@@ -38,7 +38,7 @@ import torch
 
 from shardkit.checkpoint.formats.crc32c import crc32c
 from shardkit.checkpoint.io.dist import Dist
-from shardkit.checkpoint.io.local_files import map_file, read_whole
+from shardkit.checkpoint.io.local_files import map_file, read_whole, release_in_background
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.training.hot.flat import DATA_NAME, MANIFEST_NAME, Entry, FlatCopy, entries_of, parse_manifest
 from shardkit.errors import CorruptCheckpoint, ShardkitError
@@ -170,6 +170,9 @@ class PeerFetch:
             check = _Landing(self._received, _sizes(pull)[1], into or {})
             incoming = (i, pull, check.pieces, check.landed)
         self._round(outgoing, incoming, meanwhile)
+        # the sent pieces view the holder's mapped copy: unmapping tens of MB is not this recovery's to wait for
+        release_in_background([pieces for _, _, pieces in outgoing])
+        outgoing.clear()
         return None if check is None else check.result()
 
     def _round(self, outgoing: list[tuple[int, Pull, list[torch.Tensor]]],
