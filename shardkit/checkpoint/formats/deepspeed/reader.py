@@ -5,7 +5,8 @@ folder per tag (``global_step100/``) with ``*_model_states.pt`` (the module's
 state dict and every parameter's shape) and one ``*_optim_states.pt`` per
 data-parallel rank (that rank's flat fp32 master partition and the optimizer
 state of the same shape).  SRC may be the directory (its ``latest`` tag is
-read) or a tag folder.
+read) or a tag folder; :mod:`.files` finds the files and checks that they
+make one save.
 
 What the reader serves, keyed as shardkit keys a model and its optimizer:
 
@@ -31,13 +32,20 @@ refused, naming the file.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointInfo, CheckpointReader, ReadRequest, StoredChunk, TensorEntry
 from shardkit.checkpoint.formats.deepspeed.allowlist import ALLOWED_CLASSES, SAFE_GLOBALS
+from shardkit.checkpoint.formats.deepspeed.files import (
+    MODEL_STATES,
+    check_model_states,
+    optimizer_state_dicts,
+    state_files,
+    tag_folder,
+    world_size,
+)
 from shardkit.checkpoint.formats.deepspeed.layout import (
     Piece,
     cut,
@@ -49,35 +57,14 @@ from shardkit.checkpoint.formats.deepspeed.layout import (
 from shardkit.checkpoint.formats.hf.reader import side_files_in
 from shardkit.checkpoint.formats.torchsave.mapped import MappedTorchFile, tensors_in
 from shardkit.checkpoint.geometry.rows import copy_rows_into, row_range
-from shardkit.checkpoint.io.names import check_name
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.state.tree import plain_values, to_json_value
 from shardkit.errors import ConfigurationError, InvalidManifest, ShardkitError, UnsupportedFormat
 
-__all__ = ["DeepSpeedReader", "detect", "open_reader", "LATEST"]
+__all__ = ["DeepSpeedReader", "detect", "open_reader"]
 
-LATEST = "latest"
-_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_PIPELINE = re.compile(r"^layer_\d+-model.*\.pt$")
 _HINT = ("shardkit reads DeepSpeed's own classes (" + ", ".join(sorted(ALLOWED_CLASSES)) + ") as data and no "
          "other; a file naming anything else is not a checkpoint DeepSpeed's ZeRO writes by itself")
-
-
-def _tag_folder(storage: Storage) -> tuple[Storage, str | None]:
-    """The folder holding the state files: ``storage`` itself, or the tag its ``latest`` names."""
-    names = storage.listdir()
-    if any(_MODEL.match(n) for n in names):
-        return storage, None
-    if LATEST not in names:
-        raise UnsupportedFormat(f"{storage.url}: neither a DeepSpeed tag folder (*_model_states.pt) nor a "
-                                f"checkpoint directory with a {LATEST!r} file")
-    tag = check_name(storage.read_bytes(LATEST).decode("utf-8", "replace").strip(), storage.where(LATEST))
-    if "/" in tag:
-        raise InvalidManifest(f"{storage.where(LATEST)}: names {tag!r}, not a tag folder of this directory")
-    if not storage.is_dir(tag):
-        raise InvalidManifest(f"{storage.where(LATEST)}: names tag {tag!r}, and {storage.where(tag)} does not exist")
-    return storage.child(tag), tag
 
 
 def detect(storage: Storage) -> bool:
@@ -85,8 +72,8 @@ def detect(storage: Storage) -> bool:
     try:
         if not storage.is_dir():
             return False
-        folder, _ = _tag_folder(storage)
-        return any(_MODEL.match(n) for n in folder.listdir())
+        folder, _ = tag_folder(storage)
+        return any(MODEL_STATES.match(n) for n in folder.listdir())
     except (ShardkitError, OSError, UnicodeError):
         return False
 
@@ -113,38 +100,20 @@ class DeepSpeedReader(CheckpointReader):
 
     # ------------------------------------------------------------------ opening
     def _open(self, storage: Storage) -> None:
-        folder, tag = _tag_folder(storage)
+        folder, tag = tag_folder(storage)
         self.tag_folder = folder
         # config.json and tokenizer files beside the tag folders (a Trainer's checkpoint-N/), for --to hf
         self.folder, self.side_files = storage, (side_files_in(storage)[0] if tag is not None else [])
-        names = folder.listdir()
-        for n in names:
-            m = _MODEL.match(n) or _OPTIM.match(n)
-            if (m and int(m.group(2)) != 0) or _PIPELINE.match(n):
-                raise UnsupportedFormat(f"{folder.where(n)}: a tensor- or pipeline-parallel DeepSpeed checkpoint; "
-                                        "shardkit reads ZeRO data-parallel checkpoints (mp_rank_00 only)")
-        model_names = sorted((n for n in names if _MODEL.match(n)), key=lambda n: int(_MODEL.match(n).group(1) or 0))
-        optim_names = sorted((n for n in names if _OPTIM.match(n)), key=lambda n: int(_OPTIM.match(n).group(1)))
+        model_names, optim_names = state_files(folder)
         self.file_names = model_names + optim_names
-        if not model_names:
-            raise InvalidManifest(f"{folder.url}: no *_model_states.pt; not a DeepSpeed checkpoint's tag folder")
         models = [self._load(folder, n) for n in model_names]
         optims = [self._load(folder, n) for n in optim_names]
         model = models[0]
-        for name, obj in zip(model_names, models):
-            if not isinstance(obj, dict) or not isinstance(obj.get("module"), dict):
-                raise InvalidManifest(f"{folder.where(name)}: not a DeepSpeed model-state file (no 'module')")
+        check_model_states(folder, model_names, models)
         where = folder.url
-        sd = [o.get("optimizer_state_dict") if isinstance(o, dict) else None for o in optims]
-        for name, s in zip(optim_names, sd):
-            if not isinstance(s, dict):
-                raise InvalidManifest(f"{folder.where(name)}: not a DeepSpeed optimizer-state file "
-                                      "(no 'optimizer_state_dict')")
+        sd = optimizer_state_dicts(folder, optim_names, optims)
         stage = int(sd[0].get("zero_stage", 1)) if sd else 0
-        world = self._world_size(sd, optim_names, folder)
-        ranks = [int(_OPTIM.match(n).group(1)) for n in optim_names]
-        if ranks != list(range(len(ranks))):
-            raise InvalidManifest(f"{where}: optimizer-state files for ranks {ranks}; a rank's file is missing")
+        world = world_size(sd, optim_names, folder)
         shapes = model.get("param_shapes") or []
         groups = [{str(k): tuple(int(x) for x in v) for k, v in g.items()} for g in shapes]
         self._module(model)
@@ -174,21 +143,6 @@ class DeepSpeedReader(CheckpointReader):
         self._files.append(f)
         f.map_tensors(tensors_in(f.obj))  # each record is checked the first time a tensor of it is read
         return f.obj
-
-    @staticmethod
-    def _world_size(sd: Sequence[dict], names: Sequence[str], folder: Storage) -> int | None:
-        if not sd:
-            return None
-        counts = sd[0].get("partition_count")
-        if isinstance(counts, (list, tuple)):
-            if len(set(counts)) > 1:
-                raise UnsupportedFormat(f"{folder.where(names[0])}: param groups partitioned over different "
-                                        f"numbers of ranks ({list(counts)}; expert parallelism) are not supported")
-            counts = counts[0] if counts else len(sd)
-        if int(counts) != len(sd):
-            raise InvalidManifest(f"{folder.url}: partitioned over {counts} ranks, and {len(sd)} optimizer-state "
-                                  "files are there (a rank's file missing, or files of another save)")
-        return int(counts)
 
     # -------------------------------------------------------------- entries
     def _add(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], pieces: Sequence[tuple]) -> None:
