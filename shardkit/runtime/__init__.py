@@ -10,6 +10,7 @@ Modules map onto files as follows:
 ``policies``        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``
 ``mesh_info``       shard/replicate groups of a 1-D or 2-D mesh; default mesh
 ``sharded_param``   one parameter: padding, sharded DTensor, unsharded view
+``shard_layout``    where a parameter's rows go: shardable or not, padding arithmetic
 ``param_group``     one all-gather/reduce-scatter unit and its state machine
 ``fsdp_module``     the ``FSDPModule`` methods, ``UnshardHandle``, forward methods, ``share_comm_ctx``
 ``comm_hooks``      custom all-gather/reduce-scatter comms, the all-reduce hook, comm settings
