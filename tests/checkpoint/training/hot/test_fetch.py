@@ -95,3 +95,31 @@ def test_a_copy_gone_or_not_as_listed_fails_on_both_ends_without_a_hang(tmp_path
         assert list(holder["failed_sends"]) == [path]
         assert "rank 0 cannot send" in holder["failed_sends"][path]
         assert "keys" not in receiver and receiver["problem"]  # zeros arrived: refused, never trusted
+
+
+def _released(root: str) -> dict:
+    """A fetch of rank 1's copy from rank 0, recording what each rank hands to the background release."""
+    import torch.distributed as dist
+
+    import shardkit.checkpoint.training.hot.fetch as fetch
+
+    handed: list = []
+    release, fetch.release_in_background = fetch.release_in_background, handed.extend  # kept here, to look at
+    path = os.path.join(root, "node0", COPY)
+    try:
+        if dist.get_rank() == 0:
+            _holder_copy(root)
+        dist.barrier()
+        got = fetch.fetch_copies([fetch.Pull(0, path, 1, list_directory(path, MANIFEST_NAME))])
+    finally:
+        fetch.release_in_background = release  # the ranks' processes serve the next test too
+    sent = [piece for pieces in handed for piece in pieces]
+    return {"problem": got.problem, "sent_bytes": sum(p.numel() for p in sent),
+            "data_bytes": os.path.getsize(os.path.join(path, DATA_NAME)),
+            "same": got.copy is None or all(torch.equal(got.copy.tensors[k], t) for k, t in _tensors().items())}
+
+
+def test_the_holder_hands_the_mapped_pieces_it_sent_to_the_background_release(tmp_path):
+    holder, receiver = run_on_ranks(2, _released, str(tmp_path))
+    assert holder["sent_bytes"] == holder["data_bytes"] > 0  # every piece of its mapped copy, none kept
+    assert receiver["sent_bytes"] == 0 and receiver["problem"] is None and receiver["same"] is True
