@@ -33,20 +33,21 @@ import math
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from shardkit.checkpoint.formats.dtypes import itemsize
 from shardkit.checkpoint.geometry.boxes import Box, box_contains
 from shardkit.checkpoint.geometry.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Fetch", "StoredChunk", "TensorEntry", "CheckpointInfo", "ReadRequest", "ReadStats", "CheckpointReader",
            "WriteChunk", "plan_reads", "read_box", "contiguous_strides"]
 
 # what a writer pulls the data through: ``fetch(fqn, offsets, shape)`` returns that box of the tensor
-Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+Fetch = Callable[[str, tuple[int, ...], tuple[int, ...]], "torch.Tensor"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -212,6 +213,8 @@ class CheckpointReader(abc.ABC):
         ``load(..., verify_first=True)`` calls it so that a damaged checkpoint
         leaves the targets untouched.  The default reads into scratch tensors.
         """
+        import torch
+
         for r in requests:
             self.read([ReadRequest(r.fqn, r.chunk, r.box, torch.empty_like(r.out))])
 
@@ -297,6 +300,8 @@ def plan_reads(reader: CheckpointReader, wanted: Iterable[tuple[str, Box, torch.
 def read_box(reader: CheckpointReader, fqn: str, box: Box | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Read one box (default: the whole tensor) of ``fqn`` into ``out`` or a new tensor."""
+    import torch
+
     entry = reader.tensors().get(fqn)
     if entry is None:
         raise IncompatibleStateDict(f"{fqn!r} is not a tensor in {reader.info.url}")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardkit.errors import ConfigurationError, CorruptCheckpoint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Compression", "parse_compression", "zstd_compress", "zstd_decompress_into"]
 

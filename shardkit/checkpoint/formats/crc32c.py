@@ -20,12 +20,15 @@ import base64
 import ctypes
 import glob
 import os
-from typing import Any, Callable, Sequence
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from shardkit.errors import InvalidManifest
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["crc32c", "block_crcs", "BlockCrc", "pack_crcs", "unpack_crcs", "awscrt_extend", "libcrc32c_extend"]
 
@@ -70,7 +73,8 @@ _crc_extend_ptr: PointerCrc | None = awscrt_extend() or libcrc32c_extend()
 
 def _address_and_length(data: Any) -> tuple[int, int, Any]:
     """(pointer, nbytes, keep-alive object) for a tensor, array or bytes-like."""
-    if isinstance(data, torch.Tensor):
+    torch_ = sys.modules.get("torch")  # a tensor exists only where torch is imported
+    if torch_ is not None and isinstance(data, torch_.Tensor):
         if not data.is_contiguous():
             raise ValueError("checksum of a non-contiguous tensor")
         return data.data_ptr(), data.numel() * data.element_size(), data

@@ -15,14 +15,15 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, Mapping, Sequence
 
 from shardkit.checkpoint.formats.crc32c import BlockCrc
 from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, itemsize
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SafetensorsEntry", "SafetensorsHeader", "build_safetensors_header", "parse_safetensors_header",
            "read_safetensors_header",
@@ -165,6 +166,8 @@ class SafetensorsStreamWriter:
             self._index += 1
 
     def write(self, key: str, piece: torch.Tensor) -> None:
+        import torch
+
         self._skip_empty(key)
         if self._index >= len(self.entries) or self.entries[self._index].key != key:
             expected = self.entries[self._index].key if self._index < len(self.entries) else None

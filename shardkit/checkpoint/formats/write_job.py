@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from shardkit.checkpoint.formats.dtypes import itemsize
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["WriteJob", "Written", "WriteProgress", "Scaleout", "TensorSpec"]
 
-TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # (output name, dtype, shape)
+TensorSpec = tuple[str, "torch.dtype", tuple[int, ...]]  # (output name, dtype, shape)
 
 
 class WriteProgress(Protocol):

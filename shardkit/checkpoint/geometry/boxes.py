@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from shardkit.errors import IncompatibleStateDict
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["itemsize", "Box", "intersect", "box_numel", "box_contains", "shard_range", "shard_box",
            "local_tensor", "is_dtensor", "split_box", "check_cover"]
@@ -73,6 +74,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
     The shard itself, not ``to_local()``'s autograd view of it: checkpoints read and write the
     memory, and ``to_local`` costs an autograd call per tensor, hundreds per save or load."""
+    import torch
+
     if is_dtensor(tensor):
         shard = getattr(tensor, "_local_tensor", None)
         return shard if isinstance(shard, torch.Tensor) else tensor.to_local()

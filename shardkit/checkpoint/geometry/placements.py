@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from shardkit.checkpoint.geometry.boxes import Box, is_dtensor, local_tensor, shard_range
 from shardkit.errors import IncompatibleStateDict
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Piece", "Spec", "placement_specs", "held_runs", "held_pieces", "local_pieces", "local_shape",
            "view", "lowest_replica", "layout_of"]

@@ -26,13 +26,14 @@ import os
 import shutil
 import threading
 import uuid
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from shardkit.checkpoint.io.direct_io import open_direct
 from shardkit.checkpoint.io.read_ahead import give_hints
 from shardkit.errors import CheckpointError, CheckpointNotFound, CheckpointOSError, CorruptCheckpoint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LocalDisk", "fsync_directory", "disk_full", "is_disk_full", "error_from_message"]
 

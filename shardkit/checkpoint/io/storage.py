@@ -36,9 +36,7 @@ import contextlib
 import logging
 import os
 import uuid
-from typing import Any, BinaryIO, Callable, ContextManager, Iterable, Mapping, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, ContextManager, Iterable, Mapping, Sequence, TypeVar
 
 from shardkit.checkpoint.io.clouds import CloudProfile, classify
 from shardkit.checkpoint.io.local_disk import LocalDisk
@@ -51,6 +49,9 @@ from shardkit.errors import (
     ShardkitError,
     UnsafeCheckpoint,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Storage", "split_file"]
 

@@ -56,3 +56,26 @@ def test_the_check_sees_a_module_level_torch_import():
     assert _top_level_torch_imports(ast.parse("import os\nimport torch\n")) == [2]
     assert _top_level_torch_imports(ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                               "    import torch\ndef f():\n    import torch\n")) == []
+
+
+# what a byte passthrough between native checkpoints reuses: the manifest, the headers, the journal, the writer,
+# the resumable plan and Storage, each loaded through its packages (whose __init__s serve their names on first use)
+PASSTHROUGH = ("shardkit.checkpoint.formats.native.manifest_parse", "shardkit.checkpoint.formats.native.headers",
+               "shardkit.checkpoint.formats.native.journal", "shardkit.checkpoint.formats.native.writer",
+               "shardkit.checkpoint.formats.native.resumable", "shardkit.checkpoint.formats.crc32c",
+               "shardkit.checkpoint.formats.dtypes", "shardkit.checkpoint.io.storage")
+
+
+def test_the_native_writer_side_and_storage_load_without_torch():
+    done = _import_without_torch(PASSTHROUGH)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_packages_still_serve_their_names():
+    from shardkit.checkpoint import formats
+    from shardkit.checkpoint.formats import native
+    from shardkit.checkpoint.formats.native.facade import NativeWriter
+    from shardkit.checkpoint.formats.registry import FORMATS
+
+    assert formats.FORMATS is FORMATS and native.NativeWriter is NativeWriter
+    assert formats.NATIVE is native.NATIVE is FORMATS[native.NATIVE.name]

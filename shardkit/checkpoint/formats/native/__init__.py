@@ -1,41 +1,19 @@
-"""shardkit's own format: manifest.json + safetensors data files, every chunk checksummed (docs/format.md).
+"""shardkit's own format (:mod:`~shardkit.checkpoint.formats.native.facade` names what the rest of shardkit uses).
 
-This package is the format's one face to the rest of shardkit: what training
-(save, load, the manager's retention and dedup) and the offline tools use of
-the native format is named here, and nothing outside ``formats/`` imports the
-modules behind it (``tests/project/test_architecture.py`` checks that).  The
-handler, :data:`NATIVE`, is what the registry lists; its ``write`` is the
-parallel, resumable writer for N ranks.
+Loaded on first use, so that importing one module of the format (the manifest's
+parser, the journal) does not import the reader and torch with it.
 """
 
-from shardkit.checkpoint.formats.native.handler import NATIVE, NativeHandler
-from shardkit.checkpoint.formats.native.index import INDEXED_FROM_CHUNKS, is_indexed
-from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME, ChunkRecord, FileRecord
-from shardkit.checkpoint.formats.native.ownership import DirectorySurvey, remove_owned, survey
-from shardkit.checkpoint.formats.native.reader import NativeReader, is_committed, read_manifest
-from shardkit.checkpoint.formats.native.references import DIGEST_ALGORITHMS, rebase_reference
-from shardkit.checkpoint.formats.native.siblings import missing_references, referenced_by_siblings, references_of
-from shardkit.checkpoint.formats.native.summaries import (
-    Layout,
-    WriterSummary,
-    claims_of,
-    manifest_from_summaries,
-    write_index,
-)
-from shardkit.checkpoint.formats.native.writer import (
-    COLUMN_STRIPS,
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    NativeWriter,
-    WrittenFile,
-    data_file_name,
-    group_into_files,
-    new_token,
-)
+from __future__ import annotations
 
-__all__ = ["NATIVE", "NativeHandler", "INDEXED_FROM_CHUNKS", "is_indexed", "MANIFEST_NAME", "ChunkRecord", "FileRecord",
-           "DirectorySurvey", "remove_owned", "survey", "NativeReader", "is_committed", "read_manifest",
-           "DIGEST_ALGORITHMS", "rebase_reference", "missing_references", "referenced_by_siblings", "references_of",
-           "Layout", "WriterSummary", "claims_of", "manifest_from_summaries", "write_index", "COLUMN_STRIPS",
-           "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile", "data_file_name",
-           "group_into_files", "new_token"]
+import importlib
+import pkgutil
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__") or any(m.name == name for m in pkgutil.iter_modules(__path__)):
+        raise AttributeError(name)  # a submodule not imported yet: the import system imports it
+    value = getattr(importlib.import_module(f"{__name__}.facade"), name)
+    globals()[name] = value
+    return value

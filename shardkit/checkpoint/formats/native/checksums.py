@@ -4,13 +4,14 @@ all check stored chunk bytes against the manifest's crc32c blocks through :func:
 from __future__ import annotations
 
 import threading
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from shardkit.checkpoint.formats.crc32c import block_crcs
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord
 from shardkit.checkpoint.io.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_chunk", "thread_scratch", "CHECK_SPAN", "STEP_BYTES"]
 
@@ -86,6 +87,8 @@ _scratch_of_thread = threading.local()
 
 
 def thread_scratch(n: int) -> torch.Tensor:
+    import torch
+
     buf = getattr(_scratch_of_thread, "buf", None)
     if buf is None or buf.numel() < n:
         buf = _scratch_of_thread.buf = torch.empty(max(n, 1 << 16), dtype=torch.uint8)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from shardkit.checkpoint.formats.base import ReadRequest, ReadStats, contiguous_strides
 from shardkit.checkpoint.formats.compression import zstd_decompress_into
@@ -30,6 +28,9 @@ from shardkit.checkpoint.formats.native.request_plans import RequestPlan
 from shardkit.checkpoint.io.concurrency import ByteBudget
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "read_runs", "REMOTE_INFLIGHT_BYTES"]
 
@@ -72,6 +73,8 @@ class ChunkReads:
     def scratch(self, slot: int, n: int) -> torch.Tensor:
         """This thread's scratch buffer ``slot`` (0: fetched bytes, 1: decoded or realigned ones), grown to at
         least ``n`` bytes and kept for the next request."""
+        import torch
+
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
             bufs = self._local.bufs = [None, None]
@@ -116,6 +119,8 @@ class ChunkReads:
         The response is used in place (no scratch copy), and the bytes in flight
         over all threads are bounded by ``REMOTE_INFLIGHT_BYTES``.
         """
+        import torch
+
         file = batch[0][1].record.file
         start = min(p.record.start + p.lo for _, p in batch)
         end = max(p.record.start + p.hi for _, p in batch)

@@ -16,7 +16,7 @@ import math
 from typing import Any, Mapping
 
 from shardkit.checkpoint.formats.crc32c import unpack_crcs
-from shardkit.checkpoint.formats.dtypes import code_to_dtype, itemsize
+from shardkit.checkpoint.formats.dtypes import code_itemsize
 from shardkit.checkpoint.formats.native.fields import (
     MAX_NDIM,
     expect_object,
@@ -126,7 +126,7 @@ def _parse_indexed(doc: dict, where: str) -> dict[str, Any]:
         info = expect_object(info, at)
         code = info.get("dtype")
         shape = ints_field(info.get("shape"), f"{at} shape")
-        if math.prod(shape) * itemsize(code_to_dtype(code, at)) >= 1 << 62:
+        if math.prod(shape) * code_itemsize(code, at) >= 1 << 62:
             raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")
         tensors[fqn] = TensorRecord(code, shape, ())
         if "rule" in info:
@@ -217,7 +217,7 @@ def _strips(value: Any, shape: tuple[int, ...], codec: str, version: int, where:
 def parse_chunk(c: dict, cat: str, shape: tuple[int, ...], code: str, files: Mapping[str, FileRecord],
                 version: int) -> ChunkRecord:
     """One chunk record of a tensor of ``shape`` and dtype ``code``, checked against ``files`` (name -> record)."""
-    size = itemsize(code_to_dtype(code, cat))
+    size = code_itemsize(code, cat)
     offsets = ints_field(c.get("offsets"), f"{cat} offsets", len(shape))
     cshape = ints_field(c.get("shape"), f"{cat} shape", len(shape))
     if any(o + s > n for o, s, n in zip(offsets, cshape, shape)):
@@ -251,7 +251,7 @@ def _parse_tensor(fqn: str, info: dict, files: Mapping[str, FileRecord], where: 
                   version: int) -> TensorRecord:
     at = f"{where}: tensor {fqn!r}"
     code = info.get("dtype")
-    size = itemsize(code_to_dtype(code, at))
+    size = code_itemsize(code, at)
     shape = ints_field(info.get("shape"), f"{at} shape")
     if math.prod(shape) * size >= 1 << 62:
         raise InvalidManifest(f"{at} has an absurd shape {list(shape)}")

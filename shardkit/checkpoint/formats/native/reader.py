@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats.base import (
     CheckpointInfo,
@@ -74,6 +72,9 @@ from shardkit.errors import (
     IncompatibleStateDict,
     InvalidManifest,
 )
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["NativeReader", "read_manifest", "is_committed", "detect", "open_reader"]
 
@@ -317,6 +318,8 @@ class NativeReader(CheckpointReader):
         local = self.storage.small_reads_cheap
 
         def check(item: tuple[str, ChunkRecord, int, int]) -> None:
+            import torch
+
             fqn, rec, lo, hi = item
             where = chunk_where(self.storage, fqn, rec)
             frame = rec.codec == "zstd"  # read whole and kept: a frame must also decode to the chunk's bytes
