@@ -190,11 +190,15 @@ class CheckedCopy:
         self.discard()
 
     def discard(self) -> None:
-        """Let go of the copy's bytes; their mapping (or buffer) is released off this thread."""
+        """Let go of the copy's bytes: a read copy's mapping (or buffer) is released off this thread; a pending
+        copy holds only its input state's few small tensors (its bytes went straight into the targets), let
+        go of here -- starting a thread for them cost more than they do (up to tens of ms on a busy machine,
+        where the new thread must be scheduled before ``start`` returns)."""
         held = list(self.copy.tensors.values())
         self.copy.tensors.clear()
         self.targets.clear()
-        release_in_background(held)
+        if not isinstance(self.copy, PendingCopy):
+            release_in_background(held)
 
 
 def check_copy(copy: FlatCopy | PendingCopy, flat: Flat, structure: str) -> CheckedCopy:
