@@ -201,7 +201,7 @@ def load(state_dict: dict[str, Any], url: str | None = None, *, checkpoint_id: s
 
 def open_checkpoint(storage: Storage, format: str | None = None, io_threads: int = DEFAULT_IO_THREADS
                     ) -> CheckpointReader:
-    """:func:`~shardkit.checkpoint.formats.open_reader` of ``storage``, a native checkpoint first.
+    """:func:`~shardkit.checkpoint.formats.registry.open_reader` of ``storage``, a native checkpoint first.
 
     Detection asks storage whether the checkpoint exists and then whether it
     holds a manifest before the reader reads that manifest: three requests to

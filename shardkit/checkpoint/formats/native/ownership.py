@@ -69,7 +69,7 @@ class DirectorySurvey:
 
     def describe(self, kind: str | None = None) -> str:
         """The directory in a few words: ``kind`` is the other tool whose checkpoint its foreign files make it
-        (:func:`shardkit.checkpoint.formats.foreign_kind`), if any."""
+        (:func:`shardkit.checkpoint.formats.registry.foreign_kind`), if any."""
         if kind:
             return f"{self.url} (a {kind}, not a shardkit checkpoint)"
         if self.foreign:
