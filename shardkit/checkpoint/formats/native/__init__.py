@@ -1,19 +1,24 @@
 """shardkit's own format (:mod:`~shardkit.checkpoint.formats.native.facade` names what the rest of shardkit uses).
 
-Loaded on first use, so that importing one module of the format (the manifest's
-parser, the journal) does not import the reader and torch with it.
+The names are resolved on first use, so that importing one module of the
+format (the manifest's parser, the journal) does not import the reader and
+torch with it.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import Any
+from shardkit.lazy import lazy_exports
 
+_EXPORTS = {name: f"{__name__}.facade" for name in (
+    "NATIVE", "NativeHandler", "INDEXED_FROM_CHUNKS", "is_indexed", "MANIFEST_NAME", "ChunkRecord",
+    "FileRecord", "DirectorySurvey", "remove_owned", "survey", "NativeReader", "is_committed",
+    "read_manifest", "DIGEST_ALGORITHMS", "rebase_reference", "missing_references",
+    "referenced_by_siblings", "references_of", "Layout", "WriterSummary", "claims_of",
+    "manifest_from_summaries", "write_index", "COLUMN_STRIPS", "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile", "data_file_name", "group_into_files",
+    "new_token",
+)}
 
-def __getattr__(name: str) -> Any:
-    if name.startswith("__") or any(m.name == name for m in pkgutil.iter_modules(__path__)):
-        raise AttributeError(name)  # a submodule not imported yet: the import system imports it
-    value = getattr(importlib.import_module(f"{__name__}.facade"), name)
-    globals()[name] = value
-    return value
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
