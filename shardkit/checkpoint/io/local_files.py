@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import shutil
 import threading
 import uuid
@@ -98,12 +99,44 @@ def map_file(path: str, size: int) -> torch.Tensor:
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
+class _Releaser:
+    """One long-lived daemon thread that drops what it is handed, in order.
+
+    Why not a thread per call: ``Thread.start`` waits until the new thread has
+    been scheduled, which on a busy machine (more ranks than cores) costs the
+    caller up to tens of ms -- the very wait handing the work away was meant to
+    save.  The thread is started on first use, and again in a forked child
+    (where the parent's threads do not exist).
+    """
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def drain(self) -> None:
+        while True:
+            held = self.queue.get()
+            held.clear()
+            del held
+
+    def hand(self, held: list[Any]) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self.drain, name="shardkit-release", daemon=True)
+                self.thread.start()
+        self.queue.put(held)
+
+
+_RELEASER = _Releaser()
+
+
 def release_in_background(held: list[Any]) -> None:
     """Drop ``held`` (tensors over mapped files or large buffers; the caller keeps no other reference) on a
-    short-lived thread: unmapping tens of MB costs tens of ms (the page tables torn down, with the GIL
+    background thread: unmapping tens of MB costs tens of ms (the page tables torn down, with the GIL
     released), which a recovery that has copied the bytes out need not wait for."""
     if held:
-        threading.Thread(target=held.clear, name="shardkit-release", daemon=True).start()
+        _RELEASER.hand(held)
 
 
 def remove_files(path: str, names: Sequence[str]) -> list[str]:
