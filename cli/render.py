@@ -1,15 +1,16 @@
-"""Rendering for the ``shardkit`` command: tables, sizes, JSON, and option parsing helpers."""
+"""Rendering for the ``shardkit`` command: tables, sizes, JSON, progress on stderr, and option parsing helpers."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Iterable, Sequence
 
 import click
 
-from shardkit.checkpoint.offline.progress import human_bytes, human_count
+from shardkit.checkpoint.offline.progress import Progress, human_bytes, human_count
 
-__all__ = ["table", "echo_json", "storage_options", "human_bytes", "human_count"]
+__all__ = ["table", "echo_json", "progress_unless_quiet", "storage_options", "human_bytes", "human_count"]
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str], align: str = "") -> str:
@@ -28,6 +29,16 @@ def table(rows: Iterable[Sequence[Any]], header: Sequence[str], align: str = "")
 
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def progress_unless_quiet(ctx: click.Context) -> Progress | None:
+    """The progress lines a long command prints on stderr, or ``None`` under ``-q``; closed when the command
+    ends, before :func:`~shardkit.cli.main.main` prints a failure's ``error: ...`` line."""
+    if ctx.obj.quiet:
+        return None
+    progress = Progress(stream=sys.stderr)
+    ctx.call_on_close(progress.close)
+    return progress
 
 
 def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:

@@ -8,11 +8,11 @@ import click
 import pytest
 
 from shardkit.checkpoint.offline.options import DEFAULT_WORKERS
-from shardkit.cli import commands
+from shardkit.cli.conversion import convert, reshard
 from shardkit.cli.main import FLAG_OPTIONS, VALUE_OPTIONS, head_start_request, hoist_global_flags
 
 
-@pytest.mark.parametrize("command", [commands.reshard, commands.convert], ids=["reshard", "convert"])
+@pytest.mark.parametrize("command", [reshard, convert], ids=["reshard", "convert"])
 def test_every_option_of_the_command_is_known_with_whether_it_takes_a_value(command):
     for param in command.params:
         if not isinstance(param, click.Option):
