@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from shardkit.checkpoint.formats.dtypes import itemsize
+from shardkit.checkpoint.formats.dtypes import as_bytes, is_tensor, itemsize
 from shardkit.checkpoint.geometry.boxes import Box, box_contains
 from shardkit.checkpoint.geometry.plan import ChunkIndex, plan_box
 from shardkit.errors import IncompatibleStateDict
@@ -236,16 +236,17 @@ class WriteChunk:
     :meth:`materialize` makes the contiguous CPU copy a writer needs, when it
     needs it) or a zero-argument callable producing one when the writer gets
     to it (so a writer holds one chunk at a time, and an offline reshard reads
-    each chunk just in time).
+    each chunk just in time).  A byte passthrough gives ``dtype`` as a code (``"F32"``) and ``data`` as
+    the chunk's bytes, C order (any buffer): they are stored as they are.
     ``tensor_shape`` is the whole tensor's shape (the native writer lays its
     column strips on the tensor's grid); unknown, the chunk's own extent stands in.
     """
 
     fqn: str
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
-    data: torch.Tensor | Callable[[], torch.Tensor]
+    data: torch.Tensor | Any | Callable[[], torch.Tensor | Any]
     tensor_shape: tuple[int, ...] | None = None
 
     @property
@@ -257,10 +258,16 @@ class WriteChunk:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
-    def materialize(self) -> torch.Tensor:
+    def materialize(self) -> torch.Tensor | memoryview:
         data = self.data() if callable(self.data) else self.data
+        if not is_tensor(data):  # the chunk's bytes as they are stored (a passthrough): a flat byte view
+            view = as_bytes(data)
+            if view.nbytes != self.nbytes:
+                raise ValueError(f"chunk of {self.fqn!r} at {list(self.offsets)}: {view.nbytes} bytes of data, "
+                                 f"planned {self.nbytes} ({self.shape} {self.dtype})")
+            return view
         if tuple(data.shape) != tuple(self.shape) or data.dtype != self.dtype:
             raise ValueError(f"chunk of {self.fqn!r} at {list(self.offsets)}: data has shape {tuple(data.shape)} "
                              f"{data.dtype}, planned {self.shape} {self.dtype}")

@@ -112,8 +112,15 @@ class BlockCrc:
         self._crc = 0
         self._filled = 0
 
-    def update(self, data: torch.Tensor) -> None:
-        data = data.reshape(-1)
+    def update(self, data: Any) -> None:
+        """Feed ``data``: a tensor, an array or any bytes-like buffer (a passthrough's memoryview)."""
+        torch_ = sys.modules.get("torch")  # a tensor exists only where torch is imported
+        if torch_ is not None and isinstance(data, torch_.Tensor):
+            data = data.reshape(-1)
+        elif isinstance(data, np.ndarray):
+            data = data.reshape(-1).view(np.uint8)
+        else:
+            data = np.frombuffer(data, dtype=np.uint8)
         if _crc_extend_ptr is None:  # pragma: no cover - the library ships with google-crc32c
             self._update_slices(data)
             return
@@ -130,8 +137,8 @@ class BlockCrc:
         self._crc, self._filled = crc, filled
         del keep
 
-    def _update_slices(self, data: torch.Tensor) -> None:
-        pos, n = 0, data.numel()
+    def _update_slices(self, data: Any) -> None:
+        pos, n = 0, data.numel() if hasattr(data, "numel") else data.size
         while pos < n:
             take = min(self.block_size - self._filled, n - pos)
             self._crc = crc32c(data[pos:pos + take], self._crc)

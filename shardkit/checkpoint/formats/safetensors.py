@@ -1,6 +1,6 @@
 """The safetensors container: header parse and build, and a front-to-back stream writer.
 
-The writer takes flat ``torch.uint8`` pieces and hands them to ``write`` as is,
+The writer takes tensors or bytes-like pieces and hands their bytes to ``write`` as is,
 checksumming each block on the way (:mod:`~shardkit.checkpoint.formats.crc32c`),
 so nothing is copied or read twice.  The helpers follow the published format
 exactly (8-byte little-endian header length, JSON header, header padded with
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Mapping, Sequence
 
 from shardkit.checkpoint.formats.crc32c import BlockCrc
-from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, itemsize
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, is_tensor, itemsize
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
 
@@ -138,7 +138,7 @@ class SafetensorsStreamWriter:
 
     ``entries`` are planned up front as ``(key, dtype_code, shape, nbytes)``;
     :meth:`write` is then called with the bytes of each entry, in order, in as
-    many pieces as convenient (flat uint8 tensors).  crc32c per ``block_size``
+    many pieces as convenient (tensors or bytes-like buffers).  crc32c per ``block_size``
     (or ``block_sizes[key]``) block of every entry is computed on the way, so nothing is read twice and
     memory stays at one piece -- unlike ``safetensors.save_file``, which builds
     the whole file in memory.  ``out`` is any binary file object (local file,
@@ -165,26 +165,28 @@ class SafetensorsStreamWriter:
             self.checksums[self.entries[self._index].key] = [0]
             self._index += 1
 
-    def write(self, key: str, piece: torch.Tensor) -> None:
-        import torch
-
+    def write(self, key: str, piece: torch.Tensor | Any) -> None:
+        """The next bytes of entry ``key``: a tensor (its bytes, flat) or any bytes-like buffer."""
         self._skip_empty(key)
         if self._index >= len(self.entries) or self.entries[self._index].key != key:
             expected = self.entries[self._index].key if self._index < len(self.entries) else None
             raise ValueError(f"safetensors stream: got bytes for {key!r}, expected {expected!r}")
         entry = self.entries[self._index]
-        piece = piece.reshape(-1)
-        if piece.dtype != torch.uint8:
-            piece = as_bytes(piece)
+        if is_tensor(piece):
+            piece = as_bytes(piece.reshape(-1).contiguous())
+            data, n = piece.numpy(), piece.numel()
+        else:
+            data = as_bytes(piece)
+            n = data.nbytes
         need = entry.end - entry.start
-        if self._written + piece.numel() > need:
+        if self._written + n > need:
             raise ValueError(f"safetensors stream: too many bytes for {key!r}")
         if self._crc is None:
             self._crc = BlockCrc(self.block_sizes.get(key, self.block_size))
-        self._crc.update(piece)
-        if piece.numel():
-            self._out.write(piece.numpy())
-        self._written += piece.numel()
+        self._crc.update(data)
+        if n:
+            self._out.write(data)
+        self._written += n
         if self._written == need:  # an empty entry written explicitly lands here too
             self.checksums[key] = self._crc.finish()
             self._crc, self._written = None, 0

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["WriteJob", "Written", "WriteProgress", "Scaleout", "TensorSpec"]
 
-TensorSpec = tuple[str, "torch.dtype", tuple[int, ...]]  # (output name, dtype, shape)
+# (output name, dtype, shape); a byte passthrough gives the dtype as its code ("F32"), and its fetch returns bytes
+TensorSpec = tuple[str, "torch.dtype | str", tuple[int, ...]]
 
 
 class WriteProgress(Protocol):
@@ -58,7 +59,7 @@ class WriteJob:
 
     tensors: tuple[TensorSpec, ...]
     values: Mapping[str, Any]
-    fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+    fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor | Any]
     aliases: Mapping[str, str] = field(default_factory=dict)
     tool: str = "convert"                      # the command, in progress lines and in the output's metadata
     selection: tuple[Any, ...] = ()

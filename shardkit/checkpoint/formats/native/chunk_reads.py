@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from shardkit.checkpoint.formats.base import ReadRequest, ReadStats, contiguous_strides
 from shardkit.checkpoint.formats.compression import zstd_decompress_into
@@ -32,7 +32,8 @@ from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "read_runs", "REMOTE_INFLIGHT_BYTES"]
+__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "read_rows", "read_runs",
+           "REMOTE_INFLIGHT_BYTES"]
 
 REMOTE_INFLIGHT_BYTES = 256 << 20  # fetched object-store data held at once, over all threads
 
@@ -54,6 +55,37 @@ def check_blocks(got: Sequence[int], first_block: int, rec: ChunkRecord, where: 
     if tuple(got) != tuple(want):
         bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
         raise damaged(where, first_block + bad)
+
+
+def check_span(span: Any, lo: int, rec: ChunkRecord, where: str) -> None:
+    """Raise :func:`damaged` unless ``span`` (a tensor or buffer: the chunk's stored bytes ``[lo, lo + len)``,
+    ``lo`` on a block boundary, ending on one or at the chunk's end) has ``rec``'s checksums."""
+    acc = BlockCrc(rec.block)
+    acc.update(span)
+    check_blocks(acc.finish(), lo // rec.block, rec, where)
+
+
+def read_rows(storage: Storage, fqn: str, rec: ChunkRecord, rows: tuple[int, int], item: int) -> memoryview:
+    """The stored bytes of rows ``[a, b)`` (dim 0, in the chunk's own numbering) of raw, unstriped chunk
+    ``rec`` of ``item``-byte elements: one ranged read rounded out to the chunk's checksum blocks, every
+    block checked against ``rec.crc32c`` before a byte is returned (no torch: a byte passthrough's read).
+    On an object store it is served by the storage's read-through cache when one is open."""
+    if rec.codec != "raw" or rec.strips:
+        raise ValueError(f"{chunk_where(storage, fqn, rec)} is {rec.codec}"
+                         f"{', striped' if rec.strips else ''}: its bytes are not its rows")
+    row = math.prod(rec.shape[1:]) * item
+    a, b = rows[0] * row, rows[1] * row
+    if not 0 <= a <= b <= rec.nbytes:
+        raise ValueError(f"rows {list(rows)} lie outside {chunk_where(storage, fqn, rec)}")
+    if a == b:
+        return memoryview(b"")
+    lo, hi = a // rec.block * rec.block, min(rec.nbytes, -(-b // rec.block) * rec.block)
+    data = storage.read_bytes(rec.file, rec.start + lo, rec.start + hi)
+    if len(data) != hi - lo:
+        raise CorruptCheckpoint(f"{storage.where(rec.file)} ends before byte {rec.start + hi}; the file is "
+                                f"truncated")
+    check_span(data, lo, rec, chunk_where(storage, fqn, rec))
+    return memoryview(data)[a - lo:b - lo]
 
 
 class ChunkReads:
@@ -137,9 +169,7 @@ class ChunkReads:
     def deliver(self, r: ReadRequest, rec: ChunkRecord, span: torch.Tensor, lo: int) -> None:
         """Verify the fetched span (chunk bytes ``[lo, lo + len(span))``), then copy ``r``'s piece into ``out``."""
         where = chunk_where(self.storage, r.fqn, rec)
-        acc = BlockCrc(rec.block)
-        acc.update(span)
-        check_blocks(acc.finish(), lo // rec.block, rec, where)
+        check_span(span, lo, rec, where)
         item = r.out.element_size()
         strides = contiguous_strides(rec.shape)
         first = sum((o - co) * s for o, co, s in zip(r.box[0], rec.offsets, strides))

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import parse_compression
-from shardkit.checkpoint.formats.dtypes import itemsize
+from shardkit.checkpoint.formats.dtypes import as_bytes, is_tensor, itemsize
 from shardkit.checkpoint.formats.native.journal import file_stamp, journal_entry, journal_name, journaled_file
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR, RESUME_DIR
@@ -160,16 +160,16 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
                 job.progress.skip(unit.nbytes)
             return kept
 
-        def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor | Any]:
             counted = [False]  # a retried write loads the chunk again: the progress counts it once
 
-            def load() -> torch.Tensor:
+            def load() -> torch.Tensor | Any:
                 if stop.is_set():  # interrupted: abandon this file between two chunks (it is never journaled)
                     raise Stopped(unit.name)
                 data = job.fetch(name, offsets, shape)
                 if not counted[0]:
                     counted[0] = True
-                    job.on_bytes(data.numel() * data.element_size())
+                    job.on_bytes(data.numel() * data.element_size() if is_tensor(data) else as_bytes(data).nbytes)
                 return data
             return load
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Protocol, 
 from shardkit.checkpoint.formats.base import WriteChunk
 from shardkit.checkpoint.formats.compression import Compression, zstd_compress
 from shardkit.checkpoint.formats.crc32c import unpack_crcs
-from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code, itemsize
+from shardkit.checkpoint.formats.dtypes import as_bytes, dtype_to_code, is_tensor, itemsize
 from shardkit.checkpoint.formats.native import index
 from shardkit.checkpoint.formats.native.headers import (
     DATA_FILE_METADATA,
@@ -197,17 +197,17 @@ class NativeWriter:
         entry_blocks = {key: block for chunk_parts, block in zip(parts, blocks) for key, _ in chunk_parts}
 
         def produce(f: Any) -> tuple[Any, dict[str, list[int]]]:
-            import torch
-
             stream = SafetensorsStreamWriter(f, entries, DATA_FILE_METADATA, self._block_for,
                                              None if frames is not None else entry_blocks)
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if frames is not None:
-                    stream.write(key, torch.frombuffer(bytearray(frames[i]), dtype=torch.uint8)
-                                 if frames[i] else torch.empty(0, dtype=torch.uint8))
+                    stream.write(key, frames[i])
                     continue
                 data = chunk.materialize()
                 for part_key, (offsets, shape) in parts[i]:
+                    if widths[i] is not None and not is_tensor(data):
+                        raise ValueError(f"chunk of {chunk.fqn!r} at {list(chunk.offsets)}: column strips are "
+                                         "cut from a tensor, not from bytes")
                     if widths[i] is not None:
                         data_part = data.narrow(1, offsets[1] - chunk.offsets[1], shape[1]).contiguous()
                     else:
@@ -233,11 +233,12 @@ class NativeWriter:
         # compressed entries are checked as one block: the frame is always read whole
         return self.block_bytes if self.compression is None else 1 << 62
 
-    def build_manifest(self, tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]], files: Sequence[WrittenFile],
+    def build_manifest(self, tensors: Mapping[str, tuple[torch.dtype | str, Sequence[int]]],
+                       files: Sequence[WrittenFile],
                        *, values: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
                        writer_info: Mapping[str, Any] | None = None,
                        aliases: Mapping[str, str] | None = None) -> Manifest:
-        """The manifest for ``tensors`` (fqn -> dtype, global shape) stored in ``files``; ``aliases``
+        """The manifest for ``tensors`` (fqn -> dtype or its code, global shape) stored in ``files``; ``aliases``
         (tied key -> stored key) name tensors stored once under another key."""
         chunks: dict[str, list[ChunkRecord]] = {fqn: [] for fqn in tensors}
         for wf in files:
