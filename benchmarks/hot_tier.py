@@ -25,9 +25,10 @@ rotates from round to round); every figure is a median over the rounds of the sl
    checked), and the floors of the hot recoveries (:mod:`peers_hot_floors`, which says why each is what it
    is), in the same rounds: each rank reading its own copy's files from its node's directory into a buffer of
    their size (``raw-local``), and node 0's ranks sending the bytes of node 1's ranks to them over gloo, one
-   pair per lost rank, while reading their own copies as ``raw-local`` does (``raw-peer``: what a recovery
-   from peers does on every rank, raw); beside those, shown and not judged, the local read into one reused
-   8 MiB buffer (``raw-local-reused``) and the gloo transfer alone (``raw-transfer``).  Before the durable,
+   pair per lost rank, nothing else (``raw-transfer``: issue 40's floor, "a raw gloo transfer of the same
+   bytes between the same ranks"); beside those, shown and not judged, the local read into one reused 8 MiB
+   buffer (``raw-local-reused``) and the transfer while node 0's ranks read their own copies as ``raw-local``
+   does (``raw-peer``: everything a recovery from peers does on every rank, raw).  Before the durable,
    DCP and raw-disk loads the files are evicted from the page cache:
    ``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)`` on every file after
    ``sync`` (the report says which).  Every recovery starts after a 4 s pause, so the VM has handed
@@ -35,7 +36,7 @@ rotates from round to round); every figure is a median over the rounds of the sl
    rank's start to the last rank's end (:func:`job_wall` says why); the slowest rank's own time is kept too
    (``rank_s``), and the floor ratios on it are printed beside the targets.
    Targets: local <= 0.5x and peer <= 0.7x the durable manager's load; local <= 1.5x ``raw-local`` and
-   peer <= 1.5x ``raw-peer`` (their floors).
+   peer <= 1.5x ``raw-transfer`` (their floors).
 4. **Work lost per failure**, computed from the medians above for a run that fails every M steps (a node
    lost) and steps of ``T`` seconds without saving (the compute step measured alone, and ``--step-s``).
    One save (blocking ``b``, background ``B``, compute ``rho`` times slower while it runs) at the start of
@@ -419,7 +420,7 @@ def report(out: dict[str, Any], fail_every: list[int],
                             med(f"load/{arm}") / durable, limit, met))
     print(f"  {'durable manager load_latest':34s} {durable:9.3f} s")
     for arm, label, floor, floor_label in (("local", "from the local tier", "raw-local", "raw read of own local copy"),
-                                           ("peer", "from peers (node 1 wiped)", "raw-peer",
+                                           ("peer", "from peers (node 1 wiped)", "raw-transfer",
                                             "raw gloo transfer, same pairs")):
         if f"load/{floor}" not in rounds[0]:
             continue  # results kept before the floors were measured
@@ -427,7 +428,7 @@ def report(out: dict[str, Any], fail_every: list[int],
         targets.append((f"recovery {label} <= {FLOOR_TARGET}x its floor ({floor})",
                         med(f"load/{arm}") / med(f"load/{floor}"), FLOOR_TARGET, met))
         shown = {"raw-local": ("raw-local-reused", "raw read into one 8 MiB buffer"),
-                 "raw-peer": ("raw-transfer", "raw gloo transfer alone")}[floor]
+                 "raw-transfer": ("raw-peer", "the transfer + survivors' own reads")}[floor]
         if f"load/{shown[0]}" in rounds[0]:  # the narrower floors, shown (not judged): see peers_hot_floors
             _row(label, med(f"load/{arm}"), shown[1], med(f"load/{shown[0]}"), None)
         if "rank_s" in rounds[0][f"load/{arm}"]:
