@@ -29,7 +29,8 @@ from shardkit.checkpoint.io.local_disk import disk_full, fsync_directory, is_dis
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import CorruptCheckpoint, StorageError
 
-__all__ = ["publish_directory", "read_whole", "map_file", "release_in_background", "remove_files"]
+__all__ = ["publish_directory", "read_whole", "map_file", "release_in_background", "Releaser", "RELEASER",
+           "remove_files"]
 
 
 def _write_file(path: str, pieces: Sequence[Any]) -> None:
@@ -99,17 +100,22 @@ def map_file(path: str, size: int) -> torch.Tensor:
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-class _Releaser:
+class Releaser:
     """One long-lived daemon thread that drops what it is handed, in order.
 
     Why not a thread per call: ``Thread.start`` waits until the new thread has
     been scheduled, which on a busy machine (more ranks than cores) costs the
     caller up to tens of ms -- the very wait handing the work away was meant to
-    save.  The thread is started on first use, and again in a forked child
-    (where the parent's threads do not exist).
+    save.  The thread is started on first use.  A forked child starts afresh
+    (:meth:`reset`, registered with ``os.register_at_fork``): the parent's thread
+    does not exist there, and a lock another thread held at the fork would stay
+    held in the child forever.
     """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
@@ -128,7 +134,8 @@ class _Releaser:
         self.queue.put(held)
 
 
-_RELEASER = _Releaser()
+RELEASER = Releaser()  # the process's one release thread and its queue
+os.register_at_fork(after_in_child=RELEASER.reset)
 
 
 def release_in_background(held: list[Any]) -> None:
@@ -136,7 +143,7 @@ def release_in_background(held: list[Any]) -> None:
     background thread: unmapping tens of MB costs tens of ms (the page tables torn down, with the GIL
     released), which a recovery that has copied the bytes out need not wait for."""
     if held:
-        _RELEASER.hand(held)
+        RELEASER.hand(held)
 
 
 def remove_files(path: str, names: Sequence[str]) -> list[str]:
