@@ -32,8 +32,8 @@ rotates from round to round); every figure is a median over the rounds of the sl
    DCP and raw-disk loads the files are evicted from the page cache:
    ``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)`` on every file after
    ``sync`` (the report says which).  Every recovery starts after a 4 s pause, so the VM has handed
-   freed memory back (what a restarted process sees).  A load's time is the job's wall time, from the first
-   rank's start to the last rank's end (:func:`job_wall` says why); the slowest rank's own time is kept too
+   freed memory back (what a restarted process sees).  A load's time is the job's, from the last rank's
+   start to the last rank's end (:func:`job_wall` says why); the slowest rank's own time is kept too
    (``rank_s``), and the floor ratios on it are printed beside the targets.
    Targets: local <= 0.5x and peer <= 0.7x the durable manager's load; local <= 1.5x ``raw-local`` and
    peer <= 1.5x ``raw-transfer`` (their floors).
@@ -127,15 +127,17 @@ def max_over_ranks(value: float) -> float:
 
 
 def job_wall(start: float, end: float) -> tuple[float, float]:
-    """``(the job's wall time, the slowest rank's own time)`` of a load that ran from ``start`` to ``end`` on
-    this rank (``time.monotonic``: one clock, the job runs on one machine).  The job's wall time -- the first
-    rank's start to the last rank's end -- is what a load is judged by: a rank's own time charges a load with
-    collectives for how unevenly the ranks left the barrier before it (up to ~10 ms at 4 ranks on 2 cores:
-    an early rank waits for the late ones in the first collective), which a floor without collectives never
-    pays; measured from the first start, every arm pays that skew alike."""
-    t = torch.tensor([-start, end, end - start], dtype=torch.float64)
+    """``(the job's time, the slowest rank's own time)`` of a load that ran from ``start`` to ``end`` on this
+    rank (``time.monotonic``: one clock, the job runs on one machine).  The job's time -- the last rank's start
+    to the last rank's end -- is what a load is judged by.  A rank's own time charges a load with collectives
+    for how unevenly the ranks left the barrier before it (up to ~10 ms at 4 ranks on 2 cores: an early rank
+    waits for the late ones in the first collective), which a floor without collectives never pays; timed
+    from the first rank's start instead, both sides would pay that skew, which flatters every ratio.  From the
+    last start, neither side pays it: a load's early ranks wait for the last one anyway, and a floor's last
+    rank does all of its own work after it."""
+    t = torch.tensor([start, end, end - start], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[1] + t[0]), float(t[2])
+    return float(t[1] - t[0]), float(t[2])
 
 
 def gathered(values: list[float]) -> list[float]:
