@@ -13,19 +13,21 @@ resumable writer), not a flag a tool branches on.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 from types import ModuleType
-from typing import Any, Collection, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Collection, Iterable
 
 from shardkit.checkpoint.formats.base import CheckpointReader
 from shardkit.checkpoint.formats.write_job import WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import UnsupportedFormat
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["FormatHandler", "Tensors"]
 
-Tensors = Iterable[tuple[str, torch.dtype, tuple[int, ...]]]  # (fqn, dtype, shape) of what is to be written
+Tensors = Iterable[tuple[str, "torch.dtype", tuple[int, ...]]]  # (fqn, dtype, shape) of what is to be written
 
 
 class FormatHandler:
@@ -50,24 +52,36 @@ class FormatHandler:
     data_folders: tuple[str, ...] = ()   # folders of a checkpoint directory its writer puts files in
     verify_shows_progress: bool = False  # verify reports the bytes it reads to the progress display
 
-    # the format's modules: its reader has detect(storage) and open_reader(storage, **options), its writer
-    # check_tensors(tensors); a handler overrides the methods below only where it does more than ask them
-    reader_module: ModuleType | None = None
-    writer_module: ModuleType | None = None
+    # the import paths of the format's modules: its reader has detect(storage) and open_reader(storage,
+    # **options), its writer check_tensors(tensors); a handler overrides the methods below only where it does
+    # more than ask them.  Paths, imported on first use: the registry (and what asks it only for names,
+    # markers and file patterns: a DST's check, a source's identity) loads no reader, so no torch
+    reader_module: str | None = None
+    writer_module: str | None = None
+
+    @property
+    def reader(self) -> ModuleType:
+        """The format's reader module, imported now if it was not."""
+        return importlib.import_module(self.reader_module)
+
+    @property
+    def writer(self) -> ModuleType | None:
+        """The format's writer module (``None``: the format is read only), imported now if it was not."""
+        return importlib.import_module(self.writer_module) if self.writer_module else None
 
     def detect(self, storage: Storage) -> bool:
         """Whether ``storage`` holds a checkpoint of this format."""
-        return self.reader_module.detect(storage)
+        return self.reader.detect(storage)
 
     def open_reader(self, storage: Storage, **options: Any) -> CheckpointReader:
         """A reader of the checkpoint at ``storage``; ``options`` are the ones named in ``open_options``."""
-        return self.reader_module.open_reader(storage, **options)
+        return self.reader.open_reader(storage, **options)
 
     def check_tensors(self, tensors: Tensors) -> None:
         """Refuse, before the destination is touched, tensors this format cannot hold (dtype, name)."""
-        if self.writer_module is None:
+        if self.writer is None:
             raise UnsupportedFormat(f"shardkit reads {self.name} checkpoints and does not write them")
-        self.writer_module.check_tensors(tensors)
+        self.writer.check_tensors(tensors)
 
     def write(self, storage: Storage, job: WriteJob) -> Written | None:
         """Write ``job`` at ``storage``; return what was written (``None`` in a process of a scale-out that

@@ -23,7 +23,6 @@ from shardkit.checkpoint.formats.hf.handler import HF
 from shardkit.checkpoint.formats.native import NATIVE, referenced_by_siblings
 from shardkit.checkpoint.formats.torch_checkpointing.handler import TORCH_CHECKPOINTING
 from shardkit.checkpoint.formats.torchsave.handler import TORCH
-from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.formats.trainer.handler import TRAINER
 from shardkit.checkpoint.formats.write_job import Scaleout, WriteJob, Written
 from shardkit.checkpoint.io.storage import Storage, split_file
@@ -133,6 +132,8 @@ def open_reader(url: str | Storage, storage_options: Mapping[str, Any] | None = 
                                 "reader takes: trust_pickle, " + ", ".join(sorted(
                                     {o for handler in FORMATS.values() for o in handler.open_options})) + ")")
     if trust_pickle:
+        from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
+
         options["torch_options"] = replace(options.get("torch_options") or TorchLoadOptions(), trust_pickle=True)
     storage = url if isinstance(url, Storage) else Storage(url, storage_options)
     name = normalize_format(format) if format else detect_format(storage)

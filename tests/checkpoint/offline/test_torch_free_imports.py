@@ -79,3 +79,26 @@ def test_the_packages_still_serve_their_names():
 
     assert formats.FORMATS is FORMATS and native.NativeWriter is NativeWriter
     assert formats.NATIVE is native.NATIVE is FORMATS[native.NATIVE.name]
+
+
+# a DST's check (is a checkpoint there, of which format, what is foreign) and a source's identity (the file that
+# pins its content) ask the registry for names, markers and file patterns: the handlers import their reader and
+# writer modules on first use, so the registry loads no reader and no torch
+REGISTRY_USERS = ("shardkit.checkpoint.formats.registry", "shardkit.checkpoint.offline.replace",
+                  "shardkit.checkpoint.offline.source")
+
+
+def test_the_registry_and_a_dsts_check_load_without_torch():
+    done = _import_without_torch(REGISTRY_USERS + (
+        "shardkit.checkpoint.formats.native.chunk_reads",))
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_handler_imports_its_modules_on_first_use():
+    from shardkit.checkpoint.formats.dcp import reader as dcp_reader
+    from shardkit.checkpoint.formats.native import writer as native_writer
+    from shardkit.checkpoint.formats.registry import FORMATS
+
+    assert FORMATS["dcp"].reader is dcp_reader and FORMATS["shardkit"].writer is native_writer
+    assert FORMATS["deepspeed"].writer is None
+    assert all(isinstance(h.reader_module, str) for h in FORMATS.values())

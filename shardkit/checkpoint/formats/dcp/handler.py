@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checkpoint.formats.dcp import reader, writer
-from shardkit.checkpoint.formats.dcp.reader import METADATA_NAME
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
+
+METADATA_NAME = ".metadata"  # a DCP checkpoint's metadata, written last: its marker
 
 __all__ = ["DcpHandler", "DCP", "verify_payloads", "verify_values"]
 
@@ -18,8 +18,8 @@ __all__ = ["DcpHandler", "DCP", "verify_payloads", "verify_values"]
 class DcpHandler(FormatHandler):
     """``.metadata`` + ``*.distcp`` payloads, each a torch.save archive whose records carry a CRC-32."""
 
-    reader_module = reader
-    writer_module = writer
+    reader_module = "shardkit.checkpoint.formats.dcp.reader"
+    writer_module = "shardkit.checkpoint.formats.dcp.writer"
     name = "dcp"
     description = "torch.distributed.checkpoint directory"
     markers = (METADATA_NAME,)
@@ -29,8 +29,8 @@ class DcpHandler(FormatHandler):
 
     def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
         job.before_commit()
-        return writer.write_dcp(storage, list(job.tensors), job.values, job.fetch, block_bytes=job.block_bytes,
-                                on_bytes=job.on_bytes, avoid=job.avoid)
+        return self.writer.write_dcp(storage, list(job.tensors), job.values, job.fetch,
+                                     block_bytes=job.block_bytes, on_bytes=job.on_bytes, avoid=job.avoid)
 
     def files_of(self, storage: Storage) -> set[str]:
         return {METADATA_NAME} | {n for n in storage.listdir() if n.endswith(".distcp")}

@@ -36,6 +36,7 @@ from shardkit.checkpoint.formats.base import (
     StoredChunk,
     TensorEntry,
 )
+from shardkit.checkpoint.formats.dcp.handler import METADATA_NAME
 from shardkit.checkpoint.formats.dcp.metadata import (
     BytesStorageMetadata,
     TensorStorageMetadata,
@@ -68,7 +69,6 @@ from shardkit.errors import (
 
 __all__ = ["DcpReader", "detect", "open_reader", "read_dcp_metadata", "METADATA_NAME"]
 
-METADATA_NAME = ".metadata"
 _TRANSFORM_ZSTD = re.compile(r"^stream\.zstd/1$")
 
 

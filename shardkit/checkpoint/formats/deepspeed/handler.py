@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardkit.checkpoint.formats.deepspeed import reader
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.torchsave.handler import verify_archives
 from shardkit.checkpoint.io.storage import Storage
@@ -17,7 +16,7 @@ class DeepSpeedHandler(FormatHandler):
     """``latest`` + ``global_stepN/*_states.pt``: every model- and optimizer-state file is a torch.save
     archive whose records carry a CRC-32 (the partitions are checked against ``param_shapes`` on open)."""
 
-    reader_module = reader
+    reader_module = "shardkit.checkpoint.formats.deepspeed.reader"
     name = "deepspeed"
     description = "DeepSpeed ZeRO checkpoint (latest + global_stepN/*_states.pt; read only)"
     aliases = ("ds", "zero")

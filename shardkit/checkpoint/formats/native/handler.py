@@ -7,7 +7,6 @@ import hashlib
 from typing import Any
 
 from shardkit.checkpoint.formats.handler import FormatHandler
-from shardkit.checkpoint.formats.native import reader, writer
 from shardkit.checkpoint.formats.native.manifest import FORMAT_NAME, MANIFEST_NAME
 from shardkit.checkpoint.formats.native.ownership import DATA_DIR, EXTRA_DIR, survey
 from shardkit.checkpoint.formats.native.resumable import write_resumable
@@ -25,8 +24,8 @@ class NativeHandler(FormatHandler):
     (:mod:`~shardkit.checkpoint.formats.native.resumable`).
     """
 
-    reader_module = reader
-    writer_module = writer
+    reader_module = "shardkit.checkpoint.formats.native.reader"
+    writer_module = "shardkit.checkpoint.formats.native.writer"
     name = FORMAT_NAME
     description = "native: manifest.json + safetensors chunks"
     aliases = ("native",)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.checkpoint.formats.handler import FormatHandler
-from shardkit.checkpoint.formats.torch_checkpointing import reader
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ShardkitError
+
+METADATA_NAME = "metadata.pkl"  # torch_checkpointing's step metadata, written last: its checkpoints' marker
 
 __all__ = ["TorchCheckpointingHandler", "TORCH_CHECKPOINTING"]
 
@@ -18,11 +19,11 @@ class TorchCheckpointingHandler(FormatHandler):
     against the metadata (its rank file holds the tensor, with the shape and dtype the metadata gives that
     rank) and every storage record it reads against its CRC-32."""
 
-    reader_module = reader
+    reader_module = "shardkit.checkpoint.formats.torch_checkpointing.reader"
     name = "torch_checkpointing"
     description = "torch_checkpointing step folder (metadata.pkl + <item>_<rank>.pt; read only)"
     aliases = ("torch-checkpointing",)
-    markers = (reader.METADATA_NAME,)
+    markers = (METADATA_NAME,)
 
     def verify(self, storage: Storage, reader: Any, problems: list[str], *, workers: int,
                progress: Any) -> int | None:

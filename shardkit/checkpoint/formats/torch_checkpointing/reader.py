@@ -49,6 +49,7 @@ from shardkit.checkpoint.formats.torch_checkpointing.allowlist import (
     load_item_pickle,
     load_metadata_pickle,
 )
+from shardkit.checkpoint.formats.torch_checkpointing.handler import METADATA_NAME
 from shardkit.checkpoint.formats.torch_checkpointing.metadata import (
     Sharding,
     StepMetadata,
@@ -73,7 +74,6 @@ __all__ = ["TorchCheckpointingReader", "detect", "open_reader", "METADATA_NAME",
 
 log = logging.getLogger(__name__)
 
-METADATA_NAME = "metadata.pkl"
 TEMP_PREFIX = "tmp_"  # torch_checkpointing writes into tmp_<name> and renames it once every rank has written
 _RANK_FILE = re.compile(r"^(.+)_(\d+)\.pt$")
 _RENAMED = {"model": "model", "optimizer": "optim"}

@@ -6,8 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.checkpoint.formats.handler import FormatHandler
-from shardkit.checkpoint.formats.torchsave import reader, writer
-from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
 from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io.storage import Storage, split_file
 from shardkit.errors import ShardkitError
@@ -19,8 +17,8 @@ class TorchSaveHandler(FormatHandler):
     """One zip archive read through the ``weights_only`` allowlist; the file is its own commit marker (the
     writer renames the finished file over the old one), and every record carries a CRC-32."""
 
-    reader_module = reader
-    writer_module = writer
+    reader_module = "shardkit.checkpoint.formats.torchsave.reader"
+    writer_module = "shardkit.checkpoint.formats.torchsave.writer"
     name = "torch"
     description = "torch.save file (weights_only)"
     aliases = ("pt", "torch.save")
@@ -31,8 +29,8 @@ class TorchSaveHandler(FormatHandler):
     def write_files(self, storage: Storage, job: WriteJob) -> list[str]:
         parent, name = split_file(storage)
         job.before_commit()
-        writer.write_torch_save(parent, name, list(job.tensors), job.values, job.fetch,
-                                block_bytes=job.block_bytes, on_bytes=job.on_bytes)
+        self.writer.write_torch_save(parent, name, list(job.tensors), job.values, job.fetch,
+                                     block_bytes=job.block_bytes, on_bytes=job.on_bytes)
         return [name]
 
     def files_of(self, storage: Storage) -> set[str]:
@@ -47,6 +45,8 @@ class TorchSaveHandler(FormatHandler):
 def verify_archive(folder: Storage, name: str, problems: list[str]) -> int:
     """Stream every record of zip archive ``name`` in ``folder`` through its CRC-32; return the bytes checked."""
     try:
+        from shardkit.checkpoint.formats.torchsave.zip_records import check_zip_records
+
         return check_zip_records(folder, name, 0, folder.size(name), folder.where(name))
     except ShardkitError as exc:
         problems.append(str(exc))

@@ -9,7 +9,6 @@ from shardkit.checkpoint.formats.dcp.handler import verify_payloads
 from shardkit.checkpoint.formats.handler import FormatHandler
 from shardkit.checkpoint.formats.native import NATIVE
 from shardkit.checkpoint.formats.torchsave.handler import verify_archives
-from shardkit.checkpoint.formats.trainer import reader
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["TrainerHandler", "TRAINER"]
@@ -20,7 +19,7 @@ class TrainerHandler(FormatHandler):
     (torch.save files by their CRC-32s, sharded DCP parts by theirs, shardkit parts by their crc32c
     blocks); safetensors weights by headers."""
 
-    reader_module = reader
+    reader_module = "shardkit.checkpoint.formats.trainer.reader"
     name = "trainer"
     description = "Hugging Face Trainer / Accelerate checkpoint folder (model, optimizer, RNG; read only)"
     aliases = ("accelerate", "hf-trainer")
