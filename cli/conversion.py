@@ -5,12 +5,11 @@ Both read SRC in any format and write DST (``reshard`` as a shardkit checkpoint 
 the work across processes under torchrun.  So they take the same output, filter and source options
 (``--overwrite``, ``--max-memory``, ``--only``, ``--model-keys``, ...) and report what they wrote alike; the
 read-only commands are in :mod:`shardkit.cli.inspection`.  ``main.py``'s head start reads the same options
-before this module is loaded (``VALUE_OPTIONS``/``FLAG_OPTIONS`` there list them).
+before this module is loaded (``VALUE_OPTIONS``/``FLAG_OPTIONS`` of ``passthrough.py`` list them), and so
+does the byte passthrough that runs a native SRC's reshard before this module is loaded (``passthrough.py``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import click
 
@@ -22,7 +21,7 @@ from shardkit.checkpoint.offline.options import (
 )
 from shardkit.cli.exit_codes import ExitCode
 from shardkit.cli.options import storage_flags, trust_pickle_option
-from shardkit.cli.render import echo_json, human_bytes, human_count, progress_unless_quiet, storage_options
+from shardkit.cli.render import progress_unless_quiet, report_written, storage_options
 
 __all__ = ["reshard", "convert"]
 
@@ -70,20 +69,6 @@ def _model_keys(path: str | None) -> list[str] | None:
     return read_model_keys(path)
 
 
-def _report_written(ctx: click.Context, result: Any, as_json: bool) -> None:
-    if as_json:
-        echo_json(result.__dict__)
-        return
-    if not ctx.obj.quiet:
-        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {human_count(result.tensors, 'tensor')}, "
-                   f"{human_bytes(result.bytes)} of tensor data, {human_bytes(result.stored_bytes)} stored"
-                   + (f" ({human_bytes(result.skipped_bytes)} of tensor data already there, kept)"
-                      if result.skipped_bytes else ""), err=True)
-        if result.dropped:
-            click.echo(f"left out {human_count(len(result.dropped), 'key')} (filters/format), e.g. {result.dropped[0]}",
-                       err=True)
-
-
 @click.command()
 @click.argument("src")
 @click.argument("dst")
@@ -124,7 +109,7 @@ def reshard(ctx: click.Context, src: str, dst: str, world_size: int | None, mesh
                          workers=workers, progress=progress_unless_quiet(ctx), distributed=distributed,
                          trust_pickle=trust_pickle, model_keys=_model_keys(model_keys))
     if result is not None:
-        _report_written(ctx, result, as_json)
+        report_written(result, quiet=ctx.obj.quiet, as_json=as_json)
     return ExitCode.OK
 
 
@@ -182,5 +167,5 @@ def convert(ctx: click.Context, src: str, dst: str, to: str, src_format: str | N
                          progress=progress_unless_quiet(ctx), distributed=distributed, config=config,
                          trust_pickle=trust_pickle, model_keys=_model_keys(model_keys))
     if result is not None:
-        _report_written(ctx, result, as_json)
+        report_written(result, quiet=ctx.obj.quiet, as_json=as_json)
     return ExitCode.OK

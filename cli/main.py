@@ -18,11 +18,19 @@ import signal
 import sys
 import threading
 import traceback
+from typing import Any, Callable
 
 import click
 
 from shardkit import __version__
 from shardkit.cli.exit_codes import ExitCode
+from shardkit.cli.passthrough import (  # the option lists: what the head start and the passthrough know
+    FLAG_OPTIONS,  # noqa: F401 - named here too: the head start's words
+    GLOBAL_FLAGS,
+    VALUE_OPTIONS,  # noqa: F401 - named here too: the head start's words
+    command_words,
+    run_passthrough,
+)
 
 INTERRUPT_GRACE_S = 1.0  # after Ctrl-C, how long the command may take to stop before it leaves regardless
 INTERRUPTED = "error: interrupted"
@@ -43,9 +51,6 @@ class Settings:
         self.quiet = quiet
         self.verbose = verbose
         self.resumable = False
-
-
-GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
 
 
 def hoist_global_flags(args: list[str]) -> list[str]:
@@ -112,16 +117,6 @@ def _register() -> None:
 
 _register_done = False
 
-# reshard/convert: their options that take a value, and their flags -- what :func:`head_start_request` needs
-# to find SRC and its storage options before click (and the engine, torch with it) is loaded
-HEAD_START_COMMANDS = ("reshard", "convert")
-VALUE_OPTIONS = frozenset({
-    "--world-size", "--mesh", "--dtype", "--compression", "--to", "--from", "--max-shard-size", "--config",
-    "--storage-option", "--dst-storage-option", "--retries", "--timeout", "--max-memory", "--workers", "--only",
-    "--exclude", "--rename", "--model-keys"})
-FLAG_OPTIONS = frozenset({"--dtype-optim", "--overwrite", "--model-only", "--json", "--distributed",
-                          "--single-process", "--trust-pickle"})
-
 
 def head_start_request(args: list[str]) -> tuple[str, list[str], str | None, int] | None:
     """(SRC, its ``--storage-option`` pairs, ``--max-memory``, ``--workers``) of a ``reshard``/``convert``
@@ -129,40 +124,14 @@ def head_start_request(args: list[str]) -> tuple[str, list[str], str | None, int
     word this does not know: then nothing is guessed)."""
     from shardkit.checkpoint.offline.options import DEFAULT_WORKERS
 
-    words = [a for a in args if a not in GLOBAL_FLAGS]
-    if not words or words[0] not in HEAD_START_COMMANDS or os.environ.get("TORCHELASTIC_RUN_ID"):
+    words = command_words(args)
+    if words is None or "--distributed" in words.flags:
         return None
-    positional: list[str] = []
-    pairs: list[str] = []
-    extra: dict[str, str] = {}
-    memory, workers = None, str(DEFAULT_WORKERS)
-    rest = iter(words[1:])
-    for word in rest:
-        if word == "--":
-            positional.extend(rest)
-            break
-        if not word.startswith("-") or word == "-":
-            positional.append(word)
-            continue
-        name, eq, value = word.partition("=")
-        if name in FLAG_OPTIONS and not eq:
-            if name == "--distributed":
-                return None
-            continue
-        if name not in VALUE_OPTIONS:
-            return None  # --help, or an option this list does not know
-        if not eq:
-            value = next(rest, None)
-            if value is None:
-                return None
-        if name == "--storage-option":
-            pairs.append(value)
-        elif name in ("--retries", "--timeout"):
-            extra[name[2:]] = value
-        elif name == "--max-memory":
-            memory = value
-        elif name == "--workers":
-            workers = value
+    positional = words.positional
+    pairs = list(words.values.get("--storage-option", []))
+    extra = {name[2:]: values[-1] for name, values in words.values.items() if name in ("--retries", "--timeout")}
+    memory = (words.values.get("--max-memory") or [None])[-1]
+    workers = (words.values.get("--workers") or [str(DEFAULT_WORKERS)])[-1]
     if len(positional) != 2 or not workers.isdigit():
         return None
     # the shorthands come after the pairs, in this order, as the commands append them
@@ -252,15 +221,19 @@ def main(argv: list[str] | None = None) -> None:
     args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))
     console = argv is None and threading.current_thread() is threading.main_thread()
     started = console and start_head(args)  # before the commands' imports (torch): see start_head
-    if not _register_done:
-        _register()
-        _register_done = True
     settings = Settings()
     interrupt = Interrupt(settings) if console else None
     if interrupt is not None:
         interrupt.install()
     try:
-        code = run(args, settings, interrupt)
+        # a native SRC's bytes moved as they are, before click's commands (and torch) are imported
+        code = run_passthrough(args, settings, lambda call: guarded(call, args, settings, interrupt,
+                                                                      set_up=True))
+        if code is None:
+            if not _register_done:
+                _register()
+                _register_done = True
+            code = run(args, settings, interrupt)
     except SystemExit as exc:  # a command that ends the process itself
         if interrupt is None:
             raise
@@ -279,10 +252,23 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: list[str], settings: Settings, interrupt: Interrupt | None) -> int:
     """Run the command line ``args``; its exit code (a ``ShardkitError`` becomes one ``error:`` line)."""
+    return guarded(lambda: cli.main(args=args, prog_name="shardkit", standalone_mode=False, obj=settings),
+                   args, settings, interrupt)
+
+
+def guarded(call: Callable[[], Any], args: list[str], settings: Settings, interrupt: Interrupt | None, *,
+            set_up: bool = False) -> int:
+    """Run ``call`` (a command of ``args``) the way every command is run: its outcome as an exit code -- an
+    error as one ``error:`` line, an interruption as its own; ``set_up``: apply the global flags here (click's
+    group does for its commands; the passthrough runs without it)."""
     debug = "--debug" in args
     try:
         try:
-            code = cli.main(args=args, prog_name="shardkit", standalone_mode=False, obj=settings)
+            if set_up:
+                settings.debug, settings.quiet = debug, "-q" in args or "--quiet" in args
+                settings.verbose = "-v" in args or "--verbose" in args
+                configure_logging(settings)
+            code = call()
         finally:
             reset_logging()
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a Ctrl-C in a command into Abort

@@ -10,7 +10,8 @@ import click
 
 from shardkit.checkpoint.offline.progress import Progress, human_bytes, human_count
 
-__all__ = ["table", "echo_json", "progress_unless_quiet", "storage_options", "human_bytes", "human_count"]
+__all__ = ["table", "echo_json", "progress_unless_quiet", "report_written", "storage_options", "human_bytes",
+           "human_count"]
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str], align: str = "") -> str:
@@ -39,6 +40,23 @@ def progress_unless_quiet(ctx: click.Context) -> Progress | None:
     progress = Progress(stream=sys.stderr)
     ctx.call_on_close(progress.close)
     return progress
+
+
+def report_written(result: Any, *, quiet: bool, as_json: bool = False) -> None:
+    """What ``reshard``/``convert`` say they wrote (a :class:`~shardkit.checkpoint.offline.result.ConvertResult`):
+    JSON on stdout with ``--json``, else one line on stderr unless ``-q`` -- the engine's and the byte
+    passthrough's alike."""
+    if as_json:
+        echo_json(result.__dict__)
+        return
+    if not quiet:
+        click.echo(f"wrote {result.dst_format} checkpoint {result.dst}: {human_count(result.tensors, 'tensor')}, "
+                   f"{human_bytes(result.bytes)} of tensor data, {human_bytes(result.stored_bytes)} stored"
+                   + (f" ({human_bytes(result.skipped_bytes)} of tensor data already there, kept)"
+                      if result.skipped_bytes else ""), err=True)
+        if result.dropped:
+            click.echo(f"left out {human_count(len(result.dropped), 'key')} (filters/format), e.g. {result.dropped[0]}",
+                       err=True)
 
 
 def storage_options(pairs: Sequence[str]) -> dict[str, Any] | None:

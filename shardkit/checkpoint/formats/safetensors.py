@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Mapping, Sequence
 
 from shardkit.checkpoint.formats.crc32c import BlockCrc
-from shardkit.checkpoint.formats.dtypes import as_bytes, code_to_dtype, is_tensor, itemsize
+from shardkit.checkpoint.formats.dtypes import as_bytes, code_itemsize, is_tensor
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import InvalidManifest
 
@@ -109,7 +109,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int, where: str,
     for key, info in header.items():
         if not isinstance(info, dict):
             raise InvalidManifest(f"{where}: entry {key!r} is not an object")
-        dtype = code_to_dtype(info.get("dtype"), f"{where} entry {key!r}")
+        size = code_itemsize(info.get("dtype"), f"{where} entry {key!r}")  # the code checked without torch
         shape, offs = info.get("shape"), info.get("data_offsets")
         if (not isinstance(shape, list) or len(shape) > 64
                 or not all(type(s) is int and 0 <= s < 2**62 for s in shape)):
@@ -117,7 +117,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int, where: str,
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= file_size - data_start):
             raise InvalidManifest(f"{where}: entry {key!r} has data_offsets {offs!r} outside the file")
-        if math.prod(shape) * itemsize(dtype) != offs[1] - offs[0]:
+        if math.prod(shape) * size != offs[1] - offs[0]:
             raise InvalidManifest(f"{where}: entry {key!r} holds {offs[1] - offs[0]} bytes, "
                                   f"its shape {shape} and dtype {info['dtype']} need another size")
         entries[key] = SafetensorsEntry(key, info["dtype"], tuple(shape), data_start + offs[0], data_start + offs[1])

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.checkpoint.formats import FORMATS, NATIVE, FormatHandler, open_reader, writer_for
@@ -35,7 +34,6 @@ from shardkit.checkpoint.formats.torchsave.reader import TorchLoadOptions
 from shardkit.checkpoint.formats.write_job import Scaleout, WriteJob
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.names import split_reference
-from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.diff import DiffReport, diff
 from shardkit.checkpoint.offline.fetch import Fetcher, read_through
 from shardkit.checkpoint.offline.hf_export import HfExport, plan_hf_export
@@ -52,7 +50,7 @@ from shardkit.checkpoint.offline.replace import Destination, prepare_dst, prepar
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.select import Selection, select
 from shardkit.checkpoint.offline.side_files import copy_side_files, side_files_meanwhile
-from shardkit.checkpoint.offline.source import canonical_location, overlap, source_fingerprint
+from shardkit.checkpoint.offline.source import check_distinct, source_id_meanwhile
 from shardkit.checkpoint.offline.verify import VerifyReport, verify
 from shardkit.errors import CheckpointError, ConfigurationError
 
@@ -73,20 +71,6 @@ def _notes(source: Any, progress: Progress | None, more: Sequence[str] = ()) -> 
             progress.note(line)
 
 
-def check_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
-                   dst_storage_options: Mapping[str, Any] | None) -> None:
-    """Refuse a DST that is SRC, or lies inside it, or holds it.
-
-    Writing DST drops its old commit marker first and deletes stale files
-    after the commit, so with an overlap a failure (or even success) would
-    destroy the very checkpoint being read.
-    """
-    a, b = Storage(src, storage_options), Storage(dst, dst_storage_options)
-    if overlap(a, b):
-        raise ConfigurationError(f"DST {dst!r} is SRC {src!r} or overlaps it ({canonical_location(b)} vs "
-                                 f"{canonical_location(a)}); write to a separate location, then move it")
-
-
 def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None,
                    dst_storage_options: Mapping[str, Any] | None, src_format: str | None,
                    torch_options: TorchLoadOptions | None = None,
@@ -104,30 +88,6 @@ def _open_distinct(src: str, dst: str, storage_options: Mapping[str, Any] | None
     dest_of = check_dst(dst_storage_options) if check_dst else None
     return (open_reader(src, storage_options, format=src_format, torch_options=torch_options), dst_storage_options,
             dest_of)
-
-
-def source_id(src: str, storage_options: Mapping[str, Any] | None, fmt: str, source: Any = None) -> str:
-    """Where SRC is and what it holds: a resumed run keeps only data written from the same id.  Asked
-    through the open ``source``'s storage when that is SRC's, with the same options (its client made
-    already: on an object store a new one costs a tenth of a second), else through a new one."""
-    storage = Storage(src, storage_options)
-    opened = getattr(source, "storage", None)
-    if (isinstance(opened, Storage) and opened.url == storage.url
-            and opened.storage_options == storage.storage_options):
-        storage = opened
-    return f"{canonical_location(storage)}#{source_fingerprint(storage, fmt)}"
-
-
-def source_id_meanwhile(src: str, storage_options: Mapping[str, Any] | None, source: Any) -> Callable[[], str]:
-    """:func:`source_id`, asked now on a thread when SRC is an object store (its GET of the manifest overlaps
-    the selection and DST's checks, not the first write); the call returned waits for it or raises its error."""
-    storage = getattr(source, "storage", None)
-    if not getattr(storage, "is_object_store", False):
-        return lambda: source_id(src, storage_options, source.info.format, source)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-source-id")
-    asked = pool.submit(source_id, src, storage_options, source.info.format, source)
-    pool.shutdown(wait=False)
-    return asked.result
 
 
 def _block_bytes(max_memory: int) -> int:

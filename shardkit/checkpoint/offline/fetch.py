@@ -15,7 +15,7 @@ Memory is the box (plus its cast, when casting), so a writer that asks for
 boxes of at most ``B`` bytes holds ~2·B per thread whatever the tensor size.
 
 On an object store the source is read through a block cache
-(:func:`read_through`): every box is served from 8 MiB blocks, each fetched
+(:func:`~shardkit.checkpoint.offline.read_through.read_through`): every box is served from 8 MiB blocks, each fetched
 once with one ranged GET and read ahead of need, instead of a request per
 stored piece of every box.  Its budget (``reserved_bytes``, a quarter of the
 conversion's) is set aside before the writers size their concurrency.
@@ -29,39 +29,20 @@ consume each box before asking for the next, so this is safe for them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Mapping
 
 import torch
 
 from shardkit.checkpoint.formats.base import CheckpointReader, TensorEntry, plan_reads
 from shardkit.checkpoint.formats.dtypes import itemsize
-from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.options import cache_budget
+from shardkit.checkpoint.offline.read_through import read_through
 from shardkit.checkpoint.offline.select import SCALE_BLOCK
 from shardkit.errors import IncompatibleStateDict
 
 __all__ = ["Fetcher", "read_through", "cache_budget"]
-
-
-@contextlib.contextmanager
-def read_through(source: Any, budget: int, threads: int) -> Iterator[int]:
-    """While open, ``source``'s ranged reads of an object store come from a block cache of
-    :func:`cache_budget` bytes read ahead on ``threads`` threads; yields the bytes set aside for it
-    (0 on a local disk, where the kernel's page cache and readahead do this job)."""
-    storage = getattr(source, "storage", None)
-    files = getattr(storage, "files", None)
-    if not isinstance(storage, Storage) or storage.is_local or not callable(getattr(files, "read_through", None)):
-        yield 0
-        return
-    cache = files.read_through(cache_budget(budget), threads)
-    try:
-        yield cache.budget
-    finally:
-        files.cache = None
-        cache.close()
 
 
 class Fetcher:

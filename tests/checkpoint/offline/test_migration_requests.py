@@ -157,7 +157,7 @@ def test_a_single_output_file_keeps_as_many_parts_moving_as_workers_within_the_p
 def test_the_source_id_is_asked_through_the_open_source_and_is_the_one_a_new_storage_gives(source, monkeypatch):
     from shardkit.checkpoint.formats import open_reader
     from shardkit.checkpoint.io.storage import Storage
-    from shardkit.checkpoint.offline.convert import source_id
+    from shardkit.checkpoint.offline.source import source_id
 
     src, _, options, _ = source
     reader = open_reader(src, options)
@@ -252,7 +252,7 @@ def test_the_source_id_of_a_source_in_a_bucket_is_asked_on_a_thread_beside_the_s
 
     from shardkit.checkpoint.formats import open_reader
     from shardkit.checkpoint.io.storage import Storage
-    from shardkit.checkpoint.offline.convert import source_id, source_id_meanwhile
+    from shardkit.checkpoint.offline.source import source_id, source_id_meanwhile
 
     src, _, options, _ = source
     reader = open_reader(src, options)

@@ -1,0 +1,160 @@
+"""``shardkit reshard``/``convert --to shardkit`` of a native checkpoint, run before the engine is imported.
+
+:func:`~shardkit.cli.main.main` asks :func:`run_passthrough` first: a command
+line of the few words a byte passthrough takes (SRC, DST, ``--world-size N``
+or ``--to shardkit``, the storage options, ``--retries``/``--timeout``,
+``--max-memory``, ``--workers``, ``--overwrite``) is run by
+:func:`shardkit.checkpoint.offline.passthrough.passthrough` without importing
+torch, and reported as the command reports it.  Any other word (a filter, a
+cast, ``--json``, ``--help``), a value this does not parse, a launch under
+torchrun, or a source the passthrough does not take, and the command is left to
+click and the engine, which parse, run and report it as always.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["CommandWords", "command_words", "passthrough_request", "run_passthrough", "GLOBAL_FLAGS"]
+
+GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
+CONVERSIONS = ("reshard", "convert")
+VALUE_OPTIONS = frozenset({
+    "--world-size", "--mesh", "--dtype", "--compression", "--to", "--from", "--max-shard-size", "--config",
+    "--storage-option", "--dst-storage-option", "--retries", "--timeout", "--max-memory", "--workers", "--only",
+    "--exclude", "--rename", "--model-keys"})
+FLAG_OPTIONS = frozenset({"--dtype-optim", "--overwrite", "--model-only", "--json", "--distributed",
+                          "--single-process", "--trust-pickle"})
+# what a passthrough takes; every other option changes the bytes or the output, and goes to the engine
+PASSTHROUGH_VALUES = frozenset({"--world-size", "--to", "--storage-option", "--dst-storage-option", "--retries",
+                                "--timeout", "--max-memory", "--workers"})
+PASSTHROUGH_FLAGS = frozenset({"--overwrite", "--single-process"})
+
+
+@dataclass
+class CommandWords:
+    """A ``reshard``/``convert`` command line as words: its positionals, each value option's values in
+    order, and its flags (global flags left out)."""
+
+    command: str
+    positional: list[str] = field(default_factory=list)
+    values: dict[str, list[str]] = field(default_factory=dict)
+    flags: set[str] = field(default_factory=set)
+
+
+def command_words(args: list[str]) -> CommandWords | None:
+    """The words of a ``reshard``/``convert`` command line that one process runs, or ``None`` (another
+    command, a launch under torchrun, ``--help``, or a word this does not know: then nothing is guessed)."""
+    words = [a for a in args if a not in GLOBAL_FLAGS]
+    if not words or words[0] not in CONVERSIONS or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    out = CommandWords(words[0])
+    rest = iter(words[1:])
+    for word in rest:
+        if word == "--":
+            out.positional.extend(rest)
+            break
+        if not word.startswith("-") or word == "-":
+            out.positional.append(word)
+            continue
+        name, eq, value = word.partition("=")
+        if name in FLAG_OPTIONS and not eq:
+            out.flags.add(name)
+            continue
+        if name not in VALUE_OPTIONS:
+            return None
+        if not eq:
+            value = next(rest, None)
+            if value is None:
+                return None
+        out.values.setdefault(name, []).append(value)
+    return out
+
+
+def _one(words: CommandWords, name: str) -> str | None:
+    values = words.values.get(name, [])
+    return values[-1] if values else None
+
+
+def _native(name: str | None) -> bool:
+    """Whether ``--to`` names shardkit's own format, as the command's choice of formats spells it."""
+    from shardkit.checkpoint.formats import NATIVE
+
+    return name == NATIVE.name
+
+
+def passthrough_request(args: list[str]) -> dict[str, Any] | None:
+    """The keyword arguments of :func:`~shardkit.checkpoint.offline.passthrough.passthrough` for a command
+    line a passthrough may run, or ``None`` (the engine runs it, and reports what is wrong with it)."""
+    words = command_words(args)
+    if (words is None or len(words.positional) != 2 or set(words.values) - PASSTHROUGH_VALUES
+            or words.flags - PASSTHROUGH_FLAGS):
+        return None
+    world_size, to = _one(words, "--world-size"), _one(words, "--to")
+    workers, retries, timeout = _one(words, "--workers"), _one(words, "--retries"), _one(words, "--timeout")
+    if words.command == "reshard" and (to is not None or world_size is None or not world_size.isdigit()
+                                       or int(world_size) < 1):
+        return None
+    if words.command == "convert" and (world_size is not None or not _native(to)):
+        return None
+    if workers is not None and not (workers.isdigit() and 1 <= int(workers) <= 256):
+        return None
+    if retries is not None and not (retries.isdigit() and int(retries) <= 100):
+        return None
+    try:
+        if timeout is not None and not float(timeout) > 0:
+            return None
+    except ValueError:
+        return None
+    from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_WORKERS
+    from shardkit.cli.render import storage_options
+
+    extra = [f"shardkit.{key}:={value}" for key, value in (("retries", retries), ("timeout", timeout))
+             if value is not None]
+    src_pairs, dst_pairs = words.values.get("--storage-option", []), words.values.get("--dst-storage-option", [])
+    try:  # as the commands' --retries/--timeout do: every URL's options get them (see options.py)
+        so = storage_options(src_pairs + extra)
+        dso = storage_options(dst_pairs + extra) if dst_pairs else so
+    except Exception:  # noqa: BLE001 - the command parses these again and reports what is wrong
+        return None
+    return {"src": words.positional[0], "dst": words.positional[1], "tool": words.command,
+            "world_size": int(world_size) if world_size else 1, "overwrite": "--overwrite" in words.flags,
+            "storage_options": so, "dst_storage_options": dso,
+            "max_memory": _one(words, "--max-memory") or DEFAULT_MAX_MEMORY_TEXT,
+            "workers": int(workers) if workers else DEFAULT_WORKERS}
+
+
+def run_passthrough(args: list[str], settings: Any, guarded: Callable[[Callable[[], int]], int]) -> int | None:
+    """Run ``args`` as a byte passthrough when it is one; its exit code, or ``None`` when the engine is to run
+    it (nothing was written).  ``guarded(call)`` runs ``call`` as the command would be run: logging set up,
+    an error turned into its ``error: ...`` line and exit code."""
+    request = passthrough_request(args)
+    if request is None:
+        return None
+    ran: list[bool] = []
+
+    def call() -> int:
+        import sys
+
+        from shardkit.checkpoint.offline.passthrough import passthrough
+        from shardkit.checkpoint.offline.progress import Progress
+        from shardkit.cli.exit_codes import ExitCode
+        from shardkit.cli.render import report_written
+
+        settings.resumable = True  # native output: a rerun resumes from the journal at DST
+        progress = None if settings.quiet else Progress(stream=sys.stderr)
+        try:
+            result = passthrough(**request, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        if result is None:
+            return ExitCode.OK
+        ran.append(True)
+        report_written(result, quiet=settings.quiet)
+        return ExitCode.OK
+
+    code = guarded(call)
+    return code if ran or code != 0 else None
