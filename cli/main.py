@@ -212,10 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``shardkit``), also ``python -m shardkit``.
 
     A ``reshard``/``convert`` from an object store starts fetching its source first (:func:`start_head`),
-    so that its first blocks arrive while torch is imported.  The console script leaves with
-    :func:`leave_now` once the command is done and its output flushed: every file it wrote is durable
-    and committed by then, and tearing down the interpreter (torch's thousands of modules, the clients'
-    sessions) would add a second or more to every command for nothing.
+    so that its first blocks arrive while torch is imported; one a byte passthrough takes (a native SRC
+    moved as it is stored: :mod:`shardkit.cli.passthrough`) is run then, and torch is never imported.
+    The console script leaves with :func:`leave_now` once the command is done and its output flushed:
+    every file it wrote is durable and committed by then, and tearing down the interpreter (torch's
+    thousands of modules, the clients' sessions) would add a second or more to every command for nothing.
     In-process calls (tests, notebooks) get ``SystemExit`` as before."""
     global _register_done
     args = hoist_global_flags(sys.argv[1:] if argv is None else list(argv))

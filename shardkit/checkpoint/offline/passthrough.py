@@ -38,11 +38,11 @@ from typing import Any, Mapping
 from shardkit.checkpoint.formats import NATIVE
 from shardkit.checkpoint.formats.dtypes import code_itemsize, dtype_spelling
 from shardkit.checkpoint.formats.native import (
-    EXTRA_DIR,
     MANIFEST_NAME,
     ChunkRecord,
     Manifest,
     check_data_file,
+    extra_files,
     parse_manifest,
     read_rows,
     stored_entries,
@@ -172,7 +172,7 @@ class _Source:
 
     @property
     def side_files(self) -> list[str]:
-        return [f"{EXTRA_DIR}/{n}" for n in self.storage.listdir(EXTRA_DIR)]
+        return extra_files(self.storage)
 
 
 def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite: bool = False,

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
 from shardkit.checkpoint.io.storage import Storage
 
-__all__ = ["DATA_DIR", "INDEX_DIR", "RESUME_DIR", "EXTRA_DIR", "DirectorySurvey", "survey", "is_native_file_name",
-           "remove_owned"]
+__all__ = ["DATA_DIR", "INDEX_DIR", "RESUME_DIR", "EXTRA_DIR", "extra_files", "DirectorySurvey", "survey",
+           "is_native_file_name", "remove_owned"]
 
 DATA_DIR = "data"
 INDEX_DIR = "index"
@@ -41,6 +41,12 @@ _MANIFEST_TMP = re.compile(r"^" + re.escape(MANIFEST_NAME) + r"\.tmp-[0-9a-f]{12
 _JOURNAL_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors\.json$")
 _INDEX_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}\.json(\.tmp-[0-9a-f]{12})?$")
 _PATTERNS = {DATA_DIR: _DATA_NAME, INDEX_DIR: _INDEX_NAME, RESUME_DIR: _JOURNAL_NAME}
+
+
+def extra_files(storage: Storage) -> list[str]:
+    """The side files a native checkpoint carries (config.json, tokenizer files), kept under ``extra/``: what
+    its reader and a byte passthrough of it copy alike."""
+    return [f"{EXTRA_DIR}/{n}" for n in storage.listdir(EXTRA_DIR)]
 
 
 def is_native_file_name(name: str) -> bool:

@@ -58,7 +58,7 @@ from shardkit.checkpoint.formats.native.manifest import (
     Manifest,
 )
 from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
-from shardkit.checkpoint.formats.native.ownership import EXTRA_DIR
+from shardkit.checkpoint.formats.native.ownership import extra_files
 from shardkit.checkpoint.formats.native.request_plans import RequestPlan, batches, plan_request
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.plan import merge_ranges
@@ -151,7 +151,7 @@ class NativeReader(CheckpointReader):
     @property
     def side_files(self) -> list[str]:
         """Files that travel with the weights (config.json, tokenizer files), kept under ``extra/``."""
-        return [f"{EXTRA_DIR}/{n}" for n in self.storage.listdir(EXTRA_DIR)]
+        return extra_files(self.storage)
 
     def _use(self, manifest: Manifest) -> None:
         self._manifest = manifest
