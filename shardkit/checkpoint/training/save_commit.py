@@ -1,6 +1,6 @@
 """Step 3 of a save: what each rank reports once its data files are written, and rank 0's commit of it.
 
-Small saves (fewer than :data:`~shardkit.checkpoint.formats.native.facade.INDEXED_FROM_CHUNKS`
+Small saves (fewer than :data:`~shardkit.checkpoint.formats.native.index.INDEXED_FROM_CHUNKS`
 chunk records in all, counted by every rank alike) send their chunk records
 to rank 0, which builds one ``manifest.json`` holding them (version 1 or 2).
 Large ones commit version 3 the way that scales: each writer writes its own
