@@ -82,11 +82,16 @@ def dtype_to_code(dtype: torch.dtype | str) -> str:
 
 
 def code_to_dtype(code: Any, where: str = "") -> torch.dtype:
-    codes = _tables()[0]
-    if not isinstance(code, str) or code not in codes:
-        raise InvalidManifest(f"unknown dtype {code!r}{' in ' + where if where else ''}; "
-                              f"known: {sorted(codes)}")
-    return codes[code]
+    """The ``torch.dtype`` of dtype code ``code``: one vocabulary (:func:`code_itemsize`'s) decides whether
+    the code is ours; a code of ours that this torch does not define says so, not that it is unknown."""
+    code_itemsize(code, where)
+    dtype = _tables()[0].get(code)
+    if dtype is None:
+        import torch
+
+        raise InvalidManifest(f"dtype {code}{' in ' + where if where else ''} is not defined by torch "
+                              f"{torch.__version__}; upgrade torch to read it")
+    return dtype
 
 
 def code_itemsize(code: Any, where: str = "") -> int:

@@ -79,6 +79,12 @@ def test_the_packages_still_serve_their_names():
 
     assert formats.FORMATS is FORMATS and native.NativeWriter is NativeWriter
     assert formats.NATIVE is native.NATIVE is FORMATS[native.NATIVE.name]
+    from shardkit.checkpoint.formats import registry
+    from shardkit.checkpoint.formats.native import facade
+
+    # each package serves exactly what its module exports: the two lists cannot drift apart
+    assert sorted(formats.__all__) == sorted(registry.__all__)
+    assert sorted(native.__all__) == sorted(facade.__all__)
 
 
 # a DST's check (is a checkpoint there, of which format, what is foreign) and a source's identity (the file that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -17,7 +18,7 @@ from shardkit.checkpoint.formats.base import (
     read_box,
 )
 from shardkit.checkpoint.formats.compression import Compression
-from shardkit.checkpoint.formats.crc32c import block_crcs, crc32c
+from shardkit.checkpoint.formats.crc32c import BlockCrc, block_crcs, crc32c
 from shardkit.checkpoint.formats.native.reader import NativeReader
 from shardkit.checkpoint.formats.native.writer import NativeWriter, data_file_name, new_token
 from shardkit.checkpoint.formats.safetensors import parse_safetensors_header
@@ -149,6 +150,22 @@ def test_every_crc32c_backend_agrees_with_the_reference_on_tensors_blocks_and_od
     for piece in data.split(1000):  # pieces that straddle block edges
         acc.update(piece)
     assert acc.finish() == expected
+    for buffer in (raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8)):  # continuing a value
+        assert module.crc32c(buffer, 12345) == google_crc32c.extend(12345, raw)
+    for empty in (b"", torch.empty(0, dtype=torch.uint8)):
+        assert module.crc32c(empty, 77) == 77
+
+
+def test_crc32c_refuses_a_strided_array_as_it_refuses_a_strided_tensor():
+    # a strided array's bytes in memory order are not its elements in order (a reversed view even starts
+    # before its first element's bytes): checksumming them would give a wrong value, or read out of bounds
+    for strided in (np.arange(100, dtype=np.uint8)[::-1], np.arange(100, dtype=np.uint8)[::2]):
+        with pytest.raises(ValueError, match="non-contiguous"):
+            crc32c(strided)
+        with pytest.raises(ValueError, match="non-contiguous"):
+            BlockCrc(16).update(strided)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        crc32c(torch.arange(10, dtype=torch.uint8)[::2])
 
 
 def test_split_box_pieces_tile_the_box_and_respect_the_cap():
