@@ -31,21 +31,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
-__all__ = ["Arrival", "arrive", "poll_cap", "STORE_ASKS_PER_S", "roll_call", "group_name", "the_group", "watched",
-           "complete", "report_failure"]
+__all__ = ["Arrival", "arrive", "roll_call", "group_name", "the_group", "watched", "complete", "report_failure"]
 
 # Waiters poll (store.wait's timeouts log a C++ warning every time, and hold off Ctrl-C), backing off from
 # half a millisecond by a quarter each time: a poll oversleeps the moment the others arrived by at most a
 # quarter of what the rank had waited (doubling let it oversleep by as much again: 60 ms became up to
-# 127 ms, on every save and load).  The pause stops growing where the group's waiters together ask the store
-# about STORE_ASKS_PER_S times a second (poll_cap): a thousand ranks ten times a second each once the wait is
-# long, as before, while 4 ranks cap it at 4 ms -- a rank that waited 50 ms for the slowest read no longer
-# oversleeps its arrival by up to 12 ms on every save, load and recovery.
+# 127 ms, on every save and load), and a thousand waiting ranks ask the store at most ten times a second each
+# once the wait is long.
 _POLL_FIRST_S = 0.0005
 _POLL_GROWTH = 1.25
 _POLL_MAX_S = 0.1
-_POLL_MIN_CAP_S = 0.002
-STORE_ASKS_PER_S = 1000.0
 # a waiter asks whether the collective before failed on another rank only once it has waited this long: a
 # fast arrival does not pay for the question, and a failure is noticed long before the deadline
 _FAILED_BEFORE_AFTER_S = 0.01
@@ -87,12 +82,6 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def poll_cap(size: int) -> float:
-    """The longest pause between a waiting rank's questions to the store in a group of ``size``: the group's
-    waiters together ask about :data:`STORE_ASKS_PER_S` times a second, within 2 ms and 100 ms a rank."""
-    return min(_POLL_MAX_S, max(_POLL_MIN_CAP_S, size / STORE_ASKS_PER_S))
-
-
 def arrive(group: Any, timeout_s: float) -> Arrival:
     """Check this rank in at ``group``'s next collective and wait up to ``timeout_s`` for the others.
 
@@ -113,7 +102,7 @@ def arrive(group: Any, timeout_s: float) -> Arrival:
         store.set(done, "1")
     else:
         started = time.monotonic()
-        deadline, pause, cap = started + timeout_s, _POLL_FIRST_S, poll_cap(size)
+        deadline, pause = started + timeout_s, _POLL_FIRST_S
         failed_before = f"{base}{seq - 1}/failed" if seq > 0 else None
         while not store.check([done]):
             now = time.monotonic()
@@ -123,7 +112,7 @@ def arrive(group: Any, timeout_s: float) -> Arrival:
             if left <= 0:
                 return _who_is_missing(store, base, group, size, seq)
             time.sleep(min(pause, left))
-            pause = min(pause * _POLL_GROWTH, cap)
+            pause = min(pause * _POLL_GROWTH, _POLL_MAX_S)
     if me == 0 and seq > 0:  # every rank has left collective seq - 1 behind: its keys are spent
         store.delete_key(f"{base}{seq - 1}/n")
         store.delete_key(f"{base}{seq - 1}/done")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from shardkit.wire.arrival import STORE_ASKS_PER_S, arrive, complete, poll_cap, the_group, watched
+from shardkit.wire.arrival import arrive, complete, the_group, watched
 from tests.support.dist import run_on_ranks
 
 LATE_S = 0.15  # doubling from 0.5 ms left rank 0 here 0.23-0.25 s, a quarter at a time 0.175 s
@@ -69,20 +69,6 @@ def test_a_waiting_rank_leaves_within_a_quarter_of_its_wait_after_the_last_arriv
     waited = [run_on_ranks(2, _arrive_with_rank_1_late, LATE_S)[0] for _ in range(3)]
     assert all(missing == () for _, missing in waited)
     assert min(seconds for seconds, _ in waited) < LATE_S * 1.25 + 0.01, waited
-
-
-def test_in_a_small_group_a_waiting_rank_leaves_within_a_few_ms_of_the_last_arrival_however_long_it_waited():
-    # 2 ranks ask the store at most STORE_ASKS_PER_S times a second together: a pause of 2 ms at most, so a
-    # 0.15 s wait is overslept by that (plus the store's round trip), not by a quarter of it (37 ms)
-    waited = [run_on_ranks(2, _arrive_with_rank_1_late, LATE_S)[0] for _ in range(3)]
-    assert min(seconds for seconds, _ in waited) < LATE_S + poll_cap(2) + 0.01, waited
-
-
-def test_the_pause_cap_keeps_the_store_asked_about_a_thousand_times_a_second_by_any_group():
-    assert poll_cap(2) == 0.002 and poll_cap(4) == 0.004 and poll_cap(64) == 0.064
-    assert poll_cap(1000) == poll_cap(100_000) == 0.1  # a large group's ranks still ask ten times a second each
-    for size in (1, 2, 4, 8, 64, 100):
-        assert size / poll_cap(size) <= max(STORE_ASKS_PER_S, 1 / 0.002)
 
 
 def test_a_rank_that_never_arrives_is_named_with_the_collective_it_last_reached():
