@@ -127,16 +127,10 @@ def head_start_request(args: list[str]) -> tuple[str, list[str], str | None, int
     words = command_words(args)
     if words is None or "--distributed" in words.flags:
         return None
-    positional = words.positional
-    pairs = list(words.values.get("--storage-option", []))
-    extra = {name[2:]: values[-1] for name, values in words.values.items() if name in ("--retries", "--timeout")}
-    memory = (words.values.get("--max-memory") or [None])[-1]
-    workers = (words.values.get("--workers") or [str(DEFAULT_WORKERS)])[-1]
-    if len(positional) != 2 or not workers.isdigit():
+    workers = words.last("--workers") or str(DEFAULT_WORKERS)
+    if len(words.positional) != 2 or not workers.isdigit():
         return None
-    # the shorthands come after the pairs, in this order, as the commands append them
-    pairs += [f"shardkit.{key}:={extra[key]}" for key in ("retries", "timeout") if key in extra]
-    return positional[0], pairs, memory, int(workers)
+    return words.positional[0], words.storage_pairs(), words.last("--max-memory"), int(workers)
 
 
 def start_head(args: list[str]) -> bool:

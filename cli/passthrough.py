@@ -43,6 +43,18 @@ class CommandWords:
     values: dict[str, list[str]] = field(default_factory=dict)
     flags: set[str] = field(default_factory=set)
 
+    def last(self, name: str) -> str | None:
+        """The value of option ``name`` the command takes (the last one given), or ``None``."""
+        values = self.values.get(name, [])
+        return values[-1] if values else None
+
+    def storage_pairs(self, name: str = "--storage-option") -> list[str]:
+        """The ``KEY=VALUE`` pairs of ``name``, then ``--retries``/``--timeout`` as the pairs they stand for,
+        in that order -- as the commands append them (``shardkit.cli.options``)."""
+        shorthands = [(key, self.last(f"--{key}")) for key in ("retries", "timeout")]
+        return self.values.get(name, []) + [f"shardkit.{key}:={value}" for key, value in shorthands
+                                            if value is not None]
+
 
 def command_words(args: list[str]) -> CommandWords | None:
     """The words of a ``reshard``/``convert`` command line that one process runs, or ``None`` (another
@@ -73,11 +85,6 @@ def command_words(args: list[str]) -> CommandWords | None:
     return out
 
 
-def _one(words: CommandWords, name: str) -> str | None:
-    values = words.values.get(name, [])
-    return values[-1] if values else None
-
-
 def _native(name: str | None) -> bool:
     """Whether ``--to`` names shardkit's own format, as the command's choice of formats spells it."""
     from shardkit.checkpoint.formats import NATIVE
@@ -92,8 +99,8 @@ def passthrough_request(args: list[str]) -> dict[str, Any] | None:
     if (words is None or len(words.positional) != 2 or set(words.values) - PASSTHROUGH_VALUES
             or words.flags - PASSTHROUGH_FLAGS):
         return None
-    world_size, to = _one(words, "--world-size"), _one(words, "--to")
-    workers, retries, timeout = _one(words, "--workers"), _one(words, "--retries"), _one(words, "--timeout")
+    world_size, to = words.last("--world-size"), words.last("--to")
+    workers, retries, timeout = words.last("--workers"), words.last("--retries"), words.last("--timeout")
     if words.command == "reshard" and (to is not None or world_size is None or not world_size.isdigit()
                                        or int(world_size) < 1):
         return None
@@ -111,18 +118,16 @@ def passthrough_request(args: list[str]) -> dict[str, Any] | None:
     from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_WORKERS
     from shardkit.cli.render import storage_options
 
-    extra = [f"shardkit.{key}:={value}" for key, value in (("retries", retries), ("timeout", timeout))
-             if value is not None]
-    src_pairs, dst_pairs = words.values.get("--storage-option", []), words.values.get("--dst-storage-option", [])
     try:  # as the commands' --retries/--timeout do: every URL's options get them (see options.py)
-        so = storage_options(src_pairs + extra)
-        dso = storage_options(dst_pairs + extra) if dst_pairs else so
+        so = storage_options(words.storage_pairs())
+        dso = storage_options(words.storage_pairs("--dst-storage-option")) if "--dst-storage-option" in words.values \
+            else so
     except Exception:  # noqa: BLE001 - the command parses these again and reports what is wrong
         return None
     return {"src": words.positional[0], "dst": words.positional[1], "tool": words.command,
             "world_size": int(world_size) if world_size else 1, "overwrite": "--overwrite" in words.flags,
             "storage_options": so, "dst_storage_options": dso,
-            "max_memory": _one(words, "--max-memory") or DEFAULT_MAX_MEMORY_TEXT,
+            "max_memory": words.last("--max-memory") or DEFAULT_MAX_MEMORY_TEXT,
             "workers": int(workers) if workers else DEFAULT_WORKERS}
 
 
