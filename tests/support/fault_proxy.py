@@ -203,11 +203,11 @@ class _Handler(socketserver.StreamRequestHandler):
         if kind in _STATUS:
             status, reason, code, message = _STATUS[kind]
             payload = s3_error_body(code, message, parsed.path) if method != "HEAD" else b""
+            log(status)  # before the answer: a client that fails on it must find its request logged
             self.wfile.write(_encode(f"HTTP/1.1 {status} {reason}", [
                 ("Content-Type", "application/xml"), ("Content-Length", str(len(payload))),
                 ("x-amz-request-id", "FAULTPROXY0000001")]) + payload)
             self.wfile.flush()
-            log(status)
             return True
         if kind == "reset":
             self.request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
