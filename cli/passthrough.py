@@ -17,7 +17,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["CommandWords", "command_words", "passthrough_request", "run_passthrough", "GLOBAL_FLAGS"]
+import click
+
+__all__ = ["CommandWords", "command_words", "converted", "passthrough_request", "run_passthrough", "GLOBAL_FLAGS",
+           "REFUSED", "WORLD_SIZES", "WORKERS", "RETRIES", "TIMEOUTS"]
 
 GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
 CONVERSIONS = ("reshard", "convert")
@@ -31,6 +34,12 @@ FLAG_OPTIONS = frozenset({"--dtype-optim", "--overwrite", "--model-only", "--jso
 PASSTHROUGH_VALUES = frozenset({"--world-size", "--to", "--storage-option", "--dst-storage-option", "--retries",
                                 "--timeout", "--max-memory", "--workers"})
 PASSTHROUGH_FLAGS = frozenset({"--overwrite", "--single-process"})
+# the values the commands accept, as their click options type them (cli/conversion.py, cli/options.py): a value
+# one of them refuses goes to click, which reports it in its own words and exit code
+WORLD_SIZES = click.IntRange(1, 1 << 20)
+WORKERS = click.IntRange(1, 256)
+RETRIES = click.IntRange(0, 100)
+TIMEOUTS = click.FloatRange(0, min_open=True)
 
 
 @dataclass
@@ -92,6 +101,20 @@ def _native(name: str | None) -> bool:
     return name == NATIVE.name
 
 
+REFUSED = object()  # converted()'s answer for a value the command's click option refuses
+
+
+def converted(kind: click.ParamType, value: str | None) -> Any:
+    """``value`` as the command's click option converts it (``None`` when not given), or ``REFUSED`` when
+    click refuses it -- the same conversion, so that the passthrough takes exactly what the command takes."""
+    if value is None:
+        return None
+    try:
+        return kind.convert(value, None, None)
+    except click.BadParameter:
+        return REFUSED
+
+
 def passthrough_request(args: list[str]) -> dict[str, Any] | None:
     """The keyword arguments of :func:`~shardkit.checkpoint.offline.passthrough.passthrough` for a command
     line a passthrough may run, or ``None`` (the engine runs it, and reports what is wrong with it)."""
@@ -100,20 +123,13 @@ def passthrough_request(args: list[str]) -> dict[str, Any] | None:
             or words.flags - PASSTHROUGH_FLAGS):
         return None
     world_size, to = words.last("--world-size"), words.last("--to")
-    workers, retries, timeout = words.last("--workers"), words.last("--retries"), words.last("--timeout")
-    if words.command == "reshard" and (to is not None or world_size is None or not world_size.isdigit()
-                                       or int(world_size) < 1):
+    if words.command == "reshard" and (to is not None or world_size is None):
         return None
     if words.command == "convert" and (world_size is not None or not _native(to)):
         return None
-    if workers is not None and not (workers.isdigit() and 1 <= int(workers) <= 256):
-        return None
-    if retries is not None and not (retries.isdigit() and int(retries) <= 100):
-        return None
-    try:
-        if timeout is not None and not float(timeout) > 0:
-            return None
-    except ValueError:
+    typed = {name: converted(kind, words.last(name)) for name, kind in (
+        ("--world-size", WORLD_SIZES), ("--workers", WORKERS), ("--retries", RETRIES), ("--timeout", TIMEOUTS))}
+    if any(value is REFUSED for value in typed.values()):
         return None
     from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_WORKERS
     from shardkit.cli.render import storage_options
@@ -125,10 +141,10 @@ def passthrough_request(args: list[str]) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - the command parses these again and reports what is wrong
         return None
     return {"src": words.positional[0], "dst": words.positional[1], "tool": words.command,
-            "world_size": int(world_size) if world_size else 1, "overwrite": "--overwrite" in words.flags,
+            "world_size": typed["--world-size"] or 1, "overwrite": "--overwrite" in words.flags,
             "storage_options": so, "dst_storage_options": dso,
             "max_memory": words.last("--max-memory") or DEFAULT_MAX_MEMORY_TEXT,
-            "workers": int(workers) if workers else DEFAULT_WORKERS}
+            "workers": typed["--workers"] or DEFAULT_WORKERS}
 
 
 def run_passthrough(args: list[str], settings: Any, guarded: Callable[[Callable[[], int]], int]) -> int | None:
