@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import click
 
-__all__ = ["CommandWords", "command_words", "converted", "passthrough_request", "run_passthrough", "GLOBAL_FLAGS",
-           "REFUSED", "WORLD_SIZES", "WORKERS", "RETRIES", "TIMEOUTS"]
+__all__ = ["CommandWords", "command_words", "converted", "passthrough_request", "resume_journal", "run_passthrough",
+           "GLOBAL_FLAGS", "REFUSED", "WORLD_SIZES", "WORKERS", "RETRIES", "TIMEOUTS"]
 
 GLOBAL_FLAGS = ("--debug", "-q", "--quiet", "-v", "--verbose")
 CONVERSIONS = ("reshard", "convert")
@@ -145,6 +145,21 @@ def passthrough_request(args: list[str]) -> dict[str, Any] | None:
             "storage_options": so, "dst_storage_options": dso,
             "max_memory": words.last("--max-memory") or DEFAULT_MAX_MEMORY_TEXT,
             "workers": typed["--workers"] or DEFAULT_WORKERS}
+
+
+def resume_journal(args: list[str]) -> tuple[str, list[str]] | None:
+    """(the URL of DST's resume journal, DST's storage pairs) of a ``reshard``/``convert`` command line, for
+    the head start (:func:`shardkit.checkpoint.io.head_start.begin`'s ``journal``): when it lists a record,
+    the command is the rerun of an interrupted one, whose finished outputs need none of the source's first
+    blocks.  ``None`` when the line names no DST."""
+    from shardkit.checkpoint.io.head_start import RESUME_JOURNAL
+
+    words = command_words(args)
+    if words is None or len(words.positional) != 2:
+        return None
+    pairs = words.storage_pairs("--dst-storage-option" if "--dst-storage-option" in words.values else
+                                "--storage-option")
+    return f"{words.positional[1].rstrip('/')}/{RESUME_JOURNAL}", pairs
 
 
 def run_passthrough(args: list[str], settings: Any, guarded: Callable[[Callable[[], int]], int]) -> int | None:

@@ -24,10 +24,18 @@ block checksums are computed on the way; DST is checked and replaced exactly
 as the engine does (:mod:`~shardkit.checkpoint.offline.replace`); memory is
 one output chunk per writer thread plus the block cache of an object-store
 source (:func:`~shardkit.checkpoint.offline.read_through.read_through`).
+
+A rerun (DST holds a resume journal) reads no source byte that feeds only the
+outputs already finished: the writer keeps those once their journal records
+and headers check out, and reads each chunk it still writes as its own rows,
+rounded to their checksum blocks, without the cache's aligned 8 MiB blocks
+(which hold the finished outputs' rows too); the head start, told of the
+journal, fetched nothing ahead (:mod:`shardkit.checkpoint.io.head_start`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -48,6 +56,7 @@ from shardkit.checkpoint.formats.native import (
     stored_entries,
 )
 from shardkit.checkpoint.formats.write_job import WriteJob
+from shardkit.checkpoint.io import head_start
 from shardkit.checkpoint.io.names import split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.options import DEFAULT_WORKERS, parse_memory
@@ -201,7 +210,13 @@ def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite
     dest = dest_of()
     out = dest.storage
     side_files = side_files_meanwhile(source)
-    with read_through(source, budget, workers) as reserved:
+    # a rerun: its finished outputs need none of the source, and only the writer knows which they are
+    # once it has checked their journal records and headers; so each chunk it writes is read on its own,
+    # its exact rows, rather than in the aligned blocks of the read-through cache, which hold the rows
+    # of the outputs already written too -- unless a head start fetched blocks already (it did not know
+    # of the journal): those are read through the cache rather than fetched for nothing
+    resumes = head_start.RESUME_JOURNAL in dest.before and not head_start.guessed()
+    with contextlib.nullcontext(0) if resumes else read_through(source, budget, workers) as reserved:
         job = WriteJob(
             tensors=tuple(tensors), values=dict(manifest.values), aliases=dict(manifest.aliases), tool=tool,
             fetch=RowFetch(storage, manifest, reserved),
