@@ -16,8 +16,10 @@ completes it (``<seq>/done``), and one key per rank holding the last
 sequence it reached (``at/<rank>``, overwritten, so the store stays O(world)).
 Every rank advances the group's sequence identically because it calls the
 same collectives in the same order (as the collectives themselves require);
-a collective's counter and flag are deleted once the next one has completed,
-when no rank can still be waiting on them.
+a collective's counter and flag are spent once every rank arrived at the next
+one (no rank can still be waiting on them), and the group's rank 0 deletes
+them while it waits inside that next collective (:func:`complete`), where the
+store's round trips overlap the collective instead of delaying its start.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
-__all__ = ["Arrival", "arrive", "roll_call", "group_name", "the_group", "watched", "complete", "report_failure"]
+__all__ = ["Arrival", "arrive", "delete_spent", "roll_call", "group_name", "the_group", "watched", "complete",
+           "report_failure"]
 
 # Waiters poll (store.wait's timeouts log a C++ warning every time, and hold off Ctrl-C), backing off from
 # half a millisecond by a quarter each time: a poll oversleeps the moment the others arrived by at most a
@@ -49,6 +52,12 @@ _WORK_POLL_MAX_S = 0.01  # a collective's own completion is polled locally, its 
 # program let go of is not kept alive into the interpreter's finalization (shardkit.held_groups says why)
 _sequences: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+# the keys of collectives every rank has left behind, deleted by the group's rank 0 while it waits inside the
+# next collective (:func:`complete`) rather than before entering it: each deletion is a round trip to the
+# store, which with more ranks than cores took as long as the collective itself, and every other rank waited
+# in the collective for rank 0 to come through them
+_spent: list[str] = []
+_SPENT_AT_MOST = 64  # past this many (collectives waited for without complete), deleted at the next arrival
 
 
 @dataclass(frozen=True)
@@ -114,9 +123,21 @@ def arrive(group: Any, timeout_s: float) -> Arrival:
             time.sleep(min(pause, left))
             pause = min(pause * _POLL_GROWTH, _POLL_MAX_S)
     if me == 0 and seq > 0:  # every rank has left collective seq - 1 behind: its keys are spent
-        store.delete_key(f"{base}{seq - 1}/n")
-        store.delete_key(f"{base}{seq - 1}/done")
+        _spent.extend((f"{base}{seq - 1}/n", f"{base}{seq - 1}/done"))
+        if len(_spent) > _SPENT_AT_MOST:
+            delete_spent(store)
     return Arrival(seq, (), ())
+
+
+def delete_spent(store: Any = None) -> None:
+    """Delete the spent keys :func:`arrive` left (see ``_spent``); safe from any thread, each key once."""
+    store = store if store is not None else _store()
+    while _spent:
+        try:
+            key = _spent.pop()
+        except IndexError:  # another thread took the last one
+            return
+        store.delete_key(key)
 
 
 def _who_is_missing(store: Any, base: str, group: Any, size: int, seq: int) -> Arrival:
@@ -183,11 +204,16 @@ def complete(work: Any, pollable: bool = True) -> None:
         work.wait()
         return
     group, seq, deadline = found
+    if _spent:  # the collective is under way: the store's round trips overlap it instead of delaying it
+        with contextlib.suppress(Exception):  # housekeeping; a store that is gone fails the next arrival
+            delete_spent()
     if not pollable:
         work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         return
     store, key, pause = _store(), f"shardkit/arrive/{group_name(group)}/{seq}/failed", _POLL_FIRST_S
-    asked, ask_every = time.monotonic(), _POLL_FIRST_S
+    # the store is first asked whether another rank failed once the wait is long: a collective that completes
+    # fast pays no round trip for the question (with more ranks than cores each took as long as the collective)
+    asked, ask_every = time.monotonic(), _FAILED_BEFORE_AFTER_S
     finished = _finished_event(work)
     while not work.is_completed():
         now = time.monotonic()
