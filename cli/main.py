@@ -27,8 +27,12 @@ from shardkit.cli.exit_codes import ExitCode
 from shardkit.cli.passthrough import (  # the option lists: what the head start and the passthrough know
     FLAG_OPTIONS,  # noqa: F401 - named here too: the head start's words
     GLOBAL_FLAGS,
+    REFUSED,
     VALUE_OPTIONS,  # noqa: F401 - named here too: the head start's words
+    WORKERS,
     command_words,
+    converted,
+    resume_journal,
     run_passthrough,
 )
 
@@ -127,10 +131,10 @@ def head_start_request(args: list[str]) -> tuple[str, list[str], str | None, int
     words = command_words(args)
     if words is None or "--distributed" in words.flags:
         return None
-    workers = words.last("--workers") or str(DEFAULT_WORKERS)
-    if len(words.positional) != 2 or not workers.isdigit():
+    workers = converted(WORKERS, words.last("--workers"))  # as the command's click type reads it
+    if len(words.positional) != 2 or workers is REFUSED:
         return None
-    return words.positional[0], words.storage_pairs(), words.last("--max-memory"), int(workers)
+    return words.positional[0], words.storage_pairs(), words.last("--max-memory"), workers or DEFAULT_WORKERS
 
 
 def start_head(args: list[str]) -> bool:
@@ -147,12 +151,16 @@ def start_head(args: list[str]) -> bool:
     from shardkit.checkpoint.offline.options import cache_budget, parse_memory
     from shardkit.cli.render import storage_options
 
+    journal, journal_pairs = resume_journal(args) or (None, [])
     try:
         options = storage_options(pairs)
+        journal_options = storage_options(journal_pairs)
         budget = cache_budget(parse_memory(memory))
     except Exception:  # noqa: BLE001 - the command parses these again and reports what is wrong
         return False
-    return head_start.begin(src, options, budget=budget, threads=max(1, workers))
+    # a rerun (DST's resume journal holds a record) guesses no block: see head_start
+    return head_start.begin(src, options, budget=budget, threads=max(1, workers), journal=journal,
+                            journal_options=journal_options)
 
 
 class Interrupt:

@@ -152,14 +152,14 @@ def resume_journal(args: list[str]) -> tuple[str, list[str]] | None:
     the head start (:func:`shardkit.checkpoint.io.head_start.begin`'s ``journal``): when it lists a record,
     the command is the rerun of an interrupted one, whose finished outputs need none of the source's first
     blocks.  ``None`` when the line names no DST."""
-    from shardkit.checkpoint.io.head_start import RESUME_JOURNAL
+    from shardkit.checkpoint.io.names import RESUME_DIR
 
     words = command_words(args)
     if words is None or len(words.positional) != 2:
         return None
     pairs = words.storage_pairs("--dst-storage-option" if "--dst-storage-option" in words.values else
                                 "--storage-option")
-    return f"{words.positional[1].rstrip('/')}/{RESUME_JOURNAL}", pairs
+    return f"{words.positional[1].rstrip('/')}/{RESUME_DIR}", pairs
 
 
 def run_passthrough(args: list[str], settings: Any, guarded: Callable[[Callable[[], int]], int]) -> int | None:

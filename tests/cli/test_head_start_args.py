@@ -49,3 +49,7 @@ def test_nothing_is_guessed_from_a_line_it_does_not_fully_know(line):
 def test_no_head_start_under_torchrun(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert head_start_request(["reshard", "s3://a/ckpt", "s3://b/out", "--world-size", "2"]) is None
+
+
+def test_a_workers_value_click_refuses_starts_no_head_start():
+    assert head_start_request(["reshard", "s3://a/x", "b", "--workers", "²"]) is None

@@ -37,13 +37,10 @@ from typing import Any, Mapping
 from shardkit.checkpoint.io.clouds import CloudProfile
 from shardkit.checkpoint.io.read_cache import BLOCK_BYTES, BlockCache
 
-__all__ = ["begin", "take", "drop", "first_blocks", "guessed", "RESUME_JOURNAL"]
+__all__ = ["begin", "take", "drop", "first_blocks", "guessed"]
 
 log = logging.getLogger(__name__)
 
-# the folder of resume records native output keeps under DST (formats.native.ownership.RESUME_DIR, which
-# this layer does not import): the command names it as ``journal``, the byte passthrough looks for it
-RESUME_JOURNAL = ".shardkit-resume"
 DATA_FILE_BYTES = 1 << 20  # files this large are what a conversion reads in bulk; smaller ones are metadata
 _LOCAL = ("file", "local", "memory")
 

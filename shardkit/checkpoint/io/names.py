@@ -13,7 +13,12 @@ from typing import Any
 
 from shardkit.errors import UnsafeCheckpoint
 
-__all__ = ["check_name", "join_url", "REFERENCE_PREFIX", "split_reference", "check_reference", "is_sibling_name"]
+__all__ = ["check_name", "join_url", "REFERENCE_PREFIX", "RESUME_DIR", "split_reference", "check_reference",
+           "is_sibling_name"]
+
+# the folder of resume records an interrupted native write keeps under its output (formats/native/journal.py),
+# named here, below both, for the conversion's head start, which must not import the native format to find it
+RESUME_DIR = ".shardkit-resume"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+=@,]+(/[A-Za-z0-9_.\-+=@,]+)*$")
 

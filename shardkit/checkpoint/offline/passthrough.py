@@ -57,7 +57,7 @@ from shardkit.checkpoint.formats.native import (
 )
 from shardkit.checkpoint.formats.write_job import WriteJob
 from shardkit.checkpoint.io import head_start
-from shardkit.checkpoint.io.names import split_reference
+from shardkit.checkpoint.io.names import RESUME_DIR, split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.options import DEFAULT_WORKERS, parse_memory
 from shardkit.checkpoint.offline.progress import Progress
@@ -215,7 +215,7 @@ def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite
     # its exact rows, rather than in the aligned blocks of the read-through cache, which hold the rows
     # of the outputs already written too -- unless a head start fetched blocks already (it did not know
     # of the journal): those are read through the cache rather than fetched for nothing
-    resumes = head_start.RESUME_JOURNAL in dest.before and not head_start.guessed()
+    resumes = RESUME_DIR in dest.before and not head_start.guessed()
     with contextlib.nullcontext(0) if resumes else read_through(source, budget, workers) as reserved:
         job = WriteJob(
             tensors=tuple(tensors), values=dict(manifest.values), aliases=dict(manifest.aliases), tool=tool,

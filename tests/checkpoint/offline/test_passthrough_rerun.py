@@ -187,10 +187,8 @@ def test_the_head_start_guesses_only_when_dsts_journal_holds_no_record(state, s3
 
 
 def test_the_command_line_names_dsts_journal_and_its_storage_options_for_the_head_start():
-    from shardkit.checkpoint.formats.native.ownership import RESUME_DIR
     from shardkit.cli.passthrough import resume_journal
 
-    assert head_start.RESUME_JOURNAL == RESUME_DIR
     line = ["reshard", "s3://a/src", "s3://b/out/", "--world-size", "3", "--storage-option", "anon:=true",
             "--retries", "2"]
     assert resume_journal(line) == ("s3://b/out/.shardkit-resume", ["anon:=true", "shardkit.retries:=2"])

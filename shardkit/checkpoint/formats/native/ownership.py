@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from shardkit.checkpoint.formats.native.manifest import MANIFEST_NAME
+from shardkit.checkpoint.io.names import RESUME_DIR
 from shardkit.checkpoint.io.storage import Storage
 
 __all__ = ["DATA_DIR", "INDEX_DIR", "RESUME_DIR", "EXTRA_DIR", "extra_files", "DirectorySurvey", "survey",
@@ -34,7 +35,6 @@ __all__ = ["DATA_DIR", "INDEX_DIR", "RESUME_DIR", "EXTRA_DIR", "extra_files", "D
 
 DATA_DIR = "data"
 INDEX_DIR = "index"
-RESUME_DIR = ".shardkit-resume"
 EXTRA_DIR = "extra"
 _DATA_NAME = re.compile(r"^[0-9a-f]{10}-\d{1,9}-\d{1,9}\.safetensors$")
 _MANIFEST_TMP = re.compile(r"^" + re.escape(MANIFEST_NAME) + r"\.tmp-[0-9a-f]{12}$")
