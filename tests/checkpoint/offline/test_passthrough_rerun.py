@@ -5,6 +5,8 @@ while a first run keeps the head start's blocks; either way the output is the en
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import s3fs
 import torch
@@ -86,20 +88,27 @@ def _feeds(fs, src: str, ranks: int) -> dict[str, list[tuple[int, int, int, int]
     return out
 
 
-def test_a_rerun_reads_nothing_of_a_source_file_that_only_feeds_a_finished_output(state, s3_url, monkeypatch):
-    src, dst, options, fs = _source(state, s3_url, 3)  # source file s holds the rows of output rank s
+def _rerun_after_rank_0(src: str, dst: str, options: dict, monkeypatch) -> tuple[Any, Wire]:
+    """Interrupt a reshard to 3 ranks once output rank 0 is finished (its record alone in DST's journal),
+    then rerun it, each run with the head start the command line starts: (the rerun's result, its requests)."""
     try:
         _begin(src, dst, options)
         _interrupt_after_rank_0(src, dst, options, monkeypatch)
     finally:
         head_start.drop()
+    fs = s3fs.S3FileSystem(**options)
     assert [p.rsplit("-", 2)[-2] for p in fs.ls(f"{dst}/.shardkit-resume")] == ["0"]
     wire = Wire(monkeypatch)
     try:
         _begin(src, dst, options)
-        result = passthrough(src, dst, tool="reshard", world_size=3, storage_options=options)
+        return passthrough(src, dst, tool="reshard", world_size=3, storage_options=options), wire
     finally:
         head_start.drop()
+
+
+def test_a_rerun_reads_nothing_of_a_source_file_that_only_feeds_a_finished_output(state, s3_url, monkeypatch):
+    src, dst, options, fs = _source(state, s3_url, 3)  # source file s holds the rows of output rank s
+    result, wire = _rerun_after_rank_0(src, dst, options, monkeypatch)
     read = {key.rsplit("/", 1)[-1] for _, key, _, _ in wire.of("get_object", "src/data")}
     assert {name.rsplit("-", 2)[-2] for name in read} == {"1", "2"}  # data/<token>-<rank>-<part>.safetensors
     assert 0 < result.skipped_bytes < result.bytes
@@ -112,18 +121,8 @@ def test_a_rerun_reads_nothing_of_a_source_file_that_only_feeds_a_finished_outpu
 
 def test_a_rerun_reads_only_the_checksum_blocks_of_the_outputs_still_to_write(state, s3_url, monkeypatch):
     src, dst, options, fs = _source(state, s3_url, 1)  # one source file: every 8 MiB block feeds every rank
-    try:
-        _begin(src, dst, options)
-        _interrupt_after_rank_0(src, dst, options, monkeypatch)
-    finally:
-        head_start.drop()
     feeds = _feeds(fs, src, 3)
-    wire = Wire(monkeypatch)
-    try:
-        _begin(src, dst, options)
-        result = passthrough(src, dst, tool="reshard", world_size=3, storage_options=options)
-    finally:
-        head_start.drop()
+    result, wire = _rerun_after_rank_0(src, dst, options, monkeypatch)
     gets = wire.of("get_object", "src/data")
     first_row = {name: min(start for start, *_ in spans) for name, spans in feeds.items()}
     for _, key, n, start in gets:
