@@ -145,6 +145,8 @@ def interrupt(command: list[str], fs: Any, dst: str) -> str | None:
         if done:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            if fs.exists(f"{dst}/manifest.json"):  # it committed after the listing, before the kill (its journal
+                return None                        # is removed after the manifest is written)
             try:
                 finished = len([p for p in fs.ls(journal, refresh=True) if p.endswith(".json")])
             except FileNotFoundError:  # it committed (and removed its journal) between the listing and the kill
