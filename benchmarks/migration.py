@@ -145,6 +145,7 @@ def interrupt(command: list[str], fs: Any, dst: str) -> str | None:
         if done:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            fs.invalidate_cache(dst)
             if fs.exists(f"{dst}/manifest.json"):  # it committed after the listing, before the kill (its journal
                 return None                        # is removed after the manifest is written)
             try:
