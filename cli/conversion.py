@@ -21,6 +21,7 @@ from shardkit.checkpoint.offline.options import (
 )
 from shardkit.cli.exit_codes import ExitCode
 from shardkit.cli.options import storage_flags, trust_pickle_option
+from shardkit.cli.passthrough import WORKERS, WORLD_SIZES
 from shardkit.cli.render import progress_unless_quiet, report_written, storage_options
 
 __all__ = ["reshard", "convert"]
@@ -33,7 +34,7 @@ def _io_options(fn):
         click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST."),
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY_TEXT, show_default=True,
                      help="Memory budget for data in flight (e.g. 512MiB, 2GB)."),
-        click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
+        click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=WORKERS,
                      help="Parallel ranged reads / uploads (shardkit output)."),
         click.option("--only", multiple=True, metavar="GLOB", help="Keep only keys matching GLOB; repeatable."),
         click.option("--exclude", multiple=True, metavar="GLOB", help="Drop keys matching GLOB; repeatable."),
@@ -72,7 +73,7 @@ def _model_keys(path: str | None) -> list[str] | None:
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--world-size", type=click.IntRange(1, 1 << 20), help="Number of ranks the output is laid out for.")
+@click.option("--world-size", type=WORLD_SIZES, help="Number of ranks the output is laid out for.")
 @click.option("--mesh", help="2-D layout RxS (replicas x shards), e.g. 2x4; replicated data is written once.")
 @click.option("--dtype", help="Cast model weights to bf16/fp16/fp32 on the way.")
 @click.option("--dtype-optim", is_flag=True, help="With --dtype, cast floating optimizer state too.")

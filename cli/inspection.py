@@ -15,6 +15,7 @@ import click
 from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY_TEXT, DEFAULT_WORKERS
 from shardkit.cli.exit_codes import ExitCode
 from shardkit.cli.options import storage_flags, trust_pickle_option
+from shardkit.cli.passthrough import WORKERS
 from shardkit.cli.render import (
     echo_json,
     human_bytes,
@@ -109,7 +110,7 @@ def _refuse_missing_references(src: str, info: dict[str, Any]) -> int:
 
 @click.command()
 @click.argument("src")
-@click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=click.IntRange(1, 256),
+@click.option("--workers", default=DEFAULT_WORKERS, show_default=True, type=WORKERS,
               help="Parallel reads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @storage_flags("src")

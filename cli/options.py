@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from shardkit.cli.passthrough import RETRIES, TIMEOUTS  # the types the byte passthrough reads them by
+
 __all__ = ["STORAGE_OPTION_HELP", "COMMON_STORAGE", "storage_flags", "trust_pickle_option"]
 
 # what --storage-option applies to, per command: only the locations that command has
@@ -22,10 +24,10 @@ STORAGE_OPTION_HELP = {
 }
 
 COMMON_STORAGE = [
-    click.option("--retries", type=click.IntRange(0, 100), metavar="N",
+    click.option("--retries", type=RETRIES, metavar="N",
                  help="Retries of a failed storage request [default: 3; 0 on gs:// and az://, whose SDKs retry]. "
                       "Same as --storage-option shardkit.retries:=N, for every URL."),
-    click.option("--timeout", type=click.FloatRange(0, min_open=True), metavar="SECONDS",
+    click.option("--timeout", type=TIMEOUTS, metavar="SECONDS",
                  help="Seconds a storage request may wait for an answer [default: 8]. Same as "
                       "--storage-option shardkit.timeout:=SECONDS, for every URL."),
 ]

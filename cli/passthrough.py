@@ -34,8 +34,8 @@ FLAG_OPTIONS = frozenset({"--dtype-optim", "--overwrite", "--model-only", "--jso
 PASSTHROUGH_VALUES = frozenset({"--world-size", "--to", "--storage-option", "--dst-storage-option", "--retries",
                                 "--timeout", "--max-memory", "--workers"})
 PASSTHROUGH_FLAGS = frozenset({"--overwrite", "--single-process"})
-# the values the commands accept, as their click options type them (cli/conversion.py, cli/options.py): a value
-# one of them refuses goes to click, which reports it in its own words and exit code
+# the values the commands accept: their click options' types (cli/conversion.py, inspection.py and options.py
+# use these), so that a value the command refuses goes to click, which reports it in its own words and exit code
 WORLD_SIZES = click.IntRange(1, 1 << 20)
 WORKERS = click.IntRange(1, 256)
 RETRIES = click.IntRange(0, 100)
