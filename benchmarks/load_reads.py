@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace, loads: dict[str, Callable[[], None]], chec
 
 
 def worker(args: argparse.Namespace) -> None:
-    import peers as pp
+    import peers_measure as pm
     import peers_systems as ps
     import torch
     import torch.distributed as dist
@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         skc.save(states["shardkit"], where["shardkit"])
         dcp.save(states["dcp"], checkpoint_id=where["dcp"])
-        pp.raw_write(states["shardkit"], os.path.join(where["raw"], f"rank{rank}.bin"))
+        pm.raw_write(states["shardkit"], os.path.join(where["raw"], f"rank{rank}.bin"))
         dist.barrier()
         raw_files = [os.path.join(where["raw"], f"rank{rank}.bin")]
     else:

@@ -53,7 +53,6 @@ sys.path.insert(0, HERE)
 import checkpoint_targets as targets  # noqa: E402 - beside this file
 import peers_systems as ps  # noqa: E402
 from peers_jobs import OPS, worker_one, worker_two  # noqa: E402
-from peers_measure import raw_write  # noqa: E402,F401 - benchmarks/load_reads.py writes its raw floor by it
 from peers_report import print_figures, report  # noqa: E402
 
 # -- the driver ----------------------------------------------------------------------------------------------------
