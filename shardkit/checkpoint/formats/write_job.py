@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from shardkit.checkpoint.formats.dtypes import itemsize
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WriteJob", "Written", "WriteProgress", "Scaleout", "TensorSpec"]
+__all__ = ["WriteJob", "Written", "WriteProgress", "Scaleout", "TensorSpec", "FetchBox"]
 
 # (output name, dtype, shape); a byte passthrough gives the dtype as its code ("F32"), and its fetch returns bytes
 TensorSpec = tuple[str, "torch.dtype | str", tuple[int, ...]]
+# (output name, offsets, shape): one box a writer asks ``fetch`` for
+FetchBox = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 class WriteProgress(Protocol):
@@ -55,11 +57,16 @@ class WriteJob:
     ``selection`` is the identity of what was selected (each tensor's output name, source name, dtype and
     shape): a resumable writer derives its file names from it, so a rerun of the same command plans the same
     files.  ``avoid`` are names the checkpoint being replaced still uses until this commit.
+
+    ``plan``, when given, is told every box a resumable writer will ``fetch``, once and before the first:
+    after a rerun has kept the outputs an interrupted run finished, only theirs are left, so a source
+    can fetch what those need and nothing else (the byte passthrough's rerun: ``offline/passthrough.py``).
     """
 
     tensors: tuple[TensorSpec, ...]
     values: Mapping[str, Any]
     fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor | Any]
+    plan: Callable[[Sequence[FetchBox]], None] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     tool: str = "convert"                      # the command, in progress lines and in the output's metadata
     selection: tuple[Any, ...] = ()

@@ -1,4 +1,4 @@
-"""Reads of an object store served from large aligned blocks, each fetched once: the read half of a migration.
+"""Reads of an object store served from large blocks, each fetched once: the read half of a migration.
 
 An offline conversion asks its source for one output chunk at a time, and a
 native reader turns each box into ranged reads of the stored chunks it
@@ -13,12 +13,22 @@ tensors), and fetches the blocks after the one just used ahead of need on
 ``threads`` threads, so requests stay in flight while the writers work.
 
 Memory: blocks held, fetched or in flight never exceed ``budget`` by more than
-one block per reading thread: read-ahead stops at the budget, and room is made
-by dropping first the blocks every byte of which has been served (a conversion
-reads each source byte once, give or take the checksum blocks two neighbouring
-boxes share, which is why a spent block stays while room allows), then the
-least recently used ones; a byte read after its block went is fetched again,
-which is slower, never wrong.
+one block per reading thread (under a plan, below, one piece: under two blocks):
+read-ahead stops at the budget, and room is made by dropping first the blocks
+every byte of which has been served (a conversion reads each source byte once,
+give or take the checksum blocks two neighbouring boxes share, which is why a
+spent block stays while room allows), then the least recently used ones; a
+byte read after its block went is fetched again, which is slower, never wrong.
+
+A rerun of an interrupted conversion needs only the source bytes of the outputs it
+still writes, which the aligned blocks mix with those of the outputs already
+finished.  Given those bytes (:meth:`BlockCache.plan`, before any block is
+held), the cache's blocks become the needed runs instead: the ranges merged
+where they overlap or touch, each run cut into pieces of at least ``block``
+bytes (a shorter run is one piece), read ahead in the same way; a byte outside
+them (a data file's header) is fetched as asked and not held.  So the requests
+are as large as the needed bytes allow and no byte is fetched that no
+remaining output needs.
 
 A head start (``head_start.py``) may fill a cache before the conversion exists
 (:meth:`BlockCache.fetch_first`: the blocks it guesses come first, fetched
@@ -36,14 +46,15 @@ bytes there are (the caller's check for a truncated file sees a short answer).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
-__all__ = ["BlockCache", "BLOCK_BYTES"]
+__all__ = ["BlockCache", "BLOCK_BYTES", "needed_pieces"]
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +93,12 @@ class BlockCache:
         self._fetch = fetch
         self._size_of = size_of
         self._cond = threading.Condition()
-        self._blocks: OrderedDict[tuple[str, int], _Block] = OrderedDict()
+        self._blocks: OrderedDict[tuple[str, int], _Block] = OrderedDict()  # keyed by (path, first byte)
         self._sizes: dict[str, int] = {}
         self._size_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._plan: dict[str, list[tuple[int, int]]] | None = None  # path -> its blocks, when planned
         self.held = 0
         self.peak = 0  # the most bytes held at once: what the memory bound promises
         self.fetches = 0
@@ -97,15 +109,37 @@ class BlockCache:
         end = min(end, self._size(path))
         if start >= end:
             return b""
-        first, last = start // self.block, (end - 1) // self.block
-        out = []
-        for k in range(first, last + 1):
-            blk = self._get(path, k)
-            a, b = max(start, k * self.block) - k * self.block, min(end, (k + 1) * self.block) - k * self.block
+        out, pos, last = [], start, None
+        while pos < end:
+            span = self._span(path, pos)
+            if span is None:  # outside a plan's runs: fetched as asked, never held
+                stop = min(end, self._next_start(path, pos))
+                out.append(self._fetch(path, pos, stop))
+                with self._cond:
+                    self.fetches += 1
+                pos = stop
+                continue
+            first, past = span
+            blk = self._get(path, first, past - first)
+            a, b = pos - first, min(end, past) - first
             out.append(blk.data[a:b])
-            self._served(path, k, blk, a, b)
-        self._read_ahead(path, last)
+            self._served(path, first, blk, a, b)
+            pos, last = min(end, past), first
+        if last is not None:
+            self._read_ahead(path, last)
         return out[0] if len(out) == 1 else b"".join(out)
+
+    def plan(self, needed: Mapping[str, Iterable[tuple[int, int]]]) -> bool:
+        """From now on the blocks are the runs of the byte ranges ``needed`` (path -> ``(start, end)``
+        ranges; a file not named has none): :func:`needed_pieces` of each file, read ahead in file order;
+        bytes outside them are fetched as asked and not held.  Only while no block is held or on its way:
+        False, changing nothing, when one is (a head start's guesses, which are then read as they are)."""
+        pieces = {path: needed_pieces(ranges, self.block) for path, ranges in needed.items()}
+        with self._cond:
+            if self._blocks or self._closed:
+                return False
+            self._plan = {path: runs for path, runs in pieces.items() if runs}
+        return True
 
     def size(self, path: str) -> int:
         """The size of ``path``, asked of the store once while this cache serves it (the readers' checks of
@@ -127,15 +161,42 @@ class BlockCache:
                     size = self._sizes[path] = int(self._size_of(path))
         return size
 
-    def _get(self, path: str, k: int) -> _Block:
-        """Block ``k`` of ``path``, fetched on this thread unless it is held or on its way."""
-        key = (path, k)
+    def _span(self, path: str, pos: int) -> tuple[int, int] | None:
+        """``[first, past)`` of the block that holds byte ``pos`` of ``path`` (size known): the aligned one,
+        or under a plan the piece that holds it (``None`` when none does)."""
+        if self._plan is None:
+            first = pos // self.block * self.block
+            return first, min(first + self.block, self._sizes[path])
+        runs = self._plan.get(path, [])
+        i = bisect.bisect_right(runs, (pos, float("inf"))) - 1
+        return runs[i] if i >= 0 and pos < runs[i][1] else None
+
+    def _next_start(self, path: str, pos: int) -> int:
+        """Under a plan, the first byte after ``pos`` that a piece of ``path`` holds (the file's size when
+        none does)."""
+        runs = (self._plan or {}).get(path, [])
+        i = bisect.bisect_right(runs, (pos, float("inf")))
+        return runs[i][0] if i < len(runs) else self._sizes[path]
+
+    def _after(self, path: str, first: int, count: int) -> list[tuple[int, int]]:
+        """The ``count`` blocks of ``path`` after the one that starts at byte ``first`` (fewer at the end)."""
+        if self._plan is None:
+            size = self._sizes[path]
+            return [(a, min(a + self.block, size)) for a in range(first + self.block, size, self.block)[:count]]
+        runs = self._plan.get(path, [])
+        i = bisect.bisect_right(runs, (first, float("inf")))
+        return runs[i:i + count]
+
+    def _get(self, path: str, first: int, length: int) -> _Block:
+        """The block of ``length`` bytes at byte ``first`` of ``path``, fetched on this thread unless it is
+        held or on its way."""
+        key = (path, first)
         while True:
             with self._cond:
                 blk = self._blocks.get(key)
                 mine = blk is None
                 if mine:
-                    blk = self._claim(key, ahead=False)
+                    blk = self._claim(key, length, ahead=False)
                 else:
                     self._blocks.move_to_end(key)
                     blk.guess = False
@@ -148,9 +209,8 @@ class BlockCache:
                 raise blk.error
             # read-ahead failed or was cancelled: fetch it here, where a failure is reported
 
-    def _claim(self, key: tuple[str, int], ahead: bool, guess: bool = False) -> _Block:
-        """A new block for ``key``, room made for it (under the lock)."""
-        length = min(self.block, self._sizes[key[0]] - key[1] * self.block)
+    def _claim(self, key: tuple[str, int], length: int, ahead: bool, guess: bool = False) -> _Block:
+        """A new block of ``length`` bytes for ``key``, room made for it (under the lock)."""
         self._make_room(length)
         blk = self._blocks[key] = _Block(length, ahead, guess=guess)
         self.held += length
@@ -175,9 +235,9 @@ class BlockCache:
             self.held -= blk.length
 
     def _load(self, key: tuple[str, int], blk: _Block) -> None:
-        path, k = key
+        path, first = key
         try:
-            blk.data = self._fetch(path, k * self.block, k * self.block + blk.length)
+            blk.data = self._fetch(path, first, first + blk.length)
             with self._cond:
                 self.fetches += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the readers waiting for this block
@@ -186,61 +246,57 @@ class BlockCache:
                 self._drop(key, blk)
             if blk.ahead:
                 log.debug("read-ahead of %s bytes %d+ failed (%s); the read that needs them fetches them again",
-                          path, k * self.block, exc)
+                          path, first, exc)
         finally:
             blk.done.set()
 
-    def _served(self, path: str, k: int, blk: _Block, a: int, b: int) -> None:
+    def _served(self, path: str, first: int, blk: _Block, a: int, b: int) -> None:
         """Note bytes ``[a, b)`` of the block as served; once all of them were, nothing needs it again."""
         with self._cond:
             blk.guess = False
             blk.served = _merged(blk.served, a, b)
-            if blk.served == [(0, blk.length)] and not blk.spent and self._blocks.get((path, k)) is blk:
+            if blk.served == [(0, blk.length)] and not blk.spent and self._blocks.get((path, first)) is blk:
                 blk.spent = True
-                self._blocks.move_to_end((path, k), last=False)
+                self._blocks.move_to_end((path, first), last=False)
 
-    def _read_ahead(self, path: str, k: int) -> None:
-        """Start fetching the ``ahead`` blocks after block ``k`` that are neither held nor on their way,
-        while they fit the budget."""
+    def _read_ahead(self, path: str, first: int) -> None:
+        """Start fetching the ``ahead`` blocks after the one at byte ``first`` that are neither held nor on
+        their way, while they fit the budget."""
         if self.ahead <= 0:
             return
-        size = self._sizes[path]
         with self._cond:
             if self._closed:
                 return
-            for j in range(k + 1, k + 1 + self.ahead):
-                key = (path, j)
-                if j * self.block >= size:
-                    return
-                if key in self._blocks:
+            for a, b in self._after(path, first, self.ahead):
+                if (path, a) in self._blocks:
                     continue
-                length = min(self.block, size - j * self.block)
-                self._make_room(length, spent_only=True)
-                if self.held + length > self.budget:
+                self._make_room(b - a, spent_only=True)
+                if self.held + b - a > self.budget:
                     return
-                self._start(key, length)
+                self._start((path, a), b - a)
 
     def _start(self, key: tuple[str, int], length: int, guess: bool = False) -> None:
         """Claim block ``key`` and fetch it on the read-ahead threads (under the lock)."""
-        blk = self._claim(key, ahead=True, guess=guess)
+        blk = self._claim(key, length, ahead=True, guess=guess)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardkit-readahead")
         blk.future = self._pool.submit(self._load, key, blk)
 
     def fetch_first(self, blocks: Iterable[tuple[str, int]]) -> int:
-        """Start fetching ``blocks`` ((path, block number), sizes known) on the read-ahead threads before
-        any read asks for them, in that order, while they fit the budget; how many were started.  Until
-        a read uses one, such a block is the first to go when room is needed."""
+        """Start fetching ``blocks`` ((path, aligned block number), sizes known) on the read-ahead threads
+        before any read asks for them, in that order, while they fit the budget; how many were started
+        (none under a plan, whose blocks are not the aligned ones).  Until a read uses one, such a block is
+        the first to go when room is needed."""
         started = 0
         with self._cond:
             for path, k in blocks:
                 size = self._sizes[path]
                 length = min(self.block, size - k * self.block)
-                if self._closed or length <= 0 or (path, k) in self._blocks:
+                if self._closed or self._plan is not None or length <= 0 or (path, k * self.block) in self._blocks:
                     continue
                 if self.held + length > self.budget:
                     break
-                self._start((path, k), length, guess=True)
+                self._start((path, k * self.block), length, guess=True)
                 started += 1
         return started
 
@@ -278,6 +334,24 @@ class BlockCache:
                     blk.done.set()
             self._blocks.clear()
             self.held = 0
+
+
+def needed_pieces(ranges: Iterable[tuple[int, int]], block: int) -> list[tuple[int, int]]:
+    """The blocks of a plan (:meth:`BlockCache.plan`): ``ranges`` (``(start, end)``) merged where they
+    overlap or touch, each run cut into as many pieces of at least ``block`` bytes as it holds (a shorter
+    run is one piece) -- requests as large as the needed bytes allow, none of a byte not needed."""
+    runs: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if runs and a <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+        else:
+            runs.append((a, b))
+    pieces = []
+    for a, b in runs:
+        count = max(1, (b - a) // block)
+        step = (b - a) // count
+        pieces.extend((a + i * step, b if i == count - 1 else a + (i + 1) * step) for i in range(count))
+    return pieces
 
 
 def _merged(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

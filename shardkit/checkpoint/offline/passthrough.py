@@ -27,21 +27,26 @@ source (:func:`~shardkit.checkpoint.offline.read_through.read_through`).
 
 A rerun (DST holds a resume journal) reads no source byte that feeds only the
 outputs already finished: the writer keeps those once their journal records
-and headers check out, and reads each chunk it still writes as its own rows,
-rounded to their checksum blocks, without the cache's aligned 8 MiB blocks
-(which hold the finished outputs' rows too); the head start, told of the
-journal, fetched nothing ahead (:mod:`shardkit.checkpoint.io.head_start`).
+and headers check out, then tells the job's ``plan`` the chunks it still
+writes; their rows, rounded out to their checksum blocks
+(:meth:`RowFetch.needed`), become the block cache's blocks instead of its
+aligned 8 MiB ones (which hold the finished outputs' rows too): the needed
+ranges of each file joined where they touch, fetched in pieces of 8 MiB or
+more where they run that long, read ahead, within the same budget
+(:meth:`~shardkit.checkpoint.io.read_cache.BlockCache.plan`), every byte
+still checked against its crc32c.  The head start, told of the journal,
+fetched nothing ahead (:mod:`shardkit.checkpoint.io.head_start`); one that
+was not told and guessed blocks leaves them read as they are.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from shardkit.checkpoint.formats import NATIVE
 from shardkit.checkpoint.formats.dtypes import code_itemsize, dtype_spelling
@@ -50,18 +55,18 @@ from shardkit.checkpoint.formats.native import (
     ChunkRecord,
     Manifest,
     check_data_file,
+    checked_span,
     extra_files,
     parse_manifest,
     read_rows,
     stored_entries,
 )
-from shardkit.checkpoint.formats.write_job import WriteJob
-from shardkit.checkpoint.io import head_start
+from shardkit.checkpoint.formats.write_job import FetchBox, WriteJob
 from shardkit.checkpoint.io.names import RESUME_DIR, split_reference
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.options import DEFAULT_WORKERS, parse_memory
 from shardkit.checkpoint.offline.progress import Progress
-from shardkit.checkpoint.offline.read_through import read_through
+from shardkit.checkpoint.offline.read_through import plan_reads, read_through
 from shardkit.checkpoint.offline.replace import prepare_dst_meanwhile
 from shardkit.checkpoint.offline.result import ConvertResult
 from shardkit.checkpoint.offline.side_files import copy_side_files, side_files_meanwhile
@@ -134,33 +139,51 @@ class RowFetch:
     def __post_init__(self) -> None:
         self._chunks = {name: sorted(t.chunks, key=lambda c: c.offsets) for name, t in self.manifest.tensors.items()}
 
-    def _read(self, name: str, rec: ChunkRecord, rows: tuple[int, int], item: int) -> memoryview:
+    def _read(self, name: str, rec: ChunkRecord, first: int, past: int, item: int) -> memoryview:
         if rec.file not in self._files:
             with self._lock:
                 if rec.file not in self._files:
                     check_data_file(self.storage, self.manifest, rec.file,
                                     stored_entries(self.manifest, [rec.file])[rec.file])
                     self._files.add(rec.file)
-        return read_rows(self.storage, name, rec, rows, item)
+        return read_rows(self.storage, name, rec, (first, past), item)
 
-    def __call__(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> memoryview | bytearray:
-        item = code_itemsize(self.manifest.tensors[name].dtype)
+    def _parts(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[ChunkRecord, int, int]]:
+        """The stored chunks of box ``(offsets, shape)`` of ``name`` and its rows in each, in their own
+        numbering: ``(record, first row, past row)``, in row order."""
         chunks = self._chunks[name]
         if not shape:
-            return self._read(name, chunks[0], (0, 1), item)
+            return [(chunks[0], 0, 1)]
         lo, hi = offsets[0], offsets[0] + shape[0]
-        parts = [(rec, max(lo, rec.offsets[0]), min(hi, rec.offsets[0] + rec.shape[0])) for rec in chunks
-                 if rec.offsets[0] < hi and lo < rec.offsets[0] + rec.shape[0]]
+        parts = [(rec, max(lo, rec.offsets[0]) - rec.offsets[0], min(hi, rec.offsets[0] + rec.shape[0])
+                  - rec.offsets[0]) for rec in chunks if rec.offsets[0] < hi and lo < rec.offsets[0] + rec.shape[0]]
         if sum(b - a for _, a, b in parts) != hi - lo:
             raise CorruptCheckpoint(f"{self.storage.where(MANIFEST_NAME)}: the chunks of {name!r} do not cover "
                                     f"rows {lo}-{hi}")
+        return parts
+
+    def needed(self, boxes: Sequence[FetchBox]) -> dict[str, list[tuple[int, int]]]:
+        """Per data file, the byte ranges that fetching ``boxes`` reads: each box's rows in each chunk, rounded
+        out to the chunk's checksum blocks (:func:`checked_span`, as :func:`read_rows` reads them)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for name, offsets, shape in boxes:
+            item = code_itemsize(self.manifest.tensors[name].dtype)
+            for rec, a, b in self._parts(name, offsets, shape):
+                row = math.prod(rec.shape[1:]) * item
+                lo, hi = checked_span(rec, a * row, b * row)
+                if lo < hi:
+                    out.setdefault(rec.file, []).append((rec.start + lo, rec.start + hi))
+        return out
+
+    def __call__(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> memoryview | bytearray:
+        item = code_itemsize(self.manifest.tensors[name].dtype)
+        parts = self._parts(name, offsets, shape)
         if len(parts) == 1:
-            rec, a, b = parts[0]
-            return self._read(name, rec, (a - rec.offsets[0], b - rec.offsets[0]), item)
+            return self._read(name, *parts[0], item)
         out = bytearray(math.prod(shape) * item)
         pos = 0
         for rec, a, b in parts:
-            piece = self._read(name, rec, (a - rec.offsets[0], b - rec.offsets[0]), item)
+            piece = self._read(name, rec, a, b, item)
             out[pos:pos + piece.nbytes] = piece
             pos += piece.nbytes
         return out
@@ -182,6 +205,15 @@ class _Source:
     @property
     def side_files(self) -> list[str]:
         return extra_files(self.storage)
+
+
+def _plan_reads(storage: Storage, fetch: RowFetch, boxes: Sequence[FetchBox]) -> None:
+    """Tell the source's block cache the bytes that ``boxes`` (what a rerun still writes) read."""
+    needed = fetch.needed(boxes)
+    planned = plan_reads(storage, needed)
+    log.debug("%s: a rerun reads %d bytes of %d data files%s", storage.url,
+              sum(b - a for ranges in needed.values() for a, b in ranges), len(needed),
+              " in runs of the needed bytes" if planned else "")
 
 
 def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite: bool = False,
@@ -210,16 +242,17 @@ def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite
     dest = dest_of()
     out = dest.storage
     side_files = side_files_meanwhile(source)
-    # a rerun: its finished outputs need none of the source, and only the writer knows which they are
-    # once it has checked their journal records and headers; so each chunk it writes is read on its own,
-    # its exact rows, rather than in the aligned blocks of the read-through cache, which hold the rows
-    # of the outputs already written too -- unless a head start fetched blocks already (it did not know
-    # of the journal): those are read through the cache rather than fetched for nothing
-    resumes = RESUME_DIR in dest.before and not head_start.guessed()
-    with contextlib.nullcontext(0) if resumes else read_through(source, budget, workers) as reserved:
+    # a rerun: its finished outputs need none of the source, and only the writer knows which they are once
+    # it has checked their journal records and headers; it then tells the plan the boxes left, and the
+    # source's block cache fetches those boxes' bytes (rounded to checksum blocks) in runs of 8 MiB or more
+    # instead of aligned blocks, which hold the finished outputs' rows too -- unless a head start fetched
+    # blocks already (it did not know of the journal): those are read through the cache as they are
+    resumes = RESUME_DIR in dest.before
+    with read_through(source, budget, workers) as reserved:
+        fetch = RowFetch(storage, manifest, reserved)
         job = WriteJob(
             tensors=tuple(tensors), values=dict(manifest.values), aliases=dict(manifest.aliases), tool=tool,
-            fetch=RowFetch(storage, manifest, reserved),
+            fetch=fetch, plan=(lambda boxes: _plan_reads(storage, fetch, boxes)) if resumes else None,
             selection=tuple((name, name, dtype_spelling(code), shape) for name, code, shape in tensors),
             meta=dict(manifest.meta), avoid=frozenset(dest.avoid), replacing=dest.replacing,
             discard=dest.discard_created,

@@ -2,19 +2,20 @@
 
 Every box a conversion reads -- the engine's :class:`~shardkit.checkpoint.offline.fetch.Fetcher` and the
 byte passthrough alike -- is served from 8 MiB blocks, each fetched once with one ranged GET and read ahead
-of need (the one a head start began, when there is one: :mod:`shardkit.checkpoint.io.head_start`).  Kept
+of need (the one a head start began, when there is one: :mod:`shardkit.checkpoint.io.head_start`); a
+rerun of the byte passthrough has it fetch only the bytes of the outputs left (:func:`plan_reads`).  Kept
 apart from the engine so that a conversion that never imports torch reads the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.checkpoint.offline.options import cache_budget
 
-__all__ = ["read_through"]
+__all__ = ["read_through", "plan_reads"]
 
 
 @contextlib.contextmanager
@@ -33,3 +34,14 @@ def read_through(source: Any, budget: int, threads: int) -> Iterator[int]:
     finally:
         files.cache = None
         cache.close()
+
+
+def plan_reads(storage: Storage, needed: Mapping[str, Iterable[tuple[int, int]]]) -> bool:
+    """Have the block cache that :func:`read_through` opened on ``storage`` fetch only ``needed`` (file name ->
+    byte ranges) from now on, in runs of at least a block where the needed bytes run that long
+    (:meth:`~shardkit.checkpoint.io.read_cache.BlockCache.plan`); whether it does (not on a local disk,
+    nor once the cache holds blocks: a head start's, read as they are)."""
+    cache = getattr(storage.files, "cache", None)
+    if cache is None or not callable(getattr(cache, "plan", None)):
+        return False
+    return bool(cache.plan({storage.read_path(name): ranges for name, ranges in needed.items()}))

@@ -1,7 +1,9 @@
 """The rerun of an interrupted byte passthrough between buckets (moto) reads no source byte that feeds only
 the outputs already finished: the head start, told of DST's resume journal as the command tells it, guesses
-no block, and each chunk still to write is read as its own rows (every byte read checked as before) --
-while a first run keeps the head start's blocks; either way the output is the engine's, byte for byte."""
+no block, and the source's block cache fetches the bytes of the chunks still to write (rounded out to their
+checksum blocks) in runs of 8 MiB or more where they run that long, each once, every byte read checked as
+before -- while a first run keeps the head start's blocks; either way the output is the engine's, byte for
+byte."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from shardkit.checkpoint.formats.native import parse_manifest
 from shardkit.checkpoint.geometry.boxes import shard_range
 from shardkit.checkpoint.io import head_start
 from shardkit.checkpoint.io.read_cache import BLOCK_BYTES, BlockCache
-from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY, cache_budget
+from shardkit.checkpoint.io.remote import RemoteFiles
+from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY, DEFAULT_WORKERS, cache_budget
 from shardkit.checkpoint.offline.passthrough import passthrough
+from shardkit.errors import CorruptCheckpoint
 from tests.checkpoint.offline.test_migration_requests import Wire
 from tests.support.offline_helpers import write_torch_state
 
@@ -41,6 +45,15 @@ def state(tmp_path_factory):
     return write_torch_state(tmp_path_factory.mktemp("state") / "src.pt", _flat(), [])
 
 
+@pytest.fixture(scope="module")
+def large_state(tmp_path_factory):
+    """Two 24 MiB tensors: the rows of output ranks 1 and 2 of each run 16 MiB in a one-rank source."""
+    gen = torch.Generator().manual_seed(1)
+    flat = {"model.w": torch.randn(6000, 1024, generator=gen), "model.b": torch.randn(7, generator=gen),
+            "optim.state.model.w.exp_avg": torch.randn(6000, 1024, generator=gen)}
+    return write_torch_state(tmp_path_factory.mktemp("large") / "src.pt", flat, [])
+
+
 def _source(state, s3_url, ranks: int):
     bucket, options = s3_url
     reshard(str(state), f"{bucket}/src", world_size=ranks, dst_storage_options=options)
@@ -53,7 +66,7 @@ def _begin(src: str, dst: str, options: dict) -> None:
                             journal_options=options)
 
 
-def _interrupt_after_rank_0(src: str, dst: str, options: dict, monkeypatch) -> None:
+def _interrupt_after_rank_0(src: str, dst: str, options: dict, monkeypatch, max_memory: str | None = None) -> None:
     """A reshard to 3 ranks stopped once the output of rank 0 is written and journaled (one writer: the
     files in rank order; the next one raises before its record is journaled)."""
     entry = native_resumable.journal_entry
@@ -65,7 +78,8 @@ def _interrupt_after_rank_0(src: str, dst: str, options: dict, monkeypatch) -> N
     with monkeypatch.context() as m:
         m.setattr(native_resumable, "journal_entry", journal_rank_0_only)
         with pytest.raises(_Interrupted):
-            passthrough(src, dst, tool="reshard", world_size=3, storage_options=options, workers=1)
+            passthrough(src, dst, tool="reshard", world_size=3, storage_options=options, workers=1,
+                        max_memory=max_memory)
 
 
 def _feeds(fs, src: str, ranks: int) -> dict[str, list[tuple[int, int, int, int]]]:
@@ -88,20 +102,25 @@ def _feeds(fs, src: str, ranks: int) -> dict[str, list[tuple[int, int, int, int]
     return out
 
 
-def _rerun_after_rank_0(src: str, dst: str, options: dict, monkeypatch) -> tuple[Any, Wire]:
+def _rerun_after_rank_0(src: str, dst: str, options: dict, monkeypatch, max_memory: str | None = None,
+                        between: Any = None) -> tuple[Any, Wire]:
     """Interrupt a reshard to 3 ranks once output rank 0 is finished (its record alone in DST's journal),
-    then rerun it, each run with the head start the command line starts: (the rerun's result, its requests)."""
+    then (after ``between()``) rerun it, each run with the head start the command line starts: (the rerun's
+    result, its requests)."""
     try:
         _begin(src, dst, options)
-        _interrupt_after_rank_0(src, dst, options, monkeypatch)
+        _interrupt_after_rank_0(src, dst, options, monkeypatch, max_memory)
     finally:
         head_start.drop()
     fs = s3fs.S3FileSystem(**options)
     assert [p.rsplit("-", 2)[-2] for p in fs.ls(f"{dst}/.shardkit-resume")] == ["0"]
+    if between is not None:
+        between()
     wire = Wire(monkeypatch)
     try:
         _begin(src, dst, options)
-        return passthrough(src, dst, tool="reshard", world_size=3, storage_options=options), wire
+        return passthrough(src, dst, tool="reshard", world_size=3, storage_options=options,
+                           max_memory=max_memory), wire
     finally:
         head_start.drop()
 
@@ -138,6 +157,80 @@ def test_a_rerun_reads_only_the_checksum_blocks_of_the_outputs_still_to_write(st
     assert sum(n for *_, n, _ in gets) < sum(b - a for spans in feeds.values() for a, b, *_ in spans) - rank0 // 2
     assert diff(src, dst, storage_options=options, b_storage_options=options).equal
     assert verify(dst, storage_options=options).ok
+
+
+def _needed_runs(feeds: dict[str, list[tuple[int, int, int, int, int]]]) -> dict[str, list[tuple[int, int]]]:
+    """Per source data file, the runs of bytes that outputs 1 and 2 read (their rows, rounded out to checksum
+    blocks), neighbours joined."""
+    return {name: _merged([(a, b) for _, _, s, a, b in spans if s != 0]) for name, spans in feeds.items()}
+
+
+def _data_gets(wire: Wire, feeds: dict) -> list[tuple[str, int, int]]:
+    """(file, start, end) of the rerun's GETs of source data (a file's header, read to check it before its
+    first byte is used, left out)."""
+    first_row = {name: min(start for start, *_ in spans) for name, spans in feeds.items()}
+    gets = [(key.split("src/", 1)[1], start, start + n) for _, key, n, start in wire.of("get_object", "src/data")]
+    return [(name, a, b) for name, a, b in gets if b > first_row[name]]
+
+
+def _capture_caches(monkeypatch) -> list[BlockCache]:
+    caches: list[BlockCache] = []
+    read_through = RemoteFiles.read_through
+    monkeypatch.setattr(RemoteFiles, "read_through",
+                        lambda self, *a: caches.append(read_through(self, *a)) or caches[-1])
+    return caches
+
+
+def test_a_rerun_fetches_the_needed_bytes_once_in_requests_of_8_mib_where_they_run_that_long(
+        large_state, s3_url, monkeypatch):
+    src, dst, options, fs = _source(large_state, s3_url, 1)  # one source file: every aligned block feeds rank 0
+    feeds = _feeds(fs, src, 3)
+    runs = _needed_runs(feeds)
+    result, wire = _rerun_after_rank_0(src, dst, options, monkeypatch)
+    gets = _data_gets(wire, feeds)
+    for name, a, b in gets:  # inside a needed run, and a block long unless the run is shorter
+        run = next((lo, hi) for lo, hi in runs[name] if lo <= a and b <= hi)
+        assert b - a >= min(BLOCK_BYTES, run[1] - run[0]), (name, a, b, run)
+    assert max(b - a for _, a, b in gets) >= BLOCK_BYTES
+    # the bytes asked of storage are the bytes needed: each once, none of output rank 0's alone
+    assert sorted((name, a) for name, a, _ in gets) == sorted(set((name, a) for name, a, _ in gets))
+    assert sum(b - a for _, a, b in gets) == sum(hi - lo for spans in runs.values() for lo, hi in spans)
+    assert result.skipped_bytes == sum(b - a for spans in feeds.values() for a, b, s, _, _ in spans if s == 0)
+    engine = reshard(src, f"{dst}-engine", world_size=3, storage_options=options)
+    assert sorted(result.files) == sorted(engine.files)
+    for name in result.files:  # the engine's checkpoint, byte for byte
+        assert fs.cat_file(f"{dst}/{name}") == fs.cat_file(f"{dst}-engine/{name}"), name
+
+
+def test_a_rerun_under_a_small_memory_budget_keeps_its_cache_within_it(large_state, s3_url, monkeypatch):
+    src, dst, options, fs = _source(large_state, s3_url, 1)
+    feeds = _feeds(fs, src, 3)
+    runs = _needed_runs(feeds)
+    caches = _capture_caches(monkeypatch)
+    result, wire = _rerun_after_rank_0(src, dst, options, monkeypatch, max_memory="32MiB")
+    cache = caches[-1]
+    assert cache.budget == cache_budget(32 << 20)
+    assert cache.peak <= cache.budget + DEFAULT_WORKERS * 2 * cache.block  # a piece is under two blocks
+    for name, a, b in _data_gets(wire, feeds):
+        run = next((lo, hi) for lo, hi in runs[name] if lo <= a and b <= hi)
+        assert b - a >= min(cache.block, run[1] - run[0]), (name, a, b, run)
+    assert 0 < result.skipped_bytes < result.bytes
+    assert diff(src, dst, storage_options=options, b_storage_options=options).equal
+    assert verify(dst, storage_options=options).ok
+
+
+def test_a_damaged_source_byte_that_a_rerun_needs_is_refused(state, s3_url, monkeypatch):
+    src, dst, options, fs = _source(state, s3_url, 1)
+    feeds = _feeds(fs, src, 3)
+    name, (a, b, *_) = next((name, span) for name, spans in feeds.items() for span in spans if span[2] == 2)
+
+    def damage() -> None:  # one byte of output rank 2's rows, the file's size and header unchanged
+        data = bytearray(fs.cat_file(f"{src}/{name}"))
+        data[(a + b) // 2] ^= 0x40
+        fs.pipe_file(f"{src}/{name}", bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="checksum block"):
+        _rerun_after_rank_0(src, dst, options, monkeypatch, between=damage)
+    assert not fs.exists(f"{dst}/manifest.json")
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -32,8 +32,8 @@ from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "read_rows", "read_runs",
-           "REMOTE_INFLIGHT_BYTES"]
+__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "checked_span", "read_rows",
+           "read_runs", "REMOTE_INFLIGHT_BYTES"]
 
 REMOTE_INFLIGHT_BYTES = 256 << 20  # fetched object-store data held at once, over all threads
 
@@ -65,6 +65,12 @@ def check_span(span: Any, lo: int, rec: ChunkRecord, where: str) -> None:
     check_blocks(acc.finish(), lo // rec.block, rec, where)
 
 
+def checked_span(rec: ChunkRecord, a: int, b: int) -> tuple[int, int]:
+    """Bytes ``[a, b)`` of chunk ``rec`` rounded out to its checksum blocks: the bytes read to check them
+    (:func:`read_rows` reads these; a rerun's plan of reads asks for the same)."""
+    return a // rec.block * rec.block, min(rec.nbytes, -(-b // rec.block) * rec.block)
+
+
 def read_rows(storage: Storage, fqn: str, rec: ChunkRecord, rows: tuple[int, int], item: int) -> memoryview:
     """The stored bytes of rows ``[a, b)`` (dim 0, in the chunk's own numbering) of raw, unstriped chunk
     ``rec`` of ``item``-byte elements: one ranged read rounded out to the chunk's checksum blocks, every
@@ -79,7 +85,7 @@ def read_rows(storage: Storage, fqn: str, rec: ChunkRecord, rows: tuple[int, int
         raise ValueError(f"rows {list(rows)} lie outside {chunk_where(storage, fqn, rec)}")
     if a == b:
         return memoryview(b"")
-    lo, hi = a // rec.block * rec.block, min(rec.nbytes, -(-b // rec.block) * rec.block)
+    lo, hi = checked_span(rec, a, b)
     data = storage.read_bytes(rec.file, rec.start + lo, rec.start + hi)
     if len(data) != hi - lo:
         raise CorruptCheckpoint(f"{storage.where(rec.file)} ends before byte {rec.start + hi}; the file is "

@@ -22,7 +22,9 @@ contents), so a rerun of the same command on the same SRC plans the same file
 names.  After each unit, its manifest records are journaled
 (:mod:`~shardkit.checkpoint.formats.native.journal`); a rerun keeps a journaled
 file only when the identity matches and the file is as it landed (size, change
-stamp, header: its data is not read back).  When SRC
+stamp, header: its data is not read back); those checks come before any
+write, so that the job's ``plan`` is told the chunks left to fetch before the
+first is (the byte passthrough's source then reads only what they need).  When SRC
 changed in between, the plan's names change and nothing old is kept: data
 written from an older SRC can never end up in the new checkpoint.  The
 manifest is committed last; the journal and any data files of older plans are
@@ -137,28 +139,30 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
                 workers: int) -> tuple[list[WrittenFile], int]:
     """Write (or, when journaled and intact, keep) each unit; journal each one as it lands.
 
-    Returns the records and the number of bytes kept from an earlier run.
+    The units an earlier run finished are checked first (their journal records and headers, on
+    ``workers`` threads), so that before the first byte is fetched the job's ``plan`` can be told the
+    boxes of the units left -- all of them on a first run.  Returns the records, in unit order, and the
+    number of bytes kept from an earlier run.
     """
     dtypes = {name: dtype for name, dtype, _ in job.tensors}
     shapes = {name: shape for name, _, shape in job.tensors}
     writer = NativeWriter(storage, compression=parse_compression(job.compression), fsync=storage.fsync_worthwhile)
-    skipped = [0]
-    lock = threading.Lock()
     # one listing of the journal instead of a probe per file (on an object store a probe of a missing
     # record is two requests); only a file whose record is listed can be kept
     journaled = set(storage.listdir(RESUME_DIR))
+    listed = [u for u in units if journal_name(u.name).rsplit("/", 1)[-1] in journaled]
+    found = stoppable_map(lambda unit, _: journaled_file(storage, unit.name, job.source_id), listed, workers)
+    kept = {unit.name: wf for unit, wf in zip(listed, found) if wf is not None}
+    for unit in units:
+        if job.progress and unit.name in kept:
+            job.progress.skip(unit.nbytes)
+    todo = [u for u in units if u.name not in kept]
+    if job.plan is not None:
+        job.plan([box for unit in todo for box in unit.chunks])
 
     def one(unit: FileUnit, stop: threading.Event) -> WrittenFile:
         if stop.is_set():
             raise Stopped(unit.name)
-        listed = journal_name(unit.name).rsplit("/", 1)[-1] in journaled
-        kept = journaled_file(storage, unit.name, job.source_id) if listed else None
-        if kept is not None:
-            with lock:
-                skipped[0] += unit.nbytes
-            if job.progress:
-                job.progress.skip(unit.nbytes)
-            return kept
 
         def loader(name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Callable[[], torch.Tensor | Any]:
             counted = [False]  # a retried write loads the chunk again: the progress counts it once
@@ -184,7 +188,9 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
         storage.put_atomic(journal_name(unit.name), journal_entry(wf, job.source_id, stamp))
         return wf
 
-    return stoppable_map(one, list(units), workers), skipped[0]
+    written = dict(zip((u.name for u in todo), stoppable_map(one, todo, workers)))
+    return [kept[u.name] if u.name in kept else written[u.name] for u in units], sum(u.nbytes for u in units
+                                                                                     if u.name in kept)
 
 
 def _discard(storage: Storage, name: str) -> None:
