@@ -109,6 +109,8 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any, base_folder: str = "") -> None:
         self.enable = config.enable
         self.save_future: Future | None = None
+        # set before anything below can raise: close() runs from __del__ of a manager whose __init__ failed
+        self.purge_thread: threading.Thread | None = None
         if not self.enable:
             return
         self.folder = f"{base_folder.rstrip('/')}/{config.folder}" if base_folder else config.folder
@@ -133,7 +135,6 @@ class ShardkitCheckpointManager(_base.BaseCheckpointManager):
         self.async_mode = config.async_mode
         self.staging_future: Future | None = None
         self.purge_queue: queue.Queue[str | None] = queue.Queue()
-        self.purge_thread: threading.Thread | None = None
         if self.keep_latest_k > 0:
             self.purge_thread = threading.Thread(target=_base.purge_thread,
                                                  args=(self.purge_queue, self._remove), daemon=True)
