@@ -47,7 +47,7 @@ def report(size: str, res: dict[str, Any], args: argparse.Namespace) -> list[tar
     if all("run" in r[arm] for r in rounds for arm in ARMS):
         whole = print_whole_runs(rounds, args)
         print_step_figures(rounds, args)
-    return verdicts(size, overhead, whole, args)
+    return verdicts(size, rounds, overhead, whole, args)
 
 
 def print_blocks(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, float]:
@@ -155,11 +155,13 @@ def print_step_figures(rounds: list[dict[str, Any]], args: argparse.Namespace) -
                   f"{from_steps['shardkit-async'] / from_steps[peer]:.2f}x")
 
 
-def verdicts(size: str, overhead: dict[str, float], whole: dict[str, float] | None,
+def verdicts(size: str, rounds: list[dict[str, Any]], overhead: dict[str, float], whole: dict[str, float] | None,
              args: argparse.Namespace) -> list[targets.Verdict]:
-    """The targets on the paired blocks' overheads (shardkit-async judged; the hot tier's ratios printed, not a
-    target), the whole runs' ratios printed beside them when measured."""
+    """The targets on the paired blocks' overheads (shardkit-async judged, each overhead with one standard
+    error; the hot tier's ratios printed, not a target), the whole runs' ratios printed beside them when
+    measured."""
     found = []
+    shown = {arm: f"{100 * overhead[arm]:.1f}% +-{100 * block_standard_error(rounds, arm):.1f}" for arm in ARMS}
     for peer, limit in (("dcp-async", DCP_LIMIT), ("torch_checkpointing-async", TC_LIMIT)):
         for arm in ("shardkit-async", "shardkit-hot"):
             name = f"{size} overhead {arm} / {peer}'s ({JUDGED})"
@@ -169,15 +171,15 @@ def verdicts(size: str, overhead: dict[str, float], whole: dict[str, float] | No
                     found.append(targets.Verdict(name, None, limit, not_measured="the peer's overhead <= 0"))
                 continue
             ratio = overhead[arm] / overhead[peer]
-            detail = f"{100 * overhead[arm]:.1f}% / {100 * overhead[peer]:.1f}%"
+            detail = f"{shown[arm]} / {shown[peer]}"
             if arm == "shardkit-async":
                 found.append(targets.Verdict(name, max(ratio, 0.0), limit, detail))
             else:
                 print(f"  (not a target) {name}: {ratio:.2f}x ({detail}; hot every step vs durable every "
                       f"{args.every})")
     for peer in ("dcp-async", "torch_checkpointing-async") if whole is not None else ():
-        shown = (f"{whole['shardkit-async'] / whole[peer]:.2f}x" if whole[peer] > 0
-                 else f"not a ratio, {peer}'s {100 * whole[peer]:.1f}%")
-        print(f"  (not judged) whole runs, shardkit-async / {peer}'s: {shown} "
+        ratio_text = (f"{whole['shardkit-async'] / whole[peer]:.2f}x" if whole[peer] > 0
+                      else f"not a ratio, {peer}'s {100 * whole[peer]:.1f}%")
+        print(f"  (not judged) whole runs, shardkit-async / {peer}'s: {ratio_text} "
               f"({100 * whole['shardkit-async']:.1f}% / {100 * whole[peer]:.1f}%)")
     return found
