@@ -54,7 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-__all__ = ["BlockCache", "BLOCK_BYTES", "needed_pieces"]
+__all__ = ["BlockCache", "BLOCK_BYTES", "needed_pieces", "merge_ranges"]
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,11 @@ class BlockCache:
         while True:
             with self._cond:
                 blk = self._blocks.get(key)
+                if blk is not None and blk.length != length:
+                    # claimed under the layout before a plan by a read that had found its span first: not
+                    # this block (it still arrives for that read); this one is fetched in its own length
+                    self._drop(key, blk)
+                    blk = None
                 mine = blk is None
                 if mine:
                     blk = self._claim(key, length, ahead=False)
@@ -340,27 +345,26 @@ def needed_pieces(ranges: Iterable[tuple[int, int]], block: int) -> list[tuple[i
     """The blocks of a plan (:meth:`BlockCache.plan`): ``ranges`` (``(start, end)``) merged where they
     overlap or touch, each run cut into as many pieces of at least ``block`` bytes as it holds (a shorter
     run is one piece) -- requests as large as the needed bytes allow, none of a byte not needed."""
-    runs: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if runs and a <= runs[-1][1]:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], b))
-        else:
-            runs.append((a, b))
     pieces = []
-    for a, b in runs:
+    for a, b in merge_ranges(r for r in ranges if r[1] > r[0]):
         count = max(1, (b - a) // block)
         step = (b - a) // count
         pieces.extend((a + i * step, b if i == count - 1 else a + (i + 1) * step) for i in range(count))
     return pieces
 
 
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges, sorted, with overlapping or touching ones merged (the reads of a file's
+    spans, a plan's runs, the bytes a block has served)."""
+    runs: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if runs and a <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+        else:
+            runs.append((a, b))
+    return runs
+
+
 def _merged(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
     """Sorted disjoint ``ranges`` with ``[a, b)`` added (touching ranges joined)."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in ranges:
-        if hi < a or lo > b:
-            out.append((lo, hi))
-        else:
-            a, b = min(a, lo), max(b, hi)
-    out.append((a, b))
-    return sorted(out)
+    return merge_ranges([*ranges, (a, b)])
