@@ -58,7 +58,7 @@ class WriteJob:
     shape): a resumable writer derives its file names from it, so a rerun of the same command plans the same
     files.  ``avoid`` are names the checkpoint being replaced still uses until this commit.
 
-    ``plan``, when given, is told every box a resumable writer will ``fetch``, once and before the first:
+    ``will_fetch``, when given, is told every box a resumable writer will ``fetch``, once and before the first:
     after a rerun has kept the outputs an interrupted run finished, only theirs are left, so a source
     can fetch what those need and nothing else (the byte passthrough's rerun: ``offline/passthrough.py``).
     """
@@ -66,7 +66,7 @@ class WriteJob:
     tensors: tuple[TensorSpec, ...]
     values: Mapping[str, Any]
     fetch: Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor | Any]
-    plan: Callable[[Sequence[FetchBox]], None] | None = None
+    will_fetch: Callable[[Sequence[FetchBox]], None] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     tool: str = "convert"                      # the command, in progress lines and in the output's metadata
     selection: tuple[Any, ...] = ()

@@ -28,7 +28,7 @@ import numpy as np
 from shardkit.checkpoint.geometry.boxes import Box, box_numel, intersect
 from shardkit.errors import CorruptCheckpoint
 
-__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs", "merge_ranges"]
+__all__ = ["ChunkIndex", "Piece", "plan_box", "byte_runs"]
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,3 @@ def byte_runs(chunk_box: Box, sub: Box, itemsize: int) -> np.ndarray:
     return np.stack([starts, starts + run_len], axis=1)
 
 
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges, sorted, with overlapping or touching ones merged."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out

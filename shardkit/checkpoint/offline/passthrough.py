@@ -252,7 +252,7 @@ def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite
         fetch = RowFetch(storage, manifest, reserved)
         job = WriteJob(
             tensors=tuple(tensors), values=dict(manifest.values), aliases=dict(manifest.aliases), tool=tool,
-            fetch=fetch, plan=(lambda boxes: _plan_reads(storage, fetch, boxes)) if resumes else None,
+            fetch=fetch, will_fetch=(lambda boxes: _plan_reads(storage, fetch, boxes)) if resumes else None,
             selection=tuple((name, name, dtype_spelling(code), shape) for name, code, shape in tensors),
             meta=dict(manifest.meta), avoid=frozenset(dest.avoid), replacing=dest.replacing,
             discard=dest.discard_created,

@@ -24,7 +24,7 @@ from shardkit.checkpoint.formats.crc32c import BlockCrc
 from shardkit.checkpoint.formats.dtypes import as_bytes
 from shardkit.checkpoint.formats.native.checksums import STEP_BYTES
 from shardkit.checkpoint.formats.native.manifest import ChunkRecord
-from shardkit.checkpoint.formats.native.request_plans import RequestPlan
+from shardkit.checkpoint.formats.native.request_plans import RequestPlan, checked_span
 from shardkit.checkpoint.io.concurrency import ByteBudget
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
@@ -32,7 +32,7 @@ from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "checked_span", "read_rows",
+__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "read_rows",
            "read_runs", "REMOTE_INFLIGHT_BYTES"]
 
 REMOTE_INFLIGHT_BYTES = 256 << 20  # fetched object-store data held at once, over all threads
@@ -63,12 +63,6 @@ def check_span(span: Any, lo: int, rec: ChunkRecord, where: str) -> None:
     acc = BlockCrc(rec.block)
     acc.update(span)
     check_blocks(acc.finish(), lo // rec.block, rec, where)
-
-
-def checked_span(rec: ChunkRecord, a: int, b: int) -> tuple[int, int]:
-    """Bytes ``[a, b)`` of chunk ``rec`` rounded out to its checksum blocks: the bytes read to check them
-    (:func:`read_rows` reads these; a rerun's plan of reads asks for the same)."""
-    return a // rec.block * rec.block, min(rec.nbytes, -(-b // rec.block) * rec.block)
 
 
 def read_rows(storage: Storage, fqn: str, rec: ChunkRecord, rows: tuple[int, int], item: int) -> memoryview:

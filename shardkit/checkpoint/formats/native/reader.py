@@ -61,11 +61,11 @@ from shardkit.checkpoint.formats.native.manifest_parse import parse_manifest
 from shardkit.checkpoint.formats.native.ownership import extra_files
 from shardkit.checkpoint.formats.native.request_plans import RequestPlan, batches, plan_request
 from shardkit.checkpoint.geometry.boxes import Box
-from shardkit.checkpoint.geometry.plan import merge_ranges
 from shardkit.checkpoint.io.concurrency import (
     DEFAULT_IO_THREADS,
     parallel_map,
 )
+from shardkit.checkpoint.io.read_cache import merge_ranges
 from shardkit.checkpoint.io.storage import Storage
 from shardkit.errors import (
     CheckpointNotFound,

@@ -24,7 +24,7 @@ from shardkit.checkpoint.formats.native.manifest import ChunkRecord
 from shardkit.checkpoint.geometry.boxes import Box
 from shardkit.checkpoint.geometry.plan import byte_runs
 
-__all__ = ["RequestPlan", "plan_request", "batches", "MAX_GAP", "MAX_BATCH"]
+__all__ = ["RequestPlan", "checked_span", "plan_request", "batches", "MAX_GAP", "MAX_BATCH"]
 
 MAX_GAP = 256 << 10  # remote reads: neighbouring spans at most this far apart share one ranged request
 MAX_BATCH = 16 << 20  # ... of at most this many bytes
@@ -42,14 +42,19 @@ class RequestPlan:
     run: tuple[int, int] | None
 
 
+def checked_span(rec: ChunkRecord, a: int, b: int) -> tuple[int, int]:
+    """Bytes ``[a, b)`` of chunk ``rec`` rounded out to its checksum blocks: the bytes read to check them
+    (every read of a chunk's bytes asks for these, and a rerun's plan of reads for the same)."""
+    return a // rec.block * rec.block, min(rec.nbytes, -(-b // rec.block) * rec.block)
+
+
 def plan_request(record: ChunkRecord, box: Box, itemsize: int) -> RequestPlan:
     """The plan of reading ``box`` (global coordinates, inside ``record``'s box) of items of ``itemsize``."""
     if record.codec == "zstd":
         return RequestPlan(record, 0, record.nbytes, None)
     runs = byte_runs(record.box, box, itemsize)
     first, last = int(runs[0, 0]), int(runs[-1, 1])
-    lo = first // record.block * record.block
-    hi = min(-(-last // record.block) * record.block, record.nbytes)
+    lo, hi = checked_span(record, first, last)
     return RequestPlan(record, lo, hi, (first, int(runs[0, 1])) if len(runs) == 1 else None)
 
 

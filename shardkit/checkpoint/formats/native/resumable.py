@@ -55,7 +55,7 @@ from shardkit.checkpoint.formats.native.writer import (
     data_file_name,
     group_into_files,
 )
-from shardkit.checkpoint.formats.write_job import TensorSpec, WriteJob, Written
+from shardkit.checkpoint.formats.write_job import FetchBox, TensorSpec, WriteJob, Written
 from shardkit.checkpoint.geometry.boxes import shard_range, split_box
 from shardkit.checkpoint.io.direct_io import BUFFER_BYTES as DIRECT_BUFFER_BYTES
 from shardkit.checkpoint.io.storage import Storage
@@ -80,7 +80,7 @@ class FileUnit:
 
     name: str
     writer: int
-    chunks: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (output name, offsets, shape)
+    chunks: tuple[FetchBox, ...]  # (output name, offsets, shape)
     nbytes: int
 
 
@@ -157,8 +157,8 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
         if job.progress and unit.name in kept:
             job.progress.skip(unit.nbytes)
     todo = [u for u in units if u.name not in kept]
-    if job.plan is not None:
-        job.plan([box for unit in todo for box in unit.chunks])
+    if job.will_fetch is not None:
+        job.will_fetch([box for unit in todo for box in unit.chunks])
 
     def one(unit: FileUnit, stop: threading.Event) -> WrittenFile:
         if stop.is_set():
@@ -189,8 +189,8 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
         return wf
 
     written = dict(zip((u.name for u in todo), stoppable_map(one, todo, workers)))
-    return [kept[u.name] if u.name in kept else written[u.name] for u in units], sum(u.nbytes for u in units
-                                                                                     if u.name in kept)
+    kept_bytes = sum(u.nbytes for u in units if u.name in kept)
+    return [kept[u.name] if u.name in kept else written[u.name] for u in units], kept_bytes
 
 
 def _discard(storage: Storage, name: str) -> None:
