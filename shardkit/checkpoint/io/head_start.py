@@ -188,8 +188,8 @@ def take(fs: Any) -> BlockCache | None:
 
 def guessed() -> bool:
     """Whether the head start nothing took yet fetched blocks of its own guess (waits for its listing, as
-    :func:`take` does): a conversion that reads otherwise than through :func:`take` fetched those for
-    nothing, and reads through it instead."""
+    :func:`take` does): none when DST's journal holds a record, since a rerun plans its reads once it knows
+    its outputs left, and a guessed block would be one of a finished output's."""
     with _lock:
         head = _current
     if head is None:
