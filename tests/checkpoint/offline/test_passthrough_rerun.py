@@ -18,7 +18,7 @@ from shardkit.checkpoint import diff, reshard, verify
 from shardkit.checkpoint.formats.native import parse_manifest
 from shardkit.checkpoint.geometry.boxes import shard_range
 from shardkit.checkpoint.io import head_start
-from shardkit.checkpoint.io.read_cache import BLOCK_BYTES, BlockCache
+from shardkit.checkpoint.io.read_cache import BLOCK_BYTES, BlockCache, merge_ranges
 from shardkit.checkpoint.io.remote import RemoteFiles
 from shardkit.checkpoint.offline.options import DEFAULT_MAX_MEMORY, DEFAULT_WORKERS, cache_budget
 from shardkit.checkpoint.offline.passthrough import passthrough
@@ -151,7 +151,7 @@ def test_a_rerun_reads_only_the_checksum_blocks_of_the_outputs_still_to_write(st
         # every byte read lies in a checksum block that holds a byte of output rank 1 or 2
         wanted = [(a, b) for _, _, s, a, b in feeds[name] if s != 0]
         lo, hi = start, start + n
-        assert any(a <= lo and hi <= b for a, b in _merged(wanted)), (name, lo, hi)
+        assert any(a <= lo and hi <= b for a, b in merge_ranges(wanted)), (name, lo, hi)
     rank0 = sum(b - a for spans in feeds.values() for a, b, s, _, _ in spans if s == 0)
     assert result.skipped_bytes == rank0
     assert sum(n for *_, n, _ in gets) < sum(b - a for spans in feeds.values() for a, b, *_ in spans) - rank0 // 2
@@ -162,7 +162,7 @@ def test_a_rerun_reads_only_the_checksum_blocks_of_the_outputs_still_to_write(st
 def _needed_runs(feeds: dict[str, list[tuple[int, int, int, int, int]]]) -> dict[str, list[tuple[int, int]]]:
     """Per source data file, the runs of bytes that outputs 1 and 2 read (their rows, rounded out to checksum
     blocks), neighbours joined."""
-    return {name: _merged([(a, b) for _, _, s, a, b in spans if s != 0]) for name, spans in feeds.items()}
+    return {name: merge_ranges([(a, b) for _, _, s, a, b in spans if s != 0]) for name, spans in feeds.items()}
 
 
 def _data_gets(wire: Wire, feeds: dict) -> list[tuple[str, int, int]]:
@@ -231,16 +231,6 @@ def test_a_damaged_source_byte_that_a_rerun_needs_is_refused(state, s3_url, monk
     with pytest.raises(CorruptCheckpoint, match="checksum block"):
         _rerun_after_rank_0(src, dst, options, monkeypatch, between=damage)
     assert not fs.exists(f"{dst}/manifest.json")
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def test_a_first_run_keeps_the_head_starts_blocks_and_writes_the_engines_checkpoint(state, s3_url, monkeypatch):
