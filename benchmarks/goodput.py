@@ -37,14 +37,18 @@ system because:
 
 * the baseline blocks train *the same model* the arm saves, not a copy: the steps cost what the arm's steps
   would without saving (same tensors, same memory and cache footprint, same allocator state), where a copy
-  would double the state held and train memory the saves never read.  It changes nothing a save reads: a
-  baseline block starts only after the arm block before it waited for its save to commit, and a save reads
-  the state at its block's start.  The resume check (below) checks whatever that model holds at the end;
+  would double the state held and train memory the saves never read.  It changes only the values a save
+  reads, never what the save costs (no option here compresses, deduplicates or digests by value): a baseline
+  block starts only after the arm block before it waited for its save to commit, and a save reads the state
+  at its block's start.  The resume check (below) checks whatever that model holds at the end;
 * every system's save is over, by its own future, when its arm block ends: shardkit's ``async_save`` future
-  completes at the commit, DCP's after its writes and metadata, torch_checkpointing's write future when the
-  checkpoint is durable (its docs), the hot manager's after retention (and ``wait()``).  No background work of
-  a save runs in a baseline block; work a system did after its own future completed would land in the block
-  that follows (an arm block or a baseline block, alternately);
+  completes at the commit (files and directories fsynced), DCP's after its writes and metadata,
+  torch_checkpointing's write future when its files are written -- *not* durable: it never fsyncs, so its
+  dirty pages are written back by the kernel later, outside its blocks (an advantage to it, left as it is,
+  and the reason each arm ends with an untimed ``os.sync()``, so that write-back never lands in the next
+  arm's blocks) -- the hot manager's after retention (and ``wait()``).  Work a system does after its own
+  future completed lands in the block that follows, an arm block or a baseline block alternately, so it
+  adds to both sums alike and is not counted: on this machine a few milliseconds of DCP's clean-up;
 * torch_checkpointing's staging overlaps the block's first forward and backward and its ``optimizer.step()``
   waits in ``manager.lock()`` until staging is done, as in a continuous run; the baseline blocks take no lock;
 * the quantity is a long run's steady state: every save overlaps ``--every`` steps.  A whole run of

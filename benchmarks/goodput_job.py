@@ -71,7 +71,10 @@ def batches_for(model: Any, batch: int) -> list[torch.Tensor]:
 
 
 def clear(rank: int, root: str, shm: str) -> None:
-    """Remove an arm's checkpoints (rank 0: the shared root; every rank: its hot tier), between barriers."""
+    """Remove an arm's checkpoints (rank 0: the shared root; every rank: its hot tier), between barriers,
+    after an ``os.sync()`` (off the clock): the write-back of a system that does not fsync (torch_checkpointing)
+    ends here rather than in the next arm's blocks."""
+    os.sync()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
