@@ -27,7 +27,7 @@ source (:func:`~shardkit.checkpoint.offline.read_through.read_through`).
 
 A rerun (DST holds a resume journal) reads no source byte that feeds only the
 outputs already finished: the writer keeps those once their journal records
-and headers check out, then tells the job's ``plan`` the chunks it still
+and headers check out, then tells the job's ``will_fetch`` the chunks it still
 writes; their rows, rounded out to their checksum blocks
 (:meth:`RowFetch.needed`), become the block cache's blocks instead of its
 aligned 8 MiB ones (which hold the finished outputs' rows too): the needed

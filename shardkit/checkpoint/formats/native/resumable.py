@@ -23,7 +23,7 @@ names.  After each unit, its manifest records are journaled
 (:mod:`~shardkit.checkpoint.formats.native.journal`); a rerun keeps a journaled
 file only when the identity matches and the file is as it landed (size, change
 stamp, header: its data is not read back); those checks come before any
-write, so that the job's ``plan`` is told the chunks left to fetch before the
+write, so that the job's ``will_fetch`` is told the chunks left to fetch before the
 first is (the byte passthrough's source then reads only what they need).  When SRC
 changed in between, the plan's names change and nothing old is kept: data
 written from an older SRC can never end up in the new checkpoint.  The
@@ -140,7 +140,7 @@ def write_units(storage: Storage, job: WriteJob, units: Sequence[FileUnit],
     """Write (or, when journaled and intact, keep) each unit; journal each one as it lands.
 
     The units an earlier run finished are checked first (their journal records and headers, on
-    ``workers`` threads), so that before the first byte is fetched the job's ``plan`` can be told the
+    ``workers`` threads), so that before the first byte is fetched the job's ``will_fetch`` can be told the
     boxes of the units left -- all of them on a first run.  Returns the records, in unit order, and the
     number of bytes kept from an earlier run.
     """
