@@ -107,5 +107,3 @@ def byte_runs(chunk_box: Box, sub: Box, itemsize: int) -> np.ndarray:
         starts = (starts[:, None] + idx[None, :]).reshape(-1)
     starts = starts + local[k] * strides[k]
     return np.stack([starts, starts + run_len], axis=1)
-
-

@@ -259,7 +259,7 @@ class BlockCache:
         """Note bytes ``[a, b)`` of the block as served; once all of them were, nothing needs it again."""
         with self._cond:
             blk.guess = False
-            blk.served = _merged(blk.served, a, b)
+            blk.served = merge_ranges([*blk.served, (a, b)])
             if blk.served == [(0, blk.length)] and not blk.spent and self._blocks.get((path, first)) is blk:
                 blk.spent = True
                 self._blocks.move_to_end((path, first), last=False)
@@ -363,8 +363,3 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             runs.append((a, b))
     return runs
-
-
-def _merged(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """Sorted disjoint ``ranges`` with ``[a, b)`` added (touching ranges joined)."""
-    return merge_ranges([*ranges, (a, b)])

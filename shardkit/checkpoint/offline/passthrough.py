@@ -243,7 +243,7 @@ def passthrough(src: str, dst: str, *, tool: str, world_size: int = 1, overwrite
     out = dest.storage
     side_files = side_files_meanwhile(source)
     # a rerun: its finished outputs need none of the source, and only the writer knows which they are once
-    # it has checked their journal records and headers; it then tells the plan the boxes left, and the
+    # it has checked their journal records and headers; it then tells will_fetch the boxes left, and the
     # source's block cache fetches those boxes' bytes (rounded to checksum blocks) in runs of 8 MiB or more
     # instead of aligned blocks, which hold the finished outputs' rows too -- unless a head start fetched
     # blocks already (it did not know of the journal): those are read through the cache as they are

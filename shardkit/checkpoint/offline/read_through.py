@@ -42,6 +42,6 @@ def plan_reads(storage: Storage, needed: Mapping[str, Iterable[tuple[int, int]]]
     (:meth:`~shardkit.checkpoint.io.read_cache.BlockCache.plan`); whether it does (not on a local disk,
     nor once the cache holds blocks: a head start's, read as they are)."""
     cache = getattr(storage.files, "cache", None)
-    if cache is None or not callable(getattr(cache, "plan", None)):
+    if cache is None:
         return False
     return bool(cache.plan({storage.read_path(name): ranges for name, ranges in needed.items()}))

@@ -32,8 +32,8 @@ from shardkit.errors import ChecksumMismatch, CorruptCheckpoint
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "read_rows",
-           "read_runs", "REMOTE_INFLIGHT_BYTES"]
+__all__ = ["ChunkReads", "chunk_where", "damaged", "check_blocks", "check_span", "read_rows", "read_runs",
+           "REMOTE_INFLIGHT_BYTES"]
 
 REMOTE_INFLIGHT_BYTES = 256 << 20  # fetched object-store data held at once, over all threads
 

@@ -33,7 +33,8 @@ EXPORTS = {
     **dict.fromkeys(("COLUMN_STRIPS", "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_BYTES", "NativeWriter", "WrittenFile",
                      "data_file_name", "group_into_files", "new_token"), f"{_HERE}.writer"),
     **dict.fromkeys(("parse_manifest",), f"{_HERE}.manifest_parse"),
-    "read_rows": f"{_HERE}.chunk_reads", "checked_span": f"{_HERE}.request_plans",
+    **dict.fromkeys(("read_rows",), f"{_HERE}.chunk_reads"),
+    **dict.fromkeys(("checked_span",), f"{_HERE}.request_plans"),
     **dict.fromkeys(("check_data_file", "stored_entries"), f"{_HERE}.data_files"),
 }
 
